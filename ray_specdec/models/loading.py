@@ -1,0 +1,63 @@
+"""Small helpers shared by the model adapters: dtype strings, model locations, tokenizers."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+}
+
+# Files that mean "this directory ships a tokenizer" (fast, slow/BPE, sentencepiece).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+    """Turn "bf16" / "float32" / torch.float16 / "auto" / None into a torch dtype.
+
+    "auto" and None pick float32 on CPU (half precision matmuls on CPU are slow, whatever the checkpoint
+    holds) and bfloat16 on accelerators.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or str(dtype).lower() == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    name = str(dtype).lower().removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)} or 'auto'")
+    return _DTYPE_NAMES[name]
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> str:
+    """A local directory (returned as an absolute path) or a hub id "org/name" (returned unchanged)."""
+    text = os.path.expanduser(os.fspath(name_or_path))
+    if os.path.isdir(text):
+        return os.path.abspath(text)
+    if os.path.exists(text):
+        raise ValueError(f"{text!r} is a file; expected a model directory or a hub id")
+    parts = text.split("/")
+    if len(parts) > 2 or not all(parts) or text.startswith("."):
+        raise FileNotFoundError(f"model directory {text!r} does not exist and is not a hub id")
+    return text
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    """AutoTokenizer for a model directory or hub id; None when a local directory has no tokenizer files."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(path)
