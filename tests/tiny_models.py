@@ -1,0 +1,85 @@
+"""Seeded random tiny HF causal LMs (and a tiny tokenizer) for tests: nothing is downloaded.
+
+Builders return a model in eval mode, in the requested dtype, with weights drawn from a fixed seed (the global torch
+RNG is left untouched). `initializer_range` is larger than HF's 0.02 so that next-token distributions are peaked
+enough for greedy decoding to be non-trivial (not the same token over and over).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast
+
+
+def _build(config, dtype: torch.dtype, seed: int) -> PreTrainedModel:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to(dtype).eval()
+
+
+def tiny_gpt_neox(
+    dtype: torch.dtype = torch.float32,
+    *,
+    vocab: int = 128,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    max_positions: int = 256,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+) -> PreTrainedModel:
+    """Pythia-style GPTNeoX: parallel residual, partial rotary (25%), untied embeddings, eos = 0."""
+    config = GPTNeoXConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=max_positions,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation=attn_implementation,
+    )
+    return _build(config, dtype, seed)
+
+
+def tiny_llama(
+    dtype: torch.dtype = torch.float32,
+    *,
+    vocab: int = 128,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    gqa: bool = True,
+    max_positions: int = 256,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+) -> PreTrainedModel:
+    """Llama with grouped-query attention (2 KV heads for 4 query heads) unless gqa=False; eos = [2, 3]."""
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2 if gqa else heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=max_positions,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=[2, 3],
+        attn_implementation=attn_implementation,
+    )
+    return _build(config, dtype, seed)
+
+
+def tiny_tokenizer(texts: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer trained on a few strings, wrapped for `save_pretrained` / `AutoTokenizer`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    texts = texts or ["the quick brown fox jumps over the lazy dog", "a tree of tokens is verified in one pass"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["<eos>", "<unk>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
