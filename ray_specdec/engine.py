@@ -1,0 +1,195 @@
+"""The in-process speculative decoding engine: draft -> verify -> accept -> commit, one round at a time.
+
+The same session classes and the same `judge` run inside the Ray Serve deployments; there the router makes one
+remote call per side per round. Without a drafter every round has an empty tree: plain target decoding through the
+same code path.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from ray_specdec.acceptance import Verdict, accept_greedy, accept_sampled
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.drafting import Draft, DrafterSession, tree_for
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.target import TargetModel
+from ray_specdec.sampling import logits_to_probs
+from ray_specdec.stats import GenerationStats
+from ray_specdec.stopping import StopChecker
+
+NO_TREE = TreeConfig(())
+
+
+class TargetSession:
+    """One request's target state: its KV cache and the root token, which is not in the cache yet."""
+
+    def __init__(self, target: TargetModel, prompt_ids: Sequence[int]):
+        self.target = target
+        ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=target.device)
+        self.cache = target.new_cache()
+        target.prefill(self.cache, ids[:-1])
+        self.root = int(ids[-1])
+
+    def forward(self, draft: Draft) -> torch.Tensor:
+        """-> target logits [1 + n, V] at the root and every draft node."""
+        return self.target.verify(self.cache, self.root, draft.tree, draft.tokens.to(self.target.device))
+
+    def commit(self, verdict: Verdict) -> None:
+        self.target.commit(self.cache, verdict.keep_rows)
+        self.root = verdict.bonus_token
+
+
+def judge(
+    target_logits: torch.Tensor,  # [1 + n, V]
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Acceptance for one round: greedy walk, or multi-draft rejection sampling on processed distributions."""
+    tokens = draft.tokens.to(target_logits.device)
+    if params.greedy:
+        return accept_greedy(target_logits, draft.tree, tokens)
+    p = logits_to_probs(target_logits, params)
+    q = draft.probs.to(p.device) if draft.probs is not None else p[:0]
+    return accept_sampled(p, q, draft.tree, tokens, params.draft_sampling == "without_replacement", generator)
+
+
+def empty_draft() -> Draft:
+    return Draft(NO_TREE, torch.empty(0, dtype=torch.long), None)
+
+
+class FixedTree:
+    """A tree policy that always picks one config (the bandit is the adaptive one)."""
+
+    def __init__(self, tree: TreeConfig):
+        self.tree = tree
+
+    def select(self, context_len: int) -> TreeConfig:
+        return self.tree
+
+    def record(self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float) -> None:
+        pass
+
+
+@dataclass
+class StreamChunk:
+    token_ids: list[int]  # tokens kept this round
+    text: str  # text delta
+    finish_reason: str | None
+    stats: GenerationStats
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+    prompt_tokens: int
+
+
+def make_generators(seed: int | None, device: torch.device | str = "cpu") -> tuple[torch.Generator, torch.Generator]:
+    """Independent (draft, target) random streams; the same seed gives the same output."""
+    seed = secrets.randbits(62) if seed is None else seed
+    draft_gen = torch.Generator(device="cpu").manual_seed(seed)
+    target_gen = torch.Generator(device="cpu").manual_seed(seed ^ 0x5DEECE66D)
+    return draft_gen, target_gen
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: MambaDrafter | None,
+        tree_policy=TreeConfig((3, 2, 2, 1, 1)),
+        tokenizer=None,
+    ):
+        self.target = target
+        self.drafter = drafter
+        self.policy = FixedTree(tree_policy) if isinstance(tree_policy, TreeConfig) else tree_policy
+        self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def check_length(self, prompt_len: int, params: SamplingParams) -> None:
+        limit = self.target.max_context
+        if prompt_len + params.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the target's "
+                f"context length of {limit} tokens"
+            )
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams, tree: TreeConfig | None = None) -> Generation:
+        prompt_ids = self.encode(prompt)
+        token_ids, text = [], []
+        for chunk in self.stream(prompt_ids, params, tree):
+            token_ids += chunk.token_ids
+            text.append(chunk.text)
+        return Generation(token_ids, "".join(text), chunk.finish_reason, chunk.stats, len(prompt_ids))
+
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams, tree: TreeConfig | None = None
+    ) -> Iterator[StreamChunk]:
+        prompt_ids = self.encode(prompt)
+        self.check_length(len(prompt_ids), params)
+        stats = GenerationStats()
+        stop = StopChecker(self.tokenizer, params, self.target.eos_token_ids)
+        draft_gen, target_gen = make_generators(params.seed)
+
+        t0 = time.perf_counter()
+        target_side = TargetSession(self.target, prompt_ids)
+        drafter_side = DrafterSession(self.drafter, prompt_ids, self.target.vocab_size) if self.drafter else None
+        stats.prefill_s = time.perf_counter() - t0
+
+        context_len = len(prompt_ids)
+        while not stop.finished:
+            config = self._pick_tree(tree, context_len, stop.remaining)
+            verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
+            self.policy.record(config, context_len, len(verdict.new_tokens), stats.last_round_s)
+            context_len += len(verdict.new_tokens)
+            kept, delta = stop.feed(verdict.new_tokens)
+            stats.new_tokens += len(kept)
+            stats.record_round(str(config), config.depth, len(verdict.accepted_rows))
+            yield StreamChunk(kept, delta, stop.finish_reason, stats)
+
+    def _pick_tree(self, override: TreeConfig | None, context_len: int, remaining: int) -> TreeConfig:
+        if self.drafter is None:
+            return NO_TREE
+        config = override if override is not None else self.policy.select(context_len)
+        # the bonus token comes for free: never draft deeper than what is left to generate
+        return config.truncated(remaining - 1)
+
+    def _round(self, target_side, drafter_side, config, params, draft_gen, target_gen, stats) -> Verdict:
+        t0 = time.perf_counter()
+        if drafter_side is None or config.depth == 0:
+            draft = empty_draft()
+        else:
+            draft = drafter_side.draft(config, params, draft_gen)
+        t1 = time.perf_counter()
+        logits = target_side.forward(draft)
+        t2 = time.perf_counter()
+        verdict = judge(logits, draft, params, target_gen)
+        target_side.commit(verdict)
+        if drafter_side is not None:
+            drafter_side.commit(verdict)
+        t3 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.other_s += t3 - t2
+        stats.last_round_s = t3 - t0
+        return verdict

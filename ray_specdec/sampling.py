@@ -1,0 +1,49 @@
+"""Turning logits into the distribution that target-only sampling draws from.
+
+Temperature, top-k and top-p are applied here, identically to target logits, drafter logits and plain target
+decoding: speculation then reproduces exactly the distribution this function defines.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ray_specdec.config import SamplingParams
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [..., V] -> probs [..., V] after temperature, top-k and top-p (top-k first, then top-p)."""
+    if params.greedy:
+        raise ValueError("greedy decoding has no sampling distribution; use argmax")
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p: a token is dropped if the mass before it already does
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """probs: [..., V] -> token ids [...], one multinomial draw per row."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """probs: [rows, V] -> [rows, k] tokens drawn without replacement, in draw order (Gumbel-top-k).
+
+    If a row has fewer than k nonzero entries, the surplus draws are zero-probability tokens placed last;
+    recursive rejection sampling never reaches them (it stops once q has no mass left).
+    """
+    u = torch.rand(probs.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+    keys = torch.log(probs.double()) + gumbel  # zero-probability tokens get -inf keys and are never drawn
+    return torch.topk(keys, k, dim=-1).indices

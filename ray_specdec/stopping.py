@@ -1,0 +1,78 @@
+"""Stop conditions and incremental text: max_new_tokens, EOS, stop strings, and text deltas for streaming.
+
+A round can emit several tokens at once; they are fed here one by one so that a generation never overshoots
+max_new_tokens or runs past an EOS or a stop string, whatever the tree accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ray_specdec.config import SamplingParams
+
+
+class StopChecker:
+    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: frozenset[int]):
+        if params.stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.tokenizer = tokenizer
+        self.params = params
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.token_ids: list[int] = []
+        self.text = ""  # text of token_ids, cut before a stop string once one is found
+        self.emitted = 0  # characters of text already handed out as deltas
+        self.finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.token_ids)
+
+    def feed(self, new_tokens: Sequence[int]) -> tuple[list[int], str]:
+        """Append a round's tokens; returns (tokens kept, text delta safe to stream)."""
+        start = len(self.token_ids)
+        for token in new_tokens:
+            if self.finished:
+                break
+            self.token_ids.append(int(token))
+            if int(token) in self.eos_token_ids:
+                self.finish_reason = "stop"
+            elif len(self.token_ids) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+        if self.tokenizer is not None:
+            self.text = self._decode(self.token_ids)
+            self._apply_stop_strings(start)
+        return self.token_ids[start:], self._delta()
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _apply_stop_strings(self, round_start: int) -> None:
+        hits = [(self.text.find(s), s) for s in self.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return
+        cut, stop = min(hits)
+        # keep the shortest token prefix whose text contains the stop string
+        for n in range(max(round_start, 1), len(self.token_ids) + 1):
+            if stop in self._decode(self.token_ids[:n]):
+                del self.token_ids[n:]
+                break
+        self.text = self.text[:cut]
+        self.finish_reason = "stop"
+
+    def _delta(self) -> str:
+        safe = len(self.text)
+        if not self.finished:
+            # hold back what may still become a stop string or an incomplete UTF-8 character
+            safe -= max((len(s) - 1 for s in self.params.stop), default=0)
+            while safe > 0 and self.text[safe - 1] == "\ufffd":
+                safe -= 1
+        if safe <= self.emitted:
+            return ""
+        delta = self.text[self.emitted : safe]
+        self.emitted = safe
+        return delta
