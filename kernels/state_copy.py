@@ -1,0 +1,200 @@
+"""State-copy kernel: gather Mamba state rows by parent index, for every layer's conv and SSM state at once.
+
+Tree drafting expands the drafter state from depth i to depth i+1 by copying each child's parent row. On a GPU the
+per-layer `index_select` would be 2 * n_layers launches per depth; this kernel does the whole copy in one launch:
+program (layer * rows_out + i, block) copies one block of the flattened row `src[layer, index[i]]` into
+`dst[layer, i]`, for the conv state and the SSM state alike (the conv row is shorter; its extra blocks are masked).
+
+    dst_conv[l, i] = src_conv[l, index[i]]     # [L, R_out, d_inner, d_conv]  <- [L, R_src, d_inner, d_conv]
+    dst_ssm[l, i]  = src_ssm[l, index[i]]      # [L, R_out, d_inner, d_state] <- [L, R_src, d_inner, d_state]
+
+Rows (the last two dims) must be contiguous; layer and row strides are free, so dst may be a slice of a larger
+preallocated buffer. dst and src must be separate buffers: the kernel reads and writes in the same launch, and the
+check is by memory span, so two row slices of one [L, R, ...] buffer count as overlapping (their spans interleave). No autotune: the
+kernel writes in place, and autotune would run it several times.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch reference keeps everything working where triton is missing
+    triton = None
+
+_MAX_BLOCK = 1024
+
+
+def state_copy_ref(
+    src_conv: torch.Tensor,  # [L, R_src, d_inner, d_conv]
+    src_ssm: torch.Tensor,  # [L, R_src, d_inner, d_state]
+    index: torch.Tensor,  # [R_out] long
+    dst_conv: torch.Tensor,  # [L, R_out, d_inner, d_conv]
+    dst_ssm: torch.Tensor,  # [L, R_out, d_inner, d_state]
+) -> None:
+    """Plain-torch reference (and CPU path): two gathers over the row dimension."""
+    dst_conv.copy_(src_conv.index_select(1, index))
+    dst_ssm.copy_(src_ssm.index_select(1, index))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _state_copy_kernel(
+        src_conv_ptr,
+        src_ssm_ptr,
+        index_ptr,
+        dst_conv_ptr,
+        dst_ssm_ptr,
+        rows_out,
+        conv_numel,  # elements per conv row: d_inner * d_conv
+        ssm_numel,  # elements per ssm row: d_inner * d_state
+        src_conv_stride_l,
+        src_conv_stride_r,
+        src_ssm_stride_l,
+        src_ssm_stride_r,
+        dst_conv_stride_l,
+        dst_conv_stride_r,
+        dst_ssm_stride_l,
+        dst_ssm_stride_r,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)  # int64: layer * stride can pass 2**31 on big buffers
+        layer = pid // rows_out
+        row = pid % rows_out
+        src_row = tl.load(index_ptr + row).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+
+        conv_mask = offs < conv_numel
+        conv = tl.load(
+            src_conv_ptr + layer * src_conv_stride_l + src_row * src_conv_stride_r + offs, mask=conv_mask
+        )
+        tl.store(dst_conv_ptr + layer * dst_conv_stride_l + row * dst_conv_stride_r + offs, conv, mask=conv_mask)
+
+        ssm_mask = offs < ssm_numel
+        ssm = tl.load(src_ssm_ptr + layer * src_ssm_stride_l + src_row * src_ssm_stride_r + offs, mask=ssm_mask)
+        tl.store(dst_ssm_ptr + layer * dst_ssm_stride_l + row * dst_ssm_stride_r + offs, ssm, mask=ssm_mask)
+
+
+def _check_rows_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+        raise ValueError(f"{name}: rows (last two dims) must be contiguous, got strides {t.stride()}")
+
+
+def _memory_span(t: torch.Tensor) -> tuple[int, int]:
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _memory_span(a), _memory_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_state_copy_args(src_conv, src_ssm, index, dst_conv, dst_ssm) -> None:
+    """Raise ValueError unless the arguments describe a valid copy (shapes, dtypes, devices, index range)."""
+    for name, t in (("src_conv", src_conv), ("src_ssm", src_ssm), ("dst_conv", dst_conv), ("dst_ssm", dst_ssm)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [layers, rows, d_inner, d], got shape {tuple(t.shape)}")
+    if index.dim() != 1 or index.dtype != torch.long:
+        raise ValueError(f"index must be a 1-D torch.long tensor, got {index.dtype} shape {tuple(index.shape)}")
+    n_layers, rows_src, d_inner = src_conv.shape[:3]
+    rows_out = index.shape[0]
+    expected = {
+        "src_ssm": (n_layers, rows_src, d_inner, src_ssm.shape[3]),
+        "dst_conv": (n_layers, rows_out, d_inner, src_conv.shape[3]),
+        "dst_ssm": (n_layers, rows_out, d_inner, src_ssm.shape[3]),
+    }
+    for name, t in (("src_ssm", src_ssm), ("dst_conv", dst_conv), ("dst_ssm", dst_ssm)):
+        if tuple(t.shape) != expected[name]:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected[name]}")
+    if dst_conv.dtype != src_conv.dtype or dst_ssm.dtype != src_ssm.dtype:
+        raise ValueError("dst dtypes must match src dtypes")
+    devices = {t.device for t in (src_conv, src_ssm, index, dst_conv, dst_ssm)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if any(_overlap(d, s) for d in (dst_conv, dst_ssm) for s in (src_conv, src_ssm)):
+        raise ValueError("dst must not overlap src")
+    # One host sync; the index must be valid before the kernel reads memory with it.
+    if rows_out and bool(((index < 0) | (index >= rows_src)).any()):
+        raise ValueError(f"index out of range for {rows_src} source rows")
+
+
+def state_copy(
+    src_conv: torch.Tensor,  # [L, R_src, d_inner, d_conv]
+    src_ssm: torch.Tensor,  # [L, R_src, d_inner, d_state]
+    index: torch.Tensor,  # [R_out] long
+    dst_conv: torch.Tensor,  # [L, R_out, d_inner, d_conv]
+    dst_ssm: torch.Tensor,  # [L, R_out, d_inner, d_state]
+) -> None:
+    """Triton launcher: checks the arguments, then one launch copies every layer's conv and SSM rows."""
+    if triton is None:
+        raise RuntimeError("triton is not installed; use copy_state_rows or state_copy_ref")
+    check_state_copy_args(src_conv, src_ssm, index, dst_conv, dst_ssm)
+    for name, t in (("src_conv", src_conv), ("src_ssm", src_ssm), ("dst_conv", dst_conv), ("dst_ssm", dst_ssm)):
+        _check_rows_contiguous(name, t)
+    n_layers, rows_out = dst_conv.shape[:2]
+    conv_numel = dst_conv.shape[2] * dst_conv.shape[3]
+    ssm_numel = dst_ssm.shape[2] * dst_ssm.shape[3]
+    longest = max(conv_numel, ssm_numel)
+    if n_layers * rows_out * longest == 0:
+        return
+    block = min(_MAX_BLOCK, triton.next_power_of_2(longest))
+    grid = (n_layers * rows_out, triton.cdiv(longest, block))
+    _state_copy_kernel[grid](
+        src_conv,
+        src_ssm,
+        index,
+        dst_conv,
+        dst_ssm,
+        rows_out,
+        conv_numel,
+        ssm_numel,
+        src_conv.stride(0),
+        src_conv.stride(1),
+        src_ssm.stride(0),
+        src_ssm.stride(1),
+        dst_conv.stride(0),
+        dst_conv.stride(1),
+        dst_ssm.stride(0),
+        dst_ssm.stride(1),
+        BLOCK=block,
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _triton_has_driver() -> bool:
+    if triton is None:
+        return False
+    try:
+        triton.runtime.driver.active.get_current_device()
+    except RuntimeError:  # "0 active drivers" on machines without a GPU
+        return False
+    return True
+
+
+def copy_state_rows(
+    src_conv: torch.Tensor,  # [L, R_src, d_inner, d_conv]
+    src_ssm: torch.Tensor,  # [L, R_src, d_inner, d_state]
+    index: torch.Tensor,  # [R_out] long
+    dst_conv: torch.Tensor,  # [L, R_out, d_inner, d_conv]
+    dst_ssm: torch.Tensor,  # [L, R_out, d_inner, d_state]
+) -> None:
+    """Dispatch: the Triton kernel on a GPU with a Triton driver (or under TRITON_INTERPRET=1), else the reference."""
+    on_gpu = src_conv.is_cuda and _triton_has_driver()
+    if triton is not None and (on_gpu or _interpreting()):
+        state_copy(src_conv, src_ssm, index, dst_conv, dst_ssm)
+    else:
+        check_state_copy_args(src_conv, src_ssm, index, dst_conv, dst_ssm)
+        state_copy_ref(src_conv, src_ssm, index, dst_conv, dst_ssm)
