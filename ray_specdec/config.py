@@ -82,6 +82,10 @@ PAPER_TREES = (
 )
 
 
+# What the CLI and the app use when no tree is given (the bandit learns better ones per deployment).
+DEFAULT_TREE = TreeConfig((2, 2, 1, 1))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Target-only sampling settings; speculation reproduces exactly this distribution.

@@ -1,0 +1,80 @@
+"""Building an engine from model names: HF ids, local directories, or the embedded defaults."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ray_specdec.config import DEFAULT_TREE, TreeConfig
+
+
+class LoadError(Exception):
+    """A model could not be found or loaded; the message is one line for the user."""
+
+
+def resolve_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise LoadError(f"device {device!r} requested but CUDA is not available")
+    if not (str(device) == "cpu" or str(device).startswith("cuda")):
+        raise LoadError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto")
+    return str(device)
+
+
+def _default(kind: str) -> str:
+    from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+    path = DEFAULT_TARGET if kind == "target" else DEFAULT_DRAFTER
+    if not (path / "config.json").exists():
+        raise LoadError(f"no --{kind} given and the embedded default {kind} is missing ({path.name})")
+    return os.fspath(path)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def load_target(name: str | None, dtype="auto", device="cpu"):
+    from ray_specdec.models.target import TargetModel
+
+    name = name or _default("target")
+    try:
+        return TargetModel.from_pretrained(name, dtype=dtype, device=device)
+    except Exception as e:  # any failure to load is the user's input problem here
+        raise LoadError(f"cannot load target {name!r}: {_first_line(e)}") from None
+
+
+def load_drafter(name: str | None, dtype="auto", device="cpu"):
+    """None -> the embedded default drafter; 'none' -> no drafter (plain target decoding)."""
+    from ray_specdec.models.mamba_drafter import MambaDrafter
+
+    if name is not None and name.lower() == "none":
+        return None
+    name = name or _default("drafter")
+    try:
+        return MambaDrafter.from_pretrained(name, dtype=dtype, device=device)
+    except Exception as e:
+        raise LoadError(f"cannot load drafter {name!r}: {_first_line(e)}") from None
+
+
+def load_engine(
+    target: str | None = None,
+    drafter: str | None = None,
+    tree: TreeConfig = DEFAULT_TREE,
+    dtype: str = "auto",
+    device: str | None = "auto",
+):
+    from ray_specdec.engine import SpeculativeEngine
+    from ray_specdec.models.loading import resolve_dtype
+
+    device = resolve_device(device)
+    try:
+        resolve_dtype(dtype, device)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
+    target_model = load_target(target, dtype, device)
+    drafter_model = load_drafter(drafter, dtype, device)
+    return SpeculativeEngine(target_model, drafter_model, tree)
