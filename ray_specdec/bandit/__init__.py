@@ -1,0 +1,35 @@
+"""A contextual multi-armed bandit over tree configs, shared by all router replicas.
+
+The engine only sees `TreePolicy` (`select(context_len)`, `record(tree, context_len, accepted_tokens, round_time_s)`).
+`Bandit` implements it for one process and is the router-side client of a `BanditHub` (the shared side, one Ray actor
+in deployments/); `BanditState` is the pure data that moves between them and is persisted to disk.
+"""
+
+from ray_specdec.bandit.client import (
+    DEFAULT_ARMS,
+    DEFAULT_BUCKET_EDGES,
+    Bandit,
+    BanditConfig,
+    BanditHub,
+    TreePolicy,
+    summarize,
+)
+from ray_specdec.bandit.policies import DiscountedUCB, GaussianThompson, PaperReward, ThroughputReward, UCB1
+from ray_specdec.bandit.state import BanditState, bucket_labels
+
+__all__ = [
+    "DEFAULT_ARMS",
+    "DEFAULT_BUCKET_EDGES",
+    "Bandit",
+    "BanditConfig",
+    "BanditHub",
+    "BanditState",
+    "DiscountedUCB",
+    "GaussianThompson",
+    "PaperReward",
+    "ThroughputReward",
+    "TreePolicy",
+    "UCB1",
+    "bucket_labels",
+    "summarize",
+]

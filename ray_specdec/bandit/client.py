@@ -1,0 +1,229 @@
+"""The tree bandit as the engine sees it (`Bandit`, a TreePolicy) and its shared side (`BanditHub`).
+
+Sharing across router replicas, with no remote call per round:
+- every router holds a `Bandit`: `select` reads its local view (the latest snapshot plus its own records since), and
+  `record` updates the view and a pending delta;
+- a wrapper (a Ray actor holding one `BanditHub`) periodically takes `bandit.drain_updates()` from each router,
+  `hub.push(delta)`, then hands `hub.snapshot()` back to `bandit.apply_snapshot(...)`.
+Push before pull: a snapshot taken before the hub merged a drained delta drops those records from the router's view
+until the next snapshot (they are not lost: the hub merges them whenever the push lands).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from ray_specdec.bandit.policies import ArmStats, GaussianThompson, Policy, Reward, ThroughputReward
+from ray_specdec.bandit.state import BanditState, bucket_labels
+from ray_specdec.config import PAPER_TREES, TreeConfig
+
+# The paper's trees and the chain, plus shallower / wider shapes that win when verification is expensive.
+DEFAULT_ARMS = (
+    *PAPER_TREES,
+    TreeConfig((1, 1)),
+    TreeConfig((2, 1, 1)),
+    TreeConfig((4, 2, 1)),
+    TreeConfig((2, 2, 1, 1)),
+)
+DEFAULT_BUCKET_EDGES = (1024, 2048, 4096, 8192)  # prompt tokens: <1k, 1-2k, 2-4k, 4-8k, >=8k
+
+
+class TreePolicy(Protocol):
+    def select(self, context_len: int) -> TreeConfig: ...
+
+    def record(self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class BanditConfig:
+    arms: tuple[TreeConfig, ...] = DEFAULT_ARMS
+    bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
+    # Discounted Thompson sampling: follows load changes (a stationary bandit with a long history would not), and
+    # its randomness spreads the routers' picks between two snapshots. In simulation its stationary regret is lower
+    # than discounted UCB's and it follows a changed best arm as well (tests/test_bandit.py).
+    policy: Policy = field(default_factory=GaussianThompson)
+    reward: Reward = field(default_factory=ThroughputReward)
+    # Discount per round of a bucket: ~1/(1 - gamma) = 5000 recent rounds carry the discounted statistics, enough to
+    # tell arms apart through per-round noise while still following load changes within minutes of traffic.
+    gamma: float = 0.9998
+
+    def empty_state(self) -> BanditState:
+        return BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward.name)
+
+    def arm_stats(self, state: BanditState, bucket: int, discounted: bool) -> ArmStats:
+        sums = state.disc[bucket] if discounted else state.raw[bucket]  # [arms, fields]
+        return ArmStats(sums[:, 0], sums[:, 1], sums[:, 2], self.reward.bounded)
+
+    def restore(self, state: BanditState) -> BanditState:
+        """A stored state made to fit this config (arm set and gamma may change; buckets and reward may not)."""
+        if state.bucket_edges != tuple(self.bucket_edges) or state.reward != self.reward.name:
+            raise ValueError(
+                f"stored bandit state has buckets {list(state.bucket_edges)} and reward {state.reward!r}, but the "
+                f"config asks for {list(self.bucket_edges)} and {self.reward.name!r}; "
+                "move the state file away to start over"
+            )
+        if state.arms == tuple(self.arms) and state.gamma == self.gamma:
+            return state
+        return state.adapted(self.arms, self.gamma)
+
+    def load_state(self, path: str | os.PathLike) -> BanditState:
+        return self.restore(BanditState.load(path))
+
+
+class Bandit:
+    """A TreePolicy for one process (thread-safe), and the router-side client of a shared `BanditHub`."""
+
+    def __init__(self, config: BanditConfig | None = None, state: BanditState | None = None, seed: int | None = None):
+        self.config = config or BanditConfig()
+        self._view = self.config.empty_state() if state is None else self.config.restore(state.copy())
+        self._pending = self._view.fresh()
+        self._max_depth = max(tree.depth for tree in self.config.arms)
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, config: BanditConfig | None = None, seed: int | None = None) -> "Bandit":
+        config = config or BanditConfig()
+        return cls(config, config.load_state(path), seed)
+
+    def select(self, context_len: int) -> TreeConfig:
+        with self._lock:
+            bucket = self._view.bucket_of(context_len)
+            stats = self.config.arm_stats(self._view, bucket, self.config.policy.discounted)
+            return self.config.arms[self.config.policy.choose(stats, self._rng)]
+
+    def record(self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float) -> None:
+        """accepted_tokens: draft tokens the target kept (the bonus token excluded), so 0 <= accepted <= depth.
+
+        Rounds of trees outside the arm set (a tree cut short at the end of a generation) are not counted.
+        """
+        if not 0 <= accepted_tokens <= tree.depth:
+            raise ValueError(
+                f"accepted_tokens={accepted_tokens} outside [0, {tree.depth}] for tree {tree} (bonus excluded)"
+            )
+        if not (math.isfinite(round_time_s) and round_time_s > 0):
+            raise ValueError(f"round_time_s must be a positive number, got {round_time_s}")
+        arm = self._view.arm_index(tree)
+        if arm is None:
+            return
+        reward = self.config.reward(tree, accepted_tokens, round_time_s, self._max_depth)
+        with self._lock:
+            bucket = self._view.bucket_of(context_len)
+            self._view.record(bucket, arm, reward, accepted_tokens, round_time_s)
+            self._pending.record(bucket, arm, reward, accepted_tokens, round_time_s)
+
+    def drain_updates(self) -> BanditState:
+        """Records since the last drain, as a delta for `BanditHub.push` (`.to_dict()` for JSON transport)."""
+        with self._lock:
+            delta, self._pending = self._pending, self._pending.fresh()
+        return delta
+
+    def apply_snapshot(self, snapshot: BanditState | dict[str, Any]) -> None:
+        """Adopt the hub's state; records not drained yet stay on top of it."""
+        state = BanditState.from_dict(snapshot) if isinstance(snapshot, dict) else snapshot.copy()
+        state = self.config.restore(state)
+        with self._lock:
+            self._view = state.merge(self._pending)
+
+    @property
+    def state(self) -> BanditState:
+        """A copy of the local view."""
+        with self._lock:
+            return self._view.copy()
+
+    def save(self, path: str | os.PathLike) -> None:
+        self.state.save(path)
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(self.state, self.config)
+
+
+class BanditHub:
+    """The shared side: merges routers' deltas, serves snapshots and the summary, persists to `path`.
+
+    Wrap one instance in a Ray actor; every method takes and returns plain JSON-able data or `BanditState`.
+    """
+
+    def __init__(
+        self,
+        config: BanditConfig | None = None,
+        path: str | os.PathLike | None = None,
+        save_interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config or BanditConfig()
+        self.path = path
+        self.save_interval_s = save_interval_s
+        self._clock = clock
+        has_file = path is not None and os.path.exists(path)
+        self.state = self.config.load_state(path) if has_file else self.config.empty_state()
+        self._last_save = clock()
+
+    def push(self, update: BanditState | dict[str, Any]) -> None:
+        delta = BanditState.from_dict(update) if isinstance(update, dict) else update
+        self.state.merge(self.config.restore(delta))
+        if self.path is not None and self._clock() - self._last_save >= self.save_interval_s:
+            self.save()
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.state.to_dict()
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(self.state, self.config)
+
+    def save(self) -> None:
+        if self.path is None:
+            raise ValueError("this BanditHub has no path to save to")
+        self.state.save(self.path)
+        self._last_save = self._clock()
+
+
+def _nan_to_none(x: float) -> float | None:
+    return None if math.isnan(x) else float(x)
+
+
+def summarize(state: BanditState, config: BanditConfig) -> dict[str, Any]:
+    """What `GET /v1/bandit` shows: per bucket, every arm's pulls and mean rewards, and the current best arm.
+
+    `mean_reward` is over all rounds, `recent_mean_reward` over the discounted ones; the best arm is judged by the
+    statistics the policy uses.
+    """
+    edges = (0, *state.bucket_edges, None)
+    buckets = []
+    for b, label in enumerate(bucket_labels(state.bucket_edges)):
+        plain = config.arm_stats(state, b, discounted=False)
+        recent = config.arm_stats(state, b, discounted=True)
+        best = (recent if config.policy.discounted else plain).best()
+        pulls, accepted, seconds = state.raw[b, :, 0], state.raw[b, :, 3], state.raw[b, :, 4]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            accepted_length = accepted / pulls + 1.0
+            tokens_per_s = (accepted + pulls) / seconds
+        arms = [
+            {
+                "tree": str(tree),
+                "pulls": int(pulls[i]),
+                "mean_reward": _nan_to_none(plain.mean[i]) if pulls[i] else None,
+                "recent_mean_reward": _nan_to_none(recent.mean[i]) if recent.pulls[i] > 0 else None,
+                "mean_accepted_length": _nan_to_none(accepted_length[i]),
+                "tokens_per_s": _nan_to_none(tokens_per_s[i]),
+            }
+            for i, tree in enumerate(state.arms)
+        ]
+        buckets.append(
+            {
+                "bucket": label,
+                "min_context": edges[b],
+                "max_context": edges[b + 1],
+                "rounds": int(state.steps[b]),
+                "best": None if best is None else str(state.arms[best]),
+                "arms": arms,
+            }
+        )
+    return {"policy": repr(config.policy), "reward": config.reward.name, "gamma": state.gamma, "buckets": buckets}

@@ -1,0 +1,184 @@
+"""The bandit's statistics as pure data: what is shared between router replicas and persisted across restarts.
+
+A `BanditState` holds, for every context-length bucket and every arm (tree config), plain sums (pulls, reward,
+reward², accepted tokens, round time) and discounted sums (pulls, reward, reward²) for the non-stationary policies.
+Discounting is per record of a bucket: each record multiplies that bucket's discounted sums by gamma first.
+
+The same type is the batched update a router pushes: a router records into an empty state (its delta) and the hub
+merges it. Because a delta remembers how many records it holds per bucket, `merge` rescales the hub's discounted sums
+by gamma**records before adding, which equals applying the records one by one (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from ray_specdec.config import TreeConfig
+
+FORMAT = "ray_specdec.bandit"
+VERSION = 1
+
+# Columns of `BanditState.raw` ([buckets, arms, 5]) and `BanditState.disc` ([buckets, arms, 3]).
+RAW_FIELDS = ("pulls", "reward_sum", "reward_sq", "accepted_sum", "time_sum")
+DISC_FIELDS = ("pulls", "reward_sum", "reward_sq")
+
+
+def bucket_labels(edges: Sequence[int]) -> list[str]:
+    """(1024, 2048) -> ['<1k', '1k-2k', '>=2k'] (edges in tokens; k = 1024)."""
+
+    def k(n: int) -> str:
+        return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+    if not edges:
+        return ["all"]
+    middle = [f"{k(lo)}-{k(hi)}" for lo, hi in zip(edges, edges[1:])]
+    return [f"<{k(edges[0])}", *middle, f">={k(edges[-1])}"]
+
+
+@dataclass
+class BanditState:
+    arms: tuple[TreeConfig, ...]
+    bucket_edges: tuple[int, ...]  # ascending token counts; bucket i holds edges[i-1] <= len < edges[i]
+    gamma: float  # discount per record of a bucket, for the discounted sums
+    reward: str  # name of the reward the sums hold (a state only merges with states of the same reward)
+    raw: np.ndarray  # [buckets, arms, len(RAW_FIELDS)] float64
+    disc: np.ndarray  # [buckets, arms, len(DISC_FIELDS)] float64
+    steps: np.ndarray  # [buckets] int64, records seen per bucket
+
+    @classmethod
+    def empty(
+        cls, arms: Sequence[TreeConfig], bucket_edges: Sequence[int], gamma: float, reward: str
+    ) -> "BanditState":
+        arms, edges = tuple(arms), tuple(int(e) for e in bucket_edges)
+        if not arms or len(set(arms)) != len(arms):
+            raise ValueError(f"arms must be a non-empty list of distinct tree configs, got {[str(a) for a in arms]}")
+        if any(e <= 0 for e in edges) or list(edges) != sorted(set(edges)):
+            raise ValueError(f"bucket edges must be positive and strictly ascending, got {edges}")
+        if not 0.0 < gamma <= 1.0:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+        shape = (len(edges) + 1, len(arms))
+        return cls(
+            arms, edges, float(gamma), reward,
+            np.zeros((*shape, len(RAW_FIELDS))), np.zeros((*shape, len(DISC_FIELDS))),
+            np.zeros(shape[0], dtype=np.int64),
+        )  # fmt: skip
+
+    def fresh(self) -> "BanditState":
+        """An empty state with the same arms, buckets, gamma and reward (a delta to record into)."""
+        return BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward)
+
+    def copy(self) -> "BanditState":
+        return BanditState(
+            self.arms, self.bucket_edges, self.gamma, self.reward, self.raw.copy(), self.disc.copy(), self.steps.copy()
+        )
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bucket_edges) + 1
+
+    def bucket_of(self, context_len: int) -> int:
+        return bisect.bisect_right(self.bucket_edges, context_len)
+
+    def arm_index(self, tree: TreeConfig) -> int | None:
+        try:
+            return self.arms.index(tree)
+        except ValueError:
+            return None
+
+    def record(self, bucket: int, arm: int, reward: float, accepted_tokens: int, round_time_s: float) -> None:
+        self.disc[bucket] *= self.gamma
+        self.disc[bucket, arm] += (1.0, reward, reward * reward)
+        self.raw[bucket, arm] += (1.0, reward, reward * reward, accepted_tokens, round_time_s)
+        self.steps[bucket] += 1
+
+    def merge(self, updates: "BanditState | Iterable[BanditState]") -> "BanditState":
+        """Add deltas (in order) to this state, in place; returns self."""
+        for delta in [updates] if isinstance(updates, BanditState) else updates:
+            self._check_compatible(delta)
+            decay = self.gamma ** delta.steps.astype(np.float64)  # [buckets]
+            self.disc = self.disc * decay[:, None, None] + delta.disc
+            self.raw += delta.raw
+            self.steps += delta.steps
+        return self
+
+    def _check_compatible(self, other: "BanditState") -> None:
+        mine = (self.arms, self.bucket_edges, self.gamma, self.reward)
+        theirs = (other.arms, other.bucket_edges, other.gamma, other.reward)
+        if mine != theirs:
+            raise ValueError(
+                f"cannot merge bandit states with different settings: {_describe(mine)} vs {_describe(theirs)}"
+            )
+
+    def adapted(self, arms: Sequence[TreeConfig], gamma: float) -> "BanditState":
+        """This state for another arm set and gamma: arms in both keep their sums, new arms start empty."""
+        out = BanditState.empty(arms, self.bucket_edges, gamma, self.reward)
+        for j, tree in enumerate(out.arms):
+            i = self.arm_index(tree)
+            if i is not None:
+                out.raw[:, j], out.disc[:, j] = self.raw[:, i], self.disc[:, i]
+        out.steps[:] = self.steps
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (also what crosses process boundaries)."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "arms": [str(a) for a in self.arms],
+            "bucket_edges": list(self.bucket_edges),
+            "gamma": self.gamma,
+            "reward": self.reward,
+            "steps": self.steps.tolist(),
+            "raw": {name: self.raw[..., i].tolist() for i, name in enumerate(RAW_FIELDS)},
+            "disc": {name: self.disc[..., i].tolist() for i, name in enumerate(DISC_FIELDS)},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BanditState":
+        if data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise ValueError(
+                f"not a version-{VERSION} bandit state (format={data.get('format')!r}, version={data.get('version')!r})"
+            )
+        state = cls.empty(
+            [TreeConfig.parse(a) for a in data["arms"]], data["bucket_edges"], data["gamma"], data["reward"]
+        )
+        state.raw = np.stack([np.asarray(data["raw"][f], dtype=np.float64) for f in RAW_FIELDS], axis=-1)
+        state.disc = np.stack([np.asarray(data["disc"][f], dtype=np.float64) for f in DISC_FIELDS], axis=-1)
+        state.steps = np.asarray(data["steps"], dtype=np.int64)
+        if state.raw.shape[:2] != (state.num_buckets, len(state.arms)) or state.disc.shape != (*state.raw.shape[:2], 3):
+            raise ValueError(f"bandit state arrays have shape {state.raw.shape}, expected buckets x arms x fields")
+        return state
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write JSON atomically: a temporary file in the same directory, fsync, then rename over `path`."""
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".bandit-", suffix=".json.tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "BanditState":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def _describe(settings: tuple) -> str:
+    arms, edges, gamma, reward = settings
+    return f"(arms={[str(a) for a in arms]}, edges={list(edges)}, gamma={gamma}, reward={reward})"

@@ -1,0 +1,310 @@
+"""The tree bandit on simulated environments with known arm rewards, plus sharing (merge) and persistence."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from ray_specdec.bandit import (
+    DEFAULT_ARMS,
+    Bandit,
+    BanditConfig,
+    BanditHub,
+    BanditState,
+    DiscountedUCB,
+    GaussianThompson,
+    PaperReward,
+    ThroughputReward,
+    UCB1,
+    bucket_labels,
+)
+from ray_specdec.config import TreeConfig
+
+# An environment answers one round: (arm index, round number, context_len, rng) -> (accepted_tokens, round_time_s).
+Env = Callable[[int, int, int, np.random.Generator], tuple[int, float]]
+
+# Gaussian throughput per arm (tokens/s) for the 8 default arms: arm 3 is best by 20 tokens/s; noise 30 tokens/s.
+MEANS = np.array([50.0, 60, 70, 100, 75, 65, 55, 80])
+NOISE = 30.0
+
+
+def gaussian_env(means: np.ndarray, switch_at: int | None = None, after: np.ndarray | None = None) -> Env:
+    """Throughput ~ N(mean, NOISE) per round, delivered as one token (no accepted draft) in 1/throughput seconds."""
+
+    def step(arm: int, t: int, context_len: int, rng: np.random.Generator) -> tuple[int, float]:
+        mu = after[arm] if switch_at is not None and t >= switch_at else means[arm]
+        return 0, 1.0 / max(mu + NOISE * rng.standard_normal(), 1.0)
+
+    return step
+
+
+def simulate(bandit: Bandit, env: Env, rounds: int, seed: int = 1, context_len: int = 100) -> np.ndarray:
+    """Run `rounds` select/record rounds; returns the arm index picked in each."""
+    rng = np.random.default_rng(seed)
+    arms = bandit.config.arms
+    picks = np.empty(rounds, dtype=np.int64)
+    for i in range(rounds):
+        tree = bandit.select(context_len)
+        picks[i] = arm = arms.index(tree)
+        accepted, seconds = env(arm, i, context_len, rng)
+        bandit.record(tree, context_len, accepted, seconds)
+    return picks
+
+
+def late_share(picks: np.ndarray, arm: int, tail: float = 0.2) -> float:
+    return float((picks[int(len(picks) * (1 - tail)) :] == arm).mean())
+
+
+# Regret is averaged over 4 seeded runs (a single run's ratio swings with when a rare exploration happens).
+# Discounted policies forget on purpose: their regret turns linear (small slope) beyond ~1/(1-gamma) = 5000 rounds,
+# so the horizons stay within that window.
+@pytest.mark.parametrize(
+    "policy, max_ratio",
+    [(UCB1(), 1.3), (DiscountedUCB(), 1.6), (GaussianThompson(), 1.6)],
+    ids=["ucb1", "discounted_ucb", "thompson_default"],
+)
+def test_stationary_regret_is_sublinear_and_best_arm_dominates(policy, max_ratio):
+    horizon, runs = 1500, []
+    for seed in range(4):
+        bandit = Bandit(BanditConfig(policy=policy), seed=seed)
+        runs.append(simulate(bandit, gaussian_env(MEANS), 2 * horizon, seed=seed + 10))
+        assert late_share(runs[-1], int(MEANS.argmax())) >= 0.9
+    regret = np.mean([np.cumsum(MEANS.max() - MEANS[picks]) for picks in runs], axis=0)
+    assert regret[-1] / regret[horizon - 1] < max_ratio
+    early = regret[horizon // 10 - 1] / (horizon // 10)
+    assert regret[-1] / (2 * horizon) < 0.3 * early  # regret per round falls
+
+
+def test_default_config_is_the_nonstationary_serving_bandit():
+    config = BanditConfig()
+    assert isinstance(config.policy, GaussianThompson) and config.policy.discounted
+    assert isinstance(config.reward, ThroughputReward)
+    assert config.arms[:4] == (TreeConfig((1, 1, 1, 1)), TreeConfig((3, 3, 2, 1)), TreeConfig((3, 2, 2, 1, 1)),
+                               TreeConfig((2, 2, 2, 1, 1, 1)))  # fmt: skip
+    assert bucket_labels(config.bucket_edges) == ["<1k", "1k-2k", "2k-4k", "4k-8k", ">=8k"]
+
+
+@pytest.mark.parametrize("policy", [DiscountedUCB(), GaussianThompson()], ids=["discounted_ucb", "thompson"])
+def test_nonstationary_policy_follows_a_new_best_arm(policy):
+    # Halfway the best arm (3) degrades below the runner-up (7), which becomes the best: a load change.
+    after = MEANS.copy()
+    after[3], after[7] = 60.0, 100.0
+    horizon = 6000
+    picks = simulate(Bandit(BanditConfig(policy=policy), seed=0), gaussian_env(MEANS, horizon // 2, after), horizon)
+    assert late_share(picks[: horizon // 2], 3, tail=0.4) >= 0.9
+    assert late_share(picks, 7) >= 0.9
+
+
+def test_buckets_keep_separate_statistics():
+    # Short prompts: arm 3 is best; long prompts (>= 4k tokens): arm 5 is best.
+    long_means = MEANS.copy()
+    long_means[5] = 120.0
+    short_env, long_env = gaussian_env(MEANS), gaussian_env(long_means)
+
+    def env(arm, t, context_len, rng):
+        return (long_env if context_len >= 4096 else short_env)(arm, t, context_len, rng)
+
+    bandit = Bandit(BanditConfig(policy=UCB1()), seed=0)
+    short = simulate(bandit, env, 2000, seed=1, context_len=300)
+    before = bandit.state
+    long = simulate(bandit, env, 2000, seed=2, context_len=5000)
+    after = bandit.state
+    short_bucket, long_bucket = before.bucket_of(300), before.bucket_of(5000)
+    assert (short_bucket, long_bucket) == (0, 3)
+    np.testing.assert_array_equal(after.raw[short_bucket], before.raw[short_bucket])
+    np.testing.assert_array_equal(after.raw[[1, 2, 4]], 0.0)
+    assert late_share(short, 3) >= 0.9 and late_share(long, 5) >= 0.9
+    bests = [b["best"] for b in bandit.summary()["buckets"]]
+    assert bests == [str(DEFAULT_ARMS[3]), None, None, str(DEFAULT_ARMS[5]), None]
+
+
+# Tree environment: each child at depth i matches the target with probability P_CHILD; a round costs
+# BASE + per_node * nodes + PER_DEPTH * depth seconds, times lognormal jitter (the same factor in expectation for
+# every arm, so the best arm is the one maximising E[accepted + 1] / nominal time).
+P_CHILD, BASE_S, PER_DEPTH_S = 0.6, 0.02, 0.002
+HW_ARMS = tuple(TreeConfig(b) for b in [(1, 1), (2, 1, 1), (1, 1, 1, 1), (3, 3, 2, 1)])
+PER_NODE_S = {"gpu": 0.0001, "cpu": 0.004}  # verifying a big tree is nearly free on a GPU, not on a CPU
+
+
+def expected_accepted(tree: TreeConfig) -> float:
+    total, reach = 0.0, 1.0
+    for n in tree.branching:
+        reach *= 1 - (1 - P_CHILD) ** n
+        total += reach
+    return total
+
+
+def nominal_time(tree: TreeConfig, hardware: str) -> float:
+    return BASE_S + PER_NODE_S[hardware] * tree.num_nodes + PER_DEPTH_S * tree.depth
+
+
+def tree_env(arms: tuple[TreeConfig, ...], hardware: str) -> Env:
+    def step(arm: int, t: int, context_len: int, rng: np.random.Generator) -> tuple[int, float]:
+        tree, accepted = arms[arm], 0
+        for n in tree.branching:
+            if rng.random() >= 1 - (1 - P_CHILD) ** n:
+                break
+            accepted += 1
+        return accepted, nominal_time(tree, hardware) * math.exp(0.2 * rng.standard_normal())
+
+    return step
+
+
+@pytest.mark.parametrize("hardware, best", [("gpu", (3, 3, 2, 1)), ("cpu", (1, 1))])
+def test_serving_reward_finds_the_hardware_dependent_best_tree(hardware, best):
+    throughput = [(expected_accepted(t) + 1) / nominal_time(t, hardware) for t in HW_ARMS]
+    by_acceptance = max(HW_ARMS, key=expected_accepted)
+    assert HW_ARMS[int(np.argmax(throughput))] == TreeConfig(best)  # the environment is what the test says
+    assert by_acceptance == TreeConfig((3, 3, 2, 1))
+
+    bandit = Bandit(BanditConfig(arms=HW_ARMS), seed=0)
+    picks = simulate(bandit, tree_env(HW_ARMS, hardware), 3000)
+    assert late_share(picks, HW_ARMS.index(TreeConfig(best))) >= 0.9
+    assert bandit.summary()["buckets"][0]["best"] == str(TreeConfig(best))
+
+
+def test_paper_reward_with_ucb1_ignores_round_time():
+    config = BanditConfig(arms=HW_ARMS, policy=UCB1(), reward=PaperReward(depth_cost=0.2))
+    expected = [(expected_accepted(t) + 1) / 5 - 0.2 * t.depth / 4 for t in HW_ARMS]  # deepest arm: depth 4
+    assert int(np.argmax(expected)) == 3
+    picks = simulate(Bandit(config), tree_env(HW_ARMS, "cpu"), 3000)
+    assert late_share(picks, 3) >= 0.9  # the biggest tree, although on this hardware it is the slowest
+
+
+def test_rewards_are_the_documented_formulas():
+    tree = TreeConfig((3, 2, 2, 1, 1))
+    assert ThroughputReward()(tree, 3, 0.05, 6) == pytest.approx(80.0)
+    assert PaperReward(depth_cost=0.3)(tree, 3, 0.05, 6) == pytest.approx(4 / 7 - 0.3 * 5 / 6)
+
+
+def test_record_validates_and_skips_trees_outside_the_arm_set():
+    bandit = Bandit(BanditConfig(arms=HW_ARMS))
+    with pytest.raises(ValueError, match="bonus excluded"):
+        bandit.record(TreeConfig((1, 1)), 10, 3, 0.1)  # accepted + bonus passed by mistake
+    with pytest.raises(ValueError, match="positive"):
+        bandit.record(TreeConfig((1, 1)), 10, 1, 0.0)
+    bandit.record(TreeConfig((3, 3)), 10, 1, 0.1)  # a (3,3,2,1) round cut short at the end of a generation
+    assert bandit.state.steps.sum() == 0
+
+
+def random_rounds(n: int, seed: int) -> list[tuple[TreeConfig, int, int, float]]:
+    rng = np.random.default_rng(seed)
+    rounds = []
+    for _ in range(n):
+        tree = DEFAULT_ARMS[rng.integers(len(DEFAULT_ARMS))]
+        accepted = int(rng.integers(0, tree.depth + 1))
+        rounds.append((tree, int(rng.integers(0, 10_000)), accepted, float(rng.uniform(0.01, 0.1))))
+    return rounds
+
+
+def assert_same_state(a: BanditState, b: BanditState) -> None:
+    np.testing.assert_array_equal(a.steps, b.steps)
+    np.testing.assert_allclose(a.raw, b.raw, rtol=1e-12)
+    np.testing.assert_allclose(a.disc, b.disc, rtol=1e-9)
+
+
+def test_merging_batched_updates_from_two_routers_equals_direct_records():
+    rounds = random_rounds(300, seed=3)
+    config = BanditConfig(gamma=0.99)  # strong discount so an order or exponent mistake shows
+    direct = Bandit(config)
+    for r in rounds:
+        direct.record(*r)
+
+    hub, routers = BanditHub(config), [Bandit(config), Bandit(config)]
+    for i, start in enumerate(range(0, 300, 37)):  # uneven batches, alternating routers
+        router = routers[i % 2]
+        for r in rounds[start : start + 37]:
+            router.record(*r)
+        hub.push(router.drain_updates().to_dict())  # JSON transport, as through an actor
+        router.apply_snapshot(hub.snapshot())
+    assert_same_state(hub.state, direct.state)
+    assert_same_state(router.state, direct.state)  # the last one to pull sees everything
+
+
+def test_snapshot_keeps_records_not_yet_drained():
+    rounds = random_rounds(40, seed=4)
+    hub, router = BanditHub(), Bandit()
+    for r in rounds[:30]:
+        router.record(*r)
+    hub.push(router.drain_updates())
+    for r in rounds[30:]:
+        router.record(*r)
+    router.apply_snapshot(hub.snapshot())
+    direct = Bandit()
+    for r in rounds:
+        direct.record(*r)
+    assert_same_state(router.state, direct.state)
+    assert router.drain_updates().steps.sum() == 10
+
+
+def test_save_load_round_trip_and_continue_where_it_left_off(tmp_path):
+    config = BanditConfig(policy=UCB1())  # deterministic selection: the continuation must match exactly
+    env = gaussian_env(MEANS)
+    straight = simulate(Bandit(config), env, 600, seed=5)
+
+    first = Bandit(config)
+    head = simulate(first, env, 300, seed=5)
+    path = tmp_path / "state" / "bandit.json"
+    first.save(path)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["bandit.json"]  # temporary file renamed away
+    data = json.loads(path.read_text())
+    assert (data["format"], data["version"]) == ("ray_specdec.bandit", 1)
+
+    resumed = Bandit.load(path, config)
+    assert_same_state(resumed.state, first.state)
+    rng_after_head = np.random.default_rng(5)
+    for _ in range(300):  # the environment's stream, advanced past the first 300 rounds
+        rng_after_head.standard_normal()
+    tail = []
+    for i in range(300):
+        tree = resumed.select(100)
+        tail.append(config.arms.index(tree))
+        resumed.record(tree, 100, *env(tail[-1], 300 + i, 100, rng_after_head))
+    np.testing.assert_array_equal(np.concatenate([head, tail]), straight)
+
+
+def test_hub_persists_and_survives_a_restart_with_a_changed_arm_set(tmp_path):
+    path = tmp_path / "bandit.json"
+    now = [0.0]
+    hub = BanditHub(path=path, save_interval_s=5.0, clock=lambda: now[0])
+    router = Bandit()
+    for r in random_rounds(50, seed=6):
+        router.record(*r)
+    hub.push(router.drain_updates())
+    assert not path.exists()  # within the save interval
+    now[0] = 6.0
+    hub.push(router.drain_updates())
+    assert path.exists()
+
+    restarted = BanditHub(path=path)
+    assert_same_state(restarted.state, hub.state)
+    fewer = BanditConfig(arms=DEFAULT_ARMS[2:] + (TreeConfig((5, 1)),))
+    remapped = BanditHub(fewer, path=path)
+    np.testing.assert_array_equal(remapped.state.raw[:, :-1], hub.state.raw[:, 2:])
+    np.testing.assert_array_equal(remapped.state.raw[:, -1], 0.0)
+    with pytest.raises(ValueError, match="buckets"):
+        BanditHub(BanditConfig(bucket_edges=(2048,)), path=path)
+
+
+def test_summary_reports_pulls_means_and_best():
+    bandit = Bandit(BanditConfig(arms=HW_ARMS, bucket_edges=(1024,), policy=UCB1()))
+    bandit.record(TreeConfig((1, 1)), 10, 2, 0.1)  # 30 tokens/s
+    bandit.record(TreeConfig((1, 1)), 20, 0, 0.1)  # 10 tokens/s
+    bandit.record(TreeConfig((2, 1, 1)), 30, 3, 0.1)  # 40 tokens/s
+    bandit.record(TreeConfig((1, 1)), 5000, 1, 0.2)  # other bucket
+    summary = bandit.summary()
+    assert summary["reward"] == "throughput"
+    short, long = summary["buckets"]
+    assert (short["bucket"], short["rounds"], short["best"]) == ("<1k", 3, "2,1,1")
+    chain = short["arms"][0]
+    assert (chain["tree"], chain["pulls"]) == ("1,1", 2)
+    assert chain["mean_reward"] == pytest.approx(20.0)
+    assert chain["mean_accepted_length"] == pytest.approx(2.0)
+    assert chain["tokens_per_s"] == pytest.approx(20.0)
+    assert short["arms"][3]["pulls"] == 0 and short["arms"][3]["mean_reward"] is None
+    assert (long["bucket"], long["min_context"], long["max_context"], long["best"]) == (">=1k", 1024, None, "1,1")
+    json.dumps(summary)
