@@ -8,7 +8,14 @@ enough for greedy decoding to be non-trivial (not the same token over and over).
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 
 def _build(config, dtype: torch.dtype, seed: int) -> PreTrainedModel:
@@ -69,6 +76,36 @@ def tiny_llama(
         initializer_range=0.1,
         bos_token_id=1,
         eos_token_id=[2, 3],
+        attn_implementation=attn_implementation,
+    )
+    return _build(config, dtype, seed)
+
+
+def tiny_mistral(
+    dtype: torch.dtype = torch.float32,
+    *,
+    vocab: int = 128,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    sliding_window: int | None = 8,
+    max_positions: int = 256,
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+) -> PreTrainedModel:
+    """Mistral with GQA and a (tiny, so that tests cross it) sliding attention window; eos = 2."""
+    config = MistralConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=max_positions,
+        sliding_window=sliding_window,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
         attn_implementation=attn_implementation,
     )
     return _build(config, dtype, seed)

@@ -1,0 +1,186 @@
+"""The Transformer target: scores a whole token tree in one forward pass over a per-request KV cache.
+
+A verify forward takes ``[root, *tree nodes]`` (root = the previous bonus token, not yet in the cache) with position
+ids ``cache length + depth`` and a 4D mask: causal over everything cached plus the tree's ancestor mask. HF's masking
+code uses a caller-supplied 4D mask as-is (eager and sdpa alike), so this adapter relies only on the model's forward
+(``past_key_values`` / ``attention_mask`` / ``position_ids``). That keeps it working when DeepSpeed AutoTP has
+replaced the Linear layers: every rank runs the same calls and keeps its own shard of the cache.
+
+After acceptance, ``commit`` keeps the root and the accepted path and drops the other tree rows, compacting each
+layer's K/V so the cache is again one contiguous prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path
+from ray_specdec.tree import TreeTensors
+
+# sdpa takes an arbitrary float mask, is exact against eager (float64 agrees to ~1e-15) and is faster on CPU.
+ATTN_IMPLEMENTATION = "sdpa"
+# Implementations whose attention honours a caller-supplied 4D additive mask (flash-attention kernels do not).
+_MASKABLE_ATTENTION = ("eager", "sdpa")
+# Long prompts are prefilled in chunks so the attention scores of one forward stay small.
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class TargetCache:
+    """Per-request KV cache. `pending_rows` counts rows of the last verify that are not committed yet."""
+
+    kv: DynamicCache
+    pending_rows: int = 0
+
+    @property
+    def length(self) -> int:
+        """Tokens held, uncommitted verify rows included."""
+        return self.kv.get_seq_length()
+
+
+class TargetModel:
+    """Adapter around an HF causal LM (GPTNeoX, Llama, Mistral, ... including grouped-query attention)."""
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str, *, dtype: str | torch.dtype | None = None, device: str = "cpu"
+    ) -> "TargetModel":
+        """Load from a hub id or a local directory; float32 on CPU unless `dtype` says otherwise."""
+        path = resolve_model_path(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(dtype, device), attn_implementation=ATTN_IMPLEMENTATION
+        )
+        return cls(model.to(device).eval(), load_tokenizer(path))
+
+    def __init__(self, model: PreTrainedModel, tokenizer=None):
+        # A DeepSpeed InferenceEngine keeps the (AutoTP-sharded) HF model as `.module`; call that one directly.
+        self.model = model if isinstance(model, PreTrainedModel) else model.module
+        self.tokenizer = tokenizer
+        config = self.model.config.get_text_config(decoder=True)
+        attn = self.model.config._attn_implementation
+        if attn not in _MASKABLE_ATTENTION:
+            raise ValueError(f"tree verification needs a 4D attention mask; use one of {_MASKABLE_ATTENTION}, not {attn!r}")
+        param = next(self.model.parameters())
+        self.device: torch.device = param.device
+        self.dtype: torch.dtype = param.dtype
+        self.vocab_size: int = int(config.vocab_size)
+        self.max_context: int = int(config.max_position_embeddings)
+        self.eos_token_ids: frozenset[int] = _eos_token_ids(self.model)
+        self._window = _sliding_window(config)
+        self._logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    def new_cache(self) -> TargetCache:
+        # No config: plain full-attention layers that keep every position (sliding windows are applied by the mask).
+        return TargetCache(DynamicCache())
+
+    @torch.inference_mode()
+    def prefill(self, cache: TargetCache, input_ids: torch.Tensor) -> None:
+        """Append input_ids [S] (S >= 0) to the cache."""
+        self._check_committed(cache)
+        input_ids = input_ids.reshape(-1).to(self.device, torch.long)
+        self._check_length(cache.length + input_ids.numel(), f"prefill of {input_ids.numel()} tokens")
+        for start in range(0, input_ids.numel(), PREFILL_CHUNK):
+            chunk = input_ids[start : start + PREFILL_CHUNK]
+            # Default mask and positions: HF derives both from the cache length, which commit keeps exact.
+            self.model(input_ids=chunk[None], past_key_values=cache.kv, use_cache=True, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def verify(self, cache: TargetCache, root_token: int, tree: TreeTensors, tree_tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [1 + n, V] at the root and every tree node; the cache grows by 1 + n rows until commit.
+
+        tree_tokens: [n] token of every tree node, BFS order (row i + 1 of the forward).
+        """
+        self._check_committed(cache)
+        tree_tokens = tree_tokens.reshape(-1).to(self.device, torch.long)
+        if tree_tokens.numel() != tree.num_nodes:
+            raise ValueError(f"tree has {tree.num_nodes} nodes but {tree_tokens.numel()} tokens were given")
+        cache_len = cache.length
+        self._check_length(cache_len + tree.depth + 1, f"verify of a depth-{tree.depth} tree")
+        root = torch.tensor([root_token], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=torch.cat([root, tree_tokens])[None],
+            attention_mask=tree_attention_mask(cache_len, tree, self.dtype, self.device, self._window),
+            position_ids=tree.position_ids(cache_len).to(self.device)[None],
+            past_key_values=cache.kv,
+            use_cache=True,
+        )
+        cache.pending_rows = 1 + tree.num_nodes
+        return out.logits[0].to(self._logits_dtype)
+
+    @torch.inference_mode()
+    def commit(self, cache: TargetCache, keep_rows: Sequence[int]) -> None:
+        """Keep rows `keep_rows` (ascending) of the last verify input and drop the other tree rows."""
+        if cache.pending_rows == 0:
+            raise ValueError("commit without a verify to commit")
+        keep = [int(r) for r in keep_rows]
+        if any(b <= a for a, b in zip(keep, keep[1:])) or (keep and not 0 <= keep[0] <= keep[-1] < cache.pending_rows):
+            raise ValueError(f"keep_rows must be ascending rows in [0, {cache.pending_rows}), got {keep}")
+        base = cache.length - cache.pending_rows
+        for layer in cache.kv.layers:
+            layer.keys = compact_rows(layer.keys, base, keep)
+            layer.values = compact_rows(layer.values, base, keep)
+        cache.pending_rows = 0
+
+    def _check_committed(self, cache: TargetCache) -> None:
+        if cache.pending_rows:
+            raise ValueError(f"the cache holds {cache.pending_rows} uncommitted verify rows; call commit first")
+
+    def _check_length(self, needed: int, what: str) -> None:
+        if needed > self.max_context:
+            raise ValueError(
+                f"{what} needs {needed} positions but the target's context is {self.max_context} "
+                "(max_position_embeddings); shorten the prompt or max_tokens"
+            )
+
+
+def tree_attention_mask(
+    cache_len: int, tree: TreeTensors, dtype: torch.dtype, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """Additive mask [1, 1, 1 + n, cache_len + 1 + n]: 0 where a verify row may attend, dtype's min elsewhere.
+
+    Every row sees the whole cache and its tree ancestors and itself; with a sliding window, only keys whose position
+    is within `window` of the row's position.
+    """
+    rows = 1 + tree.num_nodes
+    visible = torch.cat([torch.ones(rows, cache_len, dtype=torch.bool), tree.attn_mask], dim=1)
+    if window is not None:
+        q_pos = tree.position_ids(cache_len)
+        k_pos = torch.cat([torch.arange(cache_len), q_pos])
+        visible &= (q_pos[:, None] - k_pos[None, :]) < window
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+def compact_rows(kv: torch.Tensor, base: int, keep: list[int]) -> torch.Tensor:
+    """kv [B, H, base + rows, D] -> [B, H, base + len(keep), D]: the prefix, then the kept rows, contiguous."""
+    if keep == list(range(len(keep))):
+        return kv[:, :, : base + len(keep)]
+    index = torch.tensor(keep, device=kv.device) + base
+    # Gather first (a copy), then write in place: the kept rows only ever move to earlier positions.
+    kv[:, :, base : base + len(keep)] = kv.index_select(2, index)
+    return kv[:, :, : base + len(keep)]
+
+
+def _eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config.get_text_config(decoder=True), "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def _sliding_window(config) -> int | None:
+    """The attention window every layer uses, or None for full attention; mixed layer kinds cannot share one mask."""
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and window:
+        return int(window)
+    raise ValueError(f"layer kinds {sorted(kinds)} need per-layer masks, which the tree verifier does not build")
