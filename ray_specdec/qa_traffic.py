@@ -83,7 +83,9 @@ def _returns(func: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.Return]:
     return found
 
 
-def _function_facts(lines: Sequence[str], func: ast.FunctionDef | ast.AsyncFunctionDef, qualname: str) -> Iterator[Fact]:
+def _function_facts(
+    lines: Sequence[str], func: ast.FunctionDef | ast.AsyncFunctionDef, qualname: str
+) -> Iterator[Fact]:
     args = func.args
     positional = args.posonlyargs + args.args
     pairs = list(zip(positional[len(positional) - len(args.defaults) :], args.defaults))
@@ -196,8 +198,9 @@ class QAGenerator:
             if built is not None:
                 prompt, n_tokens, files = built
                 question = f"In the file `{doc.path}` above, {fact.question}"
-                return {"id": f"qa-s{self.seed}-{bucket}-{index:05d}", "bucket": bucket, "prompt_tokens": n_tokens,
-                        "prompt": prompt, "question": question, "answer": fact.answer, "source_files": files}  # fmt: skip
+                item_id = f"qa-s{self.seed}-{bucket}-{index:05d}"
+                return {"id": item_id, "bucket": bucket, "prompt_tokens": n_tokens, "prompt": prompt,
+                        "question": question, "answer": fact.answer, "source_files": files}  # fmt: skip
         raise ValueError(f"could not build a {bucket}-token item from {self.root}")
 
     def _build(self, rng: random.Random, budget: int, doc: SourceFile, fact: Fact):

@@ -1,0 +1,394 @@
+"""Closed-loop load test of the completion API on this machine: N concurrent clients for S seconds (or R requests).
+
+Measures throughput (requests/s, completion tokens/s), time to first token (streaming), latency percentiles, errors by
+kind, the mean accepted length reported in each response's "speculative" block, and replica counts over time from a
+`ReplicaReader` sampled every second (default: `GET {url}/v1/stats`, read as {"replicas": {name: count}}; failures
+are skipped). Writes `loadtest.json`, `latency.png` and `timeline.png`.
+
+Only loopback URLs are accepted (localhost, 127.0.0.0/8, ::1), and proxies from the environment are ignored: this
+tool must not be pointed at someone else's server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import ipaddress
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping
+
+import httpx
+import numpy as np
+
+ReplicaReader = Callable[[], "Mapping[str, int] | None | Awaitable[Mapping[str, int] | None]"]
+
+DEFAULT_PROMPTS = (
+    "The history of the printing press begins",
+    "def fibonacci(n):",
+    "Explain why the sky is blue in two sentences.",
+    "Once upon a time, in a small village by the sea,",
+)
+MAX_CONCURRENCY = 1024
+
+
+def check_loopback(url: str) -> str:
+    """The URL without a trailing slash, if its host is loopback; ValueError otherwise."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"invalid URL {url!r}: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"URL must be http(s)://host[:port], got {url!r}")
+    host = parsed.host
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"refusing non-loopback host {host!r}: only localhost, 127.0.0.0/8 and ::1 are allowed")
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class LoadTestConfig:
+    url: str
+    concurrency: int = 1
+    duration_s: float = 30.0  # no request starts after this; requests in flight may finish (within timeout_s)
+    max_requests: int | None = None
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS  # used in order, cycling
+    max_tokens: int = 64
+    stream: bool = False
+    tree: str | None = None  # forwarded as the request's "tree" (e.g. "none" to turn drafting off)
+    timeout_s: float = 120.0  # per request, whole response included
+    sample_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", check_loopback(self.url))
+        if not 1 <= self.concurrency <= MAX_CONCURRENCY:
+            raise ValueError(f"concurrency must be in [1, {MAX_CONCURRENCY}], got {self.concurrency}")
+        if not self.duration_s > 0 or not self.timeout_s > 0 or not self.sample_interval_s > 0:
+            raise ValueError("duration, timeout and sample interval must be > 0")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"max requests must be >= 1, got {self.max_requests}")
+        if not self.prompts or self.max_tokens < 1:
+            raise ValueError("need at least one prompt and max_tokens >= 1")
+
+
+@dataclass
+class RequestResult:
+    start_s: float  # since the start of the run
+    latency_s: float
+    error: str | None = None  # kind: "http_503", "timeout", "connect", "transport", "bad_response", "stream_error"
+    ttft_s: float | None = None  # streaming only: first chunk with text
+    completion_tokens: int = 0
+    accepted_length: float | None = None  # the response's speculative.mean_accepted_length
+    rounds: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class _StreamTally:
+    ttft_s: float | None = None
+    chunk_tokens: int = 0
+    final: dict[str, Any] = field(default_factory=dict)  # last "usage" and "speculative" seen
+
+    def add(self, chunk: dict[str, Any], elapsed_s: float) -> None:
+        choice = (chunk.get("choices") or [{}])[0]
+        if self.ttft_s is None and (choice.get("text") or choice.get("token_ids")):
+            self.ttft_s = elapsed_s
+        ids = choice.get("token_ids")
+        self.chunk_tokens += len(ids) if ids is not None else int(bool(choice.get("text")))
+        self.final.update({k: chunk[k] for k in ("usage", "speculative") if k in chunk})
+
+
+def _finish(result: RequestResult, body: dict[str, Any], tokens: int) -> RequestResult:
+    spec = body.get("speculative") or {}
+    result.completion_tokens = int((body.get("usage") or {}).get("completion_tokens", tokens))
+    if spec.get("mean_accepted_length") is not None:
+        result.accepted_length = float(spec["mean_accepted_length"])
+        result.rounds = int(spec["rounds"]) if spec.get("rounds") is not None else None
+    return result
+
+
+async def _send(client: httpx.AsyncClient, config: LoadTestConfig, prompt: str, t0: float) -> RequestResult:
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": config.max_tokens, "stream": config.stream}
+    if config.tree is not None:
+        body["tree"] = config.tree
+    start = time.perf_counter()
+    result = RequestResult(start - t0, 0.0)
+    url = f"{config.url}/v1/completions"
+    if not config.stream:
+        response = await client.post(url, json=body)
+        if response.status_code != 200:
+            result.error = f"http_{response.status_code}"
+            return result
+        return _finish(result, response.json(), 0)
+    tally = _StreamTally()
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            result.error = f"http_{response.status_code}"
+            return result
+        async for line in response.aiter_lines():
+            data = line.removeprefix("data:").strip() if line.startswith("data:") else None
+            if data == "[DONE]":
+                break
+            if data:
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = "stream_error"
+                    return result
+                tally.add(chunk, time.perf_counter() - start)
+    result.ttft_s = tally.ttft_s
+    return _finish(result, tally.final, tally.chunk_tokens)
+
+
+async def _one_request(client: httpx.AsyncClient, config: LoadTestConfig, prompt: str, t0: float) -> RequestResult:
+    start = time.perf_counter()
+    try:
+        result = await asyncio.wait_for(_send(client, config, prompt, t0), config.timeout_s)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        result = RequestResult(start - t0, 0.0, error="timeout")
+    except httpx.ConnectError:
+        result = RequestResult(start - t0, 0.0, error="connect")
+    except httpx.HTTPError:
+        result = RequestResult(start - t0, 0.0, error="transport")
+    except (ValueError, KeyError, TypeError, IndexError):  # malformed JSON or fields
+        result = RequestResult(start - t0, 0.0, error="bad_response")
+    result.latency_s = time.perf_counter() - start
+    return result
+
+
+def stats_reader(client: httpx.AsyncClient, url: str) -> ReplicaReader:
+    """Default replica reader: {"replicas": {...}} of GET {url}/v1/stats; None when absent or failing."""
+
+    async def read() -> Mapping[str, int] | None:
+        try:
+            response = await client.get(f"{url}/v1/stats")
+            replicas = response.json().get("replicas") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return replicas if isinstance(replicas, dict) else None
+
+    return read
+
+
+async def _sample_replicas(reader: ReplicaReader, config: LoadTestConfig, t0: float, stop: asyncio.Event, out: list):
+    while not stop.is_set():
+        t = time.perf_counter() - t0
+        try:
+            value = await reader() if inspect.iscoroutinefunction(reader) else await asyncio.to_thread(reader)
+        except Exception:  # a reader is best effort: a failing sample must not stop the load
+            value = None
+        if value is not None:
+            out.append({"t": round(t, 3), "replicas": {str(k): int(v) for k, v in dict(value).items()}})
+        try:
+            await asyncio.wait_for(stop.wait(), config.sample_interval_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_loadtest(config: LoadTestConfig, replica_reader: ReplicaReader | None = None) -> dict[str, Any]:
+    """Run the load; returns the report (see `summarize`)."""
+    limits = httpx.Limits(max_connections=config.concurrency + 1, max_keepalive_connections=config.concurrency + 1)
+    timeout = httpx.Timeout(config.timeout_s)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        reader = replica_reader or stats_reader(client, config.url)
+        results: list[RequestResult] = []
+        samples: list[dict[str, Any]] = []
+        issued = 0
+        t0 = time.perf_counter()
+        deadline = t0 + config.duration_s
+
+        async def worker() -> None:
+            nonlocal issued
+            while time.perf_counter() < deadline and (config.max_requests is None or issued < config.max_requests):
+                prompt = config.prompts[issued % len(config.prompts)]
+                issued += 1
+                results.append(await _one_request(client, config, prompt, t0))
+
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_sample_replicas(reader, config, t0, stop, samples))
+        try:
+            await asyncio.gather(*(worker() for _ in range(config.concurrency)))
+        finally:
+            wall_s = time.perf_counter() - t0
+            stop.set()
+            await sampler
+    return summarize(results, wall_s, samples, config)
+
+
+def percentiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    v = np.asarray(values, dtype=np.float64)
+    p50, p95, p99 = np.percentile(v, [50, 95, 99])
+    return {"mean": float(v.mean()), "p50": float(p50), "p95": float(p95), "p99": float(p99), "max": float(v.max())}
+
+
+def _timeline(results: list[RequestResult], wall_s: float) -> list[dict[str, float]]:
+    """Completed requests and completion tokens per second of the run (the last bin may be shorter)."""
+    starts = range(int(np.ceil(wall_s)) or 1)
+    bins = [{"t": float(s), "seconds": min(1.0, wall_s - s), "requests": 0, "tokens": 0} for s in starts]
+    for r in results:
+        if r.ok:
+            b = bins[min(int(r.start_s + r.latency_s), len(bins) - 1)]
+            b["requests"] += 1
+            b["tokens"] += r.completion_tokens
+    return bins
+
+
+def summarize(
+    results: list[RequestResult], wall_s: float, samples: list[dict[str, Any]], config: LoadTestConfig
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    spec = [r for r in ok if r.accepted_length is not None]
+    weights = [r.rounds if r.rounds else 1 for r in spec]
+    accepted = float(np.average([r.accepted_length for r in spec], weights=weights)) if spec else None
+    return {
+        "config": {k: v for k, v in asdict(config).items() if k != "prompts"} | {"num_prompts": len(config.prompts)},
+        "wall_s": wall_s,
+        "requests": {"total": len(results), "ok": len(ok), "errors": len(results) - len(ok)},
+        "errors": dict(Counter(r.error for r in results if not r.ok)),
+        "throughput": {"requests_per_s": len(ok) / wall_s, "tokens_per_s": tokens / wall_s},
+        "completion_tokens": tokens,
+        "latency_s": percentiles([r.latency_s for r in ok]),
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "mean_accepted_length": accepted,
+        "replicas": samples,
+        "timeline": _timeline(results, wall_s),
+        "requests_log": [asdict(r) for r in results],
+    }
+
+
+def plot_latency(report: dict[str, Any], path: Path) -> Path:
+    """Histogram and CDF of successful requests' latency, with p50/p95/p99 marked."""
+    from matplotlib.figure import Figure  # the OO API renders with Agg, whatever pyplot's backend
+
+    latencies = np.sort([r["latency_s"] for r in report["requests_log"] if r["error"] is None])
+    fig = Figure(figsize=(10, 4))
+    hist, cdf = fig.subplots(1, 2)
+    hist.hist(latencies, bins=int(np.clip(len(latencies) // 5, 5, 50)))
+    hist.set(xlabel="latency (s)", ylabel="requests", title="Latency histogram")
+    cdf.plot(latencies, np.arange(1, len(latencies) + 1) / max(len(latencies), 1), drawstyle="steps-post")
+    for name, value in (report["latency_s"] or {}).items():
+        if name in ("p50", "p95", "p99"):
+            cdf.axvline(value, linestyle=":", color="gray")
+            cdf.annotate(name, (value, 0.02), rotation=90)
+    cdf.set(xlabel="latency (s)", ylabel="fraction of requests", title="Latency CDF")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_timeline(report: dict[str, Any], path: Path) -> Path:
+    """Completion tokens/s and requests/s per second of the run, and replica counts over time."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(10, 6))
+    tokens_ax, replicas_ax = fig.subplots(2, 1, sharex=True)
+    bins, wall_s = report["timeline"], report["wall_s"]
+    edges = [b["t"] for b in bins] + [bins[-1]["t"] + bins[-1]["seconds"]]
+    tokens_ax.stairs([b["tokens"] / b["seconds"] for b in bins], edges, fill=True, alpha=0.4)
+    requests_ax = tokens_ax.twinx()
+    requests_ax.stairs([b["requests"] / b["seconds"] for b in bins], edges, color="tab:orange", linestyle="--")
+    tokens_ax.set(ylabel="completion tokens/s", title="Throughput (completions per second of the run)")
+    requests_ax.set_ylabel("requests/s (dashed)", color="tab:orange")
+    names = sorted({name for s in report["replicas"] for name in s["replicas"]})
+    for name in names:
+        points = [(s["t"], s["replicas"][name]) for s in report["replicas"] if name in s["replicas"]]
+        points.append((max(wall_s, points[-1][0]), points[-1][1]))  # hold the last value to the end of the run
+        replicas_ax.step(*zip(*points), where="post", label=name)
+    replicas_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if names:
+        replicas_ax.legend()
+    else:
+        replicas_ax.text(0.5, 0.5, "no replica samples", ha="center", transform=replicas_ax.transAxes)
+    replicas_ax.set(xlabel="time (s)", ylabel="replicas", title="Replicas")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """loadtest.json plus the plots; returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loadtest.json").write_text(json.dumps(report, indent=1))
+    plots = [plot_latency(report, out / "latency.png"), plot_timeline(report, out / "timeline.png")]
+    return [out / "loadtest.json", *plots]
+
+
+def describe(report: dict[str, Any]) -> str:
+    def ms(stats: dict[str, float] | None, key: str) -> str:
+        return f"{1000 * stats[key]:.0f}ms" if stats else "n/a"
+
+    req, thr, lat, ttft = report["requests"], report["throughput"], report["latency_s"], report["ttft_s"]
+    accepted = report["mean_accepted_length"]
+    return (
+        f"{req['ok']}/{req['total']} ok in {report['wall_s']:.1f}s, errors {report['errors'] or 0}; "
+        f"{thr['requests_per_s']:.2f} req/s, {thr['tokens_per_s']:.1f} tok/s; latency p50 {ms(lat, 'p50')} "
+        f"p95 {ms(lat, 'p95')} p99 {ms(lat, 'p99')}; ttft p50 {ms(ttft, 'p50')}; "
+        f"mean accepted length {'n/a' if accepted is None else f'{accepted:.2f}'}"
+    )
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _UsageError(message)
+
+
+def read_prompts(path: str | Path) -> tuple[str, ...]:
+    """The "prompt" field of every line of a JSONL file (e.g. from `qa-traffic`)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        prompts = tuple(json.loads(line)["prompt"] for line in lines if line.strip())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise _UsageError(f"cannot read prompts from {path}: {exc}") from None
+    if not prompts:
+        raise _UsageError(f"no prompts in {path}")
+    return prompts
+
+
+def main(argv: list[str] | None = None, *, replica_reader: ReplicaReader | None = None) -> int:
+    parser = _Parser(prog="ray_specdec loadtest", description="Load test a local ray_specdec server.")
+    parser.add_argument("--url", required=True, help="base URL, loopback only, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds during which requests start")
+    parser.add_argument("--requests", type=int, help="stop after this many requests")
+    parser.add_argument("--prompts", help="JSONL file with a 'prompt' field per line (default: a few built-in)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--stream", action="store_true", help="stream responses (measures time to first token)")
+    parser.add_argument("--tree", help="tree config sent with every request, e.g. 3,2,2,1,1 or none")
+    parser.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds")
+    parser.add_argument("--out", default="runs/loadtest", help="directory for loadtest.json and plots")
+    try:
+        args = parser.parse_args(argv)
+        prompts = read_prompts(args.prompts) if args.prompts else DEFAULT_PROMPTS
+        config = LoadTestConfig(
+            args.url, args.concurrency, args.duration, args.requests, prompts, args.max_tokens, args.stream,
+            args.tree, args.timeout,
+        )  # fmt: skip
+    except (_UsageError, ValueError) as exc:
+        print(f"loadtest: error: {exc}", file=sys.stderr)
+        return 2
+    report = asyncio.run(run_loadtest(config, replica_reader))
+    paths = write_report(report, args.out)
+    print(describe(report))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
