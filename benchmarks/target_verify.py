@@ -67,7 +67,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")
     targets = {attn: build_target(attn, dtype, args.vocab) for attn in ATTENTION}
-    print(f"verify ms, 6x384 GPTNeoX, vocab {args.vocab}, {dtype}, cache {args.cache_len}, {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    print(f"verify ms, 6x384 GPTNeoX, vocab {args.vocab}, {dtype}, cache {args.cache_len}, {threads} threads")
     print(f"{'nodes':>6}" + "".join(f"{attn:>10}" for attn in ATTENTION))
     for n in TREE_SIZES:
         row = [time_verify(targets[attn], n, args.cache_len, args.repeats) for attn in ATTENTION]

@@ -63,7 +63,9 @@ class TargetModel:
         config = self.model.config.get_text_config(decoder=True)
         attn = self.model.config._attn_implementation
         if attn not in _MASKABLE_ATTENTION:
-            raise ValueError(f"tree verification needs a 4D attention mask; use one of {_MASKABLE_ATTENTION}, not {attn!r}")
+            raise ValueError(
+                f"tree verification needs a 4D attention mask; use one of {_MASKABLE_ATTENTION}, not {attn!r}"
+            )
         param = next(self.model.parameters())
         self.device: torch.device = param.device
         self.dtype: torch.dtype = param.dtype

@@ -1,4 +1,4 @@
-"""TargetModel against plain HF forwards: tree logits, commit, greedy decoding, loading, limits (float64, tiny models)."""
+"""TargetModel vs plain HF forwards (tiny float64 models): tree logits, commit, greedy decoding, loading, limits."""
 
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ def test_commit_equals_recompute(model, leaf, accepted):
     target.prefill(fresh, kept_tokens)
     next_tree, next_rows = build_tree(TreeConfig((2, 1)).index_paths()), random_tokens(5, 5)
     logits = target.verify(cache, int(next_rows[0]), next_tree, next_rows[1:])
-    torch.testing.assert_close(logits, target.verify(fresh, int(next_rows[0]), next_tree, next_rows[1:]), atol=1e-12, rtol=0)
+    expected = target.verify(fresh, int(next_rows[0]), next_tree, next_rows[1:])
+    torch.testing.assert_close(logits, expected, atol=1e-12, rtol=0)
     for c in (cache, fresh):
         target.commit(c, [0, 2])
         target.prefill(c, random_tokens(2, 6))
