@@ -160,7 +160,7 @@ class SpeculativeEngine:
         while not stop.finished:
             config = self._pick_tree(tree, context_len, stop.remaining)
             verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
-            self.policy.record(config, context_len, len(verdict.new_tokens), stats.last_round_s)
+            self.policy.record(config, context_len, len(verdict.accepted_rows), stats.last_round_s)
             context_len += len(verdict.new_tokens)
             kept, delta = stop.feed(verdict.new_tokens)
             stats.new_tokens += len(kept)
