@@ -1,0 +1,276 @@
+"""Mamba (v1) drafter: lean inference over the weights of a HF `MambaForCausalLM`, with per-row recurrent state.
+
+The HF module only supplies weights; the hot path is our own: per layer RMSNorm -> in_proj -> (x, z) -> causal
+depthwise conv -> SiLU -> x_proj -> (dt, B, C) -> dt_proj + softplus -> selective scan with A = -exp(A_log)
+-> + D * x -> * SiLU(z) -> out_proj -> residual, then norm_f and lm_head. A state row holds, per layer, the last
+d_conv conv inputs and the SSM state; rows are independent, so a draft tree is a batch of rows.
+
+Numerics follow HF's: the residual stream is float32 when `residual_in_fp32` (and the model is half precision), the
+SSM runs in float32 for half models, logits are float32 (float64 for a float64 model). The SSM state is kept in the
+SSM dtype. On CUDA with mamba_ssm and causal_conv1d installed, `step` uses their fused kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import MambaForCausalLM
+
+from kernels.state_copy import copy_state_rows
+from ray_specdec.models.loading import resolve_dtype, resolve_model_path
+
+try:  # GPU fast path; mamba_ssm fails to import without its CUDA extension
+    from causal_conv1d import causal_conv1d_update
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+except (ImportError, RuntimeError):
+    causal_conv1d_update = selective_state_update = None
+
+# Elements of one prefill scan block ([tokens, d_inner, d_state]): bounds memory at 8k-token prompts.
+_SCAN_BLOCK_ELEMENTS = 1 << 17
+
+
+@dataclass
+class MambaState:
+    conv: torch.Tensor  # [n_layers, rows, d_inner, d_conv]: the last d_conv conv inputs, oldest first
+    ssm: torch.Tensor  # [n_layers, rows, d_inner, d_state]
+
+    @property
+    def rows(self) -> int:
+        return self.conv.shape[1]
+
+
+@dataclass(frozen=True)
+class _MixerWeights:
+    """One layer's weights, detached from the HF module and laid out for the hot path."""
+
+    norm: torch.Tensor  # [d_model]
+    in_proj: torch.Tensor  # [2 * d_inner, d_model]
+    in_proj_bias: torch.Tensor | None  # [2 * d_inner]
+    conv: torch.Tensor  # [d_inner, d_conv]
+    conv_bias: torch.Tensor | None  # [d_inner]
+    x_proj: torch.Tensor  # [dt_rank + 2 * d_state, d_inner]
+    dt_proj: torch.Tensor  # [d_inner, dt_rank]
+    dt_bias: torch.Tensor  # [d_inner]
+    A: torch.Tensor  # [d_inner, d_state], ssm dtype: -exp(A_log)
+    D: torch.Tensor  # [d_inner], ssm dtype
+    out_proj: torch.Tensor  # [d_model, d_inner]
+    out_proj_bias: torch.Tensor | None  # [d_model]
+
+    @classmethod
+    def from_block(cls, block, ssm_dtype: torch.dtype) -> "_MixerWeights":
+        mixer = block.mixer
+
+        def param(p):
+            return None if p is None else p.detach().contiguous()
+
+        return cls(
+            norm=param(block.norm.weight),
+            in_proj=param(mixer.in_proj.weight),
+            in_proj_bias=param(mixer.in_proj.bias),
+            conv=param(mixer.conv1d.weight[:, 0, :]),
+            conv_bias=param(mixer.conv1d.bias),
+            x_proj=param(mixer.x_proj.weight),
+            dt_proj=param(mixer.dt_proj.weight),
+            dt_bias=param(mixer.dt_proj.bias),
+            A=-torch.exp(mixer.A_log.detach().to(ssm_dtype)),
+            D=mixer.D.detach().to(ssm_dtype),
+            out_proj=param(mixer.out_proj.weight),
+            out_proj_bias=param(mixer.out_proj.bias),
+        )
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.to(weight.dtype), weight.shape, weight, eps)
+
+
+def _contract_state(
+    state: torch.Tensor,  # [n, d_inner, d_state]
+    C: torch.Tensor,  # [n, d_state]
+) -> torch.Tensor:  # [n, d_inner]
+    # C @ state^T as a batched (1 x d_state) @ (d_state x d_inner) product: several times faster on CPU than
+    # state @ C (a batch of d_inner x 16 matrix-vector products) or a reduction over the short last dimension.
+    return torch.bmm(C.unsqueeze(1), state.mT).squeeze(1)
+
+
+class MambaDrafter:
+    """Prefill a prompt into one state row, step batches of rows one token each, copy rows by parent index."""
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str, *, dtype: str | torch.dtype | None = None, device: str = "cpu"
+    ) -> "MambaDrafter":
+        torch_dtype = resolve_dtype(dtype, device)
+        model = MambaForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=torch_dtype)
+        return cls(model.to(device))
+
+    def __init__(self, model: MambaForCausalLM):
+        config = model.config
+        if config.hidden_act != "silu":
+            raise ValueError(f"only silu Mamba models are supported, got hidden_act={config.hidden_act!r}")
+        self.model = model.eval()
+        backbone = model.backbone
+        self.device = backbone.embeddings.weight.device
+        self.dtype = backbone.embeddings.weight.dtype
+        self.vocab_size: int = model.lm_head.out_features
+        self.n_layers: int = config.num_hidden_layers
+        self.d_inner: int = config.intermediate_size
+        self.d_conv: int = config.conv_kernel
+        self.d_state: int = config.state_size
+        self.dt_rank: int = int(config.time_step_rank)
+        self.eps: float = config.layer_norm_epsilon
+        # Half models scan and (with residual_in_fp32) accumulate the residual in float32, as HF and mamba_ssm do.
+        self.ssm_dtype = torch.promote_types(self.dtype, torch.float32)
+        self.residual_dtype = self.ssm_dtype if config.residual_in_fp32 else self.dtype
+        self._layers = [_MixerWeights.from_block(block, self.ssm_dtype) for block in backbone.layers]
+        self._embed = backbone.embeddings.weight.detach()  # [V, d_model]
+        self._norm_f = backbone.norm_f.weight.detach()  # [d_model]
+        self._lm_head = model.lm_head.weight.detach()  # [V, d_model], may be the embedding (tied)
+        self._use_kernels = selective_state_update is not None and self.device.type == "cuda"
+
+    def new_state(self, rows: int) -> MambaState:
+        """Zero state: the state before any token."""
+        return MambaState(
+            conv=torch.zeros(self.n_layers, rows, self.d_inner, self.d_conv, dtype=self.dtype, device=self.device),
+            ssm=torch.zeros(
+                self.n_layers, rows, self.d_inner, self.d_state, dtype=self.ssm_dtype, device=self.device
+            ),
+        )
+
+    @torch.inference_mode()
+    def copy_rows(
+        self, src: MambaState, index: torch.Tensor | Sequence[int], out: MambaState | None = None
+    ) -> MambaState:
+        """out.row[i] = src.row[index[i]] for every layer's conv and SSM state (one kernel launch on CUDA)."""
+        index = self._as_ids(index)  # [rows_out]
+        if out is None:
+            out = MambaState(
+                conv=src.conv.new_empty(self.n_layers, index.shape[0], self.d_inner, self.d_conv),
+                ssm=src.ssm.new_empty(self.n_layers, index.shape[0], self.d_inner, self.d_state),
+            )
+        copy_state_rows(src.conv, src.ssm, index, out.conv, out.ssm)
+        return out
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor | Sequence[int]) -> tuple[MambaState, torch.Tensor]:
+        """input_ids [S] (S >= 1) -> (state with 1 row after the last token, logits [V] for the next token)."""
+        ids = self._as_ids(input_ids)  # [S]
+        if ids.shape[0] == 0:
+            raise ValueError("prefill needs at least one token")
+        state = self.new_state(1)
+        residual = F.embedding(ids, self._embed).to(self.residual_dtype)  # [S, d_model]
+        for layer, w in enumerate(self._layers):
+            h = _rms_norm(residual, w.norm, self.eps)
+            residual = residual + self._mix_sequence(h, w, state.conv[layer, 0], state.ssm[layer, 0])
+        return state, self._logits(residual[-1:])[0]
+
+    @torch.inference_mode()
+    def step(self, state: MambaState, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """tokens [rows], one per state row -> logits [rows, V]; the state advances by one token in place."""
+        tokens = self._as_ids(tokens)  # [rows]
+        if tokens.shape[0] != state.rows:
+            raise ValueError(f"{tokens.shape[0]} tokens for a state of {state.rows} rows")
+        mix = self._mix_step_kernels if self._use_kernels else self._mix_step
+        residual = F.embedding(tokens, self._embed).to(self.residual_dtype)  # [rows, d_model]
+        for layer, w in enumerate(self._layers):
+            h = _rms_norm(residual, w.norm, self.eps)
+            residual = residual + mix(h, w, state.conv[layer], state.ssm[layer])
+        return self._logits(residual)
+
+    def _as_ids(self, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        if ids.dim() != 1:
+            raise ValueError(f"expected a 1-D tensor of token ids, got shape {tuple(ids.shape)}")
+        return ids
+
+    def _logits(self, residual: torch.Tensor) -> torch.Tensor:
+        h = _rms_norm(residual, self._norm_f, self.eps)  # [n, d_model]
+        return F.linear(h, self._lm_head).to(self.ssm_dtype)  # [n, V]
+
+    def _mix_step(
+        self,
+        h: torch.Tensor,  # [rows, d_model]
+        w: _MixerWeights,
+        conv_state: torch.Tensor,  # [rows, d_inner, d_conv], updated in place
+        ssm_state: torch.Tensor,  # [rows, d_inner, d_state], updated in place
+    ) -> torch.Tensor:  # [rows, d_model]
+        x, z = F.linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [rows, d_inner] each
+        window = torch.cat((conv_state[:, :, 1:], x.unsqueeze(-1)), dim=-1)  # [rows, d_inner, d_conv]
+        conv_state.copy_(window)
+        x = torch.linalg.vecdot(window, w.conv)
+        if w.conv_bias is not None:
+            x = x + w.conv_bias
+        x = F.silu(x)
+
+        sd = self.ssm_dtype
+        dt, B, C = F.linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.softplus(F.linear(dt, w.dt_proj, w.dt_bias).to(sd))  # [rows, d_inner]
+        x = x.to(sd)
+        decay = torch.exp(dt.unsqueeze(-1) * w.A)  # [rows, d_inner, d_state]
+        inject = (dt * x).unsqueeze(-1) * B.to(sd).unsqueeze(1)  # [rows, d_inner, d_state]
+        torch.addcmul(inject, decay, ssm_state, out=ssm_state)
+        y = _contract_state(ssm_state, C.to(sd))  # [rows, d_inner]
+        y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
+        return F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
+
+    def _mix_step_kernels(
+        self,
+        h: torch.Tensor,  # [rows, d_model]
+        w: _MixerWeights,
+        conv_state: torch.Tensor,  # [rows, d_inner, d_conv], updated in place
+        ssm_state: torch.Tensor,  # [rows, d_inner, d_state], updated in place
+    ) -> torch.Tensor:  # [rows, d_model]
+        x, z = F.linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)
+        x = causal_conv1d_update(x, conv_state, w.conv, w.conv_bias, "silu")
+        dt, B, C = F.linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.linear(dt, w.dt_proj)  # the kernel adds dt_bias and applies softplus in float32
+        y = selective_state_update(ssm_state, x, dt, w.A, B, C, w.D, z=z, dt_bias=w.dt_bias, dt_softplus=True)
+        return F.linear(y, w.out_proj, w.out_proj_bias)
+
+    def _mix_sequence(
+        self,
+        h: torch.Tensor,  # [S, d_model]
+        w: _MixerWeights,
+        conv_state: torch.Tensor,  # [d_inner, d_conv], zero on entry; filled here
+        ssm_state: torch.Tensor,  # [d_inner, d_state], zero on entry; filled here
+    ) -> torch.Tensor:  # [S, d_model]
+        seq_len = h.shape[0]
+        x, z = F.linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [S, d_inner] each
+        x = x.t()  # [d_inner, S]
+        keep = min(seq_len, self.d_conv)
+        conv_state[:, self.d_conv - keep :].copy_(x[:, seq_len - keep :])
+        x = F.conv1d(x.unsqueeze(0), w.conv.unsqueeze(1), w.conv_bias, padding=self.d_conv - 1, groups=self.d_inner)
+        x = F.silu(x[0, :, :seq_len].t())  # [S, d_inner]
+
+        sd = self.ssm_dtype
+        dt, B, C = F.linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.softplus(F.linear(dt, w.dt_proj, w.dt_bias).to(sd))  # [S, d_inner]
+        x, B, C = x.to(sd), B.to(sd), C.to(sd)
+        y = torch.empty_like(x)  # [S, d_inner]
+        block = max(1, _SCAN_BLOCK_ELEMENTS // (self.d_inner * self.d_state))
+        for start in range(0, seq_len, block):
+            t = slice(start, start + block)
+            y[t] = self._scan_block(dt[t], x[t], B[t], C[t], w.A, ssm_state)
+        y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
+        return F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
+
+    @staticmethod
+    def _scan_block(
+        dt: torch.Tensor,  # [T, d_inner]
+        x: torch.Tensor,  # [T, d_inner]
+        B: torch.Tensor,  # [T, d_state]
+        C: torch.Tensor,  # [T, d_state]
+        A: torch.Tensor,  # [d_inner, d_state]
+        ssm_state: torch.Tensor,  # [d_inner, d_state], carried in and out
+    ) -> torch.Tensor:  # [T, d_inner]: C . state, before the D skip and the gate
+        # Sequential over tokens, vectorised over channels: one fused op per token. The decays and injections of
+        # the whole block come from batched ops, and the decay buffer is overwritten with the states as we go.
+        states = torch.exp(dt.unsqueeze(-1) * A)  # [T, d_inner, d_state]: decays, then states
+        inject = (dt * x).unsqueeze(-1) * B.unsqueeze(1)  # [T, d_inner, d_state]
+        prev = ssm_state
+        for decay, add in zip(states.unbind(0), inject.unbind(0)):
+            prev = torch.addcmul(add, decay, prev, out=decay)
+        ssm_state.copy_(prev)
+        return _contract_state(states, C)
