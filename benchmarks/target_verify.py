@@ -1,7 +1,8 @@
 """Verify latency of the Transformer target against tree size: one forward over [root, *n tree nodes].
 
 A random 6-layer x 384 GPTNeoX (vocab 4096) with the cache at 128 tokens; prints median ms per verify for each tree
-size, one column per attention implementation. Run: python benchmarks/target_verify.py [--dtype float32] [--threads 2]
+size, one column per attention implementation.
+Run from the repository root: python -m benchmarks.target_verify [--dtype float32] [--threads 1]
 """
 
 from __future__ import annotations
