@@ -24,9 +24,10 @@ from ray_specdec.models.loading import resolve_dtype, resolve_model_path
 
 try:  # GPU fast path; mamba_ssm fails to import without its CUDA extension
     from causal_conv1d import causal_conv1d_update
+    from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
     from mamba_ssm.ops.triton.selective_state_update import selective_state_update
 except (ImportError, RuntimeError):
-    causal_conv1d_update = selective_state_update = None
+    causal_conv1d_update = selective_scan_fn = selective_state_update = None
 
 # Elements of one prefill scan block ([tokens, d_inner, d_state]): bounds memory at 8k-token prompts.
 _SCAN_BLOCK_ELEMENTS = 1 << 17
@@ -34,6 +35,8 @@ _SCAN_BLOCK_ELEMENTS = 1 << 17
 
 @dataclass
 class MambaState:
+    """Per-row recurrent state. Made by the drafter under inference mode: change it only through the drafter."""
+
     conv: torch.Tensor  # [n_layers, rows, d_inner, d_conv]: the last d_conv conv inputs, oldest first
     ssm: torch.Tensor  # [n_layers, rows, d_inner, d_state]
 
@@ -86,6 +89,21 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x.to(weight.dtype), weight.shape, weight, eps)
 
 
+def _causal_conv(
+    x: torch.Tensor,  # [S, d_inner]
+    weight: torch.Tensor,  # [d_inner, d_conv]
+    bias: torch.Tensor | None,  # [d_inner]
+) -> torch.Tensor:  # [S, d_inner]
+    # Depthwise causal conv as d_conv shifted multiply-adds: F.conv1d with groups=d_inner falls back to a slow
+    # per-group loop on CPU for float64 (seconds for a short prompt on a busy machine).
+    seq_len, width = x.shape[0], weight.shape[1]
+    padded = F.pad(x, (0, 0, width - 1, 0))  # [S + d_conv - 1, d_inner]
+    out = padded[:seq_len] * weight[:, 0]
+    for k in range(1, width):
+        out = torch.addcmul(out, padded[k : k + seq_len], weight[:, k])
+    return out if bias is None else out + bias
+
+
 def _contract_state(
     state: torch.Tensor,  # [n, d_inner, d_state]
     C: torch.Tensor,  # [n, d_state]
@@ -128,7 +146,10 @@ class MambaDrafter:
         self._embed = backbone.embeddings.weight.detach()  # [V, d_model]
         self._norm_f = backbone.norm_f.weight.detach()  # [d_model]
         self._lm_head = model.lm_head.weight.detach()  # [V, d_model], may be the embedding (tied)
-        self._use_kernels = selective_state_update is not None and self.device.type == "cuda"
+        # The CUDA kernels take float32 and half precision, not float64.
+        self._use_kernels = (
+            selective_state_update is not None and self.device.type == "cuda" and self.dtype != torch.float64
+        )
 
     def new_state(self, rows: int) -> MambaState:
         """Zero state: the state before any token."""
@@ -238,23 +259,55 @@ class MambaDrafter:
     ) -> torch.Tensor:  # [S, d_model]
         seq_len = h.shape[0]
         x, z = F.linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [S, d_inner] each
-        x = x.t()  # [d_inner, S]
         keep = min(seq_len, self.d_conv)
-        conv_state[:, self.d_conv - keep :].copy_(x[:, seq_len - keep :])
-        x = F.conv1d(x.unsqueeze(0), w.conv.unsqueeze(1), w.conv_bias, padding=self.d_conv - 1, groups=self.d_inner)
-        x = F.silu(x[0, :, :seq_len].t())  # [S, d_inner]
-
-        sd = self.ssm_dtype
+        conv_state[:, self.d_conv - keep :].copy_(x[seq_len - keep :].t())
+        x = F.silu(_causal_conv(x, w.conv, w.conv_bias))  # [S, d_inner]
         dt, B, C = F.linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        scan = self._scan_kernel if self._use_kernels else self._scan
+        y = scan(x, z, dt, B, C, w, ssm_state)  # [S, d_inner]
+        return F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
+
+    def _scan(
+        self,
+        x: torch.Tensor,  # [S, d_inner]
+        z: torch.Tensor,  # [S, d_inner]
+        dt: torch.Tensor,  # [S, dt_rank], before dt_proj
+        B: torch.Tensor,  # [S, d_state]
+        C: torch.Tensor,  # [S, d_state]
+        w: _MixerWeights,
+        ssm_state: torch.Tensor,  # [d_inner, d_state], carried in and out
+    ) -> torch.Tensor:  # [S, d_inner], ssm dtype
+        sd = self.ssm_dtype
         dt = F.softplus(F.linear(dt, w.dt_proj, w.dt_bias).to(sd))  # [S, d_inner]
         x, B, C = x.to(sd), B.to(sd), C.to(sd)
         y = torch.empty_like(x)  # [S, d_inner]
         block = max(1, _SCAN_BLOCK_ELEMENTS // (self.d_inner * self.d_state))
-        for start in range(0, seq_len, block):
+        for start in range(0, x.shape[0], block):
             t = slice(start, start + block)
             y[t] = self._scan_block(dt[t], x[t], B[t], C[t], w.A, ssm_state)
-        y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
-        return F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
+        return torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
+
+    def _scan_kernel(self, x, z, dt, B, C, w: _MixerWeights, ssm_state: torch.Tensor) -> torch.Tensor:
+        """`_scan` through mamba_ssm's fused selective scan (channels-first layout, one batch row)."""
+
+        def channels_first(t: torch.Tensor) -> torch.Tensor:  # [S, n] -> [1, n, S]
+            return t.t().unsqueeze(0)
+
+        dt = F.linear(dt, w.dt_proj)  # the kernel adds dt_bias and applies softplus in float32
+        y, last_state = selective_scan_fn(
+            channels_first(x),
+            channels_first(dt),
+            w.A,
+            channels_first(B),
+            channels_first(C),
+            w.D,
+            z=channels_first(z),
+            delta_bias=w.dt_bias.float(),
+            delta_softplus=True,
+            return_last_state=True,
+        )
+        ssm_state.copy_(last_state[0])
+        return y[0].t()
 
     @staticmethod
     def _scan_block(
