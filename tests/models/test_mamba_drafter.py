@@ -55,15 +55,6 @@ def prompt(length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy shared CPU the OpenMP hand-offs cost ~10 ms each."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=[torch.float64, torch.float32], ids=["f64", "f32"])
 def dtype(request) -> torch.dtype:
     return request.param
