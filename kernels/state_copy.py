@@ -10,8 +10,8 @@ program (layer * rows_out + i, block) copies one block of the flattened row `src
 
 Rows (the last two dims) must be contiguous; layer and row strides are free, so dst may be a slice of a larger
 preallocated buffer. dst and src must be separate buffers: the kernel reads and writes in the same launch, and the
-check is by memory span, so two row slices of one [L, R, ...] buffer count as overlapping (their spans interleave). No autotune: the
-kernel writes in place, and autotune would run it several times.
+check is by memory span, so two row slices of one [L, R, ...] buffer count as overlapping (their spans interleave).
+No autotune: the kernel writes in place, and autotune would run it several times.
 """
 
 from __future__ import annotations
