@@ -1,0 +1,54 @@
+"""Export a training checkpoint to a self-contained HF model directory (fp16 safetensors + tokenizer).
+
+    python -m ray_specdec.training.export --run runs/target-neox --out ray_specdec/default_models/target-neox
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from ray_specdec.training.models import build_model
+
+EXPORT_DTYPE = torch.float16
+
+
+def export(run_dir: Path, out_dir: Path, tokenizer_dir: Path | str) -> dict:
+    """Writes model.safetensors (fp16), config.json, generation_config.json, tokenizer files, training.json."""
+    ckpt = torch.load(run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
+    config_dict = dict(ckpt["config"])
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    model = build_model(config)
+    model.load_state_dict(ckpt["model"])
+    model = model.to(EXPORT_DTYPE)
+    model.config.dtype = EXPORT_DTYPE
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, do_sample=False,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    info = {"steps": ckpt["step"], "tokens": ckpt["tokens"], "minutes": round(ckpt["elapsed_s"] / 60, 1),
+            "parameters": sum(p.numel() for p in model.parameters()), "settings": ckpt["settings"]}
+    (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", type=Path, required=True, help="run directory holding ckpt.pt")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tokenizer", default="runs/tokenizer")
+    args = parser.parse_args()
+    info = export(args.run, args.out, args.tokenizer)
+    print(f"{args.out}: step {info['steps']}, {info['parameters'] / 1e6:.2f}M parameters")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Architectures of the default model family (HF configs; all share the 4096-token corpus tokenizer).
+
+Sizes follow the CPU budget: a target decode step must cost >= 8x a drafter step, and everything trains in about
+an hour on 2 cores. Rotary positions need no learned table, so the targets accept 8k-token contexts although they
+are trained on short windows.
+"""
+
+from __future__ import annotations
+
+from transformers import (AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, MambaConfig, PretrainedConfig,
+                          PreTrainedModel)
+
+MAX_CONTEXT = 8192
+
+
+def _special_ids(eos_id: int) -> dict:
+    return {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
+
+
+def target_neox(vocab_size: int, eos_id: int) -> PretrainedConfig:
+    # Pythia-style: parallel residual, rotary on a quarter of each head.
+    return GPTNeoXConfig(
+        vocab_size=vocab_size, hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
+        intermediate_size=1536, rotary_pct=0.25, use_parallel_residual=True, max_position_embeddings=MAX_CONTEXT,
+        tie_word_embeddings=False, **_special_ids(eos_id),
+    )
+
+
+def target_llama(vocab_size: int, eos_id: int) -> PretrainedConfig:
+    # RMSNorm, SwiGLU, full rotary, grouped-query attention (6 query heads share 2 K/V heads).
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+        intermediate_size=1024, max_position_embeddings=MAX_CONTEXT, tie_word_embeddings=False, **_special_ids(eos_id),
+    )
+
+
+def drafter_mamba(vocab_size: int, eos_id: int) -> PretrainedConfig:
+    return MambaConfig(
+        vocab_size=vocab_size, hidden_size=256, num_hidden_layers=4, state_size=16, expand=2, conv_kernel=4,
+        tie_word_embeddings=True, **_special_ids(eos_id),
+    )
+
+
+def drafter_neox_small(vocab_size: int, eos_id: int) -> PretrainedConfig:
+    # About the Mamba drafter's parameter count: the baseline drafter for HF assisted generation.
+    return GPTNeoXConfig(
+        vocab_size=vocab_size, hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=1024, rotary_pct=0.25, use_parallel_residual=True, max_position_embeddings=MAX_CONTEXT,
+        tie_word_embeddings=True, **_special_ids(eos_id),
+    )
+
+
+ARCHITECTURES = {
+    "target-neox": target_neox,
+    "target-llama": target_llama,
+    "drafter-mamba": drafter_mamba,
+    "drafter-neox-small": drafter_neox_small,
+}
+
+
+def build_config(arch: str, vocab_size: int, eos_id: int) -> PretrainedConfig:
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; expected one of {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[arch](vocab_size, eos_id)
+
+
+def build_model(config: PretrainedConfig) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_config(config)
