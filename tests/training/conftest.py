@@ -22,13 +22,3 @@ def small_tokenizer(small_tokenizer_dir):
 
     return AutoTokenizer.from_pretrained(small_tokenizer_dir)
 
-
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
-    # Tiny models on a shared 2-core machine: thread hand-offs cost more than the arithmetic.
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
