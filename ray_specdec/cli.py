@@ -59,6 +59,9 @@ def run_generate(argv: list[str]) -> int:
     from ray_specdec.config import DEFAULT_TREE, SamplingParams, TreeConfig
     from ray_specdec.factory import load_engine
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one result on stdout, at most one line on stderr
     args = generate_parser().parse_args(argv)
     if not args.prompt:
         raise UsageError("--prompt is empty")

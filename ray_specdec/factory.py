@@ -70,11 +70,19 @@ def load_engine(
     from ray_specdec.engine import SpeculativeEngine
     from ray_specdec.models.loading import resolve_dtype
 
+    from ray_specdec.models.loading import resolve_model_path
+
     device = resolve_device(device)
     try:
         resolve_dtype(dtype, device)
+        # check both names before loading anything: a typo in the drafter should not cost a target load
+        for kind, name in (("target", target), ("drafter", drafter)):
+            if name is not None and name.lower() != "none":
+                resolve_model_path(name)
     except ValueError as e:
         raise LoadError(str(e)) from None
+    except FileNotFoundError as e:
+        raise LoadError(f"cannot load {kind} {name!r}: {e}") from None
     target_model = load_target(target, dtype, device)
     drafter_model = load_drafter(drafter, dtype, device)
     return SpeculativeEngine(target_model, drafter_model, tree)
