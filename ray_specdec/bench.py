@@ -1,0 +1,244 @@
+"""`python -m ray_specdec bench`: our engine against what users would pick instead, side by side in one run.
+
+Same held-out prompts, same target weights: HF `generate` (no drafter), HF assisted generation with the Transformer
+drafter, HF prompt lookup, and our engine with the Mamba drafter as a chain and as fixed trees; greedy and
+temperature 1. Speedups are ratios within this run; greedy outputs are checked token for token against HF `generate`.
+A context sweep compares drafter memory and step time, Mamba vs Transformer, as prompts grow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.engine import SpeculativeEngine
+
+
+@dataclass
+class MethodResult:
+    name: str
+    temperature: float
+    new_tokens: int = 0
+    seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    reached: list[int] = field(default_factory=list)
+    offered: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+    state_bytes: int = 0  # drafter state + target KV cache of one request at the end of generation
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def add_stats(self, stats) -> None:
+        self.accepted_lengths += stats.accepted_lengths
+        for mine, theirs in ((self.reached, stats.reached_depth), (self.offered, stats.offered_depth)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for d, v in enumerate(theirs):
+                mine[d] += v
+        self.draft_s += stats.draft_s
+        self.verify_s += stats.verify_s
+        self.other_s += stats.other_s
+
+    def to_dict(self, baseline: "MethodResult | None", reference: list[list[int]] | None) -> dict:
+        mean_len = sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else None
+        return {
+            "name": self.name,
+            "temperature": self.temperature,
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "speedup_vs_hf_generate": round(self.tokens_per_s / baseline.tokens_per_s, 3) if baseline else None,
+            "mean_accepted_length": round(mean_len, 3) if mean_len is not None else None,
+            "acceptance_per_depth": [round(r / o, 3) for r, o in zip(self.reached, self.offered)] or None,
+            "identical_to_target": (self.outputs == reference) if reference is not None else None,
+            "new_tokens": self.new_tokens,
+            "seconds": round(self.seconds, 3),
+            "draft_s": round(self.draft_s, 3),
+            "verify_s": round(self.verify_s, 3),
+            "other_s": round(self.other_s, 3),
+            "state_bytes": self.state_bytes,
+        }
+
+
+def hf_kwargs(temperature: float) -> dict:
+    if temperature == 0:
+        return {"do_sample": False}
+    # top_k=0 / top_p=1: plain temperature sampling, the same distribution our engine reproduces
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
+def run_hf(name, model, prompts, max_new, temperature, seed, **extra) -> MethodResult:
+    result = MethodResult(name, temperature)
+    for i, ids in enumerate(prompts):
+        torch.manual_seed(seed + i)
+        inp = torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new,
+                                 pad_token_id=model.config.eos_token_id, **hf_kwargs(temperature), **extra)
+        result.seconds += time.perf_counter() - t0
+        new = out[0, len(ids):].tolist()
+        result.new_tokens += len(new)
+        result.outputs.append(new)
+    return result
+
+
+def run_ours(name, engine: SpeculativeEngine, prompts, max_new, temperature, seed, tree) -> MethodResult:
+    result = MethodResult(name, temperature)
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, seed=seed + i, max_new_tokens=max_new)
+        t0 = time.perf_counter()
+        gen = engine.generate(ids, params, tree)
+        result.seconds += time.perf_counter() - t0
+        result.new_tokens += len(gen.token_ids)
+        result.outputs.append(gen.token_ids)
+        result.add_stats(gen.stats)
+    if engine.drafter is not None:
+        d = engine.drafter
+        result.state_bytes = d.n_layers * d.d_inner * (d.d_conv + d.d_state) * d.dtype.itemsize
+    return result
+
+
+def kv_bytes(past) -> int:
+    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in past.layers)
+
+
+def context_sweep(drafter, tf_drafter, stream: list[int], lengths, steps: int) -> list[dict]:
+    """Per context length: drafter state bytes of one request and one draft step's time, Mamba vs Transformer."""
+    rows = []
+    for length in tqdm(lengths, desc="context sweep", leave=False):
+        ids = stream[:length]
+        state, _ = drafter.prefill(torch.tensor(ids))
+        token = torch.tensor([ids[-1]])
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            drafter.step(state, token)
+        mamba_step = (time.perf_counter() - t0) / steps
+        mamba_bytes = state.conv.numel() * state.conv.element_size() + state.ssm.numel() * state.ssm.element_size()
+        with torch.inference_mode():
+            out = tf_drafter(torch.tensor([ids]), use_cache=True)
+            past = out.past_key_values
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = tf_drafter(token[None], past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            tf_step = (time.perf_counter() - t0) / steps
+        rows.append({"context_tokens": length, "mamba_state_bytes": mamba_bytes, "mamba_step_ms": mamba_step * 1e3,
+                     "transformer_kv_bytes": kv_bytes(past), "transformer_step_ms": tf_step * 1e3})
+    return rows
+
+
+def parse_args(argv):
+    from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET, DEFAULT_TF_DRAFTER
+
+    p = argparse.ArgumentParser(prog="python -m ray_specdec bench", description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=str(DEFAULT_TARGET))
+    p.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="Mamba drafter")
+    p.add_argument("--tf-drafter", default=str(DEFAULT_TF_DRAFTER), help="Transformer drafter for HF assisted")
+    p.add_argument("--trees", default="1,1,1,1;2,2,1,1;3,2,2,1,1", help="our tree configs, ';'-separated")
+    p.add_argument("--prompts", type=int, default=8, help="short held-out prompts")
+    p.add_argument("--long-prompts", type=int, default=2, help="long-context (1-2k token) held-out prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--contexts", default="1024,2048,4096,8192", help="context sweep lengths")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--quick", action="store_true", help="small run for CI (under 5 minutes on 2 cores)")
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="Markdown table and PNG plots go here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.long_prompts, args.max_new_tokens = 2, 1, 24
+        args.trees, args.temperatures, args.contexts = "1,1,1,1;2,2,1,1", "0,1", "1024,4096"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from ray_specdec.bench_report import write_report
+    from ray_specdec.models.mamba_drafter import MambaDrafter
+    from ray_specdec.models.target import TargetModel
+    from ray_specdec.training.corpus import heldout_prompts
+
+    try:
+        args = parse_args(argv)
+        trees = [TreeConfig.parse(t) for t in args.trees.split(";")]
+        temperatures = [float(t) for t in args.temperatures.split(",")]
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except (ValueError, SystemExit) as e:
+        print(f"error: bad bench arguments: {e}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        target = TargetModel.from_pretrained(args.target)
+        drafter = MambaDrafter.from_pretrained(args.drafter)
+        tf_drafter = AutoModelForCausalLM.from_pretrained(args.tf_drafter, dtype=torch.float32).eval()
+    except Exception as e:  # report, don't trace: a missing model is the user's input problem
+        print(f"error: cannot load bench models: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
+        return 2
+
+    tok = target.tokenizer
+    short = [p.token_ids for p in heldout_prompts(args.prompts, 64, 256, seed=args.seed, tokenizer=tok)]
+    long = [p.token_ids for p in heldout_prompts(args.long_prompts, 1024, 2048, seed=args.seed + 1, tokenizer=tok)]
+    prompts = short + long
+    hf = target.model
+    ours = SpeculativeEngine(target, drafter, trees[0])
+    plain = SpeculativeEngine(target, None)
+
+    methods = [("hf_generate", lambda t: run_hf("hf_generate", hf, prompts, args.max_new_tokens, t, args.seed)),
+               ("hf_assisted", lambda t: run_hf("hf_assisted", hf, prompts, args.max_new_tokens, t, args.seed,
+                                                assistant_model=tf_drafter)),
+               ("hf_prompt_lookup", lambda t: run_hf("hf_prompt_lookup", hf, prompts, args.max_new_tokens, t,
+                                                     args.seed, prompt_lookup_num_tokens=10)),
+               ("ours_target_only", lambda t: run_ours("ours_target_only", plain, prompts, args.max_new_tokens, t,
+                                                       args.seed, None))]
+    for tree in trees:
+        name = f"ours_mamba_{'chain' if set(tree.branching) == {1} else 'tree'}_{tree}"
+        methods.append((name, lambda t, tree=tree, name=name: run_ours(name, ours, prompts, args.max_new_tokens, t,
+                                                                        args.seed, tree)))
+
+    run_hf("warmup", hf, prompts[:1], 4, 0.0, 0)  # first calls pay one-time costs; keep them out of the timings
+    ours.generate(prompts[0], SamplingParams(max_new_tokens=4))
+    results = []
+    for temperature in temperatures:
+        by_name = {}
+        for name, run in tqdm(methods, desc=f"methods (temperature {temperature:g})"):
+            by_name[name] = run(temperature)
+        baseline, reference = by_name["hf_generate"], by_name["hf_generate"].outputs if temperature == 0 else None
+        results += [r.to_dict(baseline, reference) for r in by_name.values()]
+
+    stream = heldout_prompts(1, max(contexts), max(contexts), seed=args.seed + 2, tokenizer=tok)[0].token_ids
+    sweep = context_sweep(drafter, tf_drafter, stream, contexts, steps=10 if args.quick else 30)
+    report = {
+        "methods": results,
+        "context_sweep": sweep,
+        "hardware": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                     "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        "settings": {"prompts": len(short), "long_prompts": len(long), "max_new_tokens": args.max_new_tokens,
+                     "trees": [str(t) for t in trees], "target": args.target, "drafter": args.drafter,
+                     "tf_drafter": args.tf_drafter, "quick": args.quick},
+    }
+    identical = [m["name"] for m in results if m["identical_to_target"] is False]
+    report["greedy_outputs_identical"] = not identical
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    print(write_report(report, args.out))
+    print("greedy outputs identical to HF generate for every method" if not identical
+          else f"WARNING: greedy outputs differ from HF generate for: {', '.join(identical)}")
+    return 0

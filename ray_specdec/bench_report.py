@@ -1,0 +1,89 @@
+"""The benchmark's Markdown table and PNG plots (speedup per method, acceptance per depth, memory vs context)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "| method | T | tokens/s | speedup vs HF generate | mean accepted length | acceptance per depth | identical |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for m in report["methods"]:
+        per_depth = ", ".join(f"{a:.2f}" for a in m["acceptance_per_depth"] or []) or "-"
+        mal = f"{m['mean_accepted_length']:.2f}" if m["mean_accepted_length"] is not None else "-"
+        same = {True: "yes", False: "NO", None: "-"}[m["identical_to_target"]]
+        lines.append(f"| {m['name']} | {m['temperature']:g} | {m['tokens_per_s']:.1f} | "
+                     f"{m['speedup_vs_hf_generate']:.2f}x | {mal} | {per_depth} | {same} |")
+    lines += ["", "| context tokens | Mamba state (KiB) | Mamba step (ms) | Transformer KV (KiB) | Transformer step (ms) |",
+              "| --- | --- | --- | --- | --- |"]
+    for r in report["context_sweep"]:
+        lines.append(f"| {r['context_tokens']} | {r['mamba_state_bytes'] / 1024:.0f} | {r['mamba_step_ms']:.2f} | "
+                     f"{r['transformer_kv_bytes'] / 1024:.0f} | {r['transformer_step_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    temps = sorted({m["temperature"] for m in report["methods"]})
+    names = list(dict.fromkeys(m["name"] for m in report["methods"]))
+    width = 0.8 / len(temps)
+    for i, t in enumerate(temps):
+        speed = {m["name"]: m["speedup_vs_hf_generate"] for m in report["methods"] if m["temperature"] == t}
+        ax.bar([j + i * width for j in range(len(names))], [speed.get(n, 0) for n in names], width, label=f"T={t:g}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([j + width * (len(temps) - 1) / 2 for j in range(len(names))], names, rotation=25, ha="right")
+    ax.set_ylabel("speedup vs HF generate (same run)")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "speedup.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in report["methods"]:
+        if m["acceptance_per_depth"]:
+            depth = range(1, len(m["acceptance_per_depth"]) + 1)
+            ax.plot(depth, m["acceptance_per_depth"], marker="o", label=f"{m['name']} T={m['temperature']:g}")
+    ax.set_xlabel("depth")
+    ax.set_ylabel("P(accepted at depth | tree reached it)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "acceptance_per_depth.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    sweep = report["context_sweep"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    x = [r["context_tokens"] for r in sweep]
+    a1.plot(x, [r["mamba_state_bytes"] / 2**20 for r in sweep], marker="o", label="Mamba drafter state")
+    a1.plot(x, [r["transformer_kv_bytes"] / 2**20 for r in sweep], marker="o", label="Transformer drafter KV cache")
+    a1.set_xlabel("context tokens")
+    a1.set_ylabel("MiB per request")
+    a1.legend()
+    a2.plot(x, [r["mamba_step_ms"] for r in sweep], marker="o", label="Mamba")
+    a2.plot(x, [r["transformer_step_ms"] for r in sweep], marker="o", label="Transformer")
+    a2.set_xlabel("context tokens")
+    a2.set_ylabel("draft step (ms)")
+    a2.legend()
+    fig.tight_layout()
+    paths.append(out / "memory_vs_context.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_report(report: dict, out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(report)
+    (out / "bench.md").write_text(table)
+    plots(report, out)
+    return table

@@ -1,0 +1,60 @@
+"""The benchmark's contract on tiny models: JSON fields, greedy identity check, Markdown and PNG outputs."""
+
+import json
+
+import pytest
+import torch
+from transformers import MambaConfig, MambaForCausalLM
+
+from ray_specdec.bench import main
+from tests.tiny_models import tiny_gpt_neox, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_models")
+    tok = tiny_tokenizer()
+    vocab = len(tok)
+    for name, model in (("target", tiny_gpt_neox(vocab=vocab, max_positions=1024)),
+                        ("tf", tiny_gpt_neox(vocab=vocab, hidden=32, layers=1, max_positions=1024, seed=1))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        MambaForCausalLM(MambaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, state_size=8)
+                         ).save_pretrained(root / "mamba")
+    return root
+
+
+def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["--target", str(model_dirs / "target"), "--drafter", str(model_dirs / "mamba"),
+                 "--tf-drafter", str(model_dirs / "tf"), "--prompts", "2", "--long-prompts", "0",
+                 "--max-new-tokens", "12", "--trees", "1,1,1;2,1", "--temperatures", "0,1",
+                 "--contexts", "64,256", "--json", str(tmp_path / "bench.json"), "--out", str(out)])
+    assert code == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    names = {m["name"] for m in report["methods"]}
+    assert {"hf_generate", "hf_assisted", "hf_prompt_lookup", "ours_target_only",
+            "ours_mamba_chain_1,1,1", "ours_mamba_tree_2,1"} <= names
+    for m in report["methods"]:
+        assert {"name", "temperature", "tokens_per_s", "speedup_vs_hf_generate", "mean_accepted_length",
+                "identical_to_target"} <= set(m)
+        assert m["tokens_per_s"] > 0
+        if m["temperature"] == 0 and m["name"].startswith("ours"):
+            assert m["identical_to_target"] is True, m["name"]  # float32 tiny models: exact greedy ids
+        if m["temperature"] == 1:
+            assert m["identical_to_target"] is None
+    assert [r["context_tokens"] for r in report["context_sweep"]] == [64, 256]
+    sweep = report["context_sweep"]
+    assert sweep[0]["mamba_state_bytes"] == sweep[1]["mamba_state_bytes"]  # flat in context length
+    assert sweep[1]["transformer_kv_bytes"] > 3 * sweep[0]["transformer_kv_bytes"]  # grows with context
+    for png in ("speedup.png", "acceptance_per_depth.png", "memory_vs_context.png"):
+        assert (out / png).stat().st_size > 1000
+    assert "| hf_generate |" in (out / "bench.md").read_text()
+    assert "greedy outputs identical" in capsys.readouterr().out
+
+
+def test_bench_bad_arguments_exit_2(capsys):
+    assert main(["--trees", "x,y"]) == 2
+    assert capsys.readouterr().err.startswith("error:")

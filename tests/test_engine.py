@@ -1,0 +1,256 @@
+"""End to end: speculative output is exactly the target's (greedy ids; sampled distribution)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import MambaConfig, MambaForCausalLM
+
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.drafting import DrafterSession
+from ray_specdec.engine import SpeculativeEngine, TargetSession, empty_draft, judge
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.target import TargetModel
+from tests.tiny_models import tiny_gpt_neox, tiny_llama
+
+TREES = [(1,), (1, 1, 1, 1), (1,) * 8, (4,), (3, 2), (2, 2, 1, 1), (3, 2, 2, 1, 1), (2, 2, 2, 1, 1, 1)]
+
+
+def tiny_mamba(dtype=torch.float64, vocab=128, seed=0) -> MambaDrafter:
+    config = MambaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
+                         conv_kernel=4, initializer_range=0.1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MambaForCausalLM(config)
+    return MambaDrafter(model.to(dtype).eval())
+
+
+class EchoState:
+    def __init__(self, rows):
+        self.rows = rows
+
+
+class TargetEchoDrafter:
+    """A test drafter with the MambaDrafter interface that proposes the target's own (optionally noised) choices.
+
+    Random tiny Mamba drafters rarely agree with random tiny targets; this one agrees often, so deep acceptance,
+    full-path acceptance and the leaf commit are exercised too.
+    """
+
+    def __init__(self, hf_model, noise: float):
+        self.model, self.noise = hf_model, noise
+        self.device = torch.device("cpu")
+
+    def _logits(self, rows: list[list[int]]) -> torch.Tensor:
+        """rows: equally long token lists (true at every drafting depth) -> logits [rows, V], one batched forward."""
+        with torch.no_grad():
+            logits = self.model(torch.tensor(rows)).logits[:, -1].double()
+        if self.noise:
+            noise = [torch.randn(logits.shape[-1], dtype=torch.float64,
+                                 generator=torch.Generator().manual_seed(hash(tuple(r)) % (2**31))) for r in rows]
+            logits = logits + self.noise * torch.stack(noise)
+        return logits
+
+    def prefill(self, ids):
+        rows = [list(map(int, ids))]
+        return EchoState(rows), self._logits(rows)[0]
+
+    def copy_rows(self, state, index):
+        return EchoState([list(state.rows[i]) for i in index.tolist()])
+
+    def step(self, state, tokens):
+        for row, t in zip(state.rows, tokens.tolist()):
+            row.append(int(t))
+        return self._logits(state.rows)
+
+
+TARGETS = {"neox": tiny_gpt_neox, "llama": tiny_llama}
+
+
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def target(request):
+    return TargetModel(TARGETS[request.param](torch.float64, max_positions=512))
+
+
+def hf_greedy(target: TargetModel, prompt: list[int], n: int) -> list[int]:
+    out = target.model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=sorted(target.eos_token_ids),
+        pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompt(length: int, seed: int, vocab=128) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (length,), generator=g).tolist()  # avoid EOS ids in prompts
+
+
+@pytest.mark.parametrize("prompt_len", [1, 37, 300])
+def test_greedy_matches_target_and_hf_generate_for_every_tree(target, prompt_len):
+    prompt = random_prompt(prompt_len, seed=prompt_len)
+    n = 23  # odd, so that rounds end mid-tree
+    expected = hf_greedy(target, prompt, n)
+    plain = SpeculativeEngine(target, None).generate(prompt, SamplingParams(max_new_tokens=n))
+    assert plain.token_ids == expected
+    drafters = [tiny_mamba()]
+    if prompt_len < 100:  # the echo drafter re-runs the whole context every step: keep its contexts short
+        drafters.append(TargetEchoDrafter(target.model, noise=2.0))
+    for branching in TREES:
+        for drafter in drafters:
+            result = SpeculativeEngine(target, drafter, TreeConfig(branching)).generate(
+                prompt, SamplingParams(max_new_tokens=n)
+            )
+            assert result.token_ids == expected, (branching, type(drafter).__name__)
+            assert len(result.token_ids) <= n
+
+
+def test_echo_drafter_gets_deep_acceptance(target):
+    """The agreeing drafter must actually exercise multi-token rounds (otherwise the test above proves little)."""
+    prompt = random_prompt(20, seed=1)
+    result = SpeculativeEngine(target, TargetEchoDrafter(target.model, noise=0.0), TreeConfig((1, 1, 1, 1))).generate(
+        prompt, SamplingParams(max_new_tokens=30, ignore_eos=True)
+    )
+    assert result.stats.mean_accepted_length > 3.0
+    assert len(result.token_ids) == 30
+    assert result.token_ids == hf_greedy_ignore_eos(target, prompt, 30)
+
+
+def hf_greedy_ignore_eos(target, prompt, n):
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 11])
+def test_never_overshoots_max_new_tokens(target, max_new):
+    prompt = random_prompt(10, seed=3)
+    engine = SpeculativeEngine(target, TargetEchoDrafter(target.model, noise=0.0), TreeConfig((2, 2, 1, 1, 1, 1)))
+    result = engine.generate(prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+    assert len(result.token_ids) == max_new
+    assert result.finish_reason == "length"
+    assert result.token_ids == hf_greedy_ignore_eos(target, prompt, max_new)
+
+
+def test_eos_stops_generation(target):
+    prompt = random_prompt(10, seed=3)
+    engine = SpeculativeEngine(target, TargetEchoDrafter(target.model, noise=0.0), TreeConfig((1, 1, 1)))
+    free = engine.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    eos = free[5]
+    target.eos_token_ids, saved = frozenset({eos}), target.eos_token_ids
+    try:
+        result = engine.generate(prompt, SamplingParams(max_new_tokens=12))
+    finally:
+        target.eos_token_ids = saved
+    assert result.token_ids == free[: free.index(eos) + 1]
+    assert result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("branching", [(3, 2, 1), (1, 1, 1, 1), (2,)])
+def test_drafter_state_after_commits_equals_prefill_from_scratch(branching):
+    """Commit every possible accepted depth (0 .. leaf) and compare with prefilling all tokens from scratch."""
+    from ray_specdec.acceptance import Verdict
+
+    drafter = tiny_mamba(vocab=32)
+    config = TreeConfig(branching)
+    tokens = random_prompt(12, seed=4, vocab=32)
+    session = DrafterSession(drafter, tokens, vocab_size=32)
+    g = torch.Generator().manual_seed(0)
+    for round_ in range(2 * (config.depth + 1)):
+        draft = session.draft(config, SamplingParams(temperature=1.0), g)
+        tree = draft.tree
+        depth = round_ % (config.depth + 1)
+        leaf = tree.leaf_paths[int(torch.randint(len(tree.leaf_paths), (1,), generator=g))]
+        rows = leaf[1 : depth + 1]
+        accepted = tuple(int(draft.tokens[r - 1]) for r in rows)
+        verdict = Verdict(rows, accepted, bonus_token=int(torch.randint(32, (1,), generator=g)))
+        session.commit(verdict)
+        tokens += verdict.new_tokens
+        fresh_state, fresh_logits = drafter.prefill(torch.tensor(tokens))
+        torch.testing.assert_close(session.root_state.conv, fresh_state.conv)
+        torch.testing.assert_close(session.root_state.ssm, fresh_state.ssm)
+        torch.testing.assert_close(session.root_logits[0], fresh_logits)
+
+
+# ---- sampling: the emitted distribution is the target's ------------------------------------------------------------
+
+VOCAB = 6
+
+
+def enumerate_target(target: TargetModel, prompt: list[int], params: SamplingParams, n: int) -> dict:
+    """Exact target-only distribution over the next n tokens (processed by temperature / top-k / top-p)."""
+    from ray_specdec.sampling import logits_to_probs
+
+    dist = {}
+    for seq in itertools.product(range(VOCAB), repeat=n):
+        with torch.no_grad():
+            logits = target.model(torch.tensor([prompt + list(seq)])).logits[0].double()
+        probs = logits_to_probs(logits, params)
+        dist[seq] = float(np.prod([probs[len(prompt) - 1 + i, t] for i, t in enumerate(seq)]))
+    return dist
+
+
+@pytest.mark.parametrize(
+    "branching, draft_sampling, temperature, top_k, top_p",
+    [
+        ((2, 1), "iid", 0.9, 0, 1.0),
+        ((3, 2), "without_replacement", 0.9, 0, 1.0),
+        # filtered supports of target and drafter overlap only partly here: rejections must renormalize correctly
+        ((2, 2), "without_replacement", 2.0, 4, 0.9),
+    ],
+)
+def test_sampled_generation_has_target_distribution(branching, draft_sampling, temperature, top_k, top_p):
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=VOCAB, seed=5))
+    target.eos_token_ids = frozenset()
+    drafter = tiny_mamba(vocab=VOCAB, seed=6)
+    prompt = [1, 4, 2]
+    n_tokens, n_samples = 2, 2000
+    base = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=n_tokens,
+                          draft_sampling=draft_sampling)
+    exact = enumerate_target(target, prompt, base, n_tokens)
+    engine = SpeculativeEngine(target, drafter, TreeConfig(branching))
+    counts = dict.fromkeys(exact, 0)
+    accepted = 0
+    for seed in range(n_samples):
+        result = engine.generate(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
+        counts[tuple(result.token_ids)] += 1
+        accepted += result.stats.rounds == 1
+    assert accepted > 0, "some generations must take both tokens in one round, or drafting was not tested"
+    keys = [k for k in exact if exact[k] > 0]
+    assert all(counts[k] == 0 for k in exact if exact[k] == 0), "emitted a sequence the target cannot produce"
+    observed = np.array([counts[k] for k in keys], dtype=float)
+    expected = np.array([exact[k] for k in keys]) * n_samples
+    big = expected >= 5  # chi-square needs enough expected counts; pool the rest
+    obs, exp = observed[big], expected[big]
+    if (~big).any():
+        obs, exp = np.append(obs, observed[~big].sum()), np.append(exp, expected[~big].sum())
+    assert chisquare(obs, exp).pvalue > 1e-3
+    assert 0.5 * np.abs(observed / n_samples - expected / n_samples).sum() < 0.08
+
+
+def test_same_seed_same_sample():
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=32))
+    engine = SpeculativeEngine(target, tiny_mamba(vocab=32), TreeConfig((2, 2, 1)))
+    params = SamplingParams(temperature=1.0, seed=123, max_new_tokens=16)
+    assert engine.generate([3, 4, 5], params).token_ids == engine.generate([3, 4, 5], params).token_ids
+
+
+def test_empty_prompt_and_overlong_requests_are_rejected():
+    target = TargetModel(tiny_gpt_neox(torch.float32, max_positions=64))
+    engine = SpeculativeEngine(target, None)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([], SamplingParams())
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate(list(range(5, 60)), SamplingParams(max_new_tokens=20))
+
+
+def test_empty_draft_round_is_plain_decoding():
+    target = TargetModel(tiny_gpt_neox(torch.float64))
+    session = TargetSession(target, [5, 6, 7])
+    logits = session.forward(empty_draft())
+    assert logits.shape == (1, target.vocab_size)
+    verdict = judge(logits, empty_draft(), SamplingParams(), None)
+    assert verdict.accepted_rows == () and verdict.bonus_token == int(logits[0].argmax())
