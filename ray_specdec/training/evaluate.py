@@ -85,15 +85,22 @@ def evaluate(gamma: int = 4, n_prompts: int = 16, prompt_len: int = 128, new_tok
         lengths = [x for t, d in zip(continuations[target].tolist(), drafts.tolist())
                    for x in chain_accepted_lengths(t, d, gamma)]
         acceptance[f"{target} + {drafter}"] = round(sum(lengths) / len(lengths), 3)
-    return {"heldout_perplexity": ppl, "mean_accepted_length": acceptance,
+    training = {name: json.loads((default_model_path(name) / "training.json").read_text()) for name in present}
+    return {"heldout_perplexity": ppl, "mean_accepted_length": acceptance, "training": training,
             "setup": {"gamma": gamma, "prompts": n_prompts, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
                       "ppl_windows": ppl_windows, "ppl_seq_len": seq_len}}
 
 
 def results_markdown(results: dict) -> str:
     s = results["setup"]
-    lines = [RESULTS_START, "",
-             f"Held-out perplexity ({s['ppl_windows']} windows x {s['ppl_seq_len']} tokens of the held-out split):", "",
+    lines = [RESULTS_START, "", "| model | parameters | steps | tokens seen | minutes | loss | teacher (KL weight) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, t in results["training"].items():
+        teacher = Path(t["settings"]["teacher"]).name if t["settings"]["teacher"] else "-"
+        alpha = f" ({t['settings']['alpha']})" if t["settings"]["teacher"] else ""
+        lines.append(f"| {name} | {t['parameters'] / 1e6:.2f}M | {t['steps']} | {t['tokens']:,} | {t['minutes']} | "
+                     f"{t.get('final_loss', '-')} | {teacher}{alpha} |")
+    lines += ["", f"Held-out perplexity ({s['ppl_windows']} windows x {s['ppl_seq_len']} tokens of the held-out split):", "",
              "| model | perplexity |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in results["heldout_perplexity"].items()]
     lines += ["", f"Greedy chain drafting, gamma={s['gamma']}, {s['prompts']} held-out prompts of "

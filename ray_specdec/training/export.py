@@ -17,6 +17,12 @@ from ray_specdec.training.models import build_model
 EXPORT_DTYPE = torch.float16
 
 
+def _final_loss(run_dir: Path) -> float | None:
+    """Last batch loss of the run (from summary.json written at its end), None for a run still going."""
+    summary = run_dir / "summary.json"
+    return json.loads(summary.read_text()).get("final_loss") if summary.exists() else None
+
+
 def export(run_dir: Path, out_dir: Path, tokenizer_dir: Path | str) -> dict:
     """Writes model.safetensors (fp16), config.json, generation_config.json, tokenizer files, training.json."""
     ckpt = torch.load(run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
@@ -35,7 +41,8 @@ def export(run_dir: Path, out_dir: Path, tokenizer_dir: Path | str) -> dict:
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     info = {"steps": ckpt["step"], "tokens": ckpt["tokens"], "minutes": round(ckpt["elapsed_s"] / 60, 1),
-            "parameters": sum(p.numel() for p in model.parameters()), "settings": ckpt["settings"]}
+            "parameters": sum(p.numel() for p in model.parameters()), "final_loss": _final_loss(run_dir),
+            "settings": ckpt["settings"]}
     (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
 
