@@ -167,6 +167,7 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
+    from ray_specdec.bandit import Bandit, BanditConfig
     from ray_specdec.bench_report import write_report
     from ray_specdec.models.mamba_drafter import MambaDrafter
     from ray_specdec.models.target import TargetModel
@@ -210,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         name = f"ours_mamba_{'chain' if set(tree.branching) == {1} else 'tree'}_{tree}"
         methods.append((name, lambda t, tree=tree, name=name: run_ours(name, ours, prompts, args.max_new_tokens, t,
                                                                         args.seed, tree)))
+
+    # the bandit learns online, during the measured run, among the same fixed trees shown beside it
+    bandit_engine = SpeculativeEngine(target, drafter, Bandit(BanditConfig(arms=tuple(trees)), seed=args.seed))
+    methods.append(("ours_mamba_bandit", lambda t: run_ours("ours_mamba_bandit", bandit_engine, prompts,
+                                                             args.max_new_tokens, t, args.seed, None)))
 
     run_hf("warmup", hf, prompts[:1], 4, 0.0, 0)  # first calls pay one-time costs; keep them out of the timings
     ours.generate(prompts[0], SamplingParams(max_new_tokens=4))

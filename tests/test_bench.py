@@ -36,7 +36,7 @@ def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
     report = json.loads((tmp_path / "bench.json").read_text())
     names = {m["name"] for m in report["methods"]}
     assert {"hf_generate", "hf_assisted", "hf_prompt_lookup", "ours_target_only",
-            "ours_mamba_chain_1,1,1", "ours_mamba_tree_2,1"} <= names
+            "ours_mamba_chain_1,1,1", "ours_mamba_tree_2,1", "ours_mamba_bandit"} <= names
     for m in report["methods"]:
         assert {"name", "temperature", "tokens_per_s", "speedup_vs_hf_generate", "mean_accepted_length",
                 "identical_to_target"} <= set(m)
