@@ -7,7 +7,8 @@ code uses a caller-supplied 4D mask as-is (eager and sdpa alike), so this adapte
 replaced the Linear layers: every rank runs the same calls and keeps its own shard of the cache.
 
 After acceptance, ``commit`` keeps the root and the accepted path and drops the other tree rows, compacting each
-layer's K/V so the cache is again one contiguous prefix.
+layer's K/V so the cache is again one contiguous prefix. The K/V live in a `GrowableKVCache` (kv_cache.py): rows are
+written in place into preallocated buffers, so a round costs O(new rows), not a copy of the whole context.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path
 from ray_specdec.tree import TreeTensors
 
@@ -33,7 +35,7 @@ PREFILL_CHUNK = 512
 class TargetCache:
     """Per-request KV cache. `pending_rows` counts rows of the last verify that are not committed yet."""
 
-    kv: DynamicCache
+    kv: GrowableKVCache
     pending_rows: int = 0
 
     @property
@@ -76,8 +78,9 @@ class TargetModel:
         self._logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
 
     def new_cache(self) -> TargetCache:
-        # No config: plain full-attention layers that keep every position (sliding windows are applied by the mask).
-        return TargetCache(DynamicCache())
+        # Full-attention layers that keep every position (sliding windows are applied by the mask); buffers never
+        # grow past the context, which _check_length enforces.
+        return TargetCache(GrowableKVCache(max_capacity=self.max_context))
 
     @torch.inference_mode()
     def prefill(self, cache: TargetCache, input_ids: torch.Tensor) -> None:
@@ -122,9 +125,7 @@ class TargetModel:
         if any(b <= a for a, b in zip(keep, keep[1:])) or (keep and not 0 <= keep[0] <= keep[-1] < cache.pending_rows):
             raise ValueError(f"keep_rows must be ascending rows in [0, {cache.pending_rows}), got {keep}")
         base = cache.length - cache.pending_rows
-        for layer in cache.kv.layers:
-            layer.keys = compact_rows(layer.keys, base, keep)
-            layer.values = compact_rows(layer.values, base, keep)
+        cache.kv.compact(base, keep)
         cache.pending_rows = 0
 
     def _check_committed(self, cache: TargetCache) -> None:
@@ -155,16 +156,6 @@ def tree_attention_mask(
         visible &= (q_pos[:, None] - k_pos[None, :]) < window
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
     return mask.to(device)[None, None]
-
-
-def compact_rows(kv: torch.Tensor, base: int, keep: list[int]) -> torch.Tensor:
-    """kv [B, H, base + rows, D] -> [B, H, base + len(keep), D]: the prefix, then the kept rows, contiguous."""
-    if keep == list(range(len(keep))):
-        return kv[:, :, : base + len(keep)]
-    index = torch.tensor(keep, device=kv.device) + base
-    # Gather first (a copy), then write in place: the kept rows only ever move to earlier positions.
-    kv[:, :, base : base + len(keep)] = kv.index_select(2, index)
-    return kv[:, :, : base + len(keep)]
 
 
 def _eos_token_ids(model: PreTrainedModel) -> frozenset[int]:

@@ -1,0 +1,133 @@
+"""A KV cache for the target that grows in place: per-layer K/V buffers with spare capacity.
+
+transformers' `DynamicCache` appends with `torch.cat`, so every forward copies the whole K/V of every layer: a verify
+round at 8k context moves O(context) bytes per layer just to add a few rows. `GrowableKVCache` keeps one buffer per
+layer for keys and one for values, `[B, H, capacity, D]`, writes new rows into the spare capacity and hands attention
+views of the valid prefix `[B, H, length, D]` (strided: attention reads them without a copy). A full buffer is replaced
+by one twice as large (amortised O(1) per row), so a request's buffers are reallocated O(log context) times.
+
+Views stay valid until the next write to the same rows: `update` only writes at or after the current length and
+`compact` only below it, and growth moves data into a new buffer while old views keep the old one alive. A view taken
+before a `compact` covers rows that later writes reuse, so hold views for one forward only (HF does).
+
+The layer implements what HF's attention layers and mask builders call (`update`, `get_seq_length`,
+`get_mask_sizes`, `get_max_length`, `lazy_initialization`, `reset`), plus `compact` for tree verification. The shapes
+come from the first update, so on a tensor-parallel rank the buffers hold that rank's head shard. Beam search and
+offloading, which reassign `keys` / `values`, are not supported.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+# First allocation, in rows: small enough for short requests, large enough that decoding does not regrow at once.
+MIN_CAPACITY = 256
+
+
+class GrowableLayer(CacheLayerMixin):
+    """One attention layer's K/V in buffers `[B, H, capacity, D]`; rows `[0, length)` are valid.
+
+    Every position is kept (a full-attention layer): sliding windows are applied by the mask, not by dropping rows.
+    """
+
+    def __init__(self, max_capacity: int | None = None):
+        # CacheLayerMixin.__init__ is not called: it assigns `keys` / `values`, which are views of the buffers here.
+        self.max_capacity = max_capacity
+        self.length = 0
+        self.is_initialized = False
+        self._keys: torch.Tensor | None = None  # [B, H, capacity, Dk]
+        self._values: torch.Tensor | None = None  # [B, H, capacity, Dv]
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """[B, H, length, Dk] view of the valid rows."""
+        return None if self._keys is None else self._keys[:, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """[B, H, length, Dv] view of the valid rows."""
+        return None if self._values is None else self._values[:, :, : self.length]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None else self._keys.shape[-2]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Empty buffers with the batch, head count, head size, dtype and device of the first states."""
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
+        self._values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append key_states [B, H, S, Dk] and value_states [B, H, S, Dv]; return views of all valid rows."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        self.reserve(end)
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys, self.values
+
+    def reserve(self, rows: int) -> None:
+        """Make room for `rows` rows in total: double the capacity (at least), capped at `max_capacity`."""
+        if rows <= self.capacity:
+            return
+        capacity = max(2 * self.capacity, MIN_CAPACITY)
+        if self.max_capacity is not None:
+            capacity = min(capacity, self.max_capacity)
+        capacity = max(capacity, rows)
+        self._keys = _regrow(self._keys, capacity, self.length)
+        self._values = _regrow(self._values, capacity, self.length)
+
+    def compact(self, base: int, keep: Sequence[int]) -> None:
+        """Move rows `base + keep[i]` to `base + i` (keep ascending) and drop every row after them."""
+        first_moved = next((i for i, row in enumerate(keep) if row != i), len(keep))
+        if first_moved < len(keep):
+            index = torch.tensor(keep[first_moved:], device=self._keys.device) + base
+            rows = slice(base + first_moved, base + len(keep))
+            # Gather (a copy) before writing: a kept row's source can be another kept row's destination.
+            self._keys[:, :, rows] = self._keys.index_select(2, index)
+            self._values[:, :, rows] = self._values.index_select(2, index)
+        self.length = base + len(keep)
+
+    def reset(self) -> None:
+        """Empty the layer; the buffers are kept for reuse."""
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the next forward's mask: every cached row plus the queries, from position 0."""
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1  # no maximum: the buffers grow
+
+
+class GrowableKVCache(Cache):
+    """An HF `Cache` of `GrowableLayer`s, created lazily (one per attention layer) on the first forward."""
+
+    def __init__(self, max_capacity: int | None = None):
+        """max_capacity: rows a buffer never grows beyond unless a single write needs more (the model's context)."""
+        super().__init__(layer_class_to_replicate=partial(GrowableLayer, max_capacity=max_capacity))
+
+    def compact(self, base: int, keep: Sequence[int]) -> None:
+        """Every layer: rows `base + keep[i]` move to `base + i`; the cache then holds `base + len(keep)` rows."""
+        for layer in self.layers:
+            layer.compact(base, keep)
+
+
+def _regrow(buffer: torch.Tensor, capacity: int, rows: int) -> torch.Tensor:
+    """buffer [B, H, old, D] -> a new [B, H, capacity, D] holding its first `rows` rows; the rest is uninitialised."""
+    grown = buffer.new_empty((*buffer.shape[:2], capacity, buffer.shape[-1]))
+    grown[:, :, :rows] = buffer[:, :, :rows]
+    return grown
