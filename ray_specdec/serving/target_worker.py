@@ -1,0 +1,168 @@
+"""One tensor-parallel rank of the target, without Ray: the sharded model and its shard of every request's KV cache.
+
+With world_size > 1 a worker joins a torch.distributed group (gloo on CPU, nccl on GPU) and shards the target with
+DeepSpeed AutoTP (`init_inference(..., replace_with_kernel_inject=False)`): Linear layers are split across ranks and
+all-reduced, so every rank runs the same calls on the same inputs and ends up with the same full logits. Callers must
+send every rank the same calls in the same order (prefill and forward are collective); only rank 0 returns logits.
+
+With world_size == 1 DeepSpeed is not used at all: the plain HF module is exactly what the in-process engine runs
+(bit-identical logits, float64 allowed), and there is nothing to shard. `init_inference` with tp_size 1 would only
+cast the model (refusing float64 on CPU) and import DeepSpeed for nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from ray_specdec.acceptance import Verdict
+from ray_specdec.drafting import Draft
+from ray_specdec.engine import TargetSession
+from ray_specdec.models.loading import resolve_dtype, resolve_model_path
+from ray_specdec.models.target import ATTN_IMPLEMENTATION, TargetModel
+
+
+class UnknownRequest(KeyError):
+    """The request id was never started here, or was released (finished, cancelled, idle too long)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # KeyError would print the message in quotes
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine now (for the rank-0 rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device) -> None:
+    """Join the process group of the target's ranks: nccl on GPU, gloo on CPU."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)  # a bare "cuda" has no index, which set_device refuses
+    dist.init_process_group(
+        backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size
+    )
+
+
+def load_target(model: str, *, dtype: str | torch.dtype | None, device: torch.device, tp_size: int) -> TargetModel:
+    """The target on `device`; with tp_size > 1, this rank's AutoTP shard (the process group must exist)."""
+    path = resolve_model_path(model)
+    torch_dtype = resolve_dtype(dtype, device)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    hf_model.eval()
+    if tp_size == 1:
+        return TargetModel(hf_model.to(device))
+    return TargetModel(_auto_tp(hf_model, torch_dtype, device, tp_size))
+
+
+def check_tp_dtype(dtype: torch.dtype) -> None:
+    """DeepSpeed's accelerator refuses some dtypes (float64 on CPU); say so in terms of this project's settings."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = accelerator.supported_dtypes()
+    if dtype not in supported:
+        raise ValueError(
+            f"tensor parallelism (DeepSpeed AutoTP) on {accelerator.device_name()} supports {supported}, not "
+            f"{dtype}; use tp_size=1 for {dtype}"
+        )
+
+
+def _auto_tp(model, dtype: torch.dtype, device: torch.device, tp_size: int):
+    import deepspeed
+
+    if device.type == "cpu":
+        _use_process_group_all_reduce()
+    # DeepSpeed puts the shards on accelerator device LOCAL_RANK (under Ray: each rank sees its one GPU as index 0).
+    os.environ["LOCAL_RANK"] = str(device.index or 0)
+    return deepspeed.init_inference(
+        model, tensor_parallel={"tp_size": tp_size}, dtype=dtype, replace_with_kernel_inject=False
+    )
+
+
+def _use_process_group_all_reduce() -> None:
+    """Make DeepSpeed's CPU all-reduce go through the gloo process group instead of its shared-memory op.
+
+    That op (deepspeed_shm_comm) is C++ that DeepSpeed JIT-compiles when its comm backend starts (~100 s of g++ CPU
+    time, once per machine: a fresh CI machine would pay it in the tests). It also segfaults unless LOCAL_SIZE equals
+    the world size, and its kernel only knows bf16 / fp16 / fp32. DeepSpeed looks the op up in `__compatible_ops__`
+    before building it; marked incompatible, nothing is compiled and AutoTP all-reduces with torch.distributed.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().get_op_builder("ShareMemCommBuilder").NAME
+    deepspeed.ops.__compatible_ops__[name] = False
+
+
+class TargetWorker:
+    """One rank: the (sharded) target and a TargetSession per request. Not thread-safe: one call at a time."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str = "cpu",
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.rank, self.world_size = rank, world_size
+        device = torch.device(device)
+        if world_size > 1:
+            check_tp_dtype(resolve_dtype(dtype, device))  # before the rendezvous: fail at once, not after it
+            init_distributed(rank, world_size, master_addr, master_port, device)
+        self.target = load_target(model, dtype=dtype, device=device, tp_size=world_size)
+        self.model_name = model
+        self.sessions: dict[str, TargetSession] = {}
+
+    def info(self) -> dict:
+        t = self.target
+        return {
+            "model": self.model_name,
+            "vocab_size": t.vocab_size,
+            "max_context": t.max_context,
+            "eos_token_ids": sorted(t.eos_token_ids),
+            "tp_size": self.world_size,
+            "dtype": str(t.dtype).removeprefix("torch."),
+        }
+
+    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
+        """Prefill the prompt (all but its last token, which is the first verify's root)."""
+        if request_id in self.sessions:
+            raise ValueError(f"request {request_id!r} is already started")
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids must hold at least one token")
+        self.sessions[request_id] = TargetSession(self.target, prompt_ids)
+
+    def forward(self, request_id: str, draft: Draft) -> torch.Tensor | None:
+        """Logits [1 + n, V] at the root and every draft node on rank 0 (on the CPU); None on the other ranks."""
+        logits = self._session(request_id).forward(draft)
+        return logits.cpu() if self.rank == 0 else None
+
+    def commit(self, request_id: str, verdict: Verdict) -> None:
+        self._session(request_id).commit(verdict)
+
+    def release(self, request_id: str) -> bool:
+        """Drop the request's cache; False if there was none (releasing twice is harmless)."""
+        return self.sessions.pop(request_id, None) is not None
+
+    def request_ids(self) -> list[str]:
+        return list(self.sessions)
+
+    def _session(self, request_id: str) -> TargetSession:
+        session = self.sessions.get(request_id)
+        if session is None:
+            raise UnknownRequest(f"target rank {self.rank} has no request {request_id!r} (never started or released)")
+        return session
