@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ray_specdec.defaults import DEFAULT_MODEL_NAMES, default_model_path
+from ray_specdec.defaults import DEFAULT_MODEL_NAMES, DEFAULT_MODELS_DIR
 from ray_specdec.training.corpus import encode_split, heldout_prompts
 
 PAIRS = (("target-neox", "drafter-mamba"), ("target-neox", "drafter-neox-small"), ("target-llama", "drafter-mamba"))
@@ -40,8 +40,8 @@ def chain_accepted_lengths(target_tokens: Sequence[int], draft_tokens: Sequence[
     return lengths
 
 
-def load(name: str) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(default_model_path(name), dtype=torch.float32).eval()
+def load(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -68,12 +68,12 @@ def drafter_greedy(drafter, prompts: torch.Tensor, continuation: torch.Tensor) -
     return logits[:, prompts.shape[1] - 1:].argmax(-1)
 
 
-def evaluate(gamma: int = 4, n_prompts: int = 16, prompt_len: int = 128, new_tokens: int = 64,
-             ppl_windows: int = 16, seq_len: int = 256) -> dict:
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path("target-neox"))
+def evaluate(models_dir: Path = DEFAULT_MODELS_DIR, gamma: int = 4, n_prompts: int = 16, prompt_len: int = 128,
+             new_tokens: int = 64, ppl_windows: int = 16, seq_len: int = 256) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(models_dir / "target-neox")
     stream = torch.from_numpy(encode_split(tokenizer, "heldout").astype("int64"))
-    present = [n for n in DEFAULT_MODEL_NAMES if (default_model_path(n) / "config.json").exists()]
-    models = {name: load(name) for name in present}
+    present = [n for n in DEFAULT_MODEL_NAMES if (models_dir / n / "config.json").exists()]
+    models = {name: load(models_dir / name) for name in present}
     ppl = {name: round(heldout_perplexity(m, stream, ppl_windows, seq_len), 3) for name, m in models.items()}
     prompts = torch.tensor([p.token_ids for p in heldout_prompts(n_prompts, prompt_len, prompt_len, 0, tokenizer)])
     continuations = {t: greedy_continuations(models[t], prompts, new_tokens) for t in {p[0] for p in PAIRS} & set(present)}
@@ -85,7 +85,7 @@ def evaluate(gamma: int = 4, n_prompts: int = 16, prompt_len: int = 128, new_tok
         lengths = [x for t, d in zip(continuations[target].tolist(), drafts.tolist())
                    for x in chain_accepted_lengths(t, d, gamma)]
         acceptance[f"{target} + {drafter}"] = round(sum(lengths) / len(lengths), 3)
-    training = {name: json.loads((default_model_path(name) / "training.json").read_text()) for name in present}
+    training = {name: json.loads((models_dir / name / "training.json").read_text()) for name in present}
     return {"heldout_perplexity": ppl, "mean_accepted_length": acceptance, "training": training,
             "setup": {"gamma": gamma, "prompts": n_prompts, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
                       "ppl_windows": ppl_windows, "ppl_seq_len": seq_len}}
@@ -120,13 +120,14 @@ def write_results(doc: Path, results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR)
     parser.add_argument("--doc", type=Path, default=Path("docs/MODELS.md"))
     parser.add_argument("--json", type=Path, default=Path("runs/eval.json"))
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = evaluate(gamma=args.gamma)
+    results = evaluate(args.models_dir, gamma=args.gamma)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
     write_results(args.doc, results)
