@@ -23,13 +23,14 @@ TREE_SIZES = (0, 8, 16, 32)
 ATTENTION = ("sdpa", "eager")
 
 
-def build_target(attn: str, dtype: torch.dtype, vocab: int) -> TargetModel:
+def build_target(attn: str, dtype: torch.dtype, vocab: int, max_positions: int = 2048) -> TargetModel:
     config = GPTNeoXConfig(
         vocab_size=vocab,
         hidden_size=384,
         num_hidden_layers=6,
         num_attention_heads=6,
         intermediate_size=4 * 384,
+        max_position_embeddings=max_positions,
         attn_implementation=attn,
     )
     torch.manual_seed(0)
