@@ -6,9 +6,9 @@ layer for keys and one for values, `[B, H, capacity, D]`, writes new rows into t
 views of the valid prefix `[B, H, length, D]` (strided: attention reads them without a copy). A full buffer is replaced
 by one twice as large (amortised O(1) per row), so a request's buffers are reallocated O(log context) times.
 
-Views stay valid until the next write to the same rows: `update` only writes at or after the current length and
-`compact` only below it, and growth moves data into a new buffer while old views keep the old one alive. A view taken
-before a `compact` covers rows that later writes reuse, so hold views for one forward only (HF does).
+A later `update` never changes a view an earlier one returned: it writes only at or after the current length, and
+growth copies into a new buffer while old views keep the old one alive. `compact` does rewrite rows such views cover
+(and frees rows that later writes reuse), so views are for the forward that took them (as HF uses them).
 
 The layer implements what HF's attention layers and mask builders call (`update`, `get_seq_length`,
 `get_mask_sizes`, `get_max_length`, `lazy_initialization`, `reset`), plus `compact` for tree verification. The shapes
