@@ -33,7 +33,7 @@ class CompletionRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=0, le=2**62)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True)
     stream: bool = False
     tree: str | None = None  # "3,2,2,1,1" fixes this request's tree; "none" turns drafting off
 

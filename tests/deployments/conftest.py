@@ -10,8 +10,13 @@ generations run to max_tokens.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import socket
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from transformers import MambaConfig, MambaForCausalLM, PreTrainedModel
@@ -79,7 +84,8 @@ def model_dirs(tmp_path_factory) -> tuple[Path, Path]:
 def engine(model_dirs) -> SpeculativeEngine:
     """The in-process engine over the saved models (the reference for serving outputs)."""
     target_dir, drafter_dir = model_dirs
-    return SpeculativeEngine(TargetModel.from_pretrained(str(target_dir)), MambaDrafter.from_pretrained(str(drafter_dir)))
+    target = TargetModel.from_pretrained(str(target_dir))
+    return SpeculativeEngine(target, MambaDrafter.from_pretrained(str(drafter_dir)))
 
 
 def greedy_margin(target: TargetModel, prompt_ids: list[int], generated: list[int]) -> float:
@@ -90,3 +96,61 @@ def greedy_margin(target: TargetModel, prompt_ids: list[int], generated: list[in
         logits = target.model(ids[None]).logits[0, len(prompt_ids) - 1 : -1]
     top = logits.topk(2, dim=-1).values
     return float((top[:, 0] - top[:, 1]).min())
+
+
+# ---- Ray Serve apps for the HTTP tests --------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+# Workers import this checkout; autoscaling metrics are pushed every second (default 10 s) so tests see scaling soon;
+# the proxy gets a minute to come up (default 5 s: too short when a shared 2-core box is busy).
+RAY_ENV = {
+    "PYTHONPATH": str(REPO),
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(args, address: str | None = None, num_cpus: int = 2):
+    """Start Ray (or join `address`), Serve on a free loopback port and the app; yield its base URL."""
+    import ray
+    from ray import serve
+
+    from deployments import app
+
+    os.environ.update(RAY_ENV)  # for the driver's own handles too
+    if address is None:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": RAY_ENV},
+                 _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
+    else:
+        ray.init(address=address, runtime_env={"env_vars": RAY_ENV})
+    port = free_port()
+    try:
+        # one HTTP proxy, on the head: simulated nodes share this machine's ports
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app(args), name="specdec", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def post(url: str, body, timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, trust_env=False)
+
+
+def sse_chunks(response: httpx.Response) -> list:
+    """The JSON chunks of a server-sent event stream, checking it ends with [DONE]."""
+    data = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]

@@ -1,0 +1,288 @@
+"""The ingress: an OpenAI-compatible FastAPI app on Ray Serve that runs `RouterCore` for every request.
+
+Routes: POST /v1/completions (stream=true as server-sent events), GET /v1/models, GET /health, GET /v1/bandit,
+GET /v1/stats (replica counts, read by the load test). Errors are OpenAI-shaped JSON: 400 for a body that is not
+JSON and for prompts that do not fit the context, 422 for unknown fields and out-of-range values, 503 when a
+downstream queue is full, 504 when a side does not answer in time. Serve itself answers 503 when this deployment's
+own queue (max_queued_requests) is full. Every remote call has a timeout; every request releases both sides' state
+whatever ends it (see ray_specdec/serving/router.py).
+
+Prometheus metrics (Ray's metrics agent, prefixed `ray_`): specdec_requests{status}, specdec_tokens{kind},
+specdec_rounds, specdec_accepted_tokens, specdec_mean_accepted_length, specdec_depth_offered{depth},
+specdec_depth_accepted{depth}, specdec_acceptance_rate{depth}, specdec_seconds{phase} (prefill / draft / verify),
+specdec_requests_in_flight; the bandit's gauges come from deployments/bandit.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import Counter as Tally
+from dataclasses import dataclass
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.util.metrics import Counter, Gauge
+
+from deployments.bandit import BanditSync
+from ray_specdec.bandit import Bandit, BanditConfig
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.engine import FixedTree
+from ray_specdec.models.loading import load_tokenizer
+from ray_specdec.serving import api
+from ray_specdec.serving.router import LoadBackoff, PromptTooLong, RouterCore
+from ray_specdec.stats import GenerationStats
+
+logger = logging.getLogger("ray.serve")  # Serve shows this logger's records in `serve run` output
+
+fastapi_app = FastAPI(title="ray_specdec", docs_url=None, redoc_url=None)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+@fastapi_app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(api.error_body(str(exc), exc.kind, exc.param), status_code=exc.status)
+
+
+@fastapi_app.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return JSONResponse(api.error_body(f"request body is not valid JSON: {errors[0].get('msg', '')}"), 400)
+    message, param = api.validation_message(errors)
+    return JSONResponse(api.error_body(message, param=param), status_code=422)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    model_name: str  # what /v1/models and responses call the target
+    tokenizer: str  # directory or hub id holding the target's tokenizer
+    bandit: BanditConfig | None  # None: every request uses `tree`
+    tree: TreeConfig
+    max_context: int | None = None  # cap on prompt + max_tokens below the target's own context length
+    backoff: LoadBackoff = LoadBackoff()
+    target_timeout_s: float = 120.0
+    draft_timeout_s: float = 30.0
+    bandit_sync_s: float = 1.0
+
+
+async def _result(response):
+    """Await a DeploymentResponse; cancelling the wait cancels the remote call too."""
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+
+
+class ServeTarget:
+    """TargetClient over the target deployment's handle."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def start(self, request_id: str, prompt_ids: list[int], seed: int | None):
+        return _result(self.handle.start.remote(request_id, prompt_ids, seed))
+
+    def verify(self, request_id: str, draft, params: SamplingParams):
+        return _result(self.handle.verify.remote(request_id, draft, params))
+
+    def release(self, request_id: str):
+        return _result(self.handle.release.remote(request_id))
+
+
+class ServeDrafter:
+    """DrafterClient over the drafter deployment's handle; the state key is the session id of sticky routing."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def draft(self, key: str, commit, config: TreeConfig, params: SamplingParams, seed, token_ids=None):
+        handle = self.handle.options(session_id=key)
+        return _result(handle.draft.remote(key, commit, config, params, seed, token_ids))
+
+    def release(self, key: str):
+        return _result(self.handle.options(session_id=key).release.remote(key))
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.requests = Counter("specdec_requests", "completion requests by outcome", tag_keys=("status",))
+        self.tokens = Counter("specdec_tokens", "prompt and completion tokens", tag_keys=("kind",))
+        self.rounds = Counter("specdec_rounds", "draft + verify rounds")
+        self.accepted = Counter("specdec_accepted_tokens", "draft tokens accepted (bonus tokens excluded)")
+        self.mean_accepted = Gauge("specdec_mean_accepted_length", "accepted + 1 per round, since start")
+        self.offered = Counter("specdec_depth_offered", "rounds whose tree reached depth d", tag_keys=("depth",))
+        self.reached = Counter("specdec_depth_accepted", "rounds that accepted a token at depth d", tag_keys=("depth",))
+        self.acceptance = Gauge("specdec_acceptance_rate", "accepted / offered at depth d", tag_keys=("depth",))
+        self.seconds = Counter("specdec_seconds", "time per phase of requests", tag_keys=("phase",))
+        self.in_flight = Gauge("specdec_requests_in_flight", "requests running on this router")
+        self._totals: Tally = Tally()
+
+    def record(self, status: str, prompt_tokens: int, stats: GenerationStats | None, in_flight: int) -> None:
+        self.requests.inc(1, {"status": status})
+        self.in_flight.set(in_flight)
+        _inc(self.tokens, prompt_tokens, {"kind": "prompt"})
+        if stats is None:
+            return
+        _inc(self.tokens, stats.new_tokens, {"kind": "completion"})
+        accepted = sum(stats.accepted_lengths) - stats.rounds
+        _inc(self.rounds, stats.rounds)
+        _inc(self.accepted, accepted)
+        for phase in ("prefill", "draft", "verify"):
+            _inc(self.seconds, getattr(stats, f"{phase}_s"), {"phase": phase})
+        t = self._totals
+        t["rounds"] += stats.rounds
+        t["accepted"] += accepted
+        self.mean_accepted.set((t["accepted"] + t["rounds"]) / max(1, t["rounds"]))
+        for d, offered in enumerate(stats.offered_depth, start=1):
+            reached = stats.reached_depth[d - 1] if d <= len(stats.reached_depth) else 0
+            tags = {"depth": str(d)}
+            _inc(self.offered, offered, tags)
+            _inc(self.reached, reached, tags)
+            t[f"offered{d}"] += offered
+            t[f"reached{d}"] += reached
+            self.acceptance.set(t[f"reached{d}"] / t[f"offered{d}"], tags)
+
+
+def _inc(counter: Counter, value: float, tags: dict | None = None) -> None:
+    if value > 0:  # Ray counters refuse increments of zero
+        counter.inc(value, tags)
+
+
+@serve.deployment(name="router", ray_actor_options={"num_cpus": 0})
+@serve.ingress(fastapi_app)
+class RouterDeployment:
+    async def __init__(self, target, drafter, bandit_hub, settings: RouterSettings):
+        self.settings = settings
+        self.info = await target.info.remote()
+        max_context = min(self.info["max_context"], settings.max_context or self.info["max_context"])
+        if settings.bandit is not None:
+            policy = Bandit(settings.bandit)
+            self.bandit_sync = BanditSync(policy, bandit_hub, settings.bandit_sync_s)
+        else:
+            policy, self.bandit_sync = FixedTree(settings.tree), None
+        self.bandit_hub = bandit_hub
+        self.core = RouterCore(
+            ServeTarget(target), ServeDrafter(drafter) if drafter is not None else None,
+            load_tokenizer(settings.tokenizer), frozenset(self.info["eos_token_ids"]), max_context, policy,
+            settings.backoff, settings.target_timeout_s, settings.draft_timeout_s,
+        )  # fmt: skip
+        self.metrics = RouterMetrics()
+        self.app_name = serve.get_replica_context().app_name
+        logger.info("ray_specdec is ready. Try:\n%s", await self._curl_example())
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, body: api.CompletionRequest):
+        if body.model not in (None, self.settings.model_name):
+            raise ApiError(404, f"model {body.model!r} does not exist; this server has {self.settings.model_name!r}",
+                           param="model")  # fmt: skip
+        if self.bandit_sync is not None:
+            self.bandit_sync.start()
+        params, tree = body.sampling_params(), body.tree_config()
+        ids = self.core.encode(body.prompt)
+        try:
+            self.core.check_length(len(ids), params)
+        except PromptTooLong as exc:
+            self.metrics.record("rejected", 0, None, self.core.in_flight)
+            raise ApiError(400, str(exc), param="prompt") from None
+        if body.stream:
+            return StreamingResponse(self._events(ids, params, tree), media_type="text/event-stream")
+        return await self._complete(ids, params, tree)
+
+    async def _complete(self, ids: list[int], params: SamplingParams, tree: TreeConfig | None) -> dict:
+        cid, created = api.new_completion_id()
+        self.metrics.in_flight.set(self.core.in_flight + 1)
+        try:
+            gen = await self.core.generate(ids, params, tree)
+        except asyncio.CancelledError:
+            self.metrics.record("cancelled", len(ids), None, self.core.in_flight)
+            raise
+        except Exception as exc:
+            status, message = _downstream_error(exc)
+            self.metrics.record("error", len(ids), None, self.core.in_flight)
+            raise ApiError(status, message, "server_error") from None
+        self.metrics.record("ok", len(ids), gen.stats, self.core.in_flight)
+        return api.completion_body(cid, created, self.settings.model_name, gen.text, gen.token_ids, gen.finish_reason,
+                                   len(ids), gen.stats)  # fmt: skip
+
+    async def _events(self, ids: list[int], params: SamplingParams, tree: TreeConfig | None):
+        cid, created = api.new_completion_id()
+        name, completion, status, stats = self.settings.model_name, 0, "cancelled", None
+        self.metrics.in_flight.set(self.core.in_flight + 1)
+        try:
+            async with contextlib.aclosing(self.core.stream(ids, params, tree)) as chunks:  # released on disconnect
+                async for chunk in chunks:
+                    completion += len(chunk.token_ids)
+                    stats = chunk.stats
+                    final = (len(ids), completion, stats) if chunk.finish_reason else None
+                    yield api.sse(api.chunk_body(cid, created, name, chunk.text, chunk.token_ids, chunk.finish_reason,
+                                                 final))  # fmt: skip
+            status = "ok"
+            yield api.sse("[DONE]")
+        except Exception as exc:  # the status line is sent: report in the stream, as OpenAI does
+            status, (code, message) = "error", _downstream_error(exc)
+            yield api.sse(api.error_body(message, "server_error") | {"status": code})
+            yield api.sse("[DONE]")
+        finally:
+            self.metrics.record(status, len(ids), stats if status == "ok" else None, self.core.in_flight)
+
+    @fastapi_app.get("/v1/models")
+    async def models(self) -> dict:
+        card = {"id": self.settings.model_name, "object": "model", "owned_by": "ray_specdec",
+                "max_context": self.core.max_context, "tp_size": self.info["tp_size"]}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @fastapi_app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok", "in_flight": self.core.in_flight}
+
+    @fastapi_app.get("/v1/bandit")
+    async def bandit(self) -> dict:
+        if self.bandit_hub is None:
+            return {"policy": "fixed", "tree": str(self.settings.tree)}
+        return await asyncio.wait_for(_result(self.bandit_hub.summary.remote()), self.settings.target_timeout_s)
+
+    @fastapi_app.get("/v1/stats")
+    async def stats(self) -> dict:
+        status = await asyncio.to_thread(serve.status)
+        deployments = status.applications[self.app_name].deployments
+        replicas = {name: d.replica_states.get("RUNNING", 0) for name, d in deployments.items()}
+        return {"replicas": replicas, "in_flight": self.core.in_flight, "draft_failures": self.core.draft_failures}
+
+    async def _curl_example(self) -> str:
+        """A ready-to-paste request against this app's HTTP address (read from the Serve controller)."""
+        host, port, prefix = "127.0.0.1", 8000, "/"
+        try:
+            controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+            details = await controller.get_serve_instance_details.remote()
+            http = details.get("http_options") or {}
+            host = http.get("host") or host
+            port = http.get("port") or port
+            prefix = details["applications"][self.app_name].get("route_prefix") or prefix
+        except Exception:  # the defaults of `serve run` are the best guess
+            pass
+        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        body = json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
+        url = f"http://{host}:{port}{prefix.rstrip('/')}/v1/completions"
+        return f"curl -s {url} -H 'Content-Type: application/json' -d '{body}'"
+
+
+def _downstream_error(exc: BaseException) -> tuple[int, str]:
+    """(HTTP status, message) for a failure of the target or another downstream call."""
+    if isinstance(exc, BackPressureError):
+        return 503, "the server is overloaded; retry later"
+    if isinstance(exc, TimeoutError):
+        return 504, "the model did not answer in time"
+    return 500, f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
