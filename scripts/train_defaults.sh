@@ -1,0 +1,19 @@
+#!/bin/bash
+# Trains and exports the whole default model family on CPU: the commands that produced the shipped weights
+# (docs/MODELS.md has the results). Minutes per model can be overridden (NEOX_MIN, MAMBA_MIN, LLAMA_MIN, SMALL_MIN);
+# checkpoints go to runs/ and every train command takes --resume to continue a run.
+# The tokenizer comes first: python -m ray_specdec.training.tokenizer (writes runs/tokenizer).
+set -x
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.
+D=ray_specdec/default_models
+T="python -m ray_specdec.training.train --threads 2"
+$T --arch target-neox --name target-neox-r2 --max-minutes ${NEOX_MIN:-38} --batch-size 8 --seq-len 256 --lr 1.5e-3 --warmup-steps 30 > runs/target-neox-r2.log 2>&1
+python -m ray_specdec.training.export --run runs/target-neox-r2 --out $D/target-neox
+$T --arch drafter-mamba --name drafter-mamba-r2 --teacher $D/target-neox --warmup-steps 20 --max-minutes ${MAMBA_MIN:-16} --lr 2e-3 > runs/drafter-mamba-r2.log 2>&1
+python -m ray_specdec.training.export --run runs/drafter-mamba-r2 --out $D/drafter-mamba
+$T --arch target-llama --name target-llama-r2 --teacher $D/target-neox --alpha 0.5 --warmup-steps 20 --max-minutes ${LLAMA_MIN:-10} --lr 1.5e-3 > runs/target-llama-r2.log 2>&1
+python -m ray_specdec.training.export --run runs/target-llama-r2 --out $D/target-llama
+$T --arch drafter-neox-small --name drafter-neox-small-r2 --teacher $D/target-neox --warmup-steps 20 --max-minutes ${SMALL_MIN:-6} --lr 2e-3 > runs/drafter-neox-small-r2.log 2>&1
+python -m ray_specdec.training.export --run runs/drafter-neox-small-r2 --out $D/drafter-neox-small
+echo CHAIN R2 DONE
