@@ -143,14 +143,18 @@ def drafter_replicas(url: str) -> int:
     return httpx.get(f"{url}/v1/stats", trust_env=False).json()["replicas"]["drafter"]
 
 
+@pytest.mark.slow  # a new replica process takes tens of seconds to start on a busy 2-core machine
 def test_load_scales_drafters_up(url):
+    """Closed-loop load in 15 s phases until the second drafter replica is running (at most 2 minutes)."""
     assert poll(lambda: drafter_replicas(url) == 1, timeout_s=60)
-    config = LoadTestConfig(url, concurrency=6, duration_s=20, prompts=tuple(PROMPTS), max_tokens=32, timeout_s=60)
-    report = asyncio.run(run_loadtest(config))
-    drafters = [s["replicas"]["drafter"] for s in report["replicas"]]
-    assert report["requests"]["errors"] == 0 and report["requests"]["ok"] >= 6, report["errors"]
-    assert drafters[0] == 1 and max(drafters) == 2, drafters
-    assert report["mean_accepted_length"] > 1.5
+    config = LoadTestConfig(url, concurrency=6, duration_s=15, prompts=tuple(PROMPTS), max_tokens=32, timeout_s=60)
+    reports = []
+    while len(reports) < 8 and (not reports or reports[-1]["replicas"][-1]["replicas"]["drafter"] < 2):
+        reports.append(asyncio.run(run_loadtest(config)))
+    drafters = [s["replicas"]["drafter"] for r in reports for s in r["replicas"]]
+    assert drafters[0] == 1 and drafters[-1] == 2, drafters
+    assert [r["errors"] for r in reports] == [{}] * len(reports)
+    assert all(r["requests"]["ok"] >= 6 and r["mean_accepted_length"] > 1.5 for r in reports)
 
 
 def test_eight_concurrent_requests(url, reference):
