@@ -19,7 +19,9 @@ from ray_specdec.bandit import Bandit, BanditConfig, BanditHub, BanditState
 logger = logging.getLogger(__name__)
 
 
-@serve.deployment(name="bandit", num_replicas=1, ray_actor_options={"num_cpus": 0})
+# No access log: every router calls push and snapshot about once a second.
+@serve.deployment(name="bandit", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})  # fmt: skip
 class BanditHubDeployment:
     def __init__(self, config: BanditConfig, path: str | None = None, save_interval_s: float = 10.0):
         self.hub = BanditHub(config, path, save_interval_s)

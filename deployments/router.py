@@ -191,8 +191,8 @@ class RouterDeployment:
         if self.bandit_sync is not None:
             self.bandit_sync.start()
         params, tree = body.sampling_params(), body.tree_config()
-        ids = self.core.encode(body.prompt)
         try:
+            ids = self.core.encode(body.prompt)
             self.core.check_length(len(ids), params)
         except PromptTooLong as exc:
             self.metrics.record("rejected", 0, None, self.core.in_flight)
@@ -251,7 +251,7 @@ class RouterDeployment:
     @fastapi_app.get("/v1/bandit")
     async def bandit(self) -> dict:
         if self.bandit_hub is None:
-            return {"policy": "fixed", "tree": str(self.settings.tree)}
+            return {"policy": "fixed", "tree": str(self.settings.tree) if self.core.drafter else "none"}
         return await asyncio.wait_for(_result(self.bandit_hub.summary.remote()), self.settings.target_timeout_s)
 
     @fastapi_app.get("/v1/stats")
