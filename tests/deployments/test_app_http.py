@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from deployments import AppArgs
+from ray_specdec.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.loadtest import LoadTestConfig, run_loadtest
@@ -24,9 +25,13 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def url(model_dirs, tmp_path_factory):
+def bandit_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("bandit") / "bandit.json"
+
+
+@pytest.fixture(scope="module")
+def url(model_dirs, bandit_path):
     target, drafter = model_dirs
-    bandit_path = tmp_path_factory.mktemp("bandit") / "bandit.json"
     args = AppArgs(
         target=str(target), drafter=str(drafter), drafter_num_cpus=0, target_num_cpus_per_rank=1,
         drafter_min_replicas=1, drafter_max_replicas=2, drafter_target_ongoing_requests=0.5,
@@ -202,3 +207,10 @@ def test_prometheus_metrics(url):
     for name in ("specdec_requests_total", "specdec_tokens_total", "specdec_mean_accepted_length",
                  "specdec_acceptance_rate", "specdec_seconds_total", "specdec_bandit_best_arm"):  # fmt: skip
         assert f"ray_{name}" in text
+
+
+def test_bandit_state_is_persisted(url, bandit_path):
+    """The hub saves every 10 s while routers push; by now the file holds the module's rounds."""
+    rounds = sum(b["rounds"] for b in httpx.get(f"{url}/v1/bandit", trust_env=False).json()["buckets"])
+    saved = poll(lambda: bandit_path.exists() and int(BanditState.load(bandit_path).steps.sum()), timeout_s=15)
+    assert 0 < saved <= rounds
