@@ -94,7 +94,7 @@ class Generation:
     prompt_tokens: int
 
 
-def make_generators(seed: int | None, device: torch.device | str = "cpu") -> tuple[torch.Generator, torch.Generator]:
+def make_generators(seed: int | None) -> tuple[torch.Generator, torch.Generator]:
     """Independent (draft, target) random streams; the same seed gives the same output."""
     seed = secrets.randbits(62) if seed is None else seed
     draft_gen = torch.Generator(device="cpu").manual_seed(seed)
