@@ -20,13 +20,13 @@ from tests.tiny_models import tiny_gpt_neox, tiny_llama
 TREES = [(1,), (1, 1, 1, 1), (1,) * 8, (4,), (3, 2), (2, 2, 1, 1), (3, 2, 2, 1, 1), (2, 2, 2, 1, 1, 1)]
 
 
-def tiny_mamba(dtype=torch.float64, vocab=128, seed=0) -> MambaDrafter:
+def tiny_mamba(dtype=torch.float64, vocab=128, seed=0, fast_matmul=False) -> MambaDrafter:
     config = MambaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
                          conv_kernel=4, initializer_range=0.1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = MambaForCausalLM(config)
-    return MambaDrafter(model.to(dtype).eval())
+    return MambaDrafter(model.to(dtype).eval(), fast_matmul=fast_matmul)
 
 
 class EchoState:
@@ -96,7 +96,9 @@ def test_greedy_matches_target_and_hf_generate_for_every_tree(target, prompt_len
     expected = hf_greedy(target, prompt, n)
     plain = SpeculativeEngine(target, None).generate(prompt, SamplingParams(max_new_tokens=n))
     assert plain.token_ids == expected
-    drafters = [tiny_mamba()]
+    # the drafter's precision never shows in the output: a float32 drafter with low-precision matmuls drafts for the
+    # float64 target too
+    drafters = [tiny_mamba(), tiny_mamba(torch.float32, fast_matmul=True)]
     if prompt_len < 100:  # the echo drafter re-runs the whole context every step: keep its contexts short
         drafters.append(TargetEchoDrafter(target.model, noise=2.0))
     for branching in TREES:

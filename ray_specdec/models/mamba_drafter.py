@@ -13,6 +13,7 @@ SSM dtype. On CUDA with mamba_ssm and causal_conv1d installed, `step` and `prefi
 from __future__ import annotations
 
 from collections.abc import Sequence
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,19 @@ except (ImportError, RuntimeError):
 # Elements of one prefill scan block ([tokens, d_inner, d_state]): its decay and injection buffers (0.5 MB each in
 # float32) stay in cache; blocks of 4M elements were 2-3x slower on CPU (fresh pages, cache misses).
 _SCAN_BLOCK_ELEMENTS = 1 << 17
+# Rows up to which a step's matmuls use the low-precision weight copies (fast_matmul); prefill uses float32.
+_LOW_PRECISION_MAX_ROWS = 64
+
+
+@functools.cache
+def _cpu_has_bf16_matmul() -> bool:
+    """AVX512-BF16 or AMX: oneDNN's bf16 GEMM beats float32 there; elsewhere it emulates bf16 and is slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass
@@ -119,13 +133,29 @@ class MambaDrafter:
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str, *, dtype: str | torch.dtype | None = None, device: str = "cpu"
+        cls,
+        name_or_path: str,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str = "cpu",
+        fast_matmul: bool | None = None,
     ) -> "MambaDrafter":
+        """fast_matmul None: on for a float32 model on CPU (see __init__), off elsewhere."""
         torch_dtype = resolve_dtype(dtype, device)
         model = MambaForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=torch_dtype)
-        return cls(model.to(device))
+        if fast_matmul is None:
+            fast_matmul = torch.device(device).type == "cpu" and torch_dtype == torch.float32
+        return cls(model.to(device), fast_matmul=fast_matmul)
 
-    def __init__(self, model: MambaForCausalLM):
+    def __init__(self, model: MambaForCausalLM, *, fast_matmul: bool = False):
+        """fast_matmul: steps of few rows multiply by half-precision copies of the projection weights.
+
+        A drafter step is memory-bound on CPU: a float32 matrix-vector product reads 4 bytes per weight. With
+        fast_matmul a 1-row step uses float16 copies (torch's fp16 GEMV accumulates in float32; the shipped weights
+        are float16 anyway) and a step of up to 64 rows bfloat16 copies where the CPU has bf16 matrix instructions.
+        Activations are rounded to that precision on the way in, so drafts can differ from the float32 drafter's
+        in near ties. That changes acceptance, never the output: the target verifies every token.
+        """
         config = model.config
         if config.hidden_act != "silu":
             raise ValueError(f"only silu Mamba models are supported, got hidden_act={config.hidden_act!r}")
@@ -147,10 +177,33 @@ class MambaDrafter:
         self._embed = backbone.embeddings.weight.detach()  # [V, d_model]
         self._norm_f = backbone.norm_f.weight.detach()  # [d_model]
         self._lm_head = model.lm_head.weight.detach()  # [V, d_model], may be the embedding (tied)
+        self._low_precision = self._low_precision_copies() if fast_matmul else {}
         # The CUDA kernels take float32 and half precision, not float64.
         self._use_kernels = (
             selective_state_update is not None and self.device.type == "cuda" and self.dtype != torch.float64
         )
+
+    def _low_precision_copies(self) -> dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
+        """weight -> (float16 copy, bfloat16 copy or None) for every projection a step multiplies by."""
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            raise ValueError("fast_matmul is for float32 drafters on CPU")
+        weights = [w for layer in self._layers for w in (layer.in_proj, layer.x_proj, layer.out_proj)]
+        bf16 = _cpu_has_bf16_matmul()
+        return {
+            w: (w.to(torch.float16), w.to(torch.bfloat16) if bf16 else None) for w in [*weights, self._lm_head]
+        }
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear, through a low-precision weight copy for a few rows when fast_matmul is on."""
+        copies = self._low_precision.get(weight)
+        rows = x.shape[0]
+        if copies is not None and rows <= _LOW_PRECISION_MAX_ROWS:
+            half, bf16 = copies
+            low = half if rows == 1 else bf16
+            if low is not None:
+                out = F.linear(x.to(low.dtype), low).to(x.dtype)
+                return out if bias is None else out + bias
+        return F.linear(x, weight, bias)
 
     def new_state(self, rows: int) -> MambaState:
         """Zero state: the state before any token."""
@@ -209,7 +262,7 @@ class MambaDrafter:
 
     def _logits(self, residual: torch.Tensor) -> torch.Tensor:
         h = _rms_norm(residual, self._norm_f, self.eps)  # [n, d_model]
-        return F.linear(h, self._lm_head).to(self.ssm_dtype)  # [n, V]
+        return self._linear(h, self._lm_head).to(self.ssm_dtype)  # [n, V]
 
     def _mix_step(
         self,
@@ -218,7 +271,7 @@ class MambaDrafter:
         conv_state: torch.Tensor,  # [rows, d_inner, d_conv], updated in place
         ssm_state: torch.Tensor,  # [rows, d_inner, d_state], updated in place
     ) -> torch.Tensor:  # [rows, d_model]
-        x, z = F.linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [rows, d_inner] each
+        x, z = self._linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [rows, d_inner] each
         window = torch.cat((conv_state[:, :, 1:], x.unsqueeze(-1)), dim=-1)  # [rows, d_inner, d_conv]
         conv_state.copy_(window)
         x = torch.linalg.vecdot(window, w.conv)
@@ -227,7 +280,7 @@ class MambaDrafter:
         x = F.silu(x)
 
         sd = self.ssm_dtype
-        dt, B, C = F.linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt, B, C = self._linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.softplus(F.linear(dt, w.dt_proj, w.dt_bias).to(sd))  # [rows, d_inner]
         x = x.to(sd)
         decay = torch.exp(dt.unsqueeze(-1) * w.A)  # [rows, d_inner, d_state]
@@ -235,7 +288,7 @@ class MambaDrafter:
         torch.addcmul(inject, decay, ssm_state, out=ssm_state)
         y = _contract_state(ssm_state, C.to(sd))  # [rows, d_inner]
         y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
-        return F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
+        return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
 
     def _mix_step_kernels(
         self,

@@ -23,6 +23,19 @@ def _final_loss(run_dir: Path) -> float | None:
     return json.loads(summary.read_text()).get("final_loss") if summary.exists() else None
 
 
+def _history(init_from: str | None, info: dict) -> dict:
+    """Earlier rounds of a run started with --init-from, and totals over all rounds (read before out_dir is written,
+    which may be the same directory)."""
+    if not init_from or not (Path(init_from) / "training.json").exists():
+        return {}
+    prior = json.loads((Path(init_from) / "training.json").read_text())
+    rounds = prior.pop("previous_rounds", []) + [{k: v for k, v in prior.items() if not k.startswith("total_")}]
+    return {"previous_rounds": rounds,
+            "total_steps": sum(r["steps"] for r in rounds) + info["steps"],
+            "total_tokens": sum(r["tokens"] for r in rounds) + info["tokens"],
+            "total_minutes": round(sum(r["minutes"] for r in rounds) + info["minutes"], 1)}
+
+
 def export(run_dir: Path, out_dir: Path, tokenizer_dir: Path | str) -> dict:
     """Writes model.safetensors (fp16), config.json, generation_config.json, tokenizer files, training.json."""
     ckpt = torch.load(run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
@@ -43,6 +56,7 @@ def export(run_dir: Path, out_dir: Path, tokenizer_dir: Path | str) -> dict:
     info = {"steps": ckpt["step"], "tokens": ckpt["tokens"], "minutes": round(ckpt["elapsed_s"] / 60, 1),
             "parameters": sum(p.numel() for p in model.parameters()), "final_loss": _final_loss(run_dir),
             "settings": ckpt["settings"]}
+    info.update(_history(ckpt["settings"].get("init_from"), info))
     (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
 

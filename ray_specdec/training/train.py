@@ -36,6 +36,7 @@ class TrainSettings:
     name: str
     tokenizer: str
     teacher: str | None = None
+    init_from: str | None = None  # an exported model dir whose weights start the run (continue shipped weights)
     alpha: float = 0.9          # weight of the KL term when distilling
     seq_len: int = 256
     batch_size: int = 8
@@ -97,6 +98,17 @@ def restore_checkpoint(path: Path, model, optimizer, gen: torch.Generator) -> tu
     return ckpt["step"], ckpt["elapsed_s"], ckpt["tokens"]
 
 
+def load_initial_weights(model, model_dir: Path) -> None:
+    """Start from an exported model's weights (same architecture; fp16 on disk, the run's dtype in memory)."""
+    source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ours, theirs = model.config.to_dict(), source.config.to_dict()
+    shape_keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "state_size")
+    mismatch = {k: (ours.get(k), theirs.get(k)) for k in shape_keys if ours.get(k) != theirs.get(k)}
+    if mismatch:
+        raise ValueError(f"--init-from {model_dir}: architecture differs from the run's: {mismatch}")
+    model.load_state_dict(source.state_dict())
+
+
 def make_optimizer(model, s: TrainSettings) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -122,6 +134,8 @@ def train(s: TrainSettings, run_dir: Path, device: torch.device, resume: bool) -
     step, elapsed, tokens = 0, 0.0, 0
     if resume and ckpt_path.exists():
         step, elapsed, tokens = restore_checkpoint(ckpt_path, model, optimizer, gen)
+    elif s.init_from:
+        load_initial_weights(model, Path(s.init_from))
     teacher = None
     if s.teacher:
         teacher = AutoModelForCausalLM.from_pretrained(s.teacher, dtype=torch.float32).to(device).eval()
@@ -169,6 +183,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--init-from", help="exported model dir to start from (e.g. a shipped default model)")
     for field in ("alpha", "seq_len", "batch_size", "lr", "warmup_steps", "max_steps", "max_minutes", "ckpt_every",
                   "seed"):
         default = TrainSettings.__dataclass_fields__[field].default

@@ -183,7 +183,8 @@ def test_save_fp16_load_as_float32(tmp_path):
     on_disk = load_file(tmp_path / "model.safetensors")
     assert {t.dtype for t in on_disk.values()} == {torch.float16}
 
-    drafter = MambaDrafter.from_pretrained(str(tmp_path))  # CPU default: float32, whatever the checkpoint holds
+    # CPU default: float32, whatever the checkpoint holds
+    drafter = MambaDrafter.from_pretrained(str(tmp_path), fast_matmul=False)
     assert drafter.dtype == torch.float32 and drafter.device.type == "cpu"
     assert (drafter.n_layers, drafter.d_inner, drafter.d_conv, drafter.d_state) == (3, 60, 3, 5)
     assert drafter.vocab_size == VOCAB
@@ -194,6 +195,31 @@ def test_save_fp16_load_as_float32(tmp_path):
     assert loaded_logits.dtype == torch.float32
     assert torch.equal(loaded_logits, memory_logits)
     assert MambaDrafter.from_pretrained(str(tmp_path), dtype="float64").dtype == torch.float64
+
+
+def test_fast_matmul_is_the_cpu_float32_default_and_stays_close(tmp_path, monkeypatch):
+    model = tiny_mamba("biases_untied", torch.float16)
+    model.save_pretrained(tmp_path)
+    assert MambaDrafter.from_pretrained(str(tmp_path))._low_precision  # on by default for float32 on CPU
+    assert not MambaDrafter.from_pretrained(str(tmp_path), dtype="float64")._low_precision
+    with pytest.raises(ValueError, match="float32 drafters on CPU"):
+        MambaDrafter(model.double(), fast_matmul=True)
+
+    for bf16 in (False, True):  # with and without bf16 matrix instructions (the copies are made at init)
+        monkeypatch.setattr(mamba_drafter, "_cpu_has_bf16_matmul", lambda bf16=bf16: bf16)
+        fast, exact = MambaDrafter(model.float(), fast_matmul=True), MambaDrafter(model.float())
+        ids = prompt(12, seed=3)
+        fast_state, fast_logits = fast.prefill(ids)  # the prefill's last-row logits go through the fp16 copy
+        exact_state, exact_logits = exact.prefill(ids)
+        torch.testing.assert_close(fast_logits, exact_logits, atol=2e-2, rtol=2e-2)
+        for rows in (1, 3):  # one row: float16 copies; a few rows: bfloat16 copies (or float32 without them)
+            f_state, e_state = fast.copy_rows(fast_state, [0] * rows), exact.copy_rows(exact_state, [0] * rows)
+            tokens = torch.arange(rows) + 5
+            f_logits, e_logits = fast.step(f_state, tokens), exact.step(e_state, tokens)
+            assert f_logits.dtype == torch.float32 and f_logits.shape == (rows, VOCAB)
+            torch.testing.assert_close(f_logits, e_logits, atol=5e-2, rtol=5e-2)
+            assert not torch.equal(f_logits, e_logits) or (rows > 1 and not bf16)  # the copies were used
+            torch.testing.assert_close(f_state.ssm, e_state.ssm, atol=2e-2, rtol=2e-2)
 
 
 def reference_conv_update(x, conv_state, weight, bias=None, activation=None):
