@@ -55,7 +55,7 @@ class DrafterDeployment:
     async def draft(
         self,
         request_id: str,
-        commit: Verdict | None,
+        commits: list[Verdict],
         config: TreeConfig,
         params: SamplingParams,
         seed: int | None,
@@ -63,7 +63,7 @@ class DrafterDeployment:
     ) -> Draft | None:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._thread, self.worker.draft, request_id, commit, config, params, seed, token_ids
+            self._thread, self.worker.draft, request_id, commits, config, params, seed, token_ids
         )
 
     async def release(self, request_id: str) -> None:

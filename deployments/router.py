@@ -108,9 +108,9 @@ class ServeDrafter:
     def __init__(self, handle):
         self.handle = handle
 
-    def draft(self, key: str, commit, config: TreeConfig, params: SamplingParams, seed, token_ids=None):
+    def draft(self, key: str, commits, config: TreeConfig, params: SamplingParams, seed, token_ids=None):
         handle = self.handle.options(session_id=key)
-        return _result(handle.draft.remote(key, commit, config, params, seed, token_ids))
+        return _result(handle.draft.remote(key, commits, config, params, seed, token_ids))
 
     def release(self, key: str):
         return _result(self.handle.options(session_id=key).release.remote(key))

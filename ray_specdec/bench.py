@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine import NO_TREE, SpeculativeEngine
 
 
 @dataclass
@@ -110,6 +110,11 @@ def run_ours(name, engine: SpeculativeEngine, prompts, max_new, temperature, see
     return result
 
 
+def bandit_pulls(bandit) -> list[int]:
+    """Pulls per arm, summed over context buckets (warm-up included)."""
+    return bandit.state.raw[:, :, 0].sum(axis=0).astype(int).tolist()
+
+
 def kv_bytes(past) -> int:
     return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in past.layers)
 
@@ -152,6 +157,9 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--contexts", default="1024,2048,4096,8192", help="context sweep lengths")
+    p.add_argument("--bandit-warmup", type=int, default=4,
+                   help="held-out prompts (not the measured ones) the bandit learns from before it is measured, as a "
+                        "served bandit has learned from earlier traffic; 0: it starts cold in the measured run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="small run for CI (under 5 minutes on 2 cores)")
@@ -159,7 +167,7 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="Markdown table and PNG plots go here")
     args = p.parse_args(argv)
     if args.quick:
-        args.prompts, args.long_prompts, args.max_new_tokens = 2, 1, 24
+        args.prompts, args.long_prompts, args.max_new_tokens, args.bandit_warmup = 2, 1, 24, 1
         args.trees, args.temperatures, args.contexts = "1,1,1,1;2,2,1,1", "0,1", "1024,4096"
     return args
 
@@ -212,8 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         methods.append((name, lambda t, tree=tree, name=name: run_ours(name, ours, prompts, args.max_new_tokens, t,
                                                                         args.seed, tree)))
 
-    # the bandit learns online, during the measured run, among the same fixed trees shown beside it
-    bandit_engine = SpeculativeEngine(target, drafter, Bandit(BanditConfig(arms=tuple(trees)), seed=args.seed))
+    # The bandit's arms: the same fixed trees shown beside it, and no drafting (ours_target_only). It keeps learning
+    # during the measured run, after a warm-up on other held-out prompts (a served bandit has seen earlier traffic).
+    bandit = Bandit(BanditConfig(arms=(*trees, NO_TREE)), seed=args.seed)
+    bandit_engine = SpeculativeEngine(target, drafter, bandit)
+    warmup = heldout_prompts(args.bandit_warmup, 64, 1024, seed=args.seed + 3, tokenizer=tok)
+    for i, p in enumerate(tqdm(warmup, desc="bandit warm-up", leave=False)):
+        for temperature in temperatures:
+            bandit_engine.generate(p.token_ids, SamplingParams(temperature=temperature, seed=1000 + i,
+                                                               max_new_tokens=args.max_new_tokens))
     methods.append(("ours_mamba_bandit", lambda t: run_ours("ours_mamba_bandit", bandit_engine, prompts,
                                                              args.max_new_tokens, t, args.seed, None)))
 
@@ -236,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
         "settings": {"prompts": len(short), "long_prompts": len(long), "max_new_tokens": args.max_new_tokens,
-                     "trees": [str(t) for t in trees], "target": args.target, "drafter": args.drafter,
+                     "trees": [str(t) for t in trees], "bandit_warmup_prompts": args.bandit_warmup,
+                     "bandit_pulls": {str(arm): int(n) for arm, n in zip(bandit.config.arms, bandit_pulls(bandit))},
+                     "target": args.target, "drafter": args.drafter,
                      "tf_drafter": args.tf_drafter, "quick": args.quick},
     }
     identical = [m["name"] for m in results if m["identical_to_target"] is False]

@@ -31,6 +31,9 @@ DEFAULT_ARMS = (
     TreeConfig((2, 1, 1)),
     TreeConfig((4, 2, 1)),
     TreeConfig((2, 2, 1, 1)),
+    # no drafting: where speculation does not pay (a target step as cheap as a few drafter steps, a saturated
+    # target), goodput, not acceptance, decides, and the throughput reward can settle here (SmartSpec's lesson)
+    TreeConfig(()),
 )
 DEFAULT_BUCKET_EDGES = (1024, 2048, 4096, 8192)  # prompt tokens: <1k, 1-2k, 2-4k, 4-8k, >=8k
 

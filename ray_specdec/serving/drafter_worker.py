@@ -1,7 +1,8 @@
 """The drafter side of serving, without Ray: one MambaDrafter and the per-request drafting state of many requests.
 
 A request's state is a `DrafterSession` (root state and the open round's per-depth states) plus its draft random
-generator. The router's commit of round k rides on its draft call of round k + 1. A worker that lacks the request's
+generator. The router's commit of round k rides on its draft call of round k + 1, followed by the verdicts of any
+rounds it ran without drafting (each adds one bonus token: a drafter step, far cheaper than a rebuild). A worker that lacks the request's
 state (a new or restarted replica, an evicted session) answers None; the router then calls again with every token so
 far, and the state is rebuilt by prefill. States are bounded: least recently used sessions are evicted beyond
 `max_sessions`, and sessions idle for `idle_timeout_s` are dropped (a client that vanished without a release).
@@ -62,25 +63,28 @@ class DrafterWorker:
     def draft(
         self,
         request_id: str,
-        commit: Verdict | None,
+        commits: Sequence[Verdict],
         config: TreeConfig,
         params: SamplingParams,
         seed: int | None,
         token_ids: Sequence[int] | None = None,
     ) -> Draft | None:
-        """Apply the previous round's commit, then draft a tree; None if this worker lacks the request's state.
+        """Apply the verdicts since the last draft, then draft a tree; None if this worker lacks the request's state.
 
-        With token_ids (every token so far: prompt + generated) the state is rebuilt by prefill and commit is
-        ignored: those tokens already include it.
+        commits: the verdict of the open draft's round first, then those of rounds verified without a draft (no
+        accepted rows). With token_ids (every token so far: prompt + generated) the state is rebuilt by prefill and
+        commits are ignored: those tokens already include them.
         """
         if token_ids is not None:
             entry = self._build(request_id, token_ids, seed)
         else:
-            entry = self._take(request_id, commit)
+            if any(v.accepted_rows for v in commits[1:]):
+                raise ValueError("only the first commit may accept draft rows: later rounds had no draft")
+            entry = self._take(request_id, bool(commits))
             if entry is None:
                 return None
-            if commit is not None:
-                entry.session.commit(commit)
+            for verdict in commits:
+                entry.session.commit(verdict)
         draft = entry.session.draft(config, params, entry.generator)
         entry.drafted = True
         return draft
@@ -101,14 +105,14 @@ class DrafterWorker:
             self._evict()
         return entry
 
-    def _take(self, request_id: str, commit: Verdict | None) -> _Entry | None:
-        """The request's entry if it exists and can take this commit (one per open draft, none otherwise)."""
+    def _take(self, request_id: str, has_commits: bool) -> _Entry | None:
+        """The request's entry if it exists and can take these commits (some after an open draft, none otherwise)."""
         with self._lock:
             self._evict()
             entry = self._entries.get(request_id)
             if entry is None:
                 return None
-            if entry.drafted != (commit is not None):
+            if entry.drafted != has_commits:
                 # out of step with the router (it cannot happen with a well-behaved router): rebuild instead
                 del self._entries[request_id]
                 return None

@@ -1,7 +1,9 @@
 """The router's round loop for one request, over async clients of the target and drafter sides, without Ray.
 
-Per round exactly one remote call per side: `drafter.draft(key, commit of the previous round, tree, ...)` then
-`target.verify(request_id, draft, params)` (forward, acceptance and the target's commit happen there). The first
+Per round exactly one remote call per side: `drafter.draft(key, commits since the last draft, tree, ...)` then
+`target.verify(request_id, draft, params)` (forward, acceptance and the target's commit happen there). A round the
+policy or the back-off runs without a tree makes no drafter call at all; its verdict (one bonus token) joins the
+commits that ride on the next draft call, which costs the drafter one step per such round instead of a rebuild. The first
 round's draft (which includes the drafter's prefill) runs concurrently with the target's prefill (`target.start`).
 
 Drafter state and recovery. The drafter keeps a request's state under a *key* = request id + epoch. Whenever the
@@ -54,7 +56,7 @@ class DrafterClient(Protocol):
     async def draft(
         self,
         request_id: str,
-        commit: Verdict | None,
+        commits: Sequence[Verdict],
         config: TreeConfig,
         params: SamplingParams,
         seed: int | None,
@@ -62,6 +64,11 @@ class DrafterClient(Protocol):
     ) -> Draft | None: ...
 
     async def release(self, request_id: str) -> None: ...
+
+
+# Rounds without a draft whose verdicts may queue up for the next draft call; beyond that the drafter state is
+# rebuilt from the token ids (one prefill beats many single-token steps).
+MAX_CATCH_UP_ROUNDS = 64
 
 
 class PromptTooLong(ValueError):
@@ -98,8 +105,9 @@ class _DrafterLink:
         self.request_id = request_id
         self.epoch = 0
         self.sent = False  # a draft call went out under `key`: some replica may hold (or be building) its state
-        self.synced = False  # the state under `key` holds every token except those of `commit`
-        self.commit: Verdict | None = None  # verdict of the last drafted round, sent with the next draft call
+        self.synced = False  # the state under `key` holds every token except those of `commits`
+        # verdicts since the last draft (its round's first, then rounds without a draft), sent with the next call
+        self.commits: list[Verdict] = []
 
     @property
     def key(self) -> str:
@@ -110,11 +118,11 @@ class _DrafterLink:
         old = self.key if self.sent else None
         if self.sent:
             self.epoch += 1
-        self.sent, self.synced, self.commit = False, False, None
+        self.sent, self.synced, self.commits = False, False, []
         return old
 
     def drafted(self) -> None:
-        self.synced, self.commit = True, None
+        self.synced, self.commits = True, []
 
 
 class RouterCore:
@@ -191,7 +199,7 @@ class RouterCore:
                 verdict = await self._call(self.target.verify(request_id, draft, params), self.target_timeout_s)
                 verify_s = time.perf_counter() - t0
                 if link.synced:
-                    link.commit = verdict  # rides on the next draft call
+                    link.commits.append(verdict)  # rides on the next draft call
                 stats.verify_s += verify_s
                 stats.last_round_s = draft_s + verify_s
                 self._record(draft, len(tokens), verdict, stats)
@@ -242,6 +250,9 @@ class RouterCore:
 
     async def _draft(self, link: _DrafterLink, config: TreeConfig, params: SamplingParams, tokens: list[int]) -> Draft:
         """The round's draft from the drafter, or an empty one (no drafting, or the drafter failed)."""
+        if self.drafter is not None and config.depth == 0 and link.synced:
+            if len(link.commits) < MAX_CATCH_UP_ROUNDS:
+                return empty_draft()  # the drafter catches up on this round's verdict with the next draft call
         if self.drafter is None or config.depth == 0:
             stale = link.lost()  # the drafter misses this round's tokens
             if stale is not None:
@@ -264,10 +275,10 @@ class RouterCore:
     async def _call_drafter(
         self, link: _DrafterLink, config: TreeConfig, params: SamplingParams, tokens: list[int] | None
     ) -> Draft | None:
-        """One draft call: the pending commit (tokens None), or a rebuild from every token so far."""
-        commit = link.commit if tokens is None else None
+        """One draft call: the pending commits (tokens None), or a rebuild from every token so far."""
+        commits = list(link.commits) if tokens is None else []
         link.sent = True
-        draft = await self._call(self.drafter.draft(link.key, commit, config, params, params.seed, tokens),
+        draft = await self._call(self.drafter.draft(link.key, commits, config, params, params.seed, tokens),
                                  self.draft_timeout_s)  # fmt: skip
         if draft is None and tokens is not None:
             raise RuntimeError("the drafter answered None to a call with token ids")
@@ -277,8 +288,8 @@ class RouterCore:
 
     def _record(self, draft: Draft, context_len: int, verdict: Verdict, stats: GenerationStats) -> None:
         accepted = len(verdict.accepted_rows)
-        if draft.config.depth > 0:
-            self.policy.record(draft.config, context_len, accepted, max(stats.last_round_s, 1e-9))
+        # every round teaches the policy, rounds without a tree too (they are the "none" arm when it has one)
+        self.policy.record(draft.config, context_len, accepted, max(stats.last_round_s, 1e-9))
         stats.record_round(str(draft.config), draft.config.depth, accepted)
 
     @staticmethod

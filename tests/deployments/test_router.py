@@ -6,11 +6,13 @@ import asyncio
 import itertools
 
 import pytest
+import torch
 from pydantic import ValidationError
 
+from ray_specdec.acceptance import Verdict
 from ray_specdec.bandit import Bandit
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import NO_TREE, SpeculativeEngine, TargetSession, judge, make_generators
+from ray_specdec.engine import NO_TREE, SpeculativeEngine, TargetSession, empty_draft, judge, make_generators
 from ray_specdec.serving.api import CompletionRequest
 from ray_specdec.serving.drafter_worker import DrafterWorker
 from ray_specdec.serving.router import LoadBackoff, PromptTooLong, RouterCore
@@ -53,12 +55,12 @@ class LocalDrafters:
         self.fail_every = fail_every
         self.failures = 0
 
-    async def draft(self, request_id, commit, config, params, seed, token_ids=None):
+    async def draft(self, request_id, commits, config, params, seed, token_ids=None):
         n = next(self.calls)
         if self.fail_every and n % self.fail_every == self.fail_every - 1:
             self.failures += 1
             raise ConnectionError("drafter replica died")
-        return self.workers[self.route(n)].draft(request_id, commit, config, params, seed, token_ids)
+        return self.workers[self.route(n)].draft(request_id, commits, config, params, seed, token_ids)
 
     async def release(self, request_id):
         for w in self.workers:
@@ -245,20 +247,66 @@ def test_prompt_too_long(engine):
         run(core.generate([5] * 200, SamplingParams(max_new_tokens=57)))
 
 
+class Alternating:
+    """A tree policy that drafts `tree` on every other round and nothing in between (tests the catch-up commits)."""
+
+    def __init__(self, tree: TreeConfig, period: int = 2):
+        self.tree, self.period, self.calls, self.recorded = tree, period, 0, []
+
+    def select(self, context_len):
+        self.calls += 1
+        return self.tree if self.calls % self.period == 1 else NO_TREE
+
+    def record(self, tree, context_len, accepted_tokens, round_time_s):
+        self.recorded.append(str(tree))
+
+
+@pytest.mark.parametrize("period", [2, 3])
+def test_rounds_without_a_draft_catch_up_without_rebuilds(engine, reference, period):
+    drafters = LocalDrafters(engine.drafter, engine.target.vocab_size)
+    policy = Alternating(TreeConfig((2, 2, 1, 1)), period)
+    core, _ = make_core(engine, drafters, policy=policy)
+    prompt = PROMPTS[1]
+    gen = run(core.generate(engine.encode(prompt), SamplingParams(max_new_tokens=40)))
+    assert gen.token_ids == reference[prompt]
+    assert drafters.workers[0].rebuilds == 1  # built once by the first call; no-draft rounds only queue verdicts
+    assert "none" in policy.recorded and "2,2,1,1" in policy.recorded  # both kinds of rounds teach the policy
+
+
+def test_drafter_worker_catch_up_equals_rebuild(engine):
+    """A drafted verdict followed by verdicts of rounds without a draft leaves the state a rebuild would make."""
+    target, params, tree = engine.target, SamplingParams(), TreeConfig((2, 1))
+    ids = engine.encode(PROMPTS[2])
+    session = TargetSession(target, ids)
+    worker = DrafterWorker(engine.drafter, target.vocab_size)
+    draft = worker.draft("k", [], tree, params, None, ids)
+    commits, tokens = [], list(ids)
+    for d in (draft, empty_draft(), empty_draft()):
+        verdict = judge(session.forward(d), d, params, None)
+        session.commit(verdict)
+        commits.append(verdict)
+        tokens += verdict.new_tokens
+    caught_up = worker.draft("k", commits, tree, params, None)
+    rebuilt = DrafterWorker(engine.drafter, target.vocab_size).draft("r", [], tree, params, None, tokens)
+    assert torch.equal(caught_up.tokens, rebuilt.tokens)
+    with pytest.raises(ValueError, match="only the first commit"):
+        worker.draft("k", [commits[0], Verdict((1,), (7,), 8)], tree, params, None)
+
+
 def test_drafter_worker_eviction(engine):
     now = [0.0]
     worker = DrafterWorker(engine.drafter, engine.target.vocab_size, max_sessions=2, idle_timeout_s=10,
                            clock=lambda: now[0])  # fmt: skip
     params, tree, ids = SamplingParams(), TreeConfig((2, 1)), engine.encode(PROMPTS[0])
     for key in "abc":
-        assert worker.draft(key, None, tree, params, None, ids) is not None
+        assert worker.draft(key, [], tree, params, None, ids) is not None
         now[0] += 1
     assert worker.num_sessions == 2 and worker.evictions == 1  # "a", least recently used, went first
-    assert worker.draft("a", None, tree, params, None) is None  # lacks it: the router resends token ids
+    assert worker.draft("a", [], tree, params, None) is None  # lacks it: the router resends token ids
     now[0] += 20
-    assert worker.draft("c", None, tree, params, None) is None and worker.num_sessions == 0  # idle: dropped
-    draft = worker.draft("d", None, tree, params, None, ids)
-    assert worker.draft("d", None, tree, params, None) is None  # a commit is due: out of step -> rebuild
+    assert worker.draft("c", [], tree, params, None) is None and worker.num_sessions == 0  # idle: dropped
+    draft = worker.draft("d", [], tree, params, None, ids)
+    assert worker.draft("d", [], tree, params, None) is None  # a commit is due: out of step -> rebuild
     assert draft.tokens.shape == (4,) and worker.num_sessions == 0
 
 
