@@ -18,6 +18,7 @@ from deployments.drafter import DrafterDeployment
 from deployments.router import RouterDeployment, RouterSettings
 from deployments.target import TargetDeployment
 from ray_specdec.bandit import DEFAULT_ARMS, BanditConfig
+from ray_specdec.engine import DEFAULT_MIN_PATH_PROB
 from ray_specdec.config import DEFAULT_TREE, TreeConfig
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.serving.router import LoadBackoff
@@ -50,11 +51,13 @@ class AppArgs(BaseModel):
     drafter_num_gpus: float | None = Field(None, ge=0)  # None: 0 on CPU, 1 on CUDA
     drafter_resources: dict[str, float] = Field(default_factory=dict)  # custom resources, e.g. to pin a node type
     drafter_max_sessions: int = Field(1024, ge=1)  # request states per replica (least recently used evicted)
+    # drafts stop at depths whose paths the drafter itself rates below this probability (0: always the whole tree)
+    min_path_prob: float = Field(DEFAULT_MIN_PATH_PROB, ge=0, lt=1)
     # target
     target_num_cpus_per_rank: float = Field(1.0, ge=0)
     target_resources: dict[str, float] = Field(default_factory=dict)  # of the target replica (ranks: placement group)
     # trees and the bandit
-    trees: str | list[str] | None = None  # bandit arms, "1,1,1,1;3,3,2,1" or a list; None: the default arms
+    trees: str | list[str] | None = None  # bandit arms, "1,1,1,1;3,3,2,1;none" or a list; None: the default arms
     tree: str | None = None  # one tree for every request instead of the bandit
     bandit_path: str | None = None  # JSON file the bandit state is loaded from and saved to
     # serving limits and timeouts
@@ -72,9 +75,11 @@ class AppArgs(BaseModel):
         if trees is None:
             return None
         items = trees.split(";") if isinstance(trees, str) else trees
-        parsed = [TreeConfig.parse(t) for t in items if t.strip()]
-        if not parsed or any(t.depth == 0 for t in parsed) or len(set(parsed)) != len(parsed):
-            raise ValueError("trees must list distinct non-empty tree configs, e.g. '1,1,1,1;3,3,2,1'")
+        parsed = [TreeConfig.parse(t) for t in items if t.strip() and t.strip().lower() != "none"]
+        if not parsed or len(set(parsed)) != len(parsed):
+            raise ValueError("trees must list distinct non-empty tree configs, e.g. '1,1,1,1;3,3,2,1;none'")
+        if any(t.strip().lower() == "none" for t in items):  # no drafting as an arm of its own
+            parsed.append(TreeConfig(()))
         return [str(t) for t in parsed]
 
     @field_validator("tree")
@@ -116,7 +121,7 @@ def app(args: AppArgs) -> Application:  # Serve validates `key=value` arguments 
     if drafter_path is not None:
         drafter = DrafterDeployment.options(**_drafter_options(args)).bind(
             drafter_path, _vocab_size(target_path), dtype=args.dtype, device=args.device,
-            max_sessions=args.drafter_max_sessions,
+            max_sessions=args.drafter_max_sessions, min_path_prob=args.min_path_prob,
         )  # fmt: skip
     hub = None
     if settings.bandit is not None:

@@ -47,9 +47,11 @@ class DrafterDeployment:
         device: str = "cpu",
         max_sessions: int = 1024,
         idle_timeout_s: float = 600.0,
+        min_path_prob: float = 0.0,
     ):
         model = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device)
-        self.worker = DrafterWorker(model, vocab_size, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s)
+        self.worker = DrafterWorker(model, vocab_size, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
+                                    min_path_prob=min_path_prob)  # fmt: skip
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
 
     async def draft(

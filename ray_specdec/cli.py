@@ -42,6 +42,8 @@ def generate_parser() -> OneLineParser:
     p.add_argument("--target", default=None, help="HF id or local dir of the target (default: embedded target-neox)")
     p.add_argument("--drafter", default=None, help="HF id or local dir of the Mamba drafter, or 'none' (default: embedded)")
     p.add_argument("--tree", default=None, help="tree config N1,N2,...; the chain is 1,1,1,1 (default: %(default)s)")
+    p.add_argument("--min-path-prob", type=float, default=None,
+                   help="cut drafts at depths the drafter rates below this path probability (default: the engine's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -76,9 +78,12 @@ def run_generate(argv: list[str]) -> int:
             draft_sampling=args.draft_sampling,
         )
         tree = TreeConfig.parse(args.tree) if args.tree is not None else DEFAULT_TREE
+        if args.min_path_prob is not None and not 0 <= args.min_path_prob < 1:
+            raise ValueError(f"--min-path-prob must be in [0, 1), got {args.min_path_prob}")
     except ValueError as e:
         raise UsageError(str(e)) from None
-    engine = load_engine(args.target, args.drafter, tree=tree, dtype=args.dtype, device=args.device)
+    engine = load_engine(args.target, args.drafter, tree=tree, dtype=args.dtype, device=args.device,
+                         min_path_prob=args.min_path_prob)
     try:
         result = engine.generate(args.prompt, params)
     except ValueError as e:

@@ -31,6 +31,12 @@ class Draft:
     config: TreeConfig
     tokens: torch.Tensor  # [n] draft tokens of tree rows 1..n
     probs: torch.Tensor | None  # [m, V] draft distribution q at rows 0..m-1 (rows with children); None when greedy
+    requested: TreeConfig | None = None  # the tree asked for, when min_path_prob cut this draft short
+
+    @property
+    def arm(self) -> TreeConfig:
+        """The tree the policy chose for this round (what a bandit learns about)."""
+        return self.requested if self.requested is not None else self.config
 
     @property
     def tree(self) -> TreeTensors:
@@ -52,6 +58,13 @@ def pick_children(
     else:
         children = gumbel_top_k(q, k, generator)
     return children, q
+
+
+def _draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The drafter's distribution that path probabilities use: q when sampling, the plain softmax when greedy."""
+    if params.greedy:
+        return torch.softmax(logits.double(), dim=-1)
+    return logits_to_probs(logits.float(), params).double()
 
 
 def _align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -77,22 +90,50 @@ class DrafterSession:
         self._depth_states: list[MambaState] = []
         self._draft: Draft | None = None
 
-    def draft(self, config: TreeConfig, params: SamplingParams, generator: torch.Generator | None) -> Draft:
-        tree = tree_for(config)
+    def draft(
+        self,
+        config: TreeConfig,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        min_path_prob: float = 0.0,
+    ) -> Draft:
+        """Draft the tree `config`, or its first depths only when min_path_prob > 0 says the rest is unlikely.
+
+        A node's path probability is the drafter's probability of the tokens from the root to it. Drafting stops
+        after depth d when no depth-d node reaches min_path_prob (no drafter step is spent on depth d + 1), or
+        before picking depth d + 1 when no depth-d node times its best child's probability does (no verify rows
+        are spent on it). Both decisions depend only on nodes already drafted and their distributions, never on
+        the children they would drop, so every drafted child is still a sample of q given its ancestors: sampled
+        output keeps the target's distribution exactly, and greedy output is the target's whatever the draft.
+        """
+        tree, requested = tree_for(config), config
         logits, state = self.root_logits, self.root_state
         states, tokens, probs = [state], [], []
+        path_prob = torch.ones(1, dtype=torch.float64)  # [rows of the last drafted depth]
         for depth, n in enumerate(config.branching, start=1):
+            if min_path_prob > 0:
+                dist = _draft_distribution(logits, params)  # [rows, V] at the last drafted depth's rows
+                if depth > 1 and float((path_prob * dist.max(dim=-1).values).max()) < min_path_prob:
+                    config = config.truncated(depth - 1)
+                    break
             children, q = pick_children(logits, n, params, generator)
             tokens.append(children.reshape(-1))
             if q is not None:
                 probs.append(q)
-            if depth < config.depth:
-                state = self.drafter.copy_rows(state, tree.parents_at_depth(depth).to(self.drafter.device))
-                logits = _align_vocab(self.drafter.step(state, tokens[-1]), self.vocab_size)
-                states.append(state)
+            if depth == config.depth:
+                break
+            if min_path_prob > 0:
+                path_prob = (path_prob[:, None] * dist.gather(-1, children)).reshape(-1)
+                if float(path_prob.max()) < min_path_prob:
+                    config = config.truncated(depth)  # depth's nodes stay, as leaves (never stepped)
+                    break
+            state = self.drafter.copy_rows(state, tree.parents_at_depth(depth).to(self.drafter.device))
+            logits = _align_vocab(self.drafter.step(state, tokens[-1]), self.vocab_size)
+            states.append(state)
         self._depth_states = states
         draft_tokens = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long)
-        self._draft = Draft(config, draft_tokens, torch.cat(probs) if probs else None)
+        self._draft = Draft(config, draft_tokens, torch.cat(probs) if probs else None,
+                            requested if config != requested else None)  # fmt: skip
         return self._draft
 
     def commit(self, verdict: Verdict) -> None:
@@ -106,8 +147,9 @@ class DrafterSession:
         else:
             tree = draft.tree
             row = verdict.accepted_rows[-1]
-            if depth == draft.config.depth:
-                # leaves were never stepped: start from the parent's state and step the leaf token too
+            if depth >= len(self._depth_states):
+                # leaves were never stepped: start from the parent's state and step the leaf token too (a draft
+                # cut short by min_path_prob has stepped its last depth, and uses that state)
                 depth, row = depth - 1, int(tree.parents[row])
                 pending.insert(0, verdict.accepted_tokens[-1])
             local = row - tree.depth_starts[depth]

@@ -24,6 +24,8 @@ from ray_specdec.stats import GenerationStats
 from ray_specdec.stopping import StopChecker
 
 NO_TREE = TreeConfig(())
+# Default cut of drafts by the drafter's own path probabilities (DrafterSession.draft); see docs/BENCHMARKS.md.
+DEFAULT_MIN_PATH_PROB = 0.0
 
 
 class TargetSession:
@@ -109,9 +111,14 @@ class SpeculativeEngine:
         drafter: MambaDrafter | None,
         tree_policy=TreeConfig((3, 2, 2, 1, 1)),
         tokenizer=None,
+        min_path_prob: float = 0.0,
     ):
+        """min_path_prob: drafts stop at depths whose nodes the drafter rates below this (DrafterSession.draft)."""
+        if not 0.0 <= min_path_prob < 1.0:
+            raise ValueError(f"min_path_prob must be in [0, 1), got {min_path_prob}")
         self.target = target
         self.drafter = drafter
+        self.min_path_prob = min_path_prob
         self.policy = FixedTree(tree_policy) if isinstance(tree_policy, TreeConfig) else tree_policy
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
 
@@ -159,12 +166,12 @@ class SpeculativeEngine:
         context_len = len(prompt_ids)
         while not stop.finished:
             config = self._pick_tree(tree, context_len, stop.remaining)
-            verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
+            draft, verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
             self.policy.record(config, context_len, len(verdict.accepted_rows), stats.last_round_s)
             context_len += len(verdict.new_tokens)
             kept, delta = stop.feed(verdict.new_tokens)
             stats.new_tokens += len(kept)
-            stats.record_round(str(config), config.depth, len(verdict.accepted_rows))
+            stats.record_round(str(draft.config), draft.config.depth, len(verdict.accepted_rows))
             yield StreamChunk(kept, delta, stop.finish_reason, stats)
 
     def _pick_tree(self, override: TreeConfig | None, context_len: int, remaining: int) -> TreeConfig:
@@ -174,12 +181,12 @@ class SpeculativeEngine:
         # the bonus token comes for free: never draft deeper than what is left to generate
         return config.truncated(remaining - 1)
 
-    def _round(self, target_side, drafter_side, config, params, draft_gen, target_gen, stats) -> Verdict:
+    def _round(self, target_side, drafter_side, config, params, draft_gen, target_gen, stats) -> tuple[Draft, Verdict]:
         t0 = time.perf_counter()
         if drafter_side is None or config.depth == 0:
             draft = empty_draft()
         else:
-            draft = drafter_side.draft(config, params, draft_gen)
+            draft = drafter_side.draft(config, params, draft_gen, self.min_path_prob)
         t1 = time.perf_counter()
         logits = target_side.forward(draft)
         t2 = time.perf_counter()
@@ -192,4 +199,4 @@ class SpeculativeEngine:
         stats.verify_s += t2 - t1
         stats.other_s += t3 - t2
         stats.last_round_s = t3 - t0
-        return verdict
+        return draft, verdict

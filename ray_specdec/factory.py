@@ -66,8 +66,10 @@ def load_engine(
     tree: TreeConfig = DEFAULT_TREE,
     dtype: str = "auto",
     device: str | None = "auto",
+    min_path_prob: float | None = None,
 ):
-    from ray_specdec.engine import SpeculativeEngine
+    """min_path_prob None: the engine's default (DEFAULT_MIN_PATH_PROB)."""
+    from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, SpeculativeEngine
     from ray_specdec.models.loading import resolve_dtype
 
     from ray_specdec.models.loading import resolve_model_path
@@ -85,4 +87,5 @@ def load_engine(
         raise LoadError(f"cannot load {kind} {name!r}: {e}") from None
     target_model = load_target(target, dtype, device)
     drafter_model = load_drafter(drafter, dtype, device)
-    return SpeculativeEngine(target_model, drafter_model, tree)
+    cut = DEFAULT_MIN_PATH_PROB if min_path_prob is None else min_path_prob
+    return SpeculativeEngine(target_model, drafter_model, tree, min_path_prob=cut)

@@ -103,11 +103,12 @@ def test_greedy_matches_target_and_hf_generate_for_every_tree(target, prompt_len
         drafters.append(TargetEchoDrafter(target.model, noise=2.0))
     for branching in TREES:
         for drafter in drafters:
-            result = SpeculativeEngine(target, drafter, TreeConfig(branching)).generate(
-                prompt, SamplingParams(max_new_tokens=n)
-            )
-            assert result.token_ids == expected, (branching, type(drafter).__name__)
-            assert len(result.token_ids) <= n
+            for min_path_prob in (0.0, 0.3):  # 0.3: drafts cut short where the drafter rates its paths unlikely
+                result = SpeculativeEngine(target, drafter, TreeConfig(branching), min_path_prob=min_path_prob).generate(
+                    prompt, SamplingParams(max_new_tokens=n)
+                )
+                assert result.token_ids == expected, (branching, type(drafter).__name__, min_path_prob)
+                assert len(result.token_ids) <= n
 
 
 def test_echo_drafter_gets_deep_acceptance(target):
@@ -151,9 +152,11 @@ def test_eos_stops_generation(target):
     assert result.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("min_path_prob", [0.0, 0.02, 0.06])
 @pytest.mark.parametrize("branching", [(3, 2, 1), (1, 1, 1, 1), (2,)])
-def test_drafter_state_after_commits_equals_prefill_from_scratch(branching):
-    """Commit every possible accepted depth (0 .. leaf) and compare with prefilling all tokens from scratch."""
+def test_drafter_state_after_commits_equals_prefill_from_scratch(branching, min_path_prob):
+    """Commit every possible accepted depth (0 .. leaf) and compare with prefilling all tokens from scratch; drafts
+    cut short by min_path_prob (before or after stepping their last depth) too."""
     from ray_specdec.acceptance import Verdict
 
     drafter = tiny_mamba(vocab=32)
@@ -162,9 +165,10 @@ def test_drafter_state_after_commits_equals_prefill_from_scratch(branching):
     session = DrafterSession(drafter, tokens, vocab_size=32)
     g = torch.Generator().manual_seed(0)
     for round_ in range(2 * (config.depth + 1)):
-        draft = session.draft(config, SamplingParams(temperature=1.0), g)
+        draft = session.draft(config, SamplingParams(temperature=1.0), g, min_path_prob)
         tree = draft.tree
-        depth = round_ % (config.depth + 1)
+        assert draft.arm == config and draft.tokens.numel() == tree.num_nodes
+        depth = min(round_ % (config.depth + 1), draft.config.depth)
         leaf = tree.leaf_paths[int(torch.randint(len(tree.leaf_paths), (1,), generator=g))]
         rows = leaf[1 : depth + 1]
         accepted = tuple(int(draft.tokens[r - 1]) for r in rows)
@@ -196,31 +200,39 @@ def enumerate_target(target: TargetModel, prompt: list[int], params: SamplingPar
 
 
 @pytest.mark.parametrize(
-    "branching, draft_sampling, temperature, top_k, top_p",
+    "branching, draft_sampling, temperature, top_k, top_p, min_path_prob",
     [
-        ((2, 1), "iid", 0.9, 0, 1.0),
-        ((3, 2), "without_replacement", 0.9, 0, 1.0),
+        ((2, 1), "iid", 0.9, 0, 1.0, 0.0),
+        ((3, 2), "without_replacement", 0.9, 0, 1.0, 0.0),
         # filtered supports of target and drafter overlap only partly here: rejections must renormalize correctly
-        ((2, 2), "without_replacement", 2.0, 4, 0.9),
+        ((2, 2), "without_replacement", 2.0, 4, 0.9, 0.0),
+        # drafts cut short by the drafter's own path probabilities: the cut must not bias what is kept
+        ((2, 1), "iid", 2.0, 0, 1.0, 0.15),
+        ((3, 2), "without_replacement", 2.0, 0, 1.0, 0.15),
     ],
 )
-def test_sampled_generation_has_target_distribution(branching, draft_sampling, temperature, top_k, top_p):
+def test_sampled_generation_has_target_distribution(branching, draft_sampling, temperature, top_k, top_p,
+                                                    min_path_prob):
     target = TargetModel(tiny_gpt_neox(torch.float64, vocab=VOCAB, seed=5))
     target.eos_token_ids = frozenset()
     drafter = tiny_mamba(vocab=VOCAB, seed=6)
     prompt = [1, 4, 2]
-    n_tokens, n_samples = 2, 2000
+    # with a cut, 3 tokens: the first round may draft depth 2 (later rounds are cut to what is left anyway)
+    n_tokens, n_samples = (3 if min_path_prob else 2), 2000
     base = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=n_tokens,
                           draft_sampling=draft_sampling)
     exact = enumerate_target(target, prompt, base, n_tokens)
-    engine = SpeculativeEngine(target, drafter, TreeConfig(branching))
+    engine = SpeculativeEngine(target, drafter, TreeConfig(branching), min_path_prob=min_path_prob)
     counts = dict.fromkeys(exact, 0)
-    accepted = 0
+    accepted = full = 0
     for seed in range(n_samples):
         result = engine.generate(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
         counts[tuple(result.token_ids)] += 1
-        accepted += result.stats.rounds == 1
-    assert accepted > 0, "some generations must take both tokens in one round, or drafting was not tested"
+        accepted += result.stats.rounds < n_tokens
+        full += str(TreeConfig(branching)) in result.stats.trees  # only a first round can draft the whole tree
+    assert accepted > 0, "some generations must take several tokens in one round, or drafting was not tested"
+    if min_path_prob:  # first rounds of both kinds happened: drafts cut to depth 1, and whole depth-2 drafts
+        assert 0 < full < n_samples, full
     keys = [k for k in exact if exact[k] > 0]
     assert all(counts[k] == 0 for k in exact if exact[k] == 0), "emitted a sequence the target cannot produce"
     observed = np.array([counts[k] for k in keys], dtype=float)
@@ -230,7 +242,55 @@ def test_sampled_generation_has_target_distribution(branching, draft_sampling, t
     if (~big).any():
         obs, exp = np.append(obs, observed[~big].sum()), np.append(exp, expected[~big].sum())
     assert chisquare(obs, exp).pvalue > 1e-3
-    assert 0.5 * np.abs(observed / n_samples - expected / n_samples).sum() < 0.08
+    # total variation on the first two tokens (36 outcomes: sampling noise alone stays well below the bound)
+    tv = 0.0
+    for prefix in itertools.product(range(VOCAB), repeat=2):
+        emitted = sum(counts[k] for k in exact if k[:2] == prefix) / n_samples
+        tv += 0.5 * abs(emitted - sum(exact[k] for k in exact if k[:2] == prefix))
+    assert tv < 0.08
+
+
+class PeakedDrafter:
+    """A test drafter whose next-token distribution is the same after any context: `probs`."""
+
+    def __init__(self, probs: list[float]):
+        self.logits = torch.tensor(probs, dtype=torch.float64).log()
+        self.device = torch.device("cpu")
+
+    def prefill(self, ids):
+        return EchoState(1), self.logits.clone()
+
+    def copy_rows(self, state, index):
+        return EchoState(len(index))
+
+    def step(self, state, tokens):
+        return self.logits.expand(len(tokens), -1).clone()
+
+
+def test_cut_drafts_keep_the_target_distribution():
+    """The cut may look at drafted nodes, never at the children it would drop. Here a cut that looked at them would
+    keep depth 2 only when its child is the drafter's favourite token, and the output would visibly drift."""
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=VOCAB, seed=5))
+    target.eos_token_ids = frozenset()
+    drafter = PeakedDrafter([0.7] + [0.06] * (VOCAB - 1))  # path probabilities: 0.7, 0.49, or 0.042 and below
+    prompt, n_tokens, n_samples = [1, 4, 2], 3, 5000
+    params = SamplingParams(temperature=1.0, max_new_tokens=n_tokens, draft_sampling="iid")
+    exact = enumerate_target(target, prompt, params, n_tokens)
+    engine = SpeculativeEngine(target, drafter, TreeConfig((1, 1)), min_path_prob=0.45)
+    counts = dict.fromkeys(exact, 0)
+    kinds = set()
+    for seed in range(n_samples):
+        result = engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed}))
+        counts[tuple(result.token_ids)] += 1
+        kinds.add("1,1" in result.stats.trees)
+    assert kinds == {True, False}  # whole drafts and drafts cut after depth 1 both happened
+    for prefix_len in (1, 2):  # marginals of the first one and two tokens: enough counts for a sharp test
+        emitted, expected = {}, {}
+        for seq, p in exact.items():
+            expected[seq[:prefix_len]] = expected.get(seq[:prefix_len], 0.0) + p
+            emitted[seq[:prefix_len]] = emitted.get(seq[:prefix_len], 0) + counts[seq]
+        keys = sorted(expected)
+        assert chisquare([emitted[k] for k in keys], [expected[k] * n_samples for k in keys]).pvalue > 1e-3
 
 
 def test_same_seed_same_sample():

@@ -43,6 +43,7 @@ class DrafterWorker:
         max_sessions: int = 1024,
         idle_timeout_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        min_path_prob: float = 0.0,
     ):
         if max_sessions < 1 or idle_timeout_s <= 0:
             raise ValueError("max_sessions must be >= 1 and idle_timeout_s > 0")
@@ -50,6 +51,7 @@ class DrafterWorker:
         self.vocab_size = vocab_size  # the target's: draft distributions live in its vocabulary
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
+        self.min_path_prob = min_path_prob  # see DrafterSession.draft
         self._clock = clock
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._lock = threading.Lock()
@@ -85,7 +87,7 @@ class DrafterWorker:
                 return None
             for verdict in commits:
                 entry.session.commit(verdict)
-        draft = entry.session.draft(config, params, entry.generator)
+        draft = entry.session.draft(config, params, entry.generator, self.min_path_prob)
         entry.drafted = True
         return draft
 

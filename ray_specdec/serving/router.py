@@ -289,7 +289,7 @@ class RouterCore:
     def _record(self, draft: Draft, context_len: int, verdict: Verdict, stats: GenerationStats) -> None:
         accepted = len(verdict.accepted_rows)
         # every round teaches the policy, rounds without a tree too (they are the "none" arm when it has one)
-        self.policy.record(draft.config, context_len, accepted, max(stats.last_round_s, 1e-9))
+        self.policy.record(draft.arm, context_len, accepted, max(stats.last_round_s, 1e-9))
         stats.record_round(str(draft.config), draft.config.depth, accepted)
 
     @staticmethod

@@ -153,7 +153,10 @@ def drafter_replicas(url: str) -> int:
 def test_load_scales_drafters_up(url):
     """Closed-loop load in 15 s phases until the second drafter replica is running (at most 2 minutes)."""
     assert poll(lambda: drafter_replicas(url) == 1, timeout_s=60)
-    config = LoadTestConfig(url, concurrency=6, duration_s=15, prompts=tuple(PROMPTS), max_tokens=32, timeout_s=60)
+    # every request drafts (a bandit free to choose may learn that no drafting pays best on a loaded CPU, and then
+    # the drafters see little load)
+    config = LoadTestConfig(url, concurrency=6, duration_s=15, prompts=tuple(PROMPTS), max_tokens=32, timeout_s=60,
+                            tree="2,2,1,1")
     reports = []
     while len(reports) < 8 and (not reports or reports[-1]["replicas"][-1]["replicas"]["drafter"] < 2):
         reports.append(asyncio.run(run_loadtest(config)))

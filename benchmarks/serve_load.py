@@ -1,0 +1,118 @@
+"""Drafting on vs off through the Serve app, side by side in one run: throughput at concurrency 1 and 8.
+
+Starts Ray and the app (embedded default models, drafters autoscaling 1 -> 2) on a loopback port, then runs the
+closed-loop load test of `ray_specdec.loadtest` once per (concurrency, mode), alternating modes:
+- `off`: every request says tree "none" (plain target decoding through the same router and target);
+- `on`: the service's own choice: the shared bandit (default arms, no drafting among them) and the load back-off;
+- `chain`: every request asks for the chain 1,1,1,1 (speculation forced on, no back-off).
+Prompts are held-out corpus windows (the domain the default models were trained on). The report gives tokens/s,
+latency and mean accepted length per run and each mode's throughput as a ratio of `off` at the same concurrency.
+
+Run: python -m benchmarks.serve_load [--duration 45] [--concurrency 1,8] [--out docs/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RAY_ENV = {
+    "PYTHONPATH": str(REPO),
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+MODES = {"off": "none", "on": None, "chain": "1,1,1,1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def heldout_texts(n: int, seed: int) -> tuple[str, ...]:
+    from ray_specdec.training.corpus import heldout_prompts
+
+    return tuple(p.text for p in heldout_prompts(n, 64, 256, seed=seed))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=45.0, help="seconds per (concurrency, mode) run")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--modes", default="off,on,chain")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--num-cpus", type=int, default=4, help="CPUs Ray may schedule (actors, not cores)")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"))
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+
+    import ray
+    from ray import serve
+
+    from deployments import AppArgs, app
+    from ray_specdec.loadtest import LoadTestConfig, describe, run_loadtest
+
+    prompts = heldout_texts(args.prompts, seed=7)
+    os.environ.update(RAY_ENV)
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, runtime_env={"env_vars": RAY_ENV})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    runs = []
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app(AppArgs(drafter_min_replicas=1, drafter_max_replicas=2, drafter_upscale_delay_s=5)),
+                  name="specdec", route_prefix="/")  # fmt: skip
+        # warm-up: first calls pay one-time costs, and the bandit starts learning (as on a live service)
+        asyncio.run(run_loadtest(LoadTestConfig(url, 2, 15.0, None, prompts, args.max_tokens)))
+        for concurrency in concurrencies:
+            for mode in modes:
+                config = LoadTestConfig(url, concurrency, args.duration, None, prompts, args.max_tokens,
+                                        tree=MODES[mode])  # fmt: skip
+                report = asyncio.run(run_loadtest(config))
+                print(f"concurrency {concurrency}, drafting {mode}: {describe(report)}", flush=True)
+                runs.append({"concurrency": concurrency, "mode": mode, "report": report})
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    rows = []
+    for run in runs:
+        base = next(r for r in runs if r["concurrency"] == run["concurrency"] and r["mode"] == "off")
+        tput, base_tput = run["report"]["throughput"]["tokens_per_s"], base["report"]["throughput"]["tokens_per_s"]
+        rows.append({"concurrency": run["concurrency"], "mode": run["mode"], "tokens_per_s": round(tput, 2),
+                     "ratio_vs_off": round(tput / base_tput, 3) if base_tput else None,
+                     "requests": run["report"]["requests"], "latency_s": run["report"]["latency_s"],
+                     "mean_accepted_length": run["report"]["mean_accepted_length"]})
+    result = {"runs": rows, "duration_s": args.duration, "max_tokens": args.max_tokens,
+              "hardware": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "when": time.strftime("%Y-%m-%d")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve_load.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = ["| concurrency | drafting | tokens/s | vs off | mean accepted length | latency p50 (s) | errors |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lat = r["latency_s"] or {}
+        acc = r["mean_accepted_length"]
+        lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['ratio_vs_off']:.2f}x | "
+                     f"{'-' if acc is None else f'{acc:.2f}'} | {lat.get('p50', float('nan')):.2f} | "
+                     f"{r['requests'].get('errors', 0)} |")
+    (args.out / "serve_load.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
