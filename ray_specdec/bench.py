@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import NO_TREE, SpeculativeEngine
+from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, NO_TREE, SpeculativeEngine
 
 
 @dataclass
@@ -157,6 +157,8 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--contexts", default="1024,2048,4096,8192", help="context sweep lengths")
+    p.add_argument("--min-path-prob", type=float, default=None,
+                   help="our engine's draft cut (default: the engine's DEFAULT_MIN_PATH_PROB)")
     p.add_argument("--bandit-warmup", type=int, default=4,
                    help="held-out prompts (not the measured ones) the bandit learns from before it is measured, as a "
                         "served bandit has learned from earlier traffic; 0: it starts cold in the measured run")
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     long = [p.token_ids for p in heldout_prompts(args.long_prompts, 1024, 2048, seed=args.seed + 1, tokenizer=tok)]
     prompts = short + long
     hf = target.model
-    ours = SpeculativeEngine(target, drafter, trees[0])
+    cut = DEFAULT_MIN_PATH_PROB if args.min_path_prob is None else args.min_path_prob
+    ours = SpeculativeEngine(target, drafter, trees[0], min_path_prob=cut)
     plain = SpeculativeEngine(target, None)
 
     methods = [("hf_generate", lambda t: run_hf("hf_generate", hf, prompts, args.max_new_tokens, t, args.seed)),
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     # The bandit's arms: the same fixed trees shown beside it, and no drafting (ours_target_only). It keeps learning
     # during the measured run, after a warm-up on other held-out prompts (a served bandit has seen earlier traffic).
     bandit = Bandit(BanditConfig(arms=(*trees, NO_TREE)), seed=args.seed)
-    bandit_engine = SpeculativeEngine(target, drafter, bandit)
+    bandit_engine = SpeculativeEngine(target, drafter, bandit, min_path_prob=cut)
     warmup = heldout_prompts(args.bandit_warmup, 64, 1024, seed=args.seed + 3, tokenizer=tok)
     for i, p in enumerate(tqdm(warmup, desc="bandit warm-up", leave=False)):
         for temperature in temperatures:
@@ -251,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
         "settings": {"prompts": len(short), "long_prompts": len(long), "max_new_tokens": args.max_new_tokens,
-                     "trees": [str(t) for t in trees], "bandit_warmup_prompts": args.bandit_warmup,
+                     "trees": [str(t) for t in trees], "min_path_prob": cut,
+                     "bandit_warmup_prompts": args.bandit_warmup,
                      "bandit_pulls": {str(arm): int(n) for arm, n in zip(bandit.config.arms, bandit_pulls(bandit))},
                      "target": args.target, "drafter": args.drafter,
                      "tf_drafter": args.tf_drafter, "quick": args.quick},

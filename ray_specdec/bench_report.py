@@ -7,15 +7,22 @@ from pathlib import Path
 
 def markdown(report: dict) -> str:
     lines = [
-        "| method | T | tokens/s | speedup vs HF generate | mean accepted length | acceptance per depth | identical |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| method | T | tokens/s | speedup vs HF generate | mean accepted length | acceptance per depth "
+        "| draft / verify / other (s) | identical |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for m in report["methods"]:
         per_depth = ", ".join(f"{a:.2f}" for a in m["acceptance_per_depth"] or []) or "-"
         mal = f"{m['mean_accepted_length']:.2f}" if m["mean_accepted_length"] is not None else "-"
         same = {True: "yes", False: "NO", None: "-"}[m["identical_to_target"]]
+        split = (f"{m['draft_s']:.2f} / {m['verify_s']:.2f} / {m['other_s']:.2f}"
+                 if m["name"].startswith("ours") else "-")
         lines.append(f"| {m['name']} | {m['temperature']:g} | {m['tokens_per_s']:.1f} | "
-                     f"{m['speedup_vs_hf_generate']:.2f}x | {mal} | {per_depth} | {same} |")
+                     f"{m['speedup_vs_hf_generate']:.2f}x | {mal} | {per_depth} | {split} | {same} |")
+    pulls = report.get("settings", {}).get("bandit_pulls")
+    if pulls:
+        lines += ["", "Bandit pulls per arm (warm-up included): "
+                  + ", ".join(f"{arm}: {n}" for arm, n in pulls.items())]
     lines += ["", "| context tokens | Mamba state (KiB) | Mamba step (ms) | Transformer KV (KiB) | Transformer step (ms) |",
               "| --- | --- | --- | --- | --- |"]
     for r in report["context_sweep"]:

@@ -17,3 +17,11 @@ python -m ray_specdec.training.export --run runs/target-llama-r2 --out $D/target
 $T --arch drafter-neox-small --name drafter-neox-small-r2 --teacher $D/target-neox --warmup-steps 20 --max-minutes ${SMALL_MIN:-6} --lr 2e-3 > runs/drafter-neox-small-r2.log 2>&1
 python -m ray_specdec.training.export --run runs/drafter-neox-small-r2 --out $D/drafter-neox-small
 echo CHAIN R2 DONE
+# Round 3: both drafters continued from their exported weights for the same steps and tokens (docs/MODELS.md).
+R3="--tokenizer $D/target-neox --teacher $D/target-neox --seq-len 512 --batch-size 4 --warmup-steps 10 --lr 1e-3"
+$T --arch drafter-mamba --name drafter-mamba-r3 --init-from $D/drafter-mamba $R3 --max-minutes ${MAMBA3_MIN:-45} > runs/drafter-mamba-r3.log 2>&1
+python -m ray_specdec.training.export --run runs/drafter-mamba-r3 --out $D/drafter-mamba --tokenizer $D/target-neox
+STEPS=$(python -c "import json; print(json.load(open('runs/drafter-mamba-r3/summary.json'))['steps'])")
+$T --arch drafter-neox-small --name drafter-neox-small-r3 --init-from $D/drafter-neox-small $R3 --max-steps $STEPS --max-minutes 60 > runs/drafter-neox-small-r3.log 2>&1
+python -m ray_specdec.training.export --run runs/drafter-neox-small-r3 --out $D/drafter-neox-small --tokenizer $D/target-neox
+echo R3 DONE

@@ -93,13 +93,15 @@ def evaluate(models_dir: Path = DEFAULT_MODELS_DIR, gamma: int = 4, n_prompts: i
 
 def results_markdown(results: dict) -> str:
     s = results["setup"]
-    lines = [RESULTS_START, "", "| model | parameters | steps | tokens seen | minutes | loss | teacher (KL weight) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [RESULTS_START, "", "| model | parameters | rounds | steps | tokens seen | minutes | loss | teacher (KL weight) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, t in results["training"].items():
         teacher = Path(t["settings"]["teacher"]).name if t["settings"]["teacher"] else "-"
         alpha = f" ({t['settings']['alpha']})" if t["settings"]["teacher"] else ""
-        lines.append(f"| {name} | {t['parameters'] / 1e6:.2f}M | {t['steps']} | {t['tokens']:,} | {t['minutes']} | "
-                     f"{t.get('final_loss', '-')} | {teacher}{alpha} |")
+        rounds = 1 + len(t.get("previous_rounds", []))  # runs continued with --init-from: totals over all rounds
+        steps, tokens = t.get("total_steps", t["steps"]), t.get("total_tokens", t["tokens"])
+        lines.append(f"| {name} | {t['parameters'] / 1e6:.2f}M | {rounds} | {steps} | {tokens:,} | "
+                     f"{t.get('total_minutes', t['minutes'])} | {t.get('final_loss', '-')} | {teacher}{alpha} |")
     lines += ["", f"Held-out perplexity ({s['ppl_windows']} windows x {s['ppl_seq_len']} tokens of the held-out split):", "",
              "| model | perplexity |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in results["heldout_perplexity"].items()]
