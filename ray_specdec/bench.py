@@ -110,6 +110,14 @@ def run_ours(name, engine: SpeculativeEngine, prompts, max_new, temperature, see
     return result
 
 
+def parse_tree_and_cut(text: str) -> tuple[TreeConfig, float]:
+    """'3,2,2,1,1@0.06' -> (TreeConfig((3, 2, 2, 1, 1)), 0.06)."""
+    tree, sep, cut = text.partition("@")
+    if not sep or not 0 <= float(cut) < 1:
+        raise ValueError(f"expected TREE@CUT with 0 <= CUT < 1, got {text!r}")
+    return TreeConfig.parse(tree), float(cut)
+
+
 def bandit_pulls(bandit) -> list[int]:
     """Pulls per arm, summed over context buckets (warm-up included)."""
     return bandit.state.raw[:, :, 0].sum(axis=0).astype(int).tolist()
@@ -157,6 +165,8 @@ def parse_args(argv):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--contexts", default="1024,2048,4096,8192", help="context sweep lengths")
+    p.add_argument("--cut-trees", default="",
+                   help="extra methods: trees with their own draft cut, 'TREE@CUT;...' e.g. '3,2,2,1,1@0.06'")
     p.add_argument("--min-path-prob", type=float, default=None,
                    help="our engine's draft cut (default: the engine's DEFAULT_MIN_PATH_PROB)")
     p.add_argument("--bandit-warmup", type=int, default=4,
@@ -185,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = parse_args(argv)
+        cut_trees = [parse_tree_and_cut(t) for t in (args.cut_trees or "").split(";") if t.strip()]
         trees = [TreeConfig.parse(t) for t in args.trees.split(";")]
         temperatures = [float(t) for t in args.temperatures.split(",")]
         contexts = [int(c) for c in args.contexts.split(",")]
@@ -223,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         methods.append((name, lambda t, tree=tree, name=name: run_ours(name, ours, prompts, args.max_new_tokens, t,
                                                                         args.seed, tree)))
 
+    for tree, tree_cut in cut_trees:  # the same trees with a draft cut of their own (not bandit arms)
+        name = f"ours_mamba_{'chain' if set(tree.branching) == {1} else 'tree'}_{tree}_cut{tree_cut:g}"
+        engine = SpeculativeEngine(target, drafter, tree, min_path_prob=tree_cut)
+        methods.append((name, lambda t, tree=tree, name=name, engine=engine: run_ours(
+            name, engine, prompts, args.max_new_tokens, t, args.seed, tree)))
+
     # The bandit's arms: the same fixed trees shown beside it, and no drafting (ours_target_only). It keeps learning
     # during the measured run, after a warm-up on other held-out prompts (a served bandit has seen earlier traffic).
     bandit = Bandit(BanditConfig(arms=(*trees, NO_TREE)), seed=args.seed)
@@ -255,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
         "settings": {"prompts": len(short), "long_prompts": len(long), "max_new_tokens": args.max_new_tokens,
                      "trees": [str(t) for t in trees], "min_path_prob": cut,
+                     "cut_trees": [f"{t}@{c:g}" for t, c in cut_trees],
                      "bandit_warmup_prompts": args.bandit_warmup,
                      "bandit_pulls": {str(arm): int(n) for arm, n in zip(bandit.config.arms, bandit_pulls(bandit))},
                      "target": args.target, "drafter": args.drafter,
