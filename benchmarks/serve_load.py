@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=45.0, help="seconds per (concurrency, mode) run")
     parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--warmup", type=float, default=30.0, help="seconds of load before measuring")
     parser.add_argument("--modes", default="off,on,chain")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=16)
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         serve.run(app(AppArgs(drafter_min_replicas=1, drafter_max_replicas=2, drafter_upscale_delay_s=5)),
                   name="specdec", route_prefix="/")  # fmt: skip
         # warm-up: first calls pay one-time costs, and the bandit starts learning (as on a live service)
-        asyncio.run(run_loadtest(LoadTestConfig(url, 2, 15.0, None, prompts, args.max_tokens)))
+        asyncio.run(run_loadtest(LoadTestConfig(url, 2, args.warmup, None, prompts, args.max_tokens)))
         for concurrency in concurrencies:
             for mode in modes:
                 config = LoadTestConfig(url, concurrency, args.duration, None, prompts, args.max_tokens,

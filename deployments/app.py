@@ -19,7 +19,7 @@ from deployments.router import RouterDeployment, RouterSettings
 from deployments.target import TargetDeployment
 from ray_specdec.bandit import DEFAULT_ARMS, BanditConfig
 from ray_specdec.engine import DEFAULT_MIN_PATH_PROB
-from ray_specdec.config import DEFAULT_TREE, TreeConfig
+from ray_specdec.config import TreeConfig, default_tree
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.serving.router import LoadBackoff
 
@@ -141,7 +141,7 @@ def _router_settings(args: AppArgs, target_path: str, drafting: bool) -> RouterS
         model_name=args.model_name or os.path.basename(target_path.rstrip("/")),
         tokenizer=target_path,
         bandit=BanditConfig(arms=arms) if drafting and fixed is None else None,
-        tree=fixed or DEFAULT_TREE,
+        tree=fixed or default_tree(args.device),
         max_context=args.max_context,
         backoff=LoadBackoff(args.backoff_full_below, args.backoff_off_at),
         target_timeout_s=args.target_timeout_s,

@@ -34,7 +34,8 @@ STICKY_ROUTER = RequestRouterConfig(
 )
 
 
-@serve.deployment(name="drafter", request_router_config=STICKY_ROUTER)
+# No access log: one draft call per round of every request.
+@serve.deployment(name="drafter", request_router_config=STICKY_ROUTER, logging_config={"enable_access_log": False})
 class DrafterDeployment:
     """draft / release per docs/INTERFACES.md ("Serving"), plus stats for /v1/stats."""
 

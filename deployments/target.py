@@ -273,7 +273,9 @@ class TargetReplica:
 
 
 # Every active request has at most one call in flight here, and calls mostly wait on the ranks: allow many.
-@serve.deployment(name="target", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+# No access log: routers call verify once per round of every request (a log line per round costs real time).
+@serve.deployment(name="target", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
+                  logging_config={"enable_access_log": False})  # fmt: skip
 class TargetDeployment(TargetReplica):
     """The Serve deployment; the ranks hold the CPUs and GPUs, the replica itself only judges."""
 

@@ -41,7 +41,7 @@ def generate_parser() -> OneLineParser:
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--target", default=None, help="HF id or local dir of the target (default: embedded target-neox)")
     p.add_argument("--drafter", default=None, help="HF id or local dir of the Mamba drafter, or 'none' (default: embedded)")
-    p.add_argument("--tree", default=None, help="tree config N1,N2,...; the chain is 1,1,1,1 (default: %(default)s)")
+    p.add_argument("--tree", default=None, help="tree config N1,N2,...; the chain is 1,1,1,1 (default: 1,1,1,1 on CPU, 2,2,1,1 on GPU)")
     p.add_argument("--min-path-prob", type=float, default=None,
                    help="cut drafts at depths the drafter rates below this path probability (default: the engine's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -58,7 +58,7 @@ def generate_parser() -> OneLineParser:
 
 
 def run_generate(argv: list[str]) -> int:
-    from ray_specdec.config import DEFAULT_TREE, SamplingParams, TreeConfig
+    from ray_specdec.config import SamplingParams, TreeConfig
     from ray_specdec.factory import load_engine
 
     from transformers.utils import logging as hf_logging
@@ -77,7 +77,7 @@ def run_generate(argv: list[str]) -> int:
             stop=tuple(args.stop),
             draft_sampling=args.draft_sampling,
         )
-        tree = TreeConfig.parse(args.tree) if args.tree is not None else DEFAULT_TREE
+        tree = TreeConfig.parse(args.tree) if args.tree is not None else None  # None: the device's default
         if args.min_path_prob is not None and not 0 <= args.min_path_prob < 1:
             raise ValueError(f"--min-path-prob must be in [0, 1), got {args.min_path_prob}")
     except ValueError as e:

@@ -82,8 +82,16 @@ PAPER_TREES = (
 )
 
 
-# What the CLI and the app use when no tree is given (the bandit learns better ones per deployment).
+# What the CLI and the app use when no tree is given (the bandit learns better ones per deployment): on an
+# accelerator verifying a few more rows is nearly free, so a small tree; on CPU every verified row costs, and the
+# chain is the fastest shape (docs/BENCHMARKS.md).
 DEFAULT_TREE = TreeConfig((2, 2, 1, 1))
+CPU_DEFAULT_TREE = TreeConfig((1, 1, 1, 1))
+
+
+def default_tree(device: str) -> TreeConfig:
+    """The default tree for a device string ("cpu", "cuda", "cuda:1", ...)."""
+    return CPU_DEFAULT_TREE if str(device).split(":")[0] == "cpu" else DEFAULT_TREE
 
 
 @dataclass(frozen=True)

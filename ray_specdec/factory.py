@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ray_specdec.config import DEFAULT_TREE, TreeConfig
+from ray_specdec.config import TreeConfig, default_tree
 
 
 class LoadError(Exception):
@@ -63,12 +63,12 @@ def load_drafter(name: str | None, dtype="auto", device="cpu"):
 def load_engine(
     target: str | None = None,
     drafter: str | None = None,
-    tree: TreeConfig = DEFAULT_TREE,
+    tree: TreeConfig | None = None,
     dtype: str = "auto",
     device: str | None = "auto",
     min_path_prob: float | None = None,
 ):
-    """min_path_prob None: the engine's default (DEFAULT_MIN_PATH_PROB)."""
+    """tree None: the device's default tree (config.default_tree); min_path_prob None: the engine's default."""
     from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, SpeculativeEngine
     from ray_specdec.models.loading import resolve_dtype
 
@@ -88,4 +88,5 @@ def load_engine(
     target_model = load_target(target, dtype, device)
     drafter_model = load_drafter(drafter, dtype, device)
     cut = DEFAULT_MIN_PATH_PROB if min_path_prob is None else min_path_prob
+    tree = tree if tree is not None else default_tree(str(device))
     return SpeculativeEngine(target_model, drafter_model, tree, min_path_prob=cut)
