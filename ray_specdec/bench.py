@@ -42,6 +42,21 @@ class MethodResult:
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
+    def merge(self, other: "MethodResult") -> None:
+        """Add another run of the same method (more prompts) to this one."""
+        self.new_tokens += other.new_tokens
+        self.seconds += other.seconds
+        self.outputs += other.outputs
+        self.accepted_lengths += other.accepted_lengths
+        for mine, theirs in ((self.reached, other.reached), (self.offered, other.offered)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for d, v in enumerate(theirs):
+                mine[d] += v
+        self.draft_s += other.draft_s
+        self.verify_s += other.verify_s
+        self.other_s += other.other_s
+        self.state_bytes = max(self.state_bytes, other.state_bytes)
+
     def add_stats(self, stats) -> None:
         self.accepted_lengths += stats.accepted_lengths
         for mine, theirs in ((self.reached, stats.reached_depth), (self.offered, stats.offered_depth)):
@@ -222,23 +237,24 @@ def main(argv: list[str] | None = None) -> int:
     ours = SpeculativeEngine(target, drafter, trees[0], min_path_prob=cut)
     plain = SpeculativeEngine(target, None)
 
-    methods = [("hf_generate", lambda t: run_hf("hf_generate", hf, prompts, args.max_new_tokens, t, args.seed)),
-               ("hf_assisted", lambda t: run_hf("hf_assisted", hf, prompts, args.max_new_tokens, t, args.seed,
-                                                assistant_model=tf_drafter)),
-               ("hf_prompt_lookup", lambda t: run_hf("hf_prompt_lookup", hf, prompts, args.max_new_tokens, t,
-                                                     args.seed, prompt_lookup_num_tokens=10)),
-               ("ours_target_only", lambda t: run_ours("ours_target_only", plain, prompts, args.max_new_tokens, t,
-                                                       args.seed, None))]
+    # Every method is a function (temperature, prompts, seed) -> MethodResult.
+    methods = [("hf_generate", lambda t, ps, sd: run_hf("hf_generate", hf, ps, args.max_new_tokens, t, sd)),
+               ("hf_assisted", lambda t, ps, sd: run_hf("hf_assisted", hf, ps, args.max_new_tokens, t, sd,
+                                                        assistant_model=tf_drafter)),
+               ("hf_prompt_lookup", lambda t, ps, sd: run_hf("hf_prompt_lookup", hf, ps, args.max_new_tokens, t, sd,
+                                                             prompt_lookup_num_tokens=10)),
+               ("ours_target_only", lambda t, ps, sd: run_ours("ours_target_only", plain, ps, args.max_new_tokens, t,
+                                                               sd, None))]
     for tree in trees:
         name = f"ours_mamba_{'chain' if set(tree.branching) == {1} else 'tree'}_{tree}"
-        methods.append((name, lambda t, tree=tree, name=name: run_ours(name, ours, prompts, args.max_new_tokens, t,
-                                                                        args.seed, tree)))
+        methods.append((name, lambda t, ps, sd, tree=tree, name=name: run_ours(name, ours, ps, args.max_new_tokens,
+                                                                                t, sd, tree)))
 
     for tree, tree_cut in cut_trees:  # the same trees with a draft cut of their own (not bandit arms)
         name = f"ours_mamba_{'chain' if set(tree.branching) == {1} else 'tree'}_{tree}_cut{tree_cut:g}"
         engine = SpeculativeEngine(target, drafter, tree, min_path_prob=tree_cut)
-        methods.append((name, lambda t, tree=tree, name=name, engine=engine: run_ours(
-            name, engine, prompts, args.max_new_tokens, t, args.seed, tree)))
+        methods.append((name, lambda t, ps, sd, tree=tree, name=name, engine=engine: run_ours(
+            name, engine, ps, args.max_new_tokens, t, sd, tree)))
 
     # The bandit's arms: the same fixed trees shown beside it, and no drafting (ours_target_only). It keeps learning
     # during the measured run, after a warm-up on other held-out prompts (a served bandit has seen earlier traffic).
@@ -249,16 +265,19 @@ def main(argv: list[str] | None = None) -> int:
         for temperature in temperatures:
             bandit_engine.generate(p.token_ids, SamplingParams(temperature=temperature, seed=1000 + i,
                                                                max_new_tokens=args.max_new_tokens))
-    methods.append(("ours_mamba_bandit", lambda t: run_ours("ours_mamba_bandit", bandit_engine, prompts,
-                                                             args.max_new_tokens, t, args.seed, None)))
+    methods.append(("ours_mamba_bandit", lambda t, ps, sd: run_ours("ours_mamba_bandit", bandit_engine, ps,
+                                                                     args.max_new_tokens, t, sd, None)))
 
     run_hf("warmup", hf, prompts[:1], 4, 0.0, 0)  # first calls pay one-time costs; keep them out of the timings
     ours.generate(prompts[0], SamplingParams(max_new_tokens=4))
     results = []
     for temperature in temperatures:
-        by_name = {}
-        for name, run in tqdm(methods, desc=f"methods (temperature {temperature:g})"):
-            by_name[name] = run(temperature)
+        # Interleaved: every prompt goes through every method (in a rotating order) before the next prompt, so a
+        # machine that speeds up or slows down during the run shifts all methods alike.
+        by_name = {name: MethodResult(name, temperature) for name, _ in methods}
+        for i, ids in enumerate(tqdm(prompts, desc=f"prompts x {len(methods)} methods (temperature {temperature:g})")):
+            for name, run in methods[i % len(methods):] + methods[: i % len(methods)]:
+                by_name[name].merge(run(temperature, [ids], args.seed + i))
         baseline, reference = by_name["hf_generate"], by_name["hf_generate"].outputs if temperature == 0 else None
         results += [r.to_dict(baseline, reference) for r in by_name.values()]
 
