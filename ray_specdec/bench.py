@@ -125,6 +125,14 @@ def run_ours(name, engine: SpeculativeEngine, prompts, max_new, temperature, see
     return result
 
 
+def model_label(path: str) -> str:
+    """How the report names a model: 'embedded:<name>' for the shipped defaults (no machine paths), else as given."""
+    from ray_specdec.defaults import DEFAULT_MODELS_DIR
+
+    resolved = Path(path).resolve()
+    return f"embedded:{resolved.name}" if resolved.parent == DEFAULT_MODELS_DIR else path
+
+
 def parse_tree_and_cut(text: str) -> tuple[TreeConfig, float]:
     """'3,2,2,1,1@0.06' -> (TreeConfig((3, 2, 2, 1, 1)), 0.06)."""
     tree, sep, cut = text.partition("@")
@@ -294,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                      "cut_trees": [f"{t}@{c:g}" for t, c in cut_trees],
                      "bandit_warmup_prompts": args.bandit_warmup,
                      "bandit_pulls": {str(arm): int(n) for arm, n in zip(bandit.config.arms, bandit_pulls(bandit))},
-                     "target": args.target, "drafter": args.drafter,
-                     "tf_drafter": args.tf_drafter, "quick": args.quick},
+                     "target": model_label(args.target), "drafter": model_label(args.drafter),
+                     "tf_drafter": model_label(args.tf_drafter), "quick": args.quick},
     }
     identical = [m["name"] for m in results if m["identical_to_target"] is False]
     report["greedy_outputs_identical"] = not identical
