@@ -47,25 +47,23 @@ class MethodResult:
         self.new_tokens += other.new_tokens
         self.seconds += other.seconds
         self.outputs += other.outputs
-        self.accepted_lengths += other.accepted_lengths
-        for mine, theirs in ((self.reached, other.reached), (self.offered, other.offered)):
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for d, v in enumerate(theirs):
-                mine[d] += v
-        self.draft_s += other.draft_s
-        self.verify_s += other.verify_s
-        self.other_s += other.other_s
         self.state_bytes = max(self.state_bytes, other.state_bytes)
+        self._add_rounds(other.accepted_lengths, other.reached, other.offered,
+                         other.draft_s, other.verify_s, other.other_s)  # fmt: skip
 
     def add_stats(self, stats) -> None:
-        self.accepted_lengths += stats.accepted_lengths
-        for mine, theirs in ((self.reached, stats.reached_depth), (self.offered, stats.offered_depth)):
+        self._add_rounds(stats.accepted_lengths, stats.reached_depth, stats.offered_depth,
+                         stats.draft_s, stats.verify_s, stats.other_s)  # fmt: skip
+
+    def _add_rounds(self, accepted_lengths, reached, offered, draft_s, verify_s, other_s) -> None:
+        self.accepted_lengths += accepted_lengths
+        for mine, theirs in ((self.reached, reached), (self.offered, offered)):
             mine.extend([0] * (len(theirs) - len(mine)))
             for d, v in enumerate(theirs):
                 mine[d] += v
-        self.draft_s += stats.draft_s
-        self.verify_s += stats.verify_s
-        self.other_s += stats.other_s
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        self.other_s += other_s
 
     def to_dict(self, baseline: "MethodResult | None", reference: list[list[int]] | None) -> dict:
         mean_len = sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else None

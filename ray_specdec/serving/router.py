@@ -3,12 +3,13 @@
 Per round exactly one remote call per side: `drafter.draft(key, commits since the last draft, tree, ...)` then
 `target.verify(request_id, draft, params)` (forward, acceptance and the target's commit happen there). A round the
 policy or the back-off runs without a tree makes no drafter call at all; its verdict (one bonus token) joins the
-commits that ride on the next draft call, which costs the drafter one step per such round instead of a rebuild. The first
-round's draft (which includes the drafter's prefill) runs concurrently with the target's prefill (`target.start`).
+commits that ride on the next draft call, which costs the drafter one step per such round instead of a rebuild. The
+first round's draft (which includes the drafter's prefill) runs concurrently with the target's prefill
+(`target.start`).
 
 Drafter state and recovery. The drafter keeps a request's state under a *key* = request id + epoch. Whenever the
 router cannot vouch for that state (a replica answered None because it lacks it, a draft call failed or timed out,
-or rounds ran without the drafter), it moves to a new epoch and sends every token so far, which rebuilds the state by
+or more than MAX_CATCH_UP_ROUNDS rounds ran without a draft), it moves to a new epoch and sends every token so far, which rebuilds the state by
 prefill on whichever replica gets the call. A key's state is therefore built once and only ever advanced by this
 router in order, so a replica can never draft from a stale copy (say a request that moved away and came back), and
 sticky routing is an optimisation, not a correctness condition. A failed or slow drafter costs a round of plain
