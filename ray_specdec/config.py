@@ -9,11 +9,20 @@ from typing import Literal
 DraftSampling = Literal["iid", "without_replacement"]
 
 
+MAX_LOOKUP_TOKENS = 32
+
+
 @dataclass(frozen=True)
 class TreeConfig:
-    """T = (N_1, ..., N_gamma): at depth i every node gets N_i children. () means no drafting."""
+    """T = (N_1, ..., N_gamma): at depth i every node gets N_i children. () means no drafting.
+
+    lookup = L > 0 adds, in greedy rounds, up to L tokens proposed by prompt lookup (lookup.py: what followed the
+    latest earlier occurrence of the context's last n-gram) as one more branch, merged into the drafter's tree where
+    their prefixes agree. Written "1,1,1,1+L4". It needs a drafted tree (the drafter's session holds the history).
+    """
 
     branching: tuple[int, ...]
+    lookup: int = 0
 
     def __post_init__(self) -> None:
         if any((not isinstance(n, int)) or n < 1 for n in self.branching):
@@ -22,18 +31,30 @@ class TreeConfig:
             raise ValueError(f"tree depth {len(self.branching)} is too deep (max 32)")
         if self.num_nodes > 1024:
             raise ValueError(f"tree {self.branching} has {self.num_nodes} nodes (max 1024)")
+        if not isinstance(self.lookup, int) or not 0 <= self.lookup <= MAX_LOOKUP_TOKENS:
+            raise ValueError(f"lookup tokens must be an integer in [0, {MAX_LOOKUP_TOKENS}], got {self.lookup!r}")
+        if self.lookup and not self.branching:
+            raise ValueError("lookup tokens ride on a drafted tree; 'none' cannot have them")
 
     @classmethod
     def parse(cls, text: str) -> "TreeConfig":
-        """'3,2,2,1,1' -> (3, 2, 2, 1, 1); '' or 'none' -> no drafting."""
+        """'3,2,2,1,1' -> (3, 2, 2, 1, 1); '1,1,1,1+L4' -> a chain plus 4 lookup tokens; '' or 'none' -> no drafting."""
+        text, _, extra = text.strip().partition("+")
         text = text.strip().strip("()[]")
+        lookup = 0
+        if extra:
+            word = extra.strip().lower()
+            digits = word.removeprefix("lookup").removeprefix("l").strip(" :=")
+            if not digits.isdigit():
+                raise ValueError(f"lookup must be written like 1,1,1,1+L4, got {extra!r} after '+'")
+            lookup = int(digits)
         if text.lower() in ("", "none"):
-            return cls(())
+            return cls((), lookup)
         try:
             branching = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
         except ValueError:
             raise ValueError(f"tree must be comma-separated integers like 3,2,2,1,1, got {text!r}") from None
-        return cls(branching)
+        return cls(branching, lookup)
 
     @classmethod
     def chain(cls, depth: int) -> "TreeConfig":
@@ -41,7 +62,13 @@ class TreeConfig:
 
     @property
     def depth(self) -> int:
+        """Depth of the drafter's tree (lookup tokens excluded)."""
         return len(self.branching)
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest a round of this config can accept: the drafter's depth or the lookup branch's."""
+        return max(self.depth, self.lookup)
 
     @property
     def rows_per_depth(self) -> tuple[int, ...]:
@@ -58,7 +85,11 @@ class TreeConfig:
         return sum(self.rows_per_depth)
 
     def truncated(self, max_depth: int) -> "TreeConfig":
-        return TreeConfig(self.branching[: max(0, max_depth)])
+        branching = self.branching[: max(0, max_depth)]
+        return TreeConfig(branching, min(self.lookup, max(0, max_depth)) if branching else 0)
+
+    def without_lookup(self) -> "TreeConfig":
+        return TreeConfig(self.branching) if self.lookup else self
 
     def index_paths(self) -> list[tuple[int, ...]]:
         """The tree as child-rank paths from the root, in BFS order: [(0,), (1,), (0, 0), ...]."""
@@ -70,7 +101,8 @@ class TreeConfig:
         return paths
 
     def __str__(self) -> str:
-        return ",".join(map(str, self.branching)) if self.branching else "none"
+        tree = ",".join(map(str, self.branching)) if self.branching else "none"
+        return f"{tree}+L{self.lookup}" if self.lookup else tree
 
 
 # The paper's trees plus the chain; the bandit's default arms extend this.

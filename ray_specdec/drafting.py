@@ -3,7 +3,12 @@
 From the root state (all committed tokens consumed) the drafter's logits give the root distribution; N_1 children are
 picked; the state is copied into B_1 rows (state-copy kernel) and all rows step once on their tokens; N_2 children are
 picked per row; and so on. The leaves are never stepped. The states of every depth are kept until the commit, which
-reuses the state of the last accepted node instead of re-running tokens.
+reuses the state of the last accepted node instead of re-running tokens; tokens past it (a leaf, lookup tokens, the
+bonus) go through the drafter in one sequence pass (`MambaDrafter.extend`).
+
+With `TreeConfig.lookup` > 0, greedy rounds add a prompt-lookup branch (lookup.py): the tokens that followed the
+latest earlier occurrence of the context's suffix, merged into the drafter's tree where their prefixes agree. The
+draft then carries its own index paths (`Draft.paths`): rows are the merged tree's BFS order.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 
 from ray_specdec.acceptance import Verdict
 from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.lookup import LookupIndex
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
 from ray_specdec.sampling import gumbel_top_k, logits_to_probs, sample
 from ray_specdec.tree import TreeTensors, build_tree
@@ -26,12 +32,18 @@ def tree_for(config: TreeConfig) -> TreeTensors:
     return build_tree(config.index_paths())
 
 
+@functools.lru_cache(maxsize=512)
+def tree_from_paths(paths: tuple[tuple[int, ...], ...]) -> TreeTensors:
+    return build_tree(paths)
+
+
 @dataclass
 class Draft:
     config: TreeConfig
     tokens: torch.Tensor  # [n] draft tokens of tree rows 1..n
     probs: torch.Tensor | None  # [m, V] draft distribution q at rows 0..m-1 (rows with children); None when greedy
-    requested: TreeConfig | None = None  # the tree asked for, when min_path_prob cut this draft short
+    requested: TreeConfig | None = None  # the tree asked for, when this draft differs (min_path_prob, lookup)
+    paths: tuple[tuple[int, ...], ...] | None = None  # index paths (BFS) when not config's own tree: lookup nodes
 
     @property
     def arm(self) -> TreeConfig:
@@ -40,7 +52,7 @@ class Draft:
 
     @property
     def tree(self) -> TreeTensors:
-        return tree_for(self.config)
+        return tree_for(self.config) if self.paths is None else tree_from_paths(self.paths)
 
 
 def pick_children(
@@ -84,10 +96,13 @@ class DrafterSession:
     def __init__(self, drafter: MambaDrafter, token_ids: Sequence[int], vocab_size: int):
         self.drafter = drafter
         self.vocab_size = vocab_size  # the target's: draft distributions live in its vocabulary
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=drafter.device)
+        self.history = [int(t) for t in token_ids]  # every token so far: the lookup branch searches it
+        ids = torch.as_tensor(self.history, dtype=torch.long, device=drafter.device)
         self.root_state, logits = drafter.prefill(ids)
         self.root_logits = _align_vocab(logits.unsqueeze(0), vocab_size)  # [1, V]
+        self._lookup: LookupIndex | None = None  # built on the first lookup, then kept up to date
         self._depth_states: list[MambaState] = []
+        self._stepped: dict[tuple[int, ...], tuple[int, int]] = {}  # path -> (depth, row) in _depth_states
         self._draft: Draft | None = None
 
     def draft(
@@ -105,16 +120,18 @@ class DrafterSession:
         are spent on it). Both decisions depend only on nodes already drafted and their distributions, never on
         the children they would drop, so every drafted child is still a sample of q given its ancestors: sampled
         output keeps the target's distribution exactly, and greedy output is the target's whatever the draft.
+        Greedy rounds of a config with lookup tokens then merge the lookup branch in (`_merge_lookup`).
         """
-        tree, requested = tree_for(config), config
+        tree, requested = tree_for(config.without_lookup()), config
         logits, state = self.root_logits, self.root_state
         states, tokens, probs = [state], [], []
         path_prob = torch.ones(1, dtype=torch.float64)  # [rows of the last drafted depth]
+        drafted = config.depth
         for depth, n in enumerate(config.branching, start=1):
             if min_path_prob > 0:
                 dist = _draft_distribution(logits, params)  # [rows, V] at the last drafted depth's rows
                 if depth > 1 and float((path_prob * dist.max(dim=-1).values).max()) < min_path_prob:
-                    config = config.truncated(depth - 1)
+                    drafted = depth - 1
                     break
             children, q = pick_children(logits, n, params, generator)
             tokens.append(children.reshape(-1))
@@ -125,37 +142,93 @@ class DrafterSession:
             if min_path_prob > 0:
                 path_prob = (path_prob[:, None] * dist.gather(-1, children)).reshape(-1)
                 if float(path_prob.max()) < min_path_prob:
-                    config = config.truncated(depth)  # depth's nodes stay, as leaves (never stepped)
+                    drafted = depth  # depth's nodes stay, as leaves (never stepped)
                     break
             state = self.drafter.copy_rows(state, tree.parents_at_depth(depth).to(self.drafter.device))
             logits = _align_vocab(self.drafter.step(state, tokens[-1]), self.vocab_size)
             states.append(state)
+        config = TreeConfig(config.branching[:drafted])
         self._depth_states = states
+        paths = config.index_paths()
+        self._stepped = {p: (len(p), r - tree.depth_starts[len(p)]) for r, p in enumerate(paths, 1) if len(p) < len(states)}
         draft_tokens = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long)
+        merged = None
+        if requested.lookup and params.greedy:
+            proposal = self._lookup_index().propose(requested.lookup)
+            if proposal:
+                config = TreeConfig(config.branching, len(proposal))
+                merged = _merge_lookup(paths, draft_tokens.tolist(), proposal)
+        if merged is not None:
+            paths, node_tokens = merged
+            draft_tokens = torch.tensor(node_tokens, dtype=torch.long)
         self._draft = Draft(config, draft_tokens, torch.cat(probs) if probs else None,
-                            requested if config != requested else None)  # fmt: skip
+                            requested if config != requested else None,
+                            tuple(paths) if merged is not None else None)  # fmt: skip
         return self._draft
 
     def commit(self, verdict: Verdict) -> None:
-        """Move the root to the last accepted node (a row copy), then step the bonus token."""
-        draft = self._draft
-        depth = len(verdict.accepted_rows)
-        pending = [verdict.bonus_token]
-        device = self.drafter.device
-        if depth == 0:
-            state = self.root_state  # stepped in place: the round's other states are dropped below
-        else:
-            tree = draft.tree
-            row = verdict.accepted_rows[-1]
-            if depth >= len(self._depth_states):
-                # leaves were never stepped: start from the parent's state and step the leaf token too (a draft
-                # cut short by min_path_prob has stepped its last depth, and uses that state)
-                depth, row = depth - 1, int(tree.parents[row])
-                pending.insert(0, verdict.accepted_tokens[-1])
-            local = row - tree.depth_starts[depth]
-            index = torch.tensor([local], dtype=torch.long, device=device)
-            state = self.drafter.copy_rows(self._depth_states[depth], index)
-        for token in pending:
-            logits = self.drafter.step(state, torch.tensor([token], dtype=torch.long, device=device))
-        self.root_state, self.root_logits = state, _align_vocab(logits, self.vocab_size)
-        self._depth_states, self._draft = [], None
+        self.commit_all([verdict])
+
+    def commit_all(self, verdicts: Sequence[Verdict]) -> None:
+        """Apply the open round's verdict, then those of rounds run without a draft (bonus tokens only).
+
+        The root moves to the deepest accepted node whose state the draft holds (a row copy); the tokens after it
+        (an unstepped leaf, lookup tokens, every bonus token) go through the drafter in one `extend`.
+        """
+        if not verdicts:
+            return
+        first = verdicts[0]
+        state, start = self.root_state, 0  # no accepted state: the root is advanced in place
+        if first.accepted_rows:
+            tree = self._draft.tree
+            for i in reversed(range(len(first.accepted_rows))):
+                where = self._stepped.get(tree.paths[first.accepted_rows[i] - 1])
+                if where is not None:
+                    depth, row = where
+                    index = torch.tensor([row], dtype=torch.long, device=self.drafter.device)
+                    state, start = self.drafter.copy_rows(self._depth_states[depth], index), i + 1
+                    break
+        pending = [*first.accepted_tokens[start:], first.bonus_token]
+        for later in verdicts[1:]:
+            if later.accepted_rows:
+                raise ValueError("only the first verdict may accept draft rows: later rounds had no draft")
+            pending.append(later.bonus_token)
+        logits = self.drafter.extend(state, torch.tensor(pending, dtype=torch.long, device=self.drafter.device))
+        new_tokens = [t for v in verdicts for t in v.new_tokens]
+        self.history += new_tokens
+        if self._lookup is not None:
+            self._lookup.extend(new_tokens)
+        self.root_state, self.root_logits = state, _align_vocab(logits.unsqueeze(0), self.vocab_size)
+        self._depth_states, self._stepped, self._draft = [], {}, None
+
+    def _lookup_index(self) -> LookupIndex:
+        if self._lookup is None:
+            self._lookup = LookupIndex(self.history)
+        return self._lookup
+
+
+def _merge_lookup(
+    paths: Sequence[tuple[int, ...]], tokens: Sequence[int], proposal: Sequence[int]
+) -> tuple[list[tuple[int, ...]], list[int]] | None:
+    """Merge a lookup chain into a drafted tree -> (index paths in BFS order, their tokens), None if nothing is new.
+
+    The chain follows the tree's nodes while their tokens agree and continues as new nodes (the next free child
+    rank) from the first disagreement, so a greedy walk can go as deep as either the drafter or the lookup.
+    """
+    token_of = dict(zip(paths, tokens))
+    child_of: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {(p[:-1], t): p for p, t in token_of.items()}
+    ranks: dict[tuple[int, ...], int] = {}
+    for p in paths:
+        ranks[p[:-1]] = max(ranks.get(p[:-1], 0), p[-1] + 1)
+    node, added = (), False
+    for token in proposal:
+        nxt = child_of.get((node, token))
+        if nxt is None:
+            nxt = node + (ranks.get(node, 0),)
+            ranks[node] = nxt[-1] + 1
+            token_of[nxt], child_of[(node, token)], added = token, nxt, True
+        node = nxt
+    if not added:
+        return None
+    ordered = sorted(token_of, key=lambda p: (len(p), p))
+    return ordered, [token_of[p] for p in ordered]

@@ -67,6 +67,10 @@ class TargetEchoDrafter:
             row.append(int(t))
         return self._logits(state.rows)
 
+    def extend(self, state, ids):
+        state.rows[0].extend(int(t) for t in ids.tolist())
+        return self._logits(state.rows)[0]
+
 
 TARGETS = {"neox": tiny_gpt_neox, "llama": tiny_llama}
 
@@ -266,6 +270,9 @@ class PeakedDrafter:
     def step(self, state, tokens):
         return self.logits.expand(len(tokens), -1).clone()
 
+    def extend(self, state, ids):
+        return self.logits.clone()
+
 
 def test_cut_drafts_keep_the_target_distribution():
     """The cut may look at drafted nodes, never at the children it would drop. Here a cut that looked at them would
@@ -316,3 +323,31 @@ def test_empty_draft_round_is_plain_decoding():
     assert logits.shape == (1, target.vocab_size)
     verdict = judge(logits, empty_draft(), SamplingParams(), None)
     assert verdict.accepted_rows == () and verdict.bonus_token == int(logits[0].argmax())
+
+
+def test_greedy_with_a_lookup_branch_matches_target(target):
+    """Lookup branches, merged into trees of every shape, never change greedy output; and they do get accepted
+    beyond the drafter's own depth (random tiny targets repeat themselves)."""
+    deeper = 0
+    for prompt_len in (1, 37, 300):
+        prompt = random_prompt(prompt_len, seed=prompt_len)
+        n = 23
+        expected = hf_greedy(target, prompt, n)
+        for text in ("1+L6", "1,1,1+L2", "2,2,1+L8", "3,1+L4"):
+            config = TreeConfig.parse(text)
+            for min_path_prob in (0.0, 0.3):
+                result = SpeculativeEngine(target, tiny_mamba(), config, min_path_prob=min_path_prob).generate(
+                    prompt, SamplingParams(max_new_tokens=n)
+                )
+                assert result.token_ids == expected, (prompt_len, text, min_path_prob)
+                deeper += sum(a - 1 > config.depth for a in result.stats.accepted_lengths)
+    assert deeper > 0
+
+
+def test_lookup_leaves_sampled_output_unchanged(target):
+    """Sampled rounds draft without the lookup branch: same seed, same sample as the tree without it."""
+    prompt = random_prompt(30, seed=4)
+    params = SamplingParams(temperature=1.0, seed=7, max_new_tokens=20)
+    with_lookup = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1), lookup=4)).generate(prompt, params)
+    without = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1))).generate(prompt, params)
+    assert with_lookup.token_ids == without.token_ids

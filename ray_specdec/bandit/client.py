@@ -87,7 +87,7 @@ class Bandit:
         self.config = config or BanditConfig()
         self._view = self.config.empty_state() if state is None else self.config.restore(state.copy())
         self._pending = self._view.fresh()
-        self._max_depth = max(tree.depth for tree in self.config.arms)
+        self._max_depth = max(tree.max_depth for tree in self.config.arms)
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
 
@@ -107,9 +107,9 @@ class Bandit:
 
         Rounds of trees outside the arm set (a tree cut short at the end of a generation) are not counted.
         """
-        if not 0 <= accepted_tokens <= tree.depth:
+        if not 0 <= accepted_tokens <= tree.max_depth:
             raise ValueError(
-                f"accepted_tokens={accepted_tokens} outside [0, {tree.depth}] for tree {tree} (bonus excluded)"
+                f"accepted_tokens={accepted_tokens} outside [0, {tree.max_depth}] for tree {tree} (bonus excluded)"
             )
         if not (math.isfinite(round_time_s) and round_time_s > 0):
             raise ValueError(f"round_time_s must be a positive number, got {round_time_s}")

@@ -108,11 +108,15 @@ def _causal_conv(
     x: torch.Tensor,  # [S, d_inner]
     weight: torch.Tensor,  # [d_inner, d_conv]
     bias: torch.Tensor | None,  # [d_inner]
+    history: torch.Tensor | None = None,  # [d_conv - 1, d_inner] inputs before x; zeros when None
 ) -> torch.Tensor:  # [S, d_inner]
     # Depthwise causal conv as d_conv shifted multiply-adds: F.conv1d with groups=d_inner falls back to a slow
     # per-group loop on CPU for float64 (seconds for a short prompt on a busy machine).
     seq_len, width = x.shape[0], weight.shape[1]
-    padded = F.pad(x, (0, 0, width - 1, 0))  # [S + d_conv - 1, d_inner]
+    if history is None:
+        padded = F.pad(x, (0, 0, width - 1, 0))  # [S + d_conv - 1, d_inner]
+    else:
+        padded = torch.cat((history.to(x.dtype), x))
     out = padded[:seq_len] * weight[:, 0]
     for k in range(1, width):
         out = torch.addcmul(out, padded[k : k + seq_len], weight[:, k])
@@ -235,11 +239,34 @@ class MambaDrafter:
         if ids.shape[0] == 0:
             raise ValueError("prefill needs at least one token")
         state = self.new_state(1)
+        return state, self._advance(state, ids)
+
+    @torch.inference_mode()
+    def extend(self, state: MambaState, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Advance a 1-row state by input_ids [S] (S >= 1) in place -> logits [V] for the token after them.
+
+        Equals S calls of `step` (up to float rounding) in one sequence pass: the drafter's commit catches up on
+        several tokens (a long accepted lookup branch, queued verdicts) for about the cost of one step.
+        """
+        ids = self._as_ids(input_ids)
+        if ids.shape[0] == 0:
+            raise ValueError("extend needs at least one token")
+        if state.rows != 1:
+            raise ValueError(f"extend advances a 1-row state, got {state.rows} rows")
+        if self._use_kernels or ids.shape[0] == 1:
+            # mamba_ssm's fused scan starts from a zero state: step token by token through its update kernel
+            for token in ids:
+                logits = self.step(state, token[None])
+            return logits[0]
+        return self._advance(state, ids)
+
+    def _advance(self, state: MambaState, ids: torch.Tensor) -> torch.Tensor:
+        """Run ids [S] through every layer from `state` (1 row, updated in place) -> logits [V] after the last."""
         residual = F.embedding(ids, self._embed).to(self.residual_dtype)  # [S, d_model]
         for layer, w in enumerate(self._layers):
             h = _rms_norm(residual, w.norm, self.eps)
             residual = residual + self._mix_sequence(h, w, state.conv[layer, 0], state.ssm[layer, 0])
-        return state, self._logits(residual[-1:])[0]
+        return self._logits(residual[-1:])[0]
 
     @torch.inference_mode()
     def step(self, state: MambaState, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -308,14 +335,13 @@ class MambaDrafter:
         self,
         h: torch.Tensor,  # [S, d_model]
         w: _MixerWeights,
-        conv_state: torch.Tensor,  # [d_inner, d_conv], zero on entry; filled here
-        ssm_state: torch.Tensor,  # [d_inner, d_state], zero on entry; filled here
+        conv_state: torch.Tensor,  # [d_inner, d_conv], carried in and out (zero for a prefill)
+        ssm_state: torch.Tensor,  # [d_inner, d_state], carried in and out (zero for a prefill)
     ) -> torch.Tensor:  # [S, d_model]
-        seq_len = h.shape[0]
         x, z = F.linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [S, d_inner] each
-        keep = min(seq_len, self.d_conv)
-        conv_state[:, self.d_conv - keep :].copy_(x[seq_len - keep :].t())
-        x = F.silu(_causal_conv(x, w.conv, w.conv_bias))  # [S, d_inner]
+        inputs = torch.cat((conv_state.t().to(x.dtype), x))  # [d_conv + S, d_inner]: the window's inputs, then x
+        conv_state.copy_(inputs[-self.d_conv :].t())
+        x = F.silu(_causal_conv(x, w.conv, w.conv_bias, history=inputs[1 : self.d_conv]))  # [S, d_inner]
         dt, B, C = F.linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         scan = self._scan_kernel if self._use_kernels else self._scan
         y = scan(x, z, dt, B, C, w, ssm_state)  # [S, d_inner]

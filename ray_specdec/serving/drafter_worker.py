@@ -2,7 +2,7 @@
 
 A request's state is a `DrafterSession` (root state and the open round's per-depth states) plus its draft random
 generator. The router's commit of round k rides on its draft call of round k + 1, followed by the verdicts of any
-rounds it ran without drafting (each adds one bonus token: a drafter step, far cheaper than a rebuild). A worker that lacks the request's
+rounds it ran without drafting (their bonus tokens go through the drafter in one pass, far cheaper than a rebuild). A worker that lacks the request's
 state (a new or restarted replica, an evicted session) answers None; the router then calls again with every token so
 far, and the state is rebuilt by prefill. States are bounded: least recently used sessions are evicted beyond
 `max_sessions`, and sessions idle for `idle_timeout_s` are dropped (a client that vanished without a release).
@@ -85,8 +85,7 @@ class DrafterWorker:
             entry = self._take(request_id, bool(commits))
             if entry is None:
                 return None
-            for verdict in commits:
-                entry.session.commit(verdict)
+            entry.session.commit_all(commits)
         draft = entry.session.draft(config, params, entry.generator, self.min_path_prob)
         entry.drafted = True
         return draft

@@ -291,7 +291,7 @@ class RouterCore:
         accepted = len(verdict.accepted_rows)
         # every round teaches the policy, rounds without a tree too (they are the "none" arm when it has one)
         self.policy.record(draft.arm, context_len, accepted, max(stats.last_round_s, 1e-9))
-        stats.record_round(str(draft.config), draft.config.depth, accepted)
+        stats.record_round(str(draft.config), draft.tree.depth, accepted)
 
     @staticmethod
     async def _call(awaitable: Awaitable, timeout_s: float):

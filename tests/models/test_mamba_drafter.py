@@ -113,6 +113,34 @@ def test_prefill_prefix_then_steps_equals_prefill_whole(hf_and_drafter, dtype, p
     torch.testing.assert_close(logits, whole_logits, **SELF_TOL[dtype])
 
 
+@pytest.mark.parametrize("prefix_len, extra", [(1, 1), (1, 2), (3, 3), (4, 6)])
+def test_extend_equals_steps_and_prefill_of_the_whole(hf_and_drafter, dtype, prefix_len, extra, monkeypatch):
+    """extend(k tokens) from a mid-sequence state: the conv window and the scan both carry the state in."""
+    _, drafter = hf_and_drafter
+    monkeypatch.setattr(mamba_drafter, "_SCAN_BLOCK_ELEMENTS", 2 * drafter.d_inner * drafter.d_state)
+    ids = prompt(prefix_len + extra, seed=11)
+    whole_state, whole_logits = drafter.prefill(ids)
+    stepped, _ = drafter.prefill(ids[:prefix_len])
+    for token in ids[prefix_len:].tolist():
+        step_logits = drafter.step(stepped, [token])[0]
+    extended, _ = drafter.prefill(ids[:prefix_len])
+    logits = drafter.extend(extended, ids[prefix_len:])
+    assert logits.shape == (VOCAB,)
+    assert_states_close(extended, whole_state, dtype)
+    assert_states_close(extended, stepped, dtype)
+    torch.testing.assert_close(logits, whole_logits, **SELF_TOL[dtype])
+    torch.testing.assert_close(logits, step_logits, **SELF_TOL[dtype])
+
+
+def test_extend_rejects_bad_input():
+    drafter = MambaDrafter(tiny_mamba())
+    state, _ = drafter.prefill(prompt(4))
+    with pytest.raises(ValueError, match="at least one token"):
+        drafter.extend(state, [])
+    with pytest.raises(ValueError, match="1-row state"):
+        drafter.extend(drafter.copy_rows(state, [0, 0]), [1, 2])
+
+
 def distinct_rows(drafter: MambaDrafter, rows: int) -> MambaState:
     """A state whose rows have different histories: one prompt, then a different token per row, twice."""
     state = drafter.copy_rows(drafter.prefill(prompt(5, seed=4))[0], [0] * rows)
