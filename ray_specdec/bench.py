@@ -216,11 +216,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = parse_args(argv)
+    except SystemExit as e:  # --help (code 0) or argparse's own usage error (code 2, already printed)
+        return int(e.code or 0)
+    try:
         cut_trees = [parse_tree_and_cut(t) for t in (args.cut_trees or "").split(";") if t.strip()]
         trees = [TreeConfig.parse(t) for t in args.trees.split(";")]
         temperatures = [float(t) for t in args.temperatures.split(",")]
         contexts = [int(c) for c in args.contexts.split(",")]
-    except (ValueError, SystemExit) as e:
+    except ValueError as e:
         print(f"error: bad bench arguments: {e}", file=sys.stderr)
         return 2
     if args.threads:

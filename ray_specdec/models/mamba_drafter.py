@@ -258,14 +258,17 @@ class MambaDrafter:
             for token in ids:
                 logits = self.step(state, token[None])
             return logits[0]
-        return self._advance(state, ids)
+        return self._advance(state, ids, linear=self._linear)
 
-    def _advance(self, state: MambaState, ids: torch.Tensor) -> torch.Tensor:
-        """Run ids [S] through every layer from `state` (1 row, updated in place) -> logits [V] after the last."""
+    def _advance(self, state: MambaState, ids: torch.Tensor, linear=F.linear) -> torch.Tensor:
+        """Run ids [S] through every layer from `state` (1 row, updated in place) -> logits [V] after the last.
+
+        linear: F.linear (prefill: float32 throughout) or self._linear (extend: a few rows, like a step).
+        """
         residual = F.embedding(ids, self._embed).to(self.residual_dtype)  # [S, d_model]
         for layer, w in enumerate(self._layers):
             h = _rms_norm(residual, w.norm, self.eps)
-            residual = residual + self._mix_sequence(h, w, state.conv[layer, 0], state.ssm[layer, 0])
+            residual = residual + self._mix_sequence(h, w, state.conv[layer, 0], state.ssm[layer, 0], linear)
         return self._logits(residual[-1:])[0]
 
     @torch.inference_mode()
@@ -337,15 +340,16 @@ class MambaDrafter:
         w: _MixerWeights,
         conv_state: torch.Tensor,  # [d_inner, d_conv], carried in and out (zero for a prefill)
         ssm_state: torch.Tensor,  # [d_inner, d_state], carried in and out (zero for a prefill)
+        linear=F.linear,
     ) -> torch.Tensor:  # [S, d_model]
-        x, z = F.linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [S, d_inner] each
+        x, z = linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [S, d_inner] each
         inputs = torch.cat((conv_state.t().to(x.dtype), x))  # [d_conv + S, d_inner]: the window's inputs, then x
         conv_state.copy_(inputs[-self.d_conv :].t())
         x = F.silu(_causal_conv(x, w.conv, w.conv_bias, history=inputs[1 : self.d_conv]))  # [S, d_inner]
-        dt, B, C = F.linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt, B, C = linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         scan = self._scan_kernel if self._use_kernels else self._scan
         y = scan(x, z, dt, B, C, w, ssm_state)  # [S, d_inner]
-        return F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
+        return linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
 
     def _scan(
         self,
