@@ -72,10 +72,12 @@ class FixedTree:
     def __init__(self, tree: TreeConfig):
         self.tree = tree
 
-    def select(self, context_len: int) -> TreeConfig:
+    def select(self, context_len: int, sampled: bool = False) -> TreeConfig:
         return self.tree
 
-    def record(self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float) -> None:
+    def record(
+        self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float, sampled: bool = False
+    ) -> None:
         pass
 
 
@@ -165,19 +167,22 @@ class SpeculativeEngine:
 
         context_len = len(prompt_ids)
         while not stop.finished:
-            config = self._pick_tree(tree, context_len, stop.remaining)
+            config = self._pick_tree(tree, context_len, stop.remaining, params)
             draft, verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
-            self.policy.record(config, context_len, len(verdict.accepted_rows), stats.last_round_s)
+            sampled = not params.greedy
+            self.policy.record(draft.arm, context_len, len(verdict.accepted_rows), stats.last_round_s, sampled)
             context_len += len(verdict.new_tokens)
             kept, delta = stop.feed(verdict.new_tokens)
             stats.new_tokens += len(kept)
             stats.record_round(str(draft.config), draft.tree.depth, len(verdict.accepted_rows))
             yield StreamChunk(kept, delta, stop.finish_reason, stats)
 
-    def _pick_tree(self, override: TreeConfig | None, context_len: int, remaining: int) -> TreeConfig:
+    def _pick_tree(
+        self, override: TreeConfig | None, context_len: int, remaining: int, params: SamplingParams
+    ) -> TreeConfig:
         if self.drafter is None:
             return NO_TREE
-        config = override if override is not None else self.policy.select(context_len)
+        config = override if override is not None else self.policy.select(context_len, not params.greedy)
         # the bonus token comes for free: never draft deeper than what is left to generate
         return config.truncated(remaining - 1)
 

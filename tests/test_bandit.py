@@ -42,16 +42,18 @@ def gaussian_env(means: np.ndarray, switch_at: int | None = None, after: np.ndar
     return step
 
 
-def simulate(bandit: Bandit, env: Env, rounds: int, seed: int = 1, context_len: int = 100) -> np.ndarray:
+def simulate(
+    bandit: Bandit, env: Env, rounds: int, seed: int = 1, context_len: int = 100, sampled: bool = False
+) -> np.ndarray:
     """Run `rounds` select/record rounds; returns the arm index picked in each."""
     rng = np.random.default_rng(seed)
     arms = bandit.config.arms
     picks = np.empty(rounds, dtype=np.int64)
     for i in range(rounds):
-        tree = bandit.select(context_len)
+        tree = bandit.select(context_len, sampled)
         picks[i] = arm = arms.index(tree)
         accepted, seconds = env(arm, i, context_len, rng)
-        bandit.record(tree, context_len, accepted, seconds)
+        bandit.record(tree, context_len, accepted, seconds, sampled)
     return picks
 
 
@@ -119,7 +121,46 @@ def test_buckets_keep_separate_statistics():
     np.testing.assert_array_equal(after.raw[[1, 2, 4]], 0.0)
     assert late_share(short, 3) >= 0.9 and late_share(long, 5) >= 0.9
     bests = [b["best"] for b in bandit.summary()["buckets"]]
-    assert bests == [str(DEFAULT_ARMS[3]), None, None, str(DEFAULT_ARMS[5]), None]
+    assert bests == [str(DEFAULT_ARMS[3]), None, None, str(DEFAULT_ARMS[5]), None] + [None] * 5  # + sampled cells
+
+
+def test_greedy_and_sampled_rounds_keep_separate_statistics():
+    # Greedy rounds: arm 3 is best; sampled rounds (lower acceptance, no lookup branch): arm 8 is.
+    sampled_means = MEANS.copy()
+    sampled_means[8] = 120.0
+    bandit = Bandit(BanditConfig(policy=UCB1()), seed=0)
+    greedy = simulate(bandit, gaussian_env(MEANS), 2000, seed=1)
+    before = bandit.state
+    sampled = simulate(bandit, gaussian_env(sampled_means), 2000, seed=2, sampled=True)
+    after = bandit.state
+    greedy_cell, sampled_cell = before.bucket_of(100), before.bucket_of(100, sampled=True)
+    assert (greedy_cell, sampled_cell) == (0, 5)
+    np.testing.assert_array_equal(after.raw[greedy_cell], before.raw[greedy_cell])
+    assert late_share(greedy, 3) >= 0.9 and late_share(sampled, 8) >= 0.9
+    cells = {(c["mode"], c["bucket"]): c["best"] for c in bandit.summary()["buckets"]}
+    assert cells[("greedy", "greedy <1k")] == str(DEFAULT_ARMS[3])
+    assert cells[("sampled", "sampled <1k")] == str(DEFAULT_ARMS[8])
+    pooled = Bandit(BanditConfig(policy=UCB1(), split_sampling=False))
+    pooled.record(DEFAULT_ARMS[0], 100, 1, 0.1, sampled=True)
+    assert pooled.state.raw.shape[0] == 5 and [c["bucket"] for c in pooled.summary()["buckets"]][0] == "<1k"
+
+
+def test_a_version_1_state_file_warm_starts_both_modes(tmp_path):
+    one_mode = Bandit(BanditConfig(split_sampling=False))
+    for r in random_rounds(40, seed=3):
+        one_mode.record(*r)
+    data = one_mode.state.to_dict()
+    data["version"] = 1
+    del data["modes"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    split = Bandit.load(path)
+    assert split.state.modes == ("greedy", "sampled")
+    nb = split.state.num_buckets
+    np.testing.assert_array_equal(split.state.raw[:nb], one_mode.state.raw)
+    np.testing.assert_array_equal(split.state.raw[nb:], one_mode.state.raw)
+    with pytest.raises(ValueError, match="modes"):
+        BanditConfig(split_sampling=False).restore(split.state)
 
 
 # Tree environment: each child at depth i matches the target with probability P_CHILD; a round costs
@@ -191,13 +232,14 @@ def test_record_validates_and_skips_trees_outside_the_arm_set():
     assert bandit.state.steps.sum() == 0
 
 
-def random_rounds(n: int, seed: int) -> list[tuple[TreeConfig, int, int, float]]:
+def random_rounds(n: int, seed: int) -> list[tuple[TreeConfig, int, int, float, bool]]:
     rng = np.random.default_rng(seed)
     rounds = []
     for _ in range(n):
         tree = DEFAULT_ARMS[rng.integers(len(DEFAULT_ARMS))]
         accepted = int(rng.integers(0, tree.depth + 1))
-        rounds.append((tree, int(rng.integers(0, 10_000)), accepted, float(rng.uniform(0.01, 0.1))))
+        sampled = bool(rng.integers(2))
+        rounds.append((tree, int(rng.integers(0, 10_000)), accepted, float(rng.uniform(0.01, 0.1)), sampled))
     return rounds
 
 
@@ -252,7 +294,7 @@ def test_save_load_round_trip_and_continue_where_it_left_off(tmp_path):
     first.save(path)
     assert sorted(p.name for p in path.parent.iterdir()) == ["bandit.json"]  # temporary file renamed away
     data = json.loads(path.read_text())
-    assert (data["format"], data["version"]) == ("ray_specdec.bandit", 1)
+    assert (data["format"], data["version"], data["modes"]) == ("ray_specdec.bandit", 2, ["greedy", "sampled"])
 
     resumed = Bandit.load(path, config)
     assert_same_state(resumed.state, first.state)
@@ -298,13 +340,14 @@ def test_summary_reports_pulls_means_and_best():
     bandit.record(TreeConfig((1, 1)), 5000, 1, 0.2)  # other bucket
     summary = bandit.summary()
     assert summary["reward"] == "throughput"
-    short, long = summary["buckets"]
-    assert (short["bucket"], short["rounds"], short["best"]) == ("<1k", 3, "2,1,1")
+    short, long, sampled_short, sampled_long = summary["buckets"]
+    assert sampled_short["rounds"] == sampled_long["rounds"] == 0
+    assert (short["bucket"], short["mode"], short["rounds"], short["best"]) == ("greedy <1k", "greedy", 3, "2,1,1")
     chain = short["arms"][0]
     assert (chain["tree"], chain["pulls"]) == ("1,1", 2)
     assert chain["mean_reward"] == pytest.approx(20.0)
     assert chain["mean_accepted_length"] == pytest.approx(2.0)
     assert chain["tokens_per_s"] == pytest.approx(20.0)
     assert short["arms"][3]["pulls"] == 0 and short["arms"][3]["mean_reward"] is None
-    assert (long["bucket"], long["min_context"], long["max_context"], long["best"]) == (">=1k", 1024, None, "1,1")
+    assert (long["bucket"], long["min_context"], long["max_context"], long["best"]) == ("greedy >=1k", 1024, None, "1,1")
     json.dumps(summary)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from ray_specdec.bandit.policies import ArmStats, GaussianThompson, Policy, Reward, ThroughputReward
-from ray_specdec.bandit.state import BanditState, bucket_labels
+from ray_specdec.bandit.state import ONE_MODE, SPLIT_MODES, BanditState
 from ray_specdec.config import PAPER_TREES, TreeConfig
 
 # The paper's trees and the chain, plus shallower / wider shapes that win when verification is expensive.
@@ -39,9 +39,13 @@ DEFAULT_BUCKET_EDGES = (1024, 2048, 4096, 8192)  # prompt tokens: <1k, 1-2k, 2-4
 
 
 class TreePolicy(Protocol):
-    def select(self, context_len: int) -> TreeConfig: ...
+    """Context of a round: the request's context length and whether it samples (temperature > 0) or is greedy."""
 
-    def record(self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float) -> None: ...
+    def select(self, context_len: int, sampled: bool = False) -> TreeConfig: ...
+
+    def record(
+        self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float, sampled: bool = False
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -56,16 +60,31 @@ class BanditConfig:
     # Discount per round of a bucket: ~1/(1 - gamma) = 5000 recent rounds carry the discounted statistics, enough to
     # tell arms apart through per-round noise while still following load changes within minutes of traffic.
     gamma: float = 0.9998
+    # Separate statistics for greedy and sampled rounds: their best trees differ (acceptance is lower when sampling,
+    # and lookup branches only draft in greedy rounds).
+    split_sampling: bool = True
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return SPLIT_MODES if self.split_sampling else ONE_MODE
 
     def empty_state(self) -> BanditState:
-        return BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward.name)
+        return BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward.name, self.modes)
 
     def arm_stats(self, state: BanditState, bucket: int, discounted: bool) -> ArmStats:
         sums = state.disc[bucket] if discounted else state.raw[bucket]  # [arms, fields]
         return ArmStats(sums[:, 0], sums[:, 1], sums[:, 2], self.reward.bounded)
 
     def restore(self, state: BanditState) -> BanditState:
-        """A stored state made to fit this config (arm set and gamma may change; buckets and reward may not)."""
+        """A stored state made to fit this config (arm set and gamma may change, a one-mode state may be split into
+        greedy and sampled; buckets and reward may not)."""
+        if state.modes == ONE_MODE and self.modes != ONE_MODE:
+            state = state.with_modes(self.modes)
+        if state.modes != self.modes:
+            raise ValueError(
+                f"stored bandit state has modes {list(state.modes)}, but the config asks for {list(self.modes)}; "
+                "move the state file away to start over"
+            )
         if state.bucket_edges != tuple(self.bucket_edges) or state.reward != self.reward.name:
             raise ValueError(
                 f"stored bandit state has buckets {list(state.bucket_edges)} and reward {state.reward!r}, but the "
@@ -96,13 +115,15 @@ class Bandit:
         config = config or BanditConfig()
         return cls(config, config.load_state(path), seed)
 
-    def select(self, context_len: int) -> TreeConfig:
+    def select(self, context_len: int, sampled: bool = False) -> TreeConfig:
         with self._lock:
-            bucket = self._view.bucket_of(context_len)
+            bucket = self._view.bucket_of(context_len, sampled)
             stats = self.config.arm_stats(self._view, bucket, self.config.policy.discounted)
             return self.config.arms[self.config.policy.choose(stats, self._rng)]
 
-    def record(self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float) -> None:
+    def record(
+        self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float, sampled: bool = False
+    ) -> None:
         """accepted_tokens: draft tokens the target kept (the bonus token excluded), so 0 <= accepted <= depth.
 
         Rounds of trees outside the arm set (a tree cut short at the end of a generation) are not counted.
@@ -118,7 +139,7 @@ class Bandit:
             return
         reward = self.config.reward(tree, accepted_tokens, round_time_s, self._max_depth)
         with self._lock:
-            bucket = self._view.bucket_of(context_len)
+            bucket = self._view.bucket_of(context_len, sampled)
             self._view.record(bucket, arm, reward, accepted_tokens, round_time_s)
             self._pending.record(bucket, arm, reward, accepted_tokens, round_time_s)
 
@@ -193,14 +214,15 @@ def _nan_to_none(x: float) -> float | None:
 
 
 def summarize(state: BanditState, config: BanditConfig) -> dict[str, Any]:
-    """What `GET /v1/bandit` shows: per bucket, every arm's pulls and mean rewards, and the current best arm.
+    """What `GET /v1/bandit` shows: per cell (sampling mode x prompt-length bucket), every arm's pulls and mean
+    rewards, and the current best arm.
 
     `mean_reward` is over all rounds, `recent_mean_reward` over the discounted ones; the best arm is judged by the
     statistics the policy uses.
     """
     edges = (0, *state.bucket_edges, None)
     buckets = []
-    for b, label in enumerate(bucket_labels(state.bucket_edges)):
+    for b, label in enumerate(state.cell_labels()):
         plain = config.arm_stats(state, b, discounted=False)
         recent = config.arm_stats(state, b, discounted=True)
         best = (recent if config.policy.discounted else plain).best()
@@ -222,8 +244,9 @@ def summarize(state: BanditState, config: BanditConfig) -> dict[str, Any]:
         buckets.append(
             {
                 "bucket": label,
-                "min_context": edges[b],
-                "max_context": edges[b + 1],
+                "mode": state.modes[b // state.num_buckets],
+                "min_context": edges[b % state.num_buckets],
+                "max_context": edges[b % state.num_buckets + 1],
                 "rounds": int(state.steps[b]),
                 "best": None if best is None else str(state.arms[best]),
                 "arms": arms,

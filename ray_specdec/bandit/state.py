@@ -1,8 +1,11 @@
 """The bandit's statistics as pure data: what is shared between router replicas and persisted across restarts.
 
-A `BanditState` holds, for every context-length bucket and every arm (tree config), plain sums (pulls, reward,
-reward², accepted tokens, round time) and discounted sums (pulls, reward, reward²) for the non-stationary policies.
-Discounting is per record of a bucket: each record multiplies that bucket's discounted sums by gamma first.
+A `BanditState` holds, for every context cell and every arm (tree config), plain sums (pulls, reward, reward²,
+accepted tokens, round time) and discounted sums (pulls, reward, reward²) for the non-stationary policies. A cell is a
+prompt-length bucket times a sampling mode (greedy or sampled rounds: their best trees differ, e.g. a lookup branch
+only drafts in greedy rounds), or the bucket alone with the single mode "all". Discounting is per record of a cell:
+each record multiplies that cell's discounted sums by gamma first. Arrays are indexed by cell = mode * buckets +
+bucket; the code calls a cell a "bucket" where only its index matters.
 
 The same type is the batched update a router pushes: a router records into an empty state (its delta) and the hub
 merges it. Because a delta remembers how many records it holds per bucket, `merge` rescales the hub's discounted sums
@@ -23,9 +26,11 @@ import numpy as np
 from ray_specdec.config import TreeConfig
 
 FORMAT = "ray_specdec.bandit"
-VERSION = 1
+VERSION = 2  # 2: sampling modes; version-1 files (no modes) load with the single mode "all"
+SPLIT_MODES = ("greedy", "sampled")
+ONE_MODE = ("all",)
 
-# Columns of `BanditState.raw` ([buckets, arms, 5]) and `BanditState.disc` ([buckets, arms, 3]).
+# Columns of `BanditState.raw` ([cells, arms, 5]) and `BanditState.disc` ([cells, arms, 3]).
 RAW_FIELDS = ("pulls", "reward_sum", "reward_sq", "accepted_sum", "time_sum")
 DISC_FIELDS = ("pulls", "reward_sum", "reward_sq")
 
@@ -46,45 +51,80 @@ def bucket_labels(edges: Sequence[int]) -> list[str]:
 class BanditState:
     arms: tuple[TreeConfig, ...]
     bucket_edges: tuple[int, ...]  # ascending token counts; bucket i holds edges[i-1] <= len < edges[i]
-    gamma: float  # discount per record of a bucket, for the discounted sums
+    gamma: float  # discount per record of a cell, for the discounted sums
     reward: str  # name of the reward the sums hold (a state only merges with states of the same reward)
-    raw: np.ndarray  # [buckets, arms, len(RAW_FIELDS)] float64
-    disc: np.ndarray  # [buckets, arms, len(DISC_FIELDS)] float64
-    steps: np.ndarray  # [buckets] int64, records seen per bucket
+    raw: np.ndarray  # [cells, arms, len(RAW_FIELDS)] float64
+    disc: np.ndarray  # [cells, arms, len(DISC_FIELDS)] float64
+    steps: np.ndarray  # [cells] int64, records seen per cell
+    modes: tuple[str, ...] = SPLIT_MODES  # SPLIT_MODES or ONE_MODE
 
     @classmethod
     def empty(
-        cls, arms: Sequence[TreeConfig], bucket_edges: Sequence[int], gamma: float, reward: str
+        cls,
+        arms: Sequence[TreeConfig],
+        bucket_edges: Sequence[int],
+        gamma: float,
+        reward: str,
+        modes: Sequence[str] = SPLIT_MODES,
     ) -> "BanditState":
-        arms, edges = tuple(arms), tuple(int(e) for e in bucket_edges)
+        arms, edges, modes = tuple(arms), tuple(int(e) for e in bucket_edges), tuple(modes)
         if not arms or len(set(arms)) != len(arms):
             raise ValueError(f"arms must be a non-empty list of distinct tree configs, got {[str(a) for a in arms]}")
         if any(e <= 0 for e in edges) or list(edges) != sorted(set(edges)):
             raise ValueError(f"bucket edges must be positive and strictly ascending, got {edges}")
         if not 0.0 < gamma <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {gamma}")
-        shape = (len(edges) + 1, len(arms))
+        if modes not in (SPLIT_MODES, ONE_MODE):
+            raise ValueError(f"modes must be {list(SPLIT_MODES)} or {list(ONE_MODE)}, got {list(modes)}")
+        shape = ((len(edges) + 1) * len(modes), len(arms))
         return cls(
             arms, edges, float(gamma), reward,
             np.zeros((*shape, len(RAW_FIELDS))), np.zeros((*shape, len(DISC_FIELDS))),
-            np.zeros(shape[0], dtype=np.int64),
+            np.zeros(shape[0], dtype=np.int64), modes,
         )  # fmt: skip
 
     def fresh(self) -> "BanditState":
-        """An empty state with the same arms, buckets, gamma and reward (a delta to record into)."""
-        return BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward)
+        """An empty state with the same arms, buckets, modes, gamma and reward (a delta to record into)."""
+        return BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward, self.modes)
 
     def copy(self) -> "BanditState":
         return BanditState(
-            self.arms, self.bucket_edges, self.gamma, self.reward, self.raw.copy(), self.disc.copy(), self.steps.copy()
-        )
+            self.arms, self.bucket_edges, self.gamma, self.reward, self.raw.copy(), self.disc.copy(), self.steps.copy(),
+            self.modes,
+        )  # fmt: skip
 
     @property
     def num_buckets(self) -> int:
+        """Prompt-length buckets (cells per mode)."""
         return len(self.bucket_edges) + 1
 
-    def bucket_of(self, context_len: int) -> int:
-        return bisect.bisect_right(self.bucket_edges, context_len)
+    @property
+    def num_cells(self) -> int:
+        return self.num_buckets * len(self.modes)
+
+    def bucket_of(self, context_len: int, sampled: bool = False) -> int:
+        """The cell of a round: its prompt-length bucket within its sampling mode."""
+        mode = 1 if sampled and len(self.modes) > 1 else 0
+        return mode * self.num_buckets + bisect.bisect_right(self.bucket_edges, context_len)
+
+    def cell_labels(self) -> list[str]:
+        """'<1k', '1k-2k', ... per bucket, prefixed by the mode ('greedy <1k') when modes are split."""
+        labels = bucket_labels(self.bucket_edges)
+        if self.modes == ONE_MODE:
+            return labels
+        return [f"{mode} {label}" for mode in self.modes for label in labels]
+
+    def with_modes(self, modes: Sequence[str]) -> "BanditState":
+        """A one-mode state split into modes: every mode starts from the pooled statistics (a warm start)."""
+        modes = tuple(modes)
+        if modes == self.modes:
+            return self
+        if self.modes != ONE_MODE:
+            raise ValueError(f"cannot turn a state with modes {list(self.modes)} into {list(modes)}")
+        out = BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward, modes)
+        out.raw[:], out.disc[:] = np.tile(self.raw, (len(modes), 1, 1)), np.tile(self.disc, (len(modes), 1, 1))
+        out.steps[:] = np.tile(self.steps, len(modes))
+        return out
 
     def arm_index(self, tree: TreeConfig) -> int | None:
         try:
@@ -109,8 +149,8 @@ class BanditState:
         return self
 
     def _check_compatible(self, other: "BanditState") -> None:
-        mine = (self.arms, self.bucket_edges, self.gamma, self.reward)
-        theirs = (other.arms, other.bucket_edges, other.gamma, other.reward)
+        mine = (self.arms, self.bucket_edges, self.gamma, self.reward, self.modes)
+        theirs = (other.arms, other.bucket_edges, other.gamma, other.reward, other.modes)
         if mine != theirs:
             raise ValueError(
                 f"cannot merge bandit states with different settings: {_describe(mine)} vs {_describe(theirs)}"
@@ -118,7 +158,7 @@ class BanditState:
 
     def adapted(self, arms: Sequence[TreeConfig], gamma: float) -> "BanditState":
         """This state for another arm set and gamma: arms in both keep their sums, new arms start empty."""
-        out = BanditState.empty(arms, self.bucket_edges, gamma, self.reward)
+        out = BanditState.empty(arms, self.bucket_edges, gamma, self.reward, self.modes)
         for j, tree in enumerate(out.arms):
             i = self.arm_index(tree)
             if i is not None:
@@ -133,6 +173,7 @@ class BanditState:
             "version": VERSION,
             "arms": [str(a) for a in self.arms],
             "bucket_edges": list(self.bucket_edges),
+            "modes": list(self.modes),
             "gamma": self.gamma,
             "reward": self.reward,
             "steps": self.steps.tolist(),
@@ -142,18 +183,20 @@ class BanditState:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BanditState":
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
+        if data.get("format") != FORMAT or data.get("version") not in (1, VERSION):
             raise ValueError(
-                f"not a version-{VERSION} bandit state (format={data.get('format')!r}, version={data.get('version')!r})"
+                f"not a version-1 or -{VERSION} bandit state "
+                f"(format={data.get('format')!r}, version={data.get('version')!r})"
             )
+        modes = data.get("modes", ONE_MODE) if data["version"] >= 2 else ONE_MODE
         state = cls.empty(
-            [TreeConfig.parse(a) for a in data["arms"]], data["bucket_edges"], data["gamma"], data["reward"]
+            [TreeConfig.parse(a) for a in data["arms"]], data["bucket_edges"], data["gamma"], data["reward"], modes
         )
         state.raw = np.stack([np.asarray(data["raw"][f], dtype=np.float64) for f in RAW_FIELDS], axis=-1)
         state.disc = np.stack([np.asarray(data["disc"][f], dtype=np.float64) for f in DISC_FIELDS], axis=-1)
         state.steps = np.asarray(data["steps"], dtype=np.int64)
-        if state.raw.shape[:2] != (state.num_buckets, len(state.arms)) or state.disc.shape != (*state.raw.shape[:2], 3):
-            raise ValueError(f"bandit state arrays have shape {state.raw.shape}, expected buckets x arms x fields")
+        if state.raw.shape[:2] != (state.num_cells, len(state.arms)) or state.disc.shape != (*state.raw.shape[:2], 3):
+            raise ValueError(f"bandit state arrays have shape {state.raw.shape}, expected cells x arms x fields")
         return state
 
     def save(self, path: str | os.PathLike) -> None:
@@ -180,5 +223,5 @@ class BanditState:
 
 
 def _describe(settings: tuple) -> str:
-    arms, edges, gamma, reward = settings
-    return f"(arms={[str(a) for a in arms]}, edges={list(edges)}, gamma={gamma}, reward={reward})"
+    arms, edges, gamma, reward, modes = settings
+    return f"(arms={[str(a) for a in arms]}, edges={list(edges)}, gamma={gamma}, reward={reward}, modes={list(modes)})"

@@ -192,7 +192,7 @@ class RouterCore:
         stop = StopChecker(self.tokenizer, params, self.eos_token_ids)
         self.in_flight += 1
         try:
-            config = self._pick_tree(tree, len(tokens), stop.remaining)
+            config = self._pick_tree(tree, len(tokens), stop.remaining, params)
             draft = await self._start(request_id, link, config, params, tokens, stats)
             draft_s = 0.0  # the first draft is hidden behind the target's prefill
             while True:
@@ -203,7 +203,7 @@ class RouterCore:
                     link.commits.append(verdict)  # rides on the next draft call
                 stats.verify_s += verify_s
                 stats.last_round_s = draft_s + verify_s
-                self._record(draft, len(tokens), verdict, stats)
+                self._record(draft, len(tokens), verdict, stats, params)
                 tokens += verdict.new_tokens
                 kept, delta = stop.feed(verdict.new_tokens)
                 stats.new_tokens += len(kept)
@@ -211,7 +211,8 @@ class RouterCore:
                 if stop.finished:
                     return
                 t0 = time.perf_counter()
-                draft = await self._draft(link, self._pick_tree(tree, len(tokens), stop.remaining), params, tokens)
+                config = self._pick_tree(tree, len(tokens), stop.remaining, params)
+                draft = await self._draft(link, config, params, tokens)
                 draft_s = time.perf_counter() - t0
                 stats.draft_s += draft_s
         finally:
@@ -239,13 +240,15 @@ class RouterCore:
         stats.prefill_s = time.perf_counter() - t0
         return draft
 
-    def _pick_tree(self, override: TreeConfig | None, context_len: int, remaining: int) -> TreeConfig:
+    def _pick_tree(
+        self, override: TreeConfig | None, context_len: int, remaining: int, params: SamplingParams
+    ) -> TreeConfig:
         if self.drafter is None:
             return NO_TREE
         if override is not None:
             config = override
         else:
-            config = self.backoff.limit(self.policy.select(context_len), self.in_flight)
+            config = self.backoff.limit(self.policy.select(context_len, not params.greedy), self.in_flight)
         # the bonus token comes for free: never draft deeper than what is left to generate
         return config.truncated(remaining - 1)
 
@@ -287,10 +290,12 @@ class RouterCore:
             link.drafted()
         return draft
 
-    def _record(self, draft: Draft, context_len: int, verdict: Verdict, stats: GenerationStats) -> None:
+    def _record(
+        self, draft: Draft, context_len: int, verdict: Verdict, stats: GenerationStats, params: SamplingParams
+    ) -> None:
         accepted = len(verdict.accepted_rows)
         # every round teaches the policy, rounds without a tree too (they are the "none" arm when it has one)
-        self.policy.record(draft.arm, context_len, accepted, max(stats.last_round_s, 1e-9))
+        self.policy.record(draft.arm, context_len, accepted, max(stats.last_round_s, 1e-9), not params.greedy)
         stats.record_round(str(draft.config), draft.tree.depth, accepted)
 
     @staticmethod

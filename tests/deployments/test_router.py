@@ -94,7 +94,7 @@ def reference(engine) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("tree", [None, "1,1,1,1", "3,2,2,1,1", "none"])
+@pytest.mark.parametrize("tree", [None, "1,1,1,1", "3,2,2,1,1", "1,1+L6", "none"])
 def test_greedy_equals_target_alone(engine, reference, tree):
     drafters = LocalDrafters(engine.drafter, engine.target.vocab_size)
     core, target = make_core(engine, drafters)
@@ -253,29 +253,30 @@ class Alternating:
     def __init__(self, tree: TreeConfig, period: int = 2):
         self.tree, self.period, self.calls, self.recorded = tree, period, 0, []
 
-    def select(self, context_len):
+    def select(self, context_len, sampled=False):
         self.calls += 1
         return self.tree if self.calls % self.period == 1 else NO_TREE
 
-    def record(self, tree, context_len, accepted_tokens, round_time_s):
+    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False):
         self.recorded.append(str(tree))
 
 
-@pytest.mark.parametrize("period", [2, 3])
-def test_rounds_without_a_draft_catch_up_without_rebuilds(engine, reference, period):
+@pytest.mark.parametrize("period, tree", [(2, "2,2,1,1"), (3, "2,2,1,1"), (2, "1,1+L6")])
+def test_rounds_without_a_draft_catch_up_without_rebuilds(engine, reference, period, tree):
     drafters = LocalDrafters(engine.drafter, engine.target.vocab_size)
-    policy = Alternating(TreeConfig((2, 2, 1, 1)), period)
+    policy = Alternating(TreeConfig.parse(tree), period)
     core, _ = make_core(engine, drafters, policy=policy)
     prompt = PROMPTS[1]
     gen = run(core.generate(engine.encode(prompt), SamplingParams(max_new_tokens=40)))
     assert gen.token_ids == reference[prompt]
     assert drafters.workers[0].rebuilds == 1  # built once by the first call; no-draft rounds only queue verdicts
-    assert "none" in policy.recorded and "2,2,1,1" in policy.recorded  # both kinds of rounds teach the policy
+    assert "none" in policy.recorded and tree in policy.recorded  # both kinds of rounds teach the policy
 
 
-def test_drafter_worker_catch_up_equals_rebuild(engine):
+@pytest.mark.parametrize("tree", ["2,1", "1+L6"])
+def test_drafter_worker_catch_up_equals_rebuild(engine, tree):
     """A drafted verdict followed by verdicts of rounds without a draft leaves the state a rebuild would make."""
-    target, params, tree = engine.target, SamplingParams(), TreeConfig((2, 1))
+    target, params, tree = engine.target, SamplingParams(), TreeConfig.parse(tree)
     ids = engine.encode(PROMPTS[2])
     session = TargetSession(target, ids)
     worker = DrafterWorker(engine.drafter, target.vocab_size)
@@ -289,6 +290,7 @@ def test_drafter_worker_catch_up_equals_rebuild(engine):
     caught_up = worker.draft("k", commits, tree, params, None)
     rebuilt = DrafterWorker(engine.drafter, target.vocab_size).draft("r", [], tree, params, None, tokens)
     assert torch.equal(caught_up.tokens, rebuilt.tokens)
+    assert caught_up.paths == rebuilt.paths
     with pytest.raises(ValueError, match="only the first commit"):
         worker.draft("k", [commits[0], Verdict((1,), (7,), 8)], tree, params, None)
 
