@@ -19,7 +19,7 @@ from deployments.router import RouterDeployment, RouterSettings
 from deployments.target import TargetDeployment
 from ray_specdec.bandit import DEFAULT_ARMS, BanditConfig
 from ray_specdec.engine import DEFAULT_MIN_PATH_PROB
-from ray_specdec.config import TreeConfig, default_tree
+from ray_specdec.config import DEFAULT_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.serving.router import LoadBackoff
 
@@ -53,6 +53,9 @@ class AppArgs(BaseModel):
     drafter_max_sessions: int = Field(1024, ge=1)  # request states per replica (least recently used evicted)
     # drafts stop at depths whose paths the drafter itself rates below this probability (0: always the whole tree)
     min_path_prob: float = Field(DEFAULT_MIN_PATH_PROB, ge=0, lt=1)
+    # greedy rounds of every drafted tree also verify up to this many tokens copied from earlier in the context
+    # (prompt lookup; 0: off). Trees written with their own "+L<k>" keep theirs.
+    lookup: int = Field(DEFAULT_LOOKUP, ge=0, le=MAX_LOOKUP_TOKENS)
     # target
     target_num_cpus_per_rank: float = Field(1.0, ge=0)
     target_resources: dict[str, float] = Field(default_factory=dict)  # of the target replica (ranks: placement group)
@@ -146,6 +149,7 @@ def _router_settings(args: AppArgs, target_path: str, drafting: bool) -> RouterS
         backoff=LoadBackoff(args.backoff_full_below, args.backoff_off_at),
         target_timeout_s=args.target_timeout_s,
         draft_timeout_s=args.draft_timeout_s,
+        lookup=args.lookup,
     )
 
 

@@ -75,6 +75,7 @@ class RouterSettings:
     target_timeout_s: float = 120.0
     draft_timeout_s: float = 30.0
     bandit_sync_s: float = 1.0
+    lookup: int = 0  # prompt-lookup tokens added to every drafted tree in greedy rounds
 
 
 async def _result(response):
@@ -177,7 +178,7 @@ class RouterDeployment:
         self.core = RouterCore(
             ServeTarget(target), ServeDrafter(drafter) if drafter is not None else None,
             load_tokenizer(settings.tokenizer), frozenset(self.info["eos_token_ids"]), max_context, policy,
-            settings.backoff, settings.target_timeout_s, settings.draft_timeout_s,
+            settings.backoff, settings.target_timeout_s, settings.draft_timeout_s, settings.lookup,
         )  # fmt: skip
         self.metrics = RouterMetrics()
         self.app_name = serve.get_replica_context().app_name

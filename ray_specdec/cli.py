@@ -10,6 +10,7 @@ import importlib
 import json
 import sys
 
+from ray_specdec.config import DEFAULT_LOOKUP, MAX_LOOKUP_TOKENS
 from ray_specdec.factory import LoadError
 
 # Subcommands implemented elsewhere: name -> module whose main(argv) -> int handles it.
@@ -41,7 +42,11 @@ def generate_parser() -> OneLineParser:
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--target", default=None, help="HF id or local dir of the target (default: embedded target-neox)")
     p.add_argument("--drafter", default=None, help="HF id or local dir of the Mamba drafter, or 'none' (default: embedded)")
-    p.add_argument("--tree", default=None, help="tree config N1,N2,...; the chain is 1,1,1,1 (default: 1,1,1,1 on CPU, 2,2,1,1 on GPU)")
+    p.add_argument("--tree", default=None, help="tree config N1,N2,... (the chain is 1,1,1,1; '+L6' adds its own lookup "
+                   "branch); default: 1,1,1,1 on CPU, 2,2,1,1 on GPU")
+    p.add_argument("--lookup", type=int, default=None,
+                   help="prompt-lookup tokens added to every drafted tree in greedy rounds; 0 turns them off "
+                        "(default: %d)" % DEFAULT_LOOKUP)
     p.add_argument("--min-path-prob", type=float, default=None,
                    help="cut drafts at depths the drafter rates below this path probability (default: the engine's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -80,10 +85,13 @@ def run_generate(argv: list[str]) -> int:
         tree = TreeConfig.parse(args.tree) if args.tree is not None else None  # None: the device's default
         if args.min_path_prob is not None and not 0 <= args.min_path_prob < 1:
             raise ValueError(f"--min-path-prob must be in [0, 1), got {args.min_path_prob}")
+        lookup = DEFAULT_LOOKUP if args.lookup is None else args.lookup
+        if not 0 <= lookup <= MAX_LOOKUP_TOKENS:
+            raise ValueError(f"--lookup must be in [0, {MAX_LOOKUP_TOKENS}], got {lookup}")
     except ValueError as e:
         raise UsageError(str(e)) from None
     engine = load_engine(args.target, args.drafter, tree=tree, dtype=args.dtype, device=args.device,
-                         min_path_prob=args.min_path_prob)
+                         min_path_prob=args.min_path_prob, lookup=lookup)
     try:
         result = engine.generate(args.prompt, params)
     except ValueError as e:

@@ -91,6 +91,10 @@ class TreeConfig:
     def without_lookup(self) -> "TreeConfig":
         return TreeConfig(self.branching) if self.lookup else self
 
+    def with_lookup(self, lookup: int) -> "TreeConfig":
+        """This tree plus a lookup branch of up to `lookup` tokens, unless it drafts nothing or has its own."""
+        return TreeConfig(self.branching, lookup) if lookup > 0 and self.branching and not self.lookup else self
+
     def index_paths(self) -> list[tuple[int, ...]]:
         """The tree as child-rank paths from the root, in BFS order: [(0,), (1,), (0, 0), ...]."""
         paths: list[tuple[int, ...]] = []
@@ -119,6 +123,9 @@ PAPER_TREES = (
 # chain is the fastest shape (docs/BENCHMARKS.md).
 DEFAULT_TREE = TreeConfig((2, 2, 1, 1))
 CPU_DEFAULT_TREE = TreeConfig((1, 1, 1, 1))
+# Lookup tokens the CLI, the app and the bench add to every drafted tree in greedy rounds (TreeConfig.with_lookup):
+# free drafts where the context repeats itself, a few more verify rows when it does (docs/BENCHMARKS.md).
+DEFAULT_LOOKUP = 8
 
 
 def default_tree(device: str) -> TreeConfig:

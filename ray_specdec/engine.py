@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ray_specdec.acceptance import Verdict, accept_greedy, accept_sampled
-from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
 from ray_specdec.drafting import Draft, DrafterSession, tree_for
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
@@ -114,10 +114,16 @@ class SpeculativeEngine:
         tree_policy=TreeConfig((3, 2, 2, 1, 1)),
         tokenizer=None,
         min_path_prob: float = 0.0,
+        lookup: int = 0,
     ):
-        """min_path_prob: drafts stop at depths whose nodes the drafter rates below this (DrafterSession.draft)."""
+        """min_path_prob: drafts stop at depths whose nodes the drafter rates below this (DrafterSession.draft).
+        lookup: greedy rounds of every drafted tree also verify up to this many prompt-lookup tokens (lookup.py);
+        the tree policy still learns about the tree it picked."""
         if not 0.0 <= min_path_prob < 1.0:
             raise ValueError(f"min_path_prob must be in [0, 1), got {min_path_prob}")
+        if not 0 <= lookup <= MAX_LOOKUP_TOKENS:
+            raise ValueError(f"lookup must be in [0, {MAX_LOOKUP_TOKENS}], got {lookup}")
+        self.lookup = lookup
         self.target = target
         self.drafter = drafter
         self.min_path_prob = min_path_prob
@@ -167,10 +173,11 @@ class SpeculativeEngine:
 
         context_len = len(prompt_ids)
         while not stop.finished:
-            config = self._pick_tree(tree, context_len, stop.remaining, params)
+            arm = self._pick_tree(tree, context_len, stop.remaining, params)
+            config = arm.with_lookup(min(self.lookup, stop.remaining - 1))
             draft, verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
             sampled = not params.greedy
-            self.policy.record(draft.arm, context_len, len(verdict.accepted_rows), stats.last_round_s, sampled)
+            self.policy.record(arm, context_len, len(verdict.accepted_rows), stats.last_round_s, sampled)
             context_len += len(verdict.new_tokens)
             kept, delta = stop.feed(verdict.new_tokens)
             stats.new_tokens += len(kept)

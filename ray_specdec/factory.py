@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from ray_specdec.config import TreeConfig, default_tree
+from ray_specdec.config import DEFAULT_LOOKUP, TreeConfig, default_tree
 
 
 class LoadError(Exception):
@@ -67,8 +67,10 @@ def load_engine(
     dtype: str = "auto",
     device: str | None = "auto",
     min_path_prob: float | None = None,
+    lookup: int = DEFAULT_LOOKUP,
 ):
-    """tree None: the device's default tree (config.default_tree); min_path_prob None: the engine's default."""
+    """tree None: the device's default tree (config.default_tree); min_path_prob None: the engine's default;
+    lookup: prompt-lookup tokens added to every drafted tree in greedy rounds (0: none)."""
     from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, SpeculativeEngine
     from ray_specdec.models.loading import resolve_dtype
 
@@ -89,4 +91,4 @@ def load_engine(
     drafter_model = load_drafter(drafter, dtype, device)
     cut = DEFAULT_MIN_PATH_PROB if min_path_prob is None else min_path_prob
     tree = tree if tree is not None else default_tree(str(device))
-    return SpeculativeEngine(target_model, drafter_model, tree, min_path_prob=cut)
+    return SpeculativeEngine(target_model, drafter_model, tree, min_path_prob=cut, lookup=lookup)

@@ -351,3 +351,28 @@ def test_lookup_leaves_sampled_output_unchanged(target):
     with_lookup = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1), lookup=4)).generate(prompt, params)
     without = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1))).generate(prompt, params)
     assert with_lookup.token_ids == without.token_ids
+
+
+class RecordingPolicy:
+    def __init__(self, tree: TreeConfig):
+        self.tree, self.records = tree, []
+
+    def select(self, context_len, sampled=False):
+        return self.tree
+
+    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False):
+        self.records.append((str(tree), accepted_tokens, sampled))
+
+
+def test_engine_lookup_setting_extends_every_drafted_tree_and_records_the_picked_one(target):
+    prompt = random_prompt(300, seed=300)
+    expected = hf_greedy(target, prompt, 23)
+    policy = RecordingPolicy(TreeConfig((1,)))
+    result = SpeculativeEngine(target, tiny_mamba(), policy, lookup=6).generate(prompt, SamplingParams(max_new_tokens=23))
+    assert result.token_ids == expected
+    assert any("+L" in name for name in result.stats.trees)  # lookup branches were drafted...
+    assert {name for name, _, _ in policy.records} <= {"1", "none"}  # ...and the policy hears of the tree it picked
+    assert max(accepted for _, accepted, _ in policy.records) > 1
+    assert not any(sampled for _, _, sampled in policy.records)
+    with pytest.raises(ValueError, match="lookup"):
+        SpeculativeEngine(target, tiny_mamba(), policy, lookup=-1)

@@ -140,7 +140,9 @@ class RouterCore:
         backoff: LoadBackoff = LoadBackoff(),
         target_timeout_s: float = 120.0,
         draft_timeout_s: float = 30.0,
+        lookup: int = 0,
     ):
+        """lookup: greedy rounds of every drafted tree also verify up to this many prompt-lookup tokens."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -150,6 +152,7 @@ class RouterCore:
         self.backoff = backoff
         self.target_timeout_s = target_timeout_s
         self.draft_timeout_s = draft_timeout_s
+        self.lookup = lookup
         self.in_flight = 0
         self.draft_failures = 0  # draft calls that failed or timed out (each cost one round of plain decoding)
         self._background: set[asyncio.Task] = set()
@@ -192,7 +195,8 @@ class RouterCore:
         stop = StopChecker(self.tokenizer, params, self.eos_token_ids)
         self.in_flight += 1
         try:
-            config = self._pick_tree(tree, len(tokens), stop.remaining, params)
+            arm = self._pick_tree(tree, len(tokens), stop.remaining, params)
+            config = arm.with_lookup(min(self.lookup, stop.remaining - 1))
             draft = await self._start(request_id, link, config, params, tokens, stats)
             draft_s = 0.0  # the first draft is hidden behind the target's prefill
             while True:
@@ -203,7 +207,8 @@ class RouterCore:
                     link.commits.append(verdict)  # rides on the next draft call
                 stats.verify_s += verify_s
                 stats.last_round_s = draft_s + verify_s
-                self._record(draft, len(tokens), verdict, stats, params)
+                # the policy learns about the tree it picked, or "none" when the draft failed
+                self._record(arm if draft.arm == config else draft.arm, draft, len(tokens), verdict, stats, params)
                 tokens += verdict.new_tokens
                 kept, delta = stop.feed(verdict.new_tokens)
                 stats.new_tokens += len(kept)
@@ -211,7 +216,8 @@ class RouterCore:
                 if stop.finished:
                     return
                 t0 = time.perf_counter()
-                config = self._pick_tree(tree, len(tokens), stop.remaining, params)
+                arm = self._pick_tree(tree, len(tokens), stop.remaining, params)
+                config = arm.with_lookup(min(self.lookup, stop.remaining - 1))
                 draft = await self._draft(link, config, params, tokens)
                 draft_s = time.perf_counter() - t0
                 stats.draft_s += draft_s
@@ -291,11 +297,17 @@ class RouterCore:
         return draft
 
     def _record(
-        self, draft: Draft, context_len: int, verdict: Verdict, stats: GenerationStats, params: SamplingParams
+        self,
+        arm: TreeConfig,
+        draft: Draft,
+        context_len: int,
+        verdict: Verdict,
+        stats: GenerationStats,
+        params: SamplingParams,
     ) -> None:
         accepted = len(verdict.accepted_rows)
         # every round teaches the policy, rounds without a tree too (they are the "none" arm when it has one)
-        self.policy.record(draft.arm, context_len, accepted, max(stats.last_round_s, 1e-9), not params.greedy)
+        self.policy.record(arm, context_len, accepted, max(stats.last_round_s, 1e-9), not params.greedy)
         stats.record_round(str(draft.config), draft.tree.depth, accepted)
 
     @staticmethod

@@ -66,6 +66,8 @@ def test_serve_config_is_valid_and_spells_out_the_defaults():
         ({"drafter_min_replicas": 3, "drafter_max_replicas": 2}, "drafter_max_replicas (2) < drafter_min_replicas (3)"),
         ({"backoff_full_below": 8, "backoff_off_at": 8}, "backoff_off_at"),
         ({"replicas": 2}, "Extra inputs are not permitted"),
+        ({"lookup": 33}, "lookup"),
+        ({"tree": "1,1+L"}, "lookup must be written like"),
     ],
 )
 def test_app_args_refuse_bad_values(args, message):
