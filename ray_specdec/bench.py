@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
 from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, NO_TREE, SpeculativeEngine
 
 
@@ -174,13 +174,15 @@ def context_sweep(drafter, tf_drafter, stream: list[int], lengths, steps: int) -
 
 
 def parse_args(argv):
+    from ray_specdec.config import DEFAULT_LOOKUP
     from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET, DEFAULT_TF_DRAFTER
 
     p = argparse.ArgumentParser(prog="python -m ray_specdec bench", description=__doc__.splitlines()[0])
     p.add_argument("--target", default=str(DEFAULT_TARGET))
     p.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="Mamba drafter")
     p.add_argument("--tf-drafter", default=str(DEFAULT_TF_DRAFTER), help="Transformer drafter for HF assisted")
-    p.add_argument("--trees", default="1,1,1,1;2,2,1,1;3,2,2,1,1", help="our tree configs, ';'-separated")
+    p.add_argument("--trees", default="1,1,1,1;1,1,1,1+L8;2,2,1,1;3,2,2,1,1",
+                   help="our tree configs, ';'-separated ('+L8': with a lookup branch of up to 8 tokens)")
     p.add_argument("--prompts", type=int, default=8, help="short held-out prompts")
     p.add_argument("--long-prompts", type=int, default=2, help="long-context (1-2k token) held-out prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -190,6 +192,9 @@ def parse_args(argv):
                    help="extra methods: trees with their own draft cut, 'TREE@CUT;...' e.g. '3,2,2,1,1@0.06'")
     p.add_argument("--min-path-prob", type=float, default=None,
                    help="our engine's draft cut (default: the engine's DEFAULT_MIN_PATH_PROB)")
+    p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP,
+                   help="lookup tokens the bandit's engine adds to every drafted tree in greedy rounds (its arms are "
+                        "the trees without their own lookup, plus no drafting)")
     p.add_argument("--bandit-warmup", type=int, default=4,
                    help="held-out prompts (not the measured ones) the bandit learns from before it is measured, as a "
                         "served bandit has learned from earlier traffic; 0: it starts cold in the measured run")
@@ -201,7 +206,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.long_prompts, args.max_new_tokens, args.bandit_warmup = 2, 1, 24, 1
-        args.trees, args.temperatures, args.contexts = "1,1,1,1;2,2,1,1", "0,1", "1024,4096"
+        args.trees, args.temperatures, args.contexts = "1,1,1,1;2,2,1,1+L8", "0,1", "1024,4096"
     return args
 
 
@@ -223,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         trees = [TreeConfig.parse(t) for t in args.trees.split(";")]
         temperatures = [float(t) for t in args.temperatures.split(",")]
         contexts = [int(c) for c in args.contexts.split(",")]
+        if not 0 <= args.lookup <= MAX_LOOKUP_TOKENS:
+            raise ValueError(f"--lookup must be in [0, {MAX_LOOKUP_TOKENS}], got {args.lookup}")
     except ValueError as e:
         print(f"error: bad bench arguments: {e}", file=sys.stderr)
         return 2
@@ -267,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # The bandit's arms: the same fixed trees shown beside it, and no drafting (ours_target_only). It keeps learning
     # during the measured run, after a warm-up on other held-out prompts (a served bandit has seen earlier traffic).
-    bandit = Bandit(BanditConfig(arms=(*trees, NO_TREE)), seed=args.seed)
-    bandit_engine = SpeculativeEngine(target, drafter, bandit, min_path_prob=cut)
+    arms = tuple(dict.fromkeys(t.without_lookup() for t in trees))
+    bandit = Bandit(BanditConfig(arms=(*arms, NO_TREE)), seed=args.seed)
+    bandit_engine = SpeculativeEngine(target, drafter, bandit, min_path_prob=cut, lookup=args.lookup)
     warmup = heldout_prompts(args.bandit_warmup, 64, 1024, seed=args.seed + 3, tokenizer=tok)
     for i, p in enumerate(tqdm(warmup, desc="bandit warm-up", leave=False)):
         for temperature in temperatures:
@@ -299,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
         "settings": {"prompts": len(short), "long_prompts": len(long), "max_new_tokens": args.max_new_tokens,
-                     "trees": [str(t) for t in trees], "min_path_prob": cut,
+                     "trees": [str(t) for t in trees], "min_path_prob": cut, "bandit_lookup": args.lookup,
                      "cut_trees": [f"{t}@{c:g}" for t, c in cut_trees],
                      "bandit_warmup_prompts": args.bandit_warmup,
                      "bandit_pulls": {str(arm): int(n) for arm, n in zip(bandit.config.arms, bandit_pulls(bandit))},
