@@ -19,6 +19,7 @@ def markdown(report: dict) -> str:
                  if m["name"].startswith("ours") else "-")
         lines.append(f"| {m['name']} | {m['temperature']:g} | {m['tokens_per_s']:.1f} | "
                      f"{m['speedup_vs_hf_generate']:.2f}x | {mal} | {per_depth} | {split} | {same} |")
+    lines += bandit_vs_best_fixed(report["methods"])
     pulls = report.get("settings", {}).get("bandit_pulls")
     if pulls:
         lines += ["", "Bandit pulls per arm (warm-up included): "
@@ -29,6 +30,23 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['context_tokens']} | {r['mamba_state_bytes'] / 1024:.0f} | {r['mamba_step_ms']:.2f} | "
                      f"{r['transformer_kv_bytes'] / 1024:.0f} | {r['transformer_step_ms']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def bandit_vs_best_fixed(methods: list[dict]) -> list[str]:
+    """One line per temperature: the bandit against the best fixed setting of our engine in hindsight (target-only,
+    i.e. no drafting, included; draft-cut variants too)."""
+    lines = []
+    for t in sorted({m["temperature"] for m in methods}):
+        at_t = [m for m in methods if m["temperature"] == t and m["name"].startswith("ours")]
+        bandit = next((m for m in at_t if m["name"] == "ours_mamba_bandit"), None)
+        fixed = [m for m in at_t if m["name"] != "ours_mamba_bandit"]
+        if bandit is None or not fixed:
+            continue
+        best = max(fixed, key=lambda m: m["tokens_per_s"])
+        ratio = bandit["tokens_per_s"] / best["tokens_per_s"] if best["tokens_per_s"] else float("nan")
+        lines.append(f"Bandit vs the best fixed setting in hindsight at T={t:g}: {bandit['speedup_vs_hf_generate']:.2f}x "
+                     f"vs {best['speedup_vs_hf_generate']:.2f}x ({best['name']}), ratio {ratio:.2f}")
+    return [""] + lines if lines else []
 
 
 def plots(report: dict, out: Path) -> list[Path]:

@@ -225,11 +225,14 @@ def test_rewards_are_the_documented_formulas():
 def test_record_validates_and_skips_trees_outside_the_arm_set():
     bandit = Bandit(BanditConfig(arms=HW_ARMS))
     with pytest.raises(ValueError, match="bonus excluded"):
-        bandit.record(TreeConfig((1, 1)), 10, 3, 0.1)  # accepted + bonus passed by mistake
+        bandit.record(TreeConfig(()), 10, 1, 0.1)  # accepted + bonus passed by mistake for a round without a tree
+    with pytest.raises(ValueError, match="bonus excluded"):
+        bandit.record(TreeConfig((1, 1)), 10, -1, 0.1)
+    bandit.record(TreeConfig((1, 1)), 10, 6, 0.1)  # deeper than the tree: an engine-added lookup branch was accepted
     with pytest.raises(ValueError, match="positive"):
         bandit.record(TreeConfig((1, 1)), 10, 1, 0.0)
     bandit.record(TreeConfig((3, 3)), 10, 1, 0.1)  # a (3,3,2,1) round cut short at the end of a generation
-    assert bandit.state.steps.sum() == 0
+    assert bandit.state.steps.sum() == 1
 
 
 def random_rounds(n: int, seed: int) -> list[tuple[TreeConfig, int, int, float, bool]]:

@@ -30,13 +30,14 @@ def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["--target", str(model_dirs / "target"), "--drafter", str(model_dirs / "mamba"),
                  "--tf-drafter", str(model_dirs / "tf"), "--prompts", "2", "--long-prompts", "0",
-                 "--max-new-tokens", "12", "--trees", "1,1,1;2,1", "--temperatures", "0,1",
+                 "--max-new-tokens", "12", "--trees", "1,1,1;2,1+L4", "--temperatures", "0,1",
                  "--contexts", "64,256", "--json", str(tmp_path / "bench.json"), "--out", str(out)])
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     names = {m["name"] for m in report["methods"]}
     assert {"hf_generate", "hf_assisted", "hf_prompt_lookup", "ours_target_only",
-            "ours_mamba_chain_1,1,1", "ours_mamba_tree_2,1", "ours_mamba_bandit"} <= names
+            "ours_mamba_chain_1,1,1", "ours_mamba_tree_2,1+L4", "ours_mamba_bandit"} <= names
+    assert report["settings"]["bandit_pulls"].keys() == {"1,1,1", "2,1", "none"}  # arms: trees without lookup
     for m in report["methods"]:
         assert {"name", "temperature", "tokens_per_s", "speedup_vs_hf_generate", "mean_accepted_length",
                 "identical_to_target"} <= set(m)
@@ -51,10 +52,28 @@ def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
     assert sweep[1]["transformer_kv_bytes"] > 3 * sweep[0]["transformer_kv_bytes"]  # grows with context
     for png in ("speedup.png", "acceptance_per_depth.png", "memory_vs_context.png"):
         assert (out / png).stat().st_size > 1000
-    assert "| hf_generate |" in (out / "bench.md").read_text()
+    markdown = (out / "bench.md").read_text()
+    assert "| hf_generate |" in markdown and "Bandit vs the best fixed setting in hindsight at T=1" in markdown
     assert "greedy outputs identical" in capsys.readouterr().out
 
 
 def test_bench_bad_arguments_exit_2(capsys):
     assert main(["--trees", "x,y"]) == 2
     assert capsys.readouterr().err.startswith("error:")
+
+
+def test_bench_help_and_bad_lookup(capsys):
+    assert main(["--help"]) == 0
+    assert "--lookup" in capsys.readouterr().out
+    assert main(["--lookup", "99"]) == 2
+    assert "--lookup must be in" in capsys.readouterr().err
+
+
+def test_bandit_vs_best_fixed_line():
+    from ray_specdec.bench_report import bandit_vs_best_fixed
+
+    methods = [{"name": n, "temperature": 0.0, "tokens_per_s": v, "speedup_vs_hf_generate": v / 100}
+               for n, v in [("hf_generate", 100.0), ("ours_target_only", 90.0), ("ours_mamba_chain_1,1", 120.0),
+                            ("ours_mamba_bandit", 110.0)]]
+    assert bandit_vs_best_fixed(methods) == [
+        "", "Bandit vs the best fixed setting in hindsight at T=0: 1.10x vs 1.20x (ours_mamba_chain_1,1), ratio 0.92"]

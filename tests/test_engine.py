@@ -376,3 +376,15 @@ def test_engine_lookup_setting_extends_every_drafted_tree_and_records_the_picked
     assert not any(sampled for _, _, sampled in policy.records)
     with pytest.raises(ValueError, match="lookup"):
         SpeculativeEngine(target, tiny_mamba(), policy, lookup=-1)
+
+
+def test_bandit_with_engine_lookup_learns_from_rounds_deeper_than_its_arms(target):
+    from ray_specdec.bandit import Bandit, BanditConfig
+
+    prompt = random_prompt(300, seed=300)
+    bandit = Bandit(BanditConfig(arms=(TreeConfig((1,)), TreeConfig((1, 1)))), seed=0)  # always drafting
+    engine = SpeculativeEngine(target, tiny_mamba(), bandit, lookup=8)
+    result = engine.generate(prompt, SamplingParams(max_new_tokens=23))
+    assert result.token_ids == hf_greedy(target, prompt, 23)
+    assert max(result.stats.accepted_lengths) > 3  # lookup tokens accepted beyond every arm's depth
+    assert bandit.state.steps.sum() == result.stats.rounds - 1  # the last round's tree was cut to what was left

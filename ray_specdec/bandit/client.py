@@ -22,7 +22,7 @@ import numpy as np
 
 from ray_specdec.bandit.policies import ArmStats, GaussianThompson, Policy, Reward, ThroughputReward
 from ray_specdec.bandit.state import ONE_MODE, SPLIT_MODES, BanditState
-from ray_specdec.config import PAPER_TREES, TreeConfig
+from ray_specdec.config import MAX_LOOKUP_TOKENS, PAPER_TREES, TreeConfig
 
 # The paper's trees and the chain, plus shallower / wider shapes that win when verification is expensive.
 DEFAULT_ARMS = (
@@ -124,14 +124,14 @@ class Bandit:
     def record(
         self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float, sampled: bool = False
     ) -> None:
-        """accepted_tokens: draft tokens the target kept (the bonus token excluded), so 0 <= accepted <= depth.
+        """accepted_tokens: draft tokens the target kept (the bonus token excluded): 0 for a round without a tree,
+        at most the tree's depth plus the lookup tokens an engine may add to it (`TreeConfig.with_lookup`).
 
         Rounds of trees outside the arm set (a tree cut short at the end of a generation) are not counted.
         """
-        if not 0 <= accepted_tokens <= tree.max_depth:
-            raise ValueError(
-                f"accepted_tokens={accepted_tokens} outside [0, {tree.max_depth}] for tree {tree} (bonus excluded)"
-            )
+        most = max(tree.max_depth, MAX_LOOKUP_TOKENS) if tree.depth else 0
+        if not 0 <= accepted_tokens <= most:
+            raise ValueError(f"accepted_tokens={accepted_tokens} outside [0, {most}] for tree {tree} (bonus excluded)")
         if not (math.isfinite(round_time_s) and round_time_s > 0):
             raise ValueError(f"round_time_s must be a positive number, got {round_time_s}")
         arm = self._view.arm_index(tree)

@@ -43,7 +43,8 @@ class PaperReward:
 
     def __call__(self, tree: TreeConfig, accepted_tokens: int, round_time_s: float, max_depth: int) -> float:
         d = max(max_depth, 1)
-        return (accepted_tokens + 1) / (d + 1) - self.depth_cost * tree.max_depth / d
+        kept = min(accepted_tokens, d)  # a lookup branch may go deeper than any arm: the reward stays bounded
+        return (kept + 1) / (d + 1) - self.depth_cost * tree.max_depth / d
 
 
 Reward = ThroughputReward | PaperReward

@@ -94,10 +94,11 @@ def reference(engine) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("tree", [None, "1,1,1,1", "3,2,2,1,1", "1,1+L6", "none"])
-def test_greedy_equals_target_alone(engine, reference, tree):
+@pytest.mark.parametrize("tree, lookup", [(None, 0), (None, 8), ("1,1,1,1", 0), ("3,2,2,1,1", 0), ("1,1+L6", 0),
+                                          ("2,1", 8), ("none", 8)])
+def test_greedy_equals_target_alone(engine, reference, tree, lookup):
     drafters = LocalDrafters(engine.drafter, engine.target.vocab_size)
-    core, target = make_core(engine, drafters)
+    core, target = make_core(engine, drafters, lookup=lookup)
     config = None if tree is None else TreeConfig.parse(tree)
 
     async def go():
