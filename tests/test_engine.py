@@ -387,4 +387,5 @@ def test_bandit_with_engine_lookup_learns_from_rounds_deeper_than_its_arms(targe
     result = engine.generate(prompt, SamplingParams(max_new_tokens=23))
     assert result.token_ids == hf_greedy(target, prompt, 23)
     assert max(result.stats.accepted_lengths) > 3  # lookup tokens accepted beyond every arm's depth
-    assert bandit.state.steps.sum() == result.stats.rounds - 1  # the last round's tree was cut to what was left
+    # every round is recorded, but the last when its tree was cut to what was left (not an arm then)
+    assert result.stats.rounds - 1 <= bandit.state.steps.sum() <= result.stats.rounds
