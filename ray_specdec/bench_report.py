@@ -44,8 +44,9 @@ def bandit_vs_best_fixed(methods: list[dict]) -> list[str]:
             continue
         best = max(fixed, key=lambda m: m["tokens_per_s"])
         ratio = bandit["tokens_per_s"] / best["tokens_per_s"] if best["tokens_per_s"] else float("nan")
-        lines.append(f"Bandit vs the best fixed setting in hindsight at T={t:g}: {bandit['speedup_vs_hf_generate']:.2f}x "
-                     f"vs {best['speedup_vs_hf_generate']:.2f}x ({best['name']}), ratio {ratio:.2f}")
+        lines.append(f"Bandit vs the best fixed setting in hindsight at T={t:g}: "
+                     f"{bandit['speedup_vs_hf_generate']:.2f}x vs {best['speedup_vs_hf_generate']:.2f}x "
+                     f"({best['name']}), ratio {ratio:.2f}")
     return [""] + lines if lines else []
 
 

@@ -150,7 +150,9 @@ class DrafterSession:
         config = TreeConfig(config.branching[:drafted])
         self._depth_states = states
         paths = config.index_paths()
-        self._stepped = {p: (len(p), r - tree.depth_starts[len(p)]) for r, p in enumerate(paths, 1) if len(p) < len(states)}
+        self._stepped = {
+            p: (len(p), row - tree.depth_starts[len(p)]) for row, p in enumerate(paths, 1) if len(p) < len(states)
+        }
         draft_tokens = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long)
         merged = None
         if requested.lookup and params.greedy:

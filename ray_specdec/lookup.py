@@ -19,7 +19,9 @@ DEFAULT_MIN_NGRAM = 1
 
 
 class LookupIndex:
-    def __init__(self, tokens: Iterable[int] = (), max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM):
+    def __init__(
+        self, tokens: Iterable[int] = (), max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM
+    ):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -124,6 +124,18 @@ def test_buckets_keep_separate_statistics():
     assert bests == [str(DEFAULT_ARMS[3]), None, None, str(DEFAULT_ARMS[5]), None] + [None] * 5  # + sampled cells
 
 
+def test_a_new_bucket_starts_from_what_the_other_buckets_learned():
+    env = gaussian_env(MEANS)
+    warm = Bandit(BanditConfig(policy=UCB1()), seed=0)
+    simulate(warm, env, 2000, seed=1, context_len=300)
+    first = simulate(warm, env, 20, seed=2, context_len=5000)  # a bucket it has never seen
+    assert (first == 3).mean() >= 0.5 and (first == 8).sum() <= 1  # no round-robin over every (bad) arm
+    alone = Bandit(BanditConfig(policy=UCB1(), prior_pulls=0), seed=0)
+    simulate(alone, env, 2000, seed=1, context_len=300)
+    assert list(simulate(alone, env, 9, seed=2, context_len=5000)) == list(range(9))  # tries every arm first
+    assert warm.summary()["buckets"][3]["arms"][3]["pulls"] == int((first == 3).sum())  # the prior is not stored
+
+
 def test_greedy_and_sampled_rounds_keep_separate_statistics():
     # Greedy rounds: arm 3 is best; sampled rounds (lower acceptance, no lookup branch): arm 8 is.
     sampled_means = MEANS.copy()

@@ -63,6 +63,10 @@ class BanditConfig:
     # Separate statistics for greedy and sampled rounds: their best trees differ (acceptance is lower when sampling,
     # and lookup branches only draft in greedy rounds).
     split_sampling: bool = True
+    # Pseudo-rounds a cell borrows from its mode's other prompt-length buckets (an empirical-Bayes prior): a new
+    # bucket starts from what the others learned instead of trying every arm (wide trees included) on live traffic,
+    # and its own rounds outweigh the prior after a few pulls. 0: every bucket learns alone.
+    prior_pulls: float = 4.0
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -74,6 +78,23 @@ class BanditConfig:
     def arm_stats(self, state: BanditState, bucket: int, discounted: bool) -> ArmStats:
         sums = state.disc[bucket] if discounted else state.raw[bucket]  # [arms, fields]
         return ArmStats(sums[:, 0], sums[:, 1], sums[:, 2], self.reward.bounded)
+
+    def policy_stats(self, state: BanditState, cell: int) -> ArmStats:
+        """What the policy decides on: the cell's statistics plus up to `prior_pulls` pseudo-rounds per arm at the
+        mean (and spread) of the arm in the other buckets of the cell's sampling mode."""
+        discounted = self.policy.discounted
+        own = self.arm_stats(state, cell, discounted)
+        if self.prior_pulls <= 0 or state.num_buckets == 1:
+            return own
+        mode_cells = range(cell - cell % state.num_buckets, cell - cell % state.num_buckets + state.num_buckets)
+        sums = sum((state.disc if discounted else state.raw)[c] for c in mode_cells if c != cell)  # [arms, fields]
+        others = ArmStats(sums[:, 0], sums[:, 1], sums[:, 2], self.reward.bounded)
+        weight = np.minimum(others.pulls, self.prior_pulls)
+        scale = np.divide(weight, others.pulls, out=np.zeros_like(weight), where=others.pulls > 0)
+        return ArmStats(
+            own.pulls + weight, own.reward_sum + scale * others.reward_sum, own.reward_sq + scale * others.reward_sq,
+            own.bounded,
+        )
 
     def restore(self, state: BanditState) -> BanditState:
         """A stored state made to fit this config (arm set and gamma may change, a one-mode state may be split into
@@ -117,8 +138,8 @@ class Bandit:
 
     def select(self, context_len: int, sampled: bool = False) -> TreeConfig:
         with self._lock:
-            bucket = self._view.bucket_of(context_len, sampled)
-            stats = self.config.arm_stats(self._view, bucket, self.config.policy.discounted)
+            cell = self._view.bucket_of(context_len, sampled)
+            stats = self.config.policy_stats(self._view, cell)
             return self.config.arms[self.config.policy.choose(stats, self._rng)]
 
     def record(
