@@ -43,7 +43,7 @@ def generate_parser() -> OneLineParser:
     p.add_argument("--target", default=None, help="HF id or local dir of the target (default: embedded target-neox)")
     p.add_argument("--drafter", default=None, help="HF id or local dir of the Mamba drafter, or 'none' (default: embedded)")
     p.add_argument("--tree", default=None, help="tree config N1,N2,... (the chain is 1,1,1,1; '+L6' adds its own lookup "
-                   "branch); default: 1,1,1,1 on CPU, 2,2,1,1 on GPU")
+                   "branch); default: 1,1,1 on CPU, 2,2,1,1 on GPU")
     p.add_argument("--lookup", type=int, default=None,
                    help="prompt-lookup tokens added to every drafted tree in greedy rounds; 0 turns them off "
                         "(default: %d)" % DEFAULT_LOOKUP)

@@ -119,10 +119,10 @@ PAPER_TREES = (
 
 
 # What the CLI and the app use when no tree is given (the bandit learns better ones per deployment): on an
-# accelerator verifying a few more rows is nearly free, so a small tree; on CPU every verified row costs, and the
-# chain is the fastest shape (docs/BENCHMARKS.md).
+# accelerator verifying a few more rows is nearly free, so a small tree; on CPU every verified row costs, and a
+# short chain is the fastest shape (1,1,1 beat 1,1,1,1 in both runs with lookup branches, docs/BENCHMARKS.md).
 DEFAULT_TREE = TreeConfig((2, 2, 1, 1))
-CPU_DEFAULT_TREE = TreeConfig((1, 1, 1, 1))
+CPU_DEFAULT_TREE = TreeConfig((1, 1, 1))
 # Lookup tokens the CLI, the app and the bench add to every drafted tree in greedy rounds (TreeConfig.with_lookup):
 # free drafts where the context repeats itself, a few more verify rows when it does (docs/BENCHMARKS.md).
 DEFAULT_LOOKUP = 8

@@ -69,5 +69,5 @@ def test_tree_config_parse_and_errors():
 def test_default_tree_per_device():
     from ray_specdec.config import CPU_DEFAULT_TREE, DEFAULT_TREE, default_tree
 
-    assert default_tree("cpu") == CPU_DEFAULT_TREE == TreeConfig((1, 1, 1, 1))
+    assert default_tree("cpu") == CPU_DEFAULT_TREE == TreeConfig((1, 1, 1))
     assert default_tree("cuda") == default_tree("cuda:1") == DEFAULT_TREE == TreeConfig((2, 2, 1, 1))
