@@ -27,17 +27,18 @@ from ray_specdec.config import TreeConfig
 # An environment answers one round: (arm index, round number, context_len, rng) -> (accepted_tokens, round_time_s).
 Env = Callable[[int, int, int, np.random.Generator], tuple[int, float]]
 
-# Gaussian throughput per arm (tokens/s) for the 9 default arms: arm 3 is best by 20 tokens/s; noise 30 tokens/s.
+# Throughput per arm (tokens/s) for the 9 default arms: arm 3 is best by 20 tokens/s; per-round noise ~30%.
 MEANS = np.array([50.0, 60, 70, 100, 75, 65, 55, 80, 45])
 NOISE = 30.0
 
 
 def gaussian_env(means: np.ndarray, switch_at: int | None = None, after: np.ndarray | None = None) -> Env:
-    """Throughput ~ N(mean, NOISE) per round, delivered as one token (no accepted draft) in 1/throughput seconds."""
+    """One token (no accepted draft) per round in 1/mean seconds times lognormal jitter (sigma NOISE / 100): every
+    arm's throughput, sum(tokens) / sum(time), is its mean times the same factor, so the arms' order is the means'."""
 
     def step(arm: int, t: int, context_len: int, rng: np.random.Generator) -> tuple[int, float]:
         mu = after[arm] if switch_at is not None and t >= switch_at else means[arm]
-        return 0, 1.0 / max(mu + NOISE * rng.standard_normal(), 1.0)
+        return 0, math.exp(NOISE / 100 * rng.standard_normal()) / mu
 
     return step
 
@@ -157,15 +158,12 @@ def test_greedy_and_sampled_rounds_keep_separate_statistics():
     assert pooled.state.raw.shape[0] == 5 and [c["bucket"] for c in pooled.summary()["buckets"]][0] == "<1k"
 
 
-def test_a_version_1_state_file_warm_starts_both_modes(tmp_path):
+def test_a_one_mode_state_warm_starts_both_modes_and_old_files_are_refused(tmp_path):
     one_mode = Bandit(BanditConfig(split_sampling=False))
     for r in random_rounds(40, seed=3):
         one_mode.record(*r)
-    data = one_mode.state.to_dict()
-    data["version"] = 1
-    del data["modes"]
-    path = tmp_path / "old.json"
-    path.write_text(json.dumps(data))
+    path = tmp_path / "pooled.json"
+    one_mode.save(path)
     split = Bandit.load(path)
     assert split.state.modes == ("greedy", "sampled")
     nb = split.state.num_buckets
@@ -173,6 +171,32 @@ def test_a_version_1_state_file_warm_starts_both_modes(tmp_path):
     np.testing.assert_array_equal(split.state.raw[nb:], one_mode.state.raw)
     with pytest.raises(ValueError, match="modes"):
         BanditConfig(split_sampling=False).restore(split.state)
+    data = one_mode.state.to_dict()
+    data["version"] = 1  # per-round means only, no token/time moments: refused with what to do about it
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="not a version-2 bandit state.*move the state file away"):
+        Bandit.load(old)
+
+
+def test_throughput_is_a_ratio_of_sums_with_a_delta_method_variance():
+    """Rounds of one arm: 1 token in 0.01 s, 3 tokens in 0.05 s. Per-round rates 100 and 60 average to 80 tokens/s,
+    but the arm delivers 4 tokens per 0.06 s: 66.7 tokens/s, which is what the bandit must compare."""
+    bandit = Bandit(BanditConfig(arms=HW_ARMS, policy=UCB1()))
+    bandit.record(TreeConfig((1, 1)), 10, 0, 0.01)
+    bandit.record(TreeConfig((1, 1)), 10, 2, 0.05)
+    stats = bandit.config.arm_stats(bandit.state, 0, discounted=False)
+    assert stats.mean[0] == pytest.approx(4 / 0.06)
+    ratio = 4 / 0.06
+    residual = (1 - ratio * 0.01) ** 2 + (3 - ratio * 0.05) ** 2
+    assert stats.sq_dev[0] / 4 == pytest.approx(residual / 0.06**2)  # sq_dev / pulls^2 = Var(mean)
+    assert bandit.summary()["buckets"][0]["arms"][0]["mean_reward"] == pytest.approx(ratio)
+    paper = BanditConfig(arms=HW_ARMS, reward=PaperReward())
+    per_round = Bandit(paper)
+    per_round.record(TreeConfig((1, 1)), 10, 0, 0.01)
+    per_round.record(TreeConfig((1, 1)), 10, 2, 0.05)
+    expected = np.mean([PaperReward()(TreeConfig((1, 1)), a, 0.0, 4) for a in (0, 2)])
+    assert paper.arm_stats(per_round.state, 0, discounted=False).mean[0] == pytest.approx(expected)
 
 
 # Tree environment: each child at depth i matches the target with probability P_CHILD; a round costs

@@ -77,24 +77,20 @@ class BanditConfig:
 
     def arm_stats(self, state: BanditState, bucket: int, discounted: bool) -> ArmStats:
         sums = state.disc[bucket] if discounted else state.raw[bucket]  # [arms, fields]
-        return ArmStats(sums[:, 0], sums[:, 1], sums[:, 2], self.reward.bounded)
+        return ArmStats.from_sums(sums, self.reward)
 
     def policy_stats(self, state: BanditState, cell: int) -> ArmStats:
         """What the policy decides on: the cell's statistics plus up to `prior_pulls` pseudo-rounds per arm at the
         mean (and spread) of the arm in the other buckets of the cell's sampling mode."""
-        discounted = self.policy.discounted
-        own = self.arm_stats(state, cell, discounted)
+        table = state.disc if self.policy.discounted else state.raw  # [cells, arms, fields]
+        own = table[cell]
         if self.prior_pulls <= 0 or state.num_buckets == 1:
-            return own
-        mode_cells = range(cell - cell % state.num_buckets, cell - cell % state.num_buckets + state.num_buckets)
-        sums = sum((state.disc if discounted else state.raw)[c] for c in mode_cells if c != cell)  # [arms, fields]
-        others = ArmStats(sums[:, 0], sums[:, 1], sums[:, 2], self.reward.bounded)
-        weight = np.minimum(others.pulls, self.prior_pulls)
-        scale = np.divide(weight, others.pulls, out=np.zeros_like(weight), where=others.pulls > 0)
-        return ArmStats(
-            own.pulls + weight, own.reward_sum + scale * others.reward_sum, own.reward_sq + scale * others.reward_sq,
-            own.bounded,
-        )
+            return ArmStats.from_sums(own, self.reward)
+        first = cell - cell % state.num_buckets
+        others = sum(table[c] for c in range(first, first + state.num_buckets) if c != cell)  # [arms, fields]
+        pulls = others[:, 0]
+        scale = np.divide(np.minimum(pulls, self.prior_pulls), pulls, out=np.zeros_like(pulls), where=pulls > 0)
+        return ArmStats.from_sums(own + scale[:, None] * others, self.reward)  # every sum scaled: same means
 
     def restore(self, state: BanditState) -> BanditState:
         """A stored state made to fit this config (arm set and gamma may change, a one-mode state may be split into
@@ -247,10 +243,10 @@ def summarize(state: BanditState, config: BanditConfig) -> dict[str, Any]:
         plain = config.arm_stats(state, b, discounted=False)
         recent = config.arm_stats(state, b, discounted=True)
         best = (recent if config.policy.discounted else plain).best()
-        pulls, accepted, seconds = state.raw[b, :, 0], state.raw[b, :, 3], state.raw[b, :, 4]
+        pulls, tokens, seconds = state.raw[b, :, 0], state.raw[b, :, 3], state.raw[b, :, 4]
         with np.errstate(invalid="ignore", divide="ignore"):
-            accepted_length = accepted / pulls + 1.0
-            tokens_per_s = (accepted + pulls) / seconds
+            accepted_length = tokens / pulls
+            tokens_per_s = tokens / seconds
         arms = [
             {
                 "tree": str(tree),

@@ -2,7 +2,10 @@
 
 Rewards (one number per round):
 - `ThroughputReward` (the serving default): emitted tokens per second of round time, (accepted + 1) / round_time_s.
-  Its unit depends on the hardware, so the rules below measure exploration in units of the observed reward noise.
+  An arm's value is estimated as a ratio of sums, sum(tokens) / sum(time): what a stream of its rounds delivers. The
+  mean of per-round ratios would be biased wherever round time varies with what a round keeps (measured: by 0-20%
+  depending on the tree, more than the arms differ). Its variance comes from the delta method. The unit depends on
+  the hardware, so the rules below measure exploration in units of the observed reward noise.
 - `PaperReward`: a paper-style reward in the spirit of the test-time tree search of "Mamba Drafters for Speculative
   Decoding" (Choi et al., 2025), which penalises few accepted tokens and deep trees. This project's formula (not the
   paper's verbatim) is (accepted + 1) / (D + 1) - depth_cost * depth / D, with D the deepest arm's depth: bounded in
@@ -30,6 +33,7 @@ from ray_specdec.config import TreeConfig
 class ThroughputReward:
     name = "throughput"
     bounded = False
+    ratio = True  # arm values are sum(tokens) / sum(time), not the mean of this per-round number
 
     def __call__(self, tree: TreeConfig, accepted_tokens: int, round_time_s: float, max_depth: int) -> float:
         return (accepted_tokens + 1) / round_time_s
@@ -40,6 +44,7 @@ class PaperReward:
     depth_cost: float = 0.2  # reward given up per level of depth, relative to the deepest arm
     name = "paper"
     bounded = True
+    ratio = False
 
     def __call__(self, tree: TreeConfig, accepted_tokens: int, round_time_s: float, max_depth: int) -> float:
         d = max(max_depth, 1)
@@ -52,20 +57,30 @@ Reward = ThroughputReward | PaperReward
 
 @dataclass(frozen=True)
 class ArmStats:
-    """One bucket's sums for every arm (plain or discounted), as a policy sees them."""
+    """One cell's estimates for every arm (from plain or discounted sums), as a policy sees them.
+
+    mean: the arm's value (0 when unpulled); sq_dev: pulls x the per-round variance, so that sq_dev / pulls**2 is the
+    variance of `mean` (for a plain mean, the sum of squared deviations).
+    """
 
     pulls: np.ndarray  # [arms]
-    reward_sum: np.ndarray  # [arms]
-    reward_sq: np.ndarray  # [arms]
+    mean: np.ndarray  # [arms]
+    sq_dev: np.ndarray  # [arms]
     bounded: bool  # reward lies in a known range of width ~1: no noise scaling
 
-    @property
-    def mean(self) -> np.ndarray:  # [arms]; 0 for unpulled arms
-        return np.divide(self.reward_sum, self.pulls, out=np.zeros_like(self.reward_sum), where=self.pulls > 0)
-
-    @property
-    def sq_dev(self) -> np.ndarray:  # [arms] sum of squared deviations from the arm's mean
-        return np.maximum(self.reward_sq - self.mean * self.reward_sum, 0.0)
+    @classmethod
+    def from_sums(cls, sums: np.ndarray, reward) -> "ArmStats":
+        """sums [arms, len(state.FIELDS)] -> the estimates `reward` calls for (a plain mean or a ratio of sums)."""
+        pulls, reward_sum, reward_sq, tokens, time, tokens_sq, time_sq, tokens_time = sums.T
+        pulled = pulls > 0
+        if not reward.ratio:
+            mean = np.divide(reward_sum, pulls, out=np.zeros_like(reward_sum), where=pulled)
+            return cls(pulls, mean, np.maximum(reward_sq - mean * reward_sum, 0.0), reward.bounded)
+        ratio = np.divide(tokens, time, out=np.zeros_like(tokens), where=pulled & (time > 0))
+        # delta method: Var(sum x / sum t) ~ sum (x - R t)^2 / (sum t)^2 = residual / time^2
+        residual = np.maximum(tokens_sq - 2 * ratio * tokens_time + ratio * ratio * time_sq, 0.0)
+        var_of_mean = np.divide(residual, time * time, out=np.zeros_like(time), where=pulled & (time > 0))
+        return cls(pulls, ratio, pulls * pulls * var_of_mean, reward.bounded)
 
     def pooled_var(self) -> float:
         total = float(self.pulls.sum())

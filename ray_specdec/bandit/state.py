@@ -1,7 +1,9 @@
 """The bandit's statistics as pure data: what is shared between router replicas and persisted across restarts.
 
-A `BanditState` holds, for every context cell and every arm (tree config), plain sums (pulls, reward, reward²,
-accepted tokens, round time) and discounted sums (pulls, reward, reward²) for the non-stationary policies. A cell is a
+A `BanditState` holds, for every context cell and every arm (tree config), plain and discounted sums (for the
+non-stationary policies) of the same fields: pulls, reward, reward², and the round's tokens x (accepted + bonus) and
+time t with x², t², x*t, from which the throughput policies estimate tokens per second as a ratio of sums (what a
+stream of rounds delivers) rather than a mean of per-round ratios (biased by how round time varies). A cell is a
 prompt-length bucket times a sampling mode (greedy or sampled rounds: their best trees differ, e.g. a lookup branch
 only drafts in greedy rounds), or the bucket alone with the single mode "all". Discounting is per record of a cell:
 each record multiplies that cell's discounted sums by gamma first. Arrays are indexed by cell = mode * buckets +
@@ -26,13 +28,12 @@ import numpy as np
 from ray_specdec.config import TreeConfig
 
 FORMAT = "ray_specdec.bandit"
-VERSION = 2  # 2: sampling modes; version-1 files (no modes) load with the single mode "all"
+VERSION = 2  # 2: sampling modes and token/time moments (version-1 files are refused: they lack the moments)
 SPLIT_MODES = ("greedy", "sampled")
 ONE_MODE = ("all",)
 
-# Columns of `BanditState.raw` ([cells, arms, 5]) and `BanditState.disc` ([cells, arms, 3]).
-RAW_FIELDS = ("pulls", "reward_sum", "reward_sq", "accepted_sum", "time_sum")
-DISC_FIELDS = ("pulls", "reward_sum", "reward_sq")
+# Columns of `BanditState.raw` and `BanditState.disc` ([cells, arms, len(FIELDS)] each).
+FIELDS = ("pulls", "reward_sum", "reward_sq", "tokens_sum", "time_sum", "tokens_sq", "time_sq", "tokens_time")
 
 
 def bucket_labels(edges: Sequence[int]) -> list[str]:
@@ -53,8 +54,8 @@ class BanditState:
     bucket_edges: tuple[int, ...]  # ascending token counts; bucket i holds edges[i-1] <= len < edges[i]
     gamma: float  # discount per record of a cell, for the discounted sums
     reward: str  # name of the reward the sums hold (a state only merges with states of the same reward)
-    raw: np.ndarray  # [cells, arms, len(RAW_FIELDS)] float64
-    disc: np.ndarray  # [cells, arms, len(DISC_FIELDS)] float64
+    raw: np.ndarray  # [cells, arms, len(FIELDS)] float64
+    disc: np.ndarray  # [cells, arms, len(FIELDS)] float64, discounted
     steps: np.ndarray  # [cells] int64, records seen per cell
     modes: tuple[str, ...] = SPLIT_MODES  # SPLIT_MODES or ONE_MODE
 
@@ -79,7 +80,7 @@ class BanditState:
         shape = ((len(edges) + 1) * len(modes), len(arms))
         return cls(
             arms, edges, float(gamma), reward,
-            np.zeros((*shape, len(RAW_FIELDS))), np.zeros((*shape, len(DISC_FIELDS))),
+            np.zeros((*shape, len(FIELDS))), np.zeros((*shape, len(FIELDS))),
             np.zeros(shape[0], dtype=np.int64), modes,
         )  # fmt: skip
 
@@ -133,9 +134,11 @@ class BanditState:
             return None
 
     def record(self, bucket: int, arm: int, reward: float, accepted_tokens: int, round_time_s: float) -> None:
+        x, t = accepted_tokens + 1.0, round_time_s
+        row = (1.0, reward, reward * reward, x, t, x * x, t * t, x * t)
         self.disc[bucket] *= self.gamma
-        self.disc[bucket, arm] += (1.0, reward, reward * reward)
-        self.raw[bucket, arm] += (1.0, reward, reward * reward, accepted_tokens, round_time_s)
+        self.disc[bucket, arm] += row
+        self.raw[bucket, arm] += row
         self.steps[bucket] += 1
 
     def merge(self, updates: "BanditState | Iterable[BanditState]") -> "BanditState":
@@ -177,25 +180,25 @@ class BanditState:
             "gamma": self.gamma,
             "reward": self.reward,
             "steps": self.steps.tolist(),
-            "raw": {name: self.raw[..., i].tolist() for i, name in enumerate(RAW_FIELDS)},
-            "disc": {name: self.disc[..., i].tolist() for i, name in enumerate(DISC_FIELDS)},
+            "raw": {name: self.raw[..., i].tolist() for i, name in enumerate(FIELDS)},
+            "disc": {name: self.disc[..., i].tolist() for i, name in enumerate(FIELDS)},
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BanditState":
-        if data.get("format") != FORMAT or data.get("version") not in (1, VERSION):
+        if data.get("format") != FORMAT or data.get("version") != VERSION:
             raise ValueError(
-                f"not a version-1 or -{VERSION} bandit state "
-                f"(format={data.get('format')!r}, version={data.get('version')!r})"
+                f"not a version-{VERSION} bandit state (format={data.get('format')!r}, "
+                f"version={data.get('version')!r}); move the state file away to start over"
             )
-        modes = data.get("modes", ONE_MODE) if data["version"] >= 2 else ONE_MODE
+        modes = data.get("modes", ONE_MODE)
         state = cls.empty(
             [TreeConfig.parse(a) for a in data["arms"]], data["bucket_edges"], data["gamma"], data["reward"], modes
         )
-        state.raw = np.stack([np.asarray(data["raw"][f], dtype=np.float64) for f in RAW_FIELDS], axis=-1)
-        state.disc = np.stack([np.asarray(data["disc"][f], dtype=np.float64) for f in DISC_FIELDS], axis=-1)
+        state.raw = np.stack([np.asarray(data["raw"][f], dtype=np.float64) for f in FIELDS], axis=-1)
+        state.disc = np.stack([np.asarray(data["disc"][f], dtype=np.float64) for f in FIELDS], axis=-1)
         state.steps = np.asarray(data["steps"], dtype=np.int64)
-        if state.raw.shape[:2] != (state.num_cells, len(state.arms)) or state.disc.shape != (*state.raw.shape[:2], 3):
+        if state.raw.shape[:2] != (state.num_cells, len(state.arms)) or state.disc.shape != state.raw.shape:
             raise ValueError(f"bandit state arrays have shape {state.raw.shape}, expected cells x arms x fields")
         return state
 
