@@ -54,6 +54,14 @@ class Draft:
     def tree(self) -> TreeTensors:
         return tree_for(self.config) if self.paths is None else tree_from_paths(self.paths)
 
+    @property
+    def label(self) -> str:
+        """The round's tree in statistics: what was drafted, with a lookup branch named by the size asked for (its
+        actual length varies from round to round)."""
+        if self.config.lookup and self.requested is not None and self.requested.lookup:
+            return str(TreeConfig(self.config.branching, self.requested.lookup))
+        return str(self.config)
+
 
 def pick_children(
     logits: torch.Tensor,  # [rows, V]

@@ -181,7 +181,7 @@ class SpeculativeEngine:
             context_len += len(verdict.new_tokens)
             kept, delta = stop.feed(verdict.new_tokens)
             stats.new_tokens += len(kept)
-            stats.record_round(str(draft.config), draft.tree.depth, len(verdict.accepted_rows))
+            stats.record_round(draft.label, draft.tree.depth, len(verdict.accepted_rows))
             yield StreamChunk(kept, delta, stop.finish_reason, stats)
 
     def _pick_tree(

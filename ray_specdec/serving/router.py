@@ -308,7 +308,7 @@ class RouterCore:
         accepted = len(verdict.accepted_rows)
         # every round teaches the policy, rounds without a tree too (they are the "none" arm when it has one)
         self.policy.record(arm, context_len, accepted, max(stats.last_round_s, 1e-9), not params.greedy)
-        stats.record_round(str(draft.config), draft.tree.depth, accepted)
+        stats.record_round(draft.label, draft.tree.depth, accepted)
 
     @staticmethod
     async def _call(awaitable: Awaitable, timeout_s: float):
