@@ -105,8 +105,7 @@ class DrafterSession:
         self.drafter = drafter
         self.vocab_size = vocab_size  # the target's: draft distributions live in its vocabulary
         self.history = [int(t) for t in token_ids]  # every token so far: the lookup branch searches it
-        ids = torch.as_tensor(self.history, dtype=torch.long, device=drafter.device)
-        self.root_state, logits = drafter.prefill(ids)
+        self.root_state, logits = drafter.prefill(self._drafter_ids(self.history))
         self.root_logits = _align_vocab(logits.unsqueeze(0), vocab_size)  # [1, V]
         self._lookup: LookupIndex | None = None  # built on the first lookup, then kept up to date
         self._depth_states: list[MambaState] = []
@@ -203,13 +202,19 @@ class DrafterSession:
             if later.accepted_rows:
                 raise ValueError("only the first verdict may accept draft rows: later rounds had no draft")
             pending.append(later.bonus_token)
-        logits = self.drafter.extend(state, torch.tensor(pending, dtype=torch.long, device=self.drafter.device))
+        logits = self.drafter.extend(state, self._drafter_ids(pending))
         new_tokens = [t for v in verdicts for t in v.new_tokens]
         self.history += new_tokens
         if self._lookup is not None:
             self._lookup.extend(new_tokens)
         self.root_state, self.root_logits = state, _align_vocab(logits.unsqueeze(0), self.vocab_size)
         self._depth_states, self._stepped, self._draft = [], {}, None
+
+    def _drafter_ids(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Target token ids as drafter inputs: ids the drafter's vocabulary lacks (a target with a larger or padded
+        vocabulary) become id 0. The drafter never proposes them (`_align_vocab`); its guesses after one get worse."""
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.drafter.device)
+        return ids.masked_fill(ids >= self.drafter.vocab_size, 0)
 
     def _lookup_index(self) -> LookupIndex:
         if self._lookup is None:

@@ -44,6 +44,7 @@ class TargetEchoDrafter:
     def __init__(self, hf_model, noise: float):
         self.model, self.noise = hf_model, noise
         self.device = torch.device("cpu")
+        self.vocab_size = hf_model.config.vocab_size
 
     def _logits(self, rows: list[list[int]]) -> torch.Tensor:
         """rows: equally long token lists (true at every drafting depth) -> logits [rows, V], one batched forward."""
@@ -260,6 +261,7 @@ class PeakedDrafter:
     def __init__(self, probs: list[float]):
         self.logits = torch.tensor(probs, dtype=torch.float64).log()
         self.device = torch.device("cpu")
+        self.vocab_size = len(probs)
 
     def prefill(self, ids):
         return EchoState(1), self.logits.clone()
@@ -368,7 +370,8 @@ def test_engine_lookup_setting_extends_every_drafted_tree_and_records_the_picked
     prompt = random_prompt(300, seed=300)
     expected = hf_greedy(target, prompt, 23)
     policy = RecordingPolicy(TreeConfig((1,)))
-    result = SpeculativeEngine(target, tiny_mamba(), policy, lookup=6).generate(prompt, SamplingParams(max_new_tokens=23))
+    engine = SpeculativeEngine(target, tiny_mamba(), policy, lookup=6)
+    result = engine.generate(prompt, SamplingParams(max_new_tokens=23))
     assert result.token_ids == expected
     # lookup branches were drafted, named by the size asked for (less only where fewer tokens were left to generate)
     assert set(result.stats.trees) <= {"1", "none"} | {f"1+L{k}" for k in range(1, 7)}
@@ -391,3 +394,17 @@ def test_bandit_with_engine_lookup_learns_from_rounds_deeper_than_its_arms(targe
     assert max(result.stats.accepted_lengths) > 3  # lookup tokens accepted beyond every arm's depth
     # every round is recorded, but the last when its tree was cut to what was left (not an arm then)
     assert result.stats.rounds - 1 <= bandit.state.steps.sum() <= result.stats.rounds
+
+
+def test_a_drafter_with_a_smaller_vocabulary_drafts_for_a_larger_target():
+    """Target ids the drafter cannot embed (in the prompt, as bonus tokens, in lookup branches) never break a round."""
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=160, max_positions=512))
+    prompt = random_prompt(40, seed=9, vocab=160)
+    assert max(prompt) >= 128
+    expected = hf_greedy(target, prompt, 23)
+    for config in (TreeConfig((2, 1)), TreeConfig((1, 1), lookup=6)):
+        engine = SpeculativeEngine(target, tiny_mamba(vocab=128), config)
+        assert engine.generate(prompt, SamplingParams(max_new_tokens=23)).token_ids == expected
+    sampled = SpeculativeEngine(target, tiny_mamba(vocab=128), TreeConfig((2, 1))).generate(
+        prompt, SamplingParams(temperature=1.0, seed=1, max_new_tokens=23, ignore_eos=True))
+    assert len(sampled.token_ids) == 23

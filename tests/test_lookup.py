@@ -126,6 +126,7 @@ def test_commit_through_the_drafters_own_nodes_reuses_their_states():
 
 def test_sampled_rounds_draft_without_the_lookup_branch():
     session = DrafterSession(tiny_mamba(), repetitive_history(), vocab_size=128)
-    draft = session.draft(TreeConfig((1, 1), lookup=4), SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    draft = session.draft(TreeConfig((1, 1), lookup=4), SamplingParams(temperature=1.0), generator)
     assert draft.paths is None and draft.config == TreeConfig((1, 1))
     assert draft.arm == TreeConfig((1, 1), lookup=4)  # the bandit learns about the arm it chose
