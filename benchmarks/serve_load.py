@@ -5,7 +5,7 @@ closed-loop load test of `ray_specdec.loadtest` once per (concurrency, mode), al
 - `off`: every request says tree "none" (plain target decoding through the same router and target);
 - `on`: the service's own choice: the shared bandit (default arms, no drafting among them) and the load back-off;
 - `chain`: every request asks for the chain 1,1,1,1 (speculation forced on, no back-off; the app's default lookup
-  branch rides on it in greedy rounds, as on every drafted tree).
+  branch rides on it, as on every drafted tree).
 Prompts are held-out corpus windows (the domain the default models were trained on). The report gives tokens/s,
 latency and mean accepted length per run and each mode's throughput as a ratio of `off` at the same concurrency.
 

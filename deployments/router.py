@@ -75,7 +75,7 @@ class RouterSettings:
     target_timeout_s: float = 120.0
     draft_timeout_s: float = 30.0
     bandit_sync_s: float = 1.0
-    lookup: int = 0  # prompt-lookup tokens added to every drafted tree in greedy rounds
+    lookup: int = 0  # prompt-lookup tokens added to every drafted tree
 
 
 async def _result(response):

@@ -11,6 +11,12 @@ children x_1..x_k are tried in order; x_j is accepted with probability min(1, p(
 p <- normalize(max(p - q, 0)). With i.i.d. children q stays fixed (SpecInfer); with children drawn without
 replacement x_j is also removed from q, which is renormalized (recursive rejection sampling). Either way the emitted
 token is distributed exactly as p.
+
+A deterministic child d (a prompt-lookup token: its "draft distribution" is one-hot) is tried before the drafter's
+children: accepted with probability p(d) (= min(1, p(d) / 1)); on rejection p <- normalize(p with p(d) = 0), the
+residual of p against the one-hot. The drafter's children were drawn independently of that coin, so the scheme above
+run against the residual emits every x != d with probability (1 - p(d)) p(x) / (1 - p(d)) = p(x) overall, and d
+with p(d): still exactly p.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ def accept_sampled(
     draft_tokens: torch.Tensor,  # [n]
     without_replacement: bool,
     generator: torch.Generator | None,
+    deterministic: frozenset[int] = frozenset(),  # rows whose token is a deterministic draft (q one-hot)
+    q_rows: tuple[int, ...] | None = None,  # row of draft_probs for each tree row (-1: none); None: the same row
 ) -> Verdict:
     """Multi-draft rejection sampling down the tree; the emitted tokens have exactly the target's distribution."""
     tokens = [-1, *draft_tokens.tolist()]
@@ -80,28 +88,52 @@ def accept_sampled(
         p = target_probs[row]
         if not children:
             break
-        q = draft_probs[row].clone()
         accepted = None
-        for child in children:
+        for child in (c for c in children if c in deterministic):
             x = tokens[child]
-            qx = float(q[x])
-            if qx <= 0.0:
-                # only reachable without replacement once q's support is used up: no more valid children
-                break
             u = float(torch.rand((), generator=generator, dtype=torch.float64))
-            if u * qx < float(p[x]):  # u < p(x) / q(x) without dividing
+            if u < float(p[x]):
                 accepted = child
                 break
-            p = _residual(p, q)
-            if without_replacement:
-                q[x] = 0.0
-                mass = q.sum()
-                if mass <= 0:
-                    break
-                q = q / mass
+            p = p.clone()
+            p[x] = 0.0
+            p = p / p.sum()  # p(x) < 1 here: u < 1 = p(x) would have accepted
+        sampled = [c for c in children if c not in deterministic]
+        if accepted is None and sampled:
+            accepted, p = _try_sampled(p, draft_probs[row if q_rows is None else q_rows[row]], sampled, tokens,
+                                       without_replacement, generator)  # fmt: skip
         if accepted is None:
             break
         rows.append(accepted)
         row = accepted
     bonus = int(sample(p, generator))
     return Verdict(tuple(rows), tuple(tokens[r] for r in rows), bonus)
+
+
+def _try_sampled(
+    p: torch.Tensor,  # [V] target distribution left at this node
+    q: torch.Tensor,  # [V] draft distribution the children were drawn from
+    children: list[int],
+    tokens: list[int],
+    without_replacement: bool,
+    generator: torch.Generator | None,
+) -> tuple[int | None, torch.Tensor]:
+    """Try the drafter's children in order -> (accepted child or None, the distribution left for the bonus)."""
+    q = q.clone()
+    for child in children:
+        x = tokens[child]
+        qx = float(q[x])
+        if qx <= 0.0:
+            # only reachable without replacement once q's support is used up: no more valid children
+            break
+        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        if u * qx < float(p[x]):  # u < p(x) / q(x) without dividing
+            return child, p
+        p = _residual(p, q)
+        if without_replacement:
+            q[x] = 0.0
+            mass = q.sum()
+            if mass <= 0:
+                break
+            q = q / mass
+    return None, p

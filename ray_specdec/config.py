@@ -16,9 +16,10 @@ MAX_LOOKUP_TOKENS = 32
 class TreeConfig:
     """T = (N_1, ..., N_gamma): at depth i every node gets N_i children. () means no drafting.
 
-    lookup = L > 0 adds, in greedy rounds, up to L tokens proposed by prompt lookup (lookup.py: what followed the
-    latest earlier occurrence of the context's last n-gram) as one more branch, merged into the drafter's tree where
-    their prefixes agree. Written "1,1,1,1+L4". It needs a drafted tree (the drafter's session holds the history).
+    lookup = L > 0 adds up to L tokens proposed by prompt lookup (lookup.py: what followed the latest earlier
+    occurrence of the context's last n-gram) as one more branch: merged into the drafter's tree where prefixes agree
+    in greedy rounds, a branch of its own tried first in sampled ones (drafting.py). Written "1,1,1,1+L4". It needs
+    a drafted tree (the drafter's session holds the history).
     """
 
     branching: tuple[int, ...]
@@ -123,7 +124,7 @@ PAPER_TREES = (
 # short chain is the fastest shape (1,1,1 beat 1,1,1,1 in both runs with lookup branches, docs/BENCHMARKS.md).
 DEFAULT_TREE = TreeConfig((2, 2, 1, 1))
 CPU_DEFAULT_TREE = TreeConfig((1, 1, 1))
-# Lookup tokens the CLI, the app and the bench add to every drafted tree in greedy rounds (TreeConfig.with_lookup):
+# Lookup tokens the CLI, the app and the bench add to every drafted tree (TreeConfig.with_lookup):
 # free drafts where the context repeats itself, a few more verify rows when it does (docs/BENCHMARKS.md).
 DEFAULT_LOOKUP = 8
 

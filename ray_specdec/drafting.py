@@ -6,9 +6,12 @@ picked per row; and so on. The leaves are never stepped. The states of every dep
 reuses the state of the last accepted node instead of re-running tokens; tokens past it (a leaf, lookup tokens, the
 bonus) go through the drafter in one sequence pass (`MambaDrafter.extend`).
 
-With `TreeConfig.lookup` > 0, greedy rounds add a prompt-lookup branch (lookup.py): the tokens that followed the
-latest earlier occurrence of the context's suffix, merged into the drafter's tree where their prefixes agree. The
-draft then carries its own index paths (`Draft.paths`): rows are the merged tree's BFS order.
+With `TreeConfig.lookup` > 0, rounds add a prompt-lookup branch (lookup.py): the tokens that followed the latest
+earlier occurrence of the context's suffix. Greedy rounds merge it into the drafter's tree where prefixes agree.
+Sampled rounds hang it from the root as a chain of its own whose nodes are deterministic drafts (q = one-hot):
+acceptance tries such a child first, with probability p(x), and on rejection removes x from p before the drafter's
+children are tried against what is left, so the emitted token still has exactly the distribution p
+(`accept_sampled`). The draft then carries its own index paths (`Draft.paths`): rows are the tree's BFS order.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ class Draft:
     probs: torch.Tensor | None  # [m, V] draft distribution q at rows 0..m-1 (rows with children); None when greedy
     requested: TreeConfig | None = None  # the tree asked for, when this draft differs (min_path_prob, lookup)
     paths: tuple[tuple[int, ...], ...] | None = None  # index paths (BFS) when not config's own tree: lookup nodes
+    # sampled drafts with a lookup branch: rows whose token is a deterministic proposal (tried first, q = one-hot),
+    # and the row of `probs` for every tree row (-1: none); None: the plain layout (probs row i = tree row i)
+    deterministic: frozenset[int] = frozenset()
+    q_rows: tuple[int, ...] | None = None
 
     @property
     def arm(self) -> TreeConfig:
@@ -161,18 +168,28 @@ class DrafterSession:
             p: (len(p), row - tree.depth_starts[len(p)]) for row, p in enumerate(paths, 1) if len(p) < len(states)
         }
         draft_tokens = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long)
-        merged = None
-        if requested.lookup and params.greedy:
-            proposal = self._lookup_index().propose(requested.lookup)
-            if proposal:
-                config = TreeConfig(config.branching, len(proposal))
+        merged, deterministic, q_rows = None, frozenset(), None
+        proposal = self._lookup_index().propose(requested.lookup) if requested.lookup else []
+        if proposal:
+            config = TreeConfig(config.branching, len(proposal))
+            if params.greedy:
                 merged = _merge_lookup(paths, draft_tokens.tolist(), proposal)
+            else:
+                merged = _append_lookup(paths, draft_tokens.tolist(), proposal)
+                row_of = {p: row for row, p in enumerate(merged[0], 1)}
+                drafted_paths = set(paths)
+                deterministic = frozenset(row for p, row in row_of.items() if p not in drafted_paths)
+                # probs row k is the drafter tree's row k (the root, then its nodes with children in BFS order)
+                index = [-1] * (len(row_of) + 1)
+                for k, p in enumerate([(), *paths][: sum(q.shape[0] for q in probs)]):
+                    index[row_of[p] if p else 0] = k
+                q_rows = tuple(index)
         if merged is not None:
             paths, node_tokens = merged
             draft_tokens = torch.tensor(node_tokens, dtype=torch.long)
         self._draft = Draft(config, draft_tokens, torch.cat(probs) if probs else None,
                             requested if config != requested else None,
-                            tuple(paths) if merged is not None else None)  # fmt: skip
+                            tuple(paths) if merged is not None else None, deterministic, q_rows)  # fmt: skip
         return self._draft
 
     def commit(self, verdict: Verdict) -> None:
@@ -220,6 +237,18 @@ class DrafterSession:
         if self._lookup is None:
             self._lookup = LookupIndex(self.history)
         return self._lookup
+
+
+def _append_lookup(
+    paths: Sequence[tuple[int, ...]], tokens: Sequence[int], proposal: Sequence[int]
+) -> tuple[list[tuple[int, ...]], list[int]]:
+    """A lookup chain as a branch of its own at the root (next free rank) -> (index paths in BFS order, tokens)."""
+    token_of = dict(zip(paths, tokens))
+    rank = 1 + max((p[0] for p in paths), default=-1)
+    for depth, token in enumerate(proposal, start=1):
+        token_of[(rank,) + (0,) * (depth - 1)] = token
+    ordered = sorted(token_of, key=lambda p: (len(p), p))
+    return ordered, [token_of[p] for p in ordered]
 
 
 def _merge_lookup(

@@ -59,7 +59,8 @@ def judge(
         return accept_greedy(target_logits, draft.tree, tokens)
     p = logits_to_probs(target_logits, params)
     q = draft.probs.to(p.device) if draft.probs is not None else p[:0]
-    return accept_sampled(p, q, draft.tree, tokens, params.draft_sampling == "without_replacement", generator)
+    return accept_sampled(p, q, draft.tree, tokens, params.draft_sampling == "without_replacement", generator,
+                          draft.deterministic, draft.q_rows)
 
 
 def empty_draft() -> Draft:
@@ -117,7 +118,7 @@ class SpeculativeEngine:
         lookup: int = 0,
     ):
         """min_path_prob: drafts stop at depths whose nodes the drafter rates below this (DrafterSession.draft).
-        lookup: greedy rounds of every drafted tree also verify up to this many prompt-lookup tokens (lookup.py);
+        lookup: every drafted tree also verifies up to this many prompt-lookup tokens (lookup.py);
         the tree policy still learns about the tree it picked."""
         if not 0.0 <= min_path_prob < 1.0:
             raise ValueError(f"min_path_prob must be in [0, 1), got {min_path_prob}")

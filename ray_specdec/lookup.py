@@ -6,8 +6,9 @@ n-gram proposer). `LookupIndex` keeps, for every n-gram of length min_ngram..max
 was followed by another token, updated in O(max_ngram) per appended token, so a proposal is O(max_ngram + tokens)
 whatever the context length. Longer n-grams are tried first (a longer match is a more specific guess).
 
-The drafter session merges a proposal into its tree as one more branch (drafting.py), in greedy rounds only: a
-deterministic draft has no draft distribution q for rejection sampling to correct, so sampled rounds draft without it.
+The drafter session adds a proposal to its tree as one more branch (drafting.py): merged where prefixes agree in
+greedy rounds; in sampled rounds a chain of deterministic drafts (q one-hot) that acceptance tries first, with
+probability p(x), removing x from p on rejection (acceptance.py), which keeps the target's distribution exactly.
 """
 
 from __future__ import annotations

@@ -121,3 +121,29 @@ def test_two_token_path_has_target_distribution(without_replacement):
             continue
         expected = p_next[x1].numpy() * row.sum()
         assert chisquare(row, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("without_replacement", [False, True])
+@pytest.mark.parametrize("k, det_token, zeros", [(0, 2, 0), (2, 2, 0), (3, 0, 3), (2, 1, 2)])
+def test_a_deterministic_child_tried_first_keeps_the_target_distribution(k, det_token, zeros, without_replacement):
+    """Root with a lookup child (token d, q one-hot) and k children drawn from q: the first emitted token is still
+    distributed as p, whether d is likely, unlikely, impossible under p, or also among the drafted children."""
+    gen = torch.Generator().manual_seed(77 * k + det_token + 7 * zeros + without_replacement)
+    p, q = random_dist(gen, zeros=zeros), random_dist(gen)
+    # rows: root, k drafted children (ranks 0..k-1), the lookup child (rank k): the lookup row is the last
+    tree = build_tree([(r,) for r in range(k + 1)])
+    target = torch.stack([p] + [random_dist(gen) for _ in range(k + 1)])
+    det_row = k + 1
+    n = 8000
+    counts = np.zeros(V)
+    for _ in range(n):
+        drafted = draw_children(q, k, without_replacement, gen) if k else torch.empty(0, dtype=torch.long)
+        tokens = torch.cat([drafted, torch.tensor([det_token])])
+        verdict = accept_sampled(target, q[None], tree, tokens, without_replacement, gen,
+                                 deterministic=frozenset({det_row}), q_rows=(0,) + (-1,) * (k + 1))
+        counts[verdict.new_tokens[0]] += 1
+    expected = p.numpy() * n
+    support = expected > 0
+    assert counts[~support].sum() == 0, "a zero-probability token was emitted"
+    assert chisquare(counts[support], expected[support]).pvalue > 1e-3
+    assert 0.5 * np.abs(counts / n - p.numpy()).sum() < 0.03

@@ -346,13 +346,34 @@ def test_greedy_with_a_lookup_branch_matches_target(target):
     assert deeper > 0
 
 
-def test_lookup_leaves_sampled_output_unchanged(target):
-    """Sampled rounds draft without the lookup branch: same seed, same sample as the tree without it."""
-    prompt = random_prompt(30, seed=4)
-    params = SamplingParams(temperature=1.0, seed=7, max_new_tokens=20)
-    with_lookup = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1), lookup=4)).generate(prompt, params)
-    without = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1))).generate(prompt, params)
-    assert with_lookup.token_ids == without.token_ids
+@pytest.mark.parametrize("draft_sampling", ["iid", "without_replacement"])
+def test_sampled_generation_with_a_lookup_branch_has_target_distribution(draft_sampling):
+    """The prompt ends with a bigram seen before, so every first round carries a lookup branch (tried before the
+    drafter's children at the root); the emitted tokens must still follow the target exactly."""
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=VOCAB, seed=5))
+    target.eos_token_ids = frozenset()
+    prompt, n_tokens, n_samples = [1, 4, 2, 3, 5, 1, 4], 3, 3000
+    base = SamplingParams(temperature=1.0, max_new_tokens=n_tokens, draft_sampling=draft_sampling)
+    exact = enumerate_target(target, prompt, base, n_tokens)
+    engine = SpeculativeEngine(target, tiny_mamba(vocab=VOCAB, seed=6), TreeConfig((2, 1), lookup=2))
+    counts = dict.fromkeys(exact, 0)
+    lookup_rounds = multi = 0
+    for seed in range(n_samples):
+        result = engine.generate(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
+        counts[tuple(result.token_ids)] += 1
+        lookup_rounds += sum(n for name, n in result.stats.trees.items() if "+L" in name)
+        multi += result.stats.rounds < n_tokens
+    assert lookup_rounds >= n_samples and multi > 0
+    for prefix_len in (1, 2):  # marginals of the first one and two tokens: enough counts for a sharp test
+        emitted, expected = {}, {}
+        for seq, prob in exact.items():
+            expected[seq[:prefix_len]] = expected.get(seq[:prefix_len], 0.0) + prob
+            emitted[seq[:prefix_len]] = emitted.get(seq[:prefix_len], 0) + counts[seq]
+        keys = [k for k in sorted(expected) if expected[k] * n_samples >= 5]
+        obs, exp = [emitted[k] for k in keys], [expected[k] * n_samples for k in keys]
+        if n_samples - sum(exp) > 1e-9:  # pool the rare outcomes
+            obs, exp = obs + [n_samples - sum(obs)], exp + [n_samples - sum(exp)]
+        assert chisquare(obs, exp).pvalue > 1e-3, prefix_len
 
 
 class RecordingPolicy:

@@ -124,9 +124,15 @@ def test_commit_through_the_drafters_own_nodes_reuses_their_states():
     torch.testing.assert_close(session.root_logits[0], logits)
 
 
-def test_sampled_rounds_draft_without_the_lookup_branch():
+def test_sampled_rounds_hang_the_lookup_branch_from_the_root():
     session = DrafterSession(tiny_mamba(), repetitive_history(), vocab_size=128)
     generator = torch.Generator().manual_seed(0)
-    draft = session.draft(TreeConfig((1, 1), lookup=4), SamplingParams(temperature=1.0), generator)
-    assert draft.paths is None and draft.config == TreeConfig((1, 1))
-    assert draft.arm == TreeConfig((1, 1), lookup=4)  # the bandit learns about the arm it chose
+    draft = session.draft(TreeConfig((2, 1), lookup=3), SamplingParams(temperature=1.0), generator)
+    assert draft.config == TreeConfig((2, 1), lookup=3) and draft.arm == TreeConfig((2, 1), lookup=3)
+    tree, tokens = draft.tree, [-1, *draft.tokens.tolist()]
+    # the drafter's (0,), (1,), (0, 0), (1, 0) and the lookup chain (2,), (2, 0), (2, 0, 0), never merged
+    assert tree.paths == ((0,), (1,), (2,), (0, 0), (1, 0), (2, 0), (2, 0, 0))
+    assert draft.deterministic == frozenset({3, 6, 7})
+    assert [tokens[r] for r in sorted(draft.deterministic)] == [10, 11, 12]
+    # q rows: the root (0) and the drafter's depth-1 nodes (rows 1, 2); lookup rows and leaves have none
+    assert draft.q_rows == (0, 1, 2, -1, -1, -1, -1, -1) and draft.probs.shape[0] == 3

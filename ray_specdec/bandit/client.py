@@ -61,7 +61,7 @@ class BanditConfig:
     # tell arms apart through per-round noise while still following load changes within minutes of traffic.
     gamma: float = 0.9998
     # Separate statistics for greedy and sampled rounds: their best trees differ (acceptance is lower when sampling,
-    # and lookup branches only draft in greedy rounds).
+    # and a lookup branch pays more in greedy rounds).
     split_sampling: bool = True
     # Pseudo-rounds a cell borrows from its mode's other prompt-length buckets (an empirical-Bayes prior): a new
     # bucket starts from what the others learned instead of trying every arm (wide trees included) on live traffic,

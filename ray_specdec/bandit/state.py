@@ -5,7 +5,7 @@ non-stationary policies) of the same fields: pulls, reward, reward², and the ro
 time t with x², t², x*t, from which the throughput policies estimate tokens per second as a ratio of sums (what a
 stream of rounds delivers) rather than a mean of per-round ratios (biased by how round time varies). A cell is a
 prompt-length bucket times a sampling mode (greedy or sampled rounds: their best trees differ, e.g. a lookup branch
-only drafts in greedy rounds), or the bucket alone with the single mode "all". Discounting is per record of a cell:
+pays more in greedy rounds), or the bucket alone with the single mode "all". Discounting is per record of a cell:
 each record multiplies that cell's discounted sums by gamma first. Arrays are indexed by cell = mode * buckets +
 bucket; the code calls a cell a "bucket" where only its index matters.
 

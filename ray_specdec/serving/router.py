@@ -142,7 +142,7 @@ class RouterCore:
         draft_timeout_s: float = 30.0,
         lookup: int = 0,
     ):
-        """lookup: greedy rounds of every drafted tree also verify up to this many prompt-lookup tokens."""
+        """lookup: every drafted tree also verifies up to this many prompt-lookup tokens."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
