@@ -53,7 +53,7 @@ class AppArgs(BaseModel):
     drafter_max_sessions: int = Field(1024, ge=1)  # request states per replica (least recently used evicted)
     # drafts stop at depths whose paths the drafter itself rates below this probability (0: always the whole tree)
     min_path_prob: float = Field(DEFAULT_MIN_PATH_PROB, ge=0, lt=1)
-    # every drafted tree also verifies up to this many tokens copied from earlier in the context
+    # every drafted tree of a greedy request also verifies up to this many tokens copied from earlier in the context
     # (prompt lookup; 0: off). Trees written with their own "+L<k>" keep theirs.
     lookup: int = Field(DEFAULT_LOOKUP, ge=0, le=MAX_LOOKUP_TOKENS)
     # target

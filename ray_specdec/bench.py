@@ -193,7 +193,7 @@ def parse_args(argv):
     p.add_argument("--min-path-prob", type=float, default=None,
                    help="our engine's draft cut (default: the engine's DEFAULT_MIN_PATH_PROB)")
     p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP,
-                   help="lookup tokens the bandit's engine adds to every drafted tree (its arms are "
+                   help="lookup tokens the bandit's engine adds to every drafted tree in greedy runs (its arms are "
                         "the trees without their own lookup, plus no drafting)")
     p.add_argument("--bandit-warmup", type=int, default=4,
                    help="held-out prompts (not the measured ones) the bandit learns from before it is measured, as a "

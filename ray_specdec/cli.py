@@ -45,7 +45,7 @@ def generate_parser() -> OneLineParser:
     p.add_argument("--tree", default=None, help="tree config N1,N2,... (the chain is 1,1,1,1; '+L6' adds its own lookup "
                    "branch); default: 1,1,1 on CPU, 2,2,1,1 on GPU")
     p.add_argument("--lookup", type=int, default=None,
-                   help="prompt-lookup tokens added to every drafted tree; 0 turns them off "
+                   help="prompt-lookup tokens added to every drafted tree of a greedy run; 0 turns them off "
                         "(default: %d)" % DEFAULT_LOOKUP)
     p.add_argument("--min-path-prob", type=float, default=None,
                    help="cut drafts at depths the drafter rates below this path probability (default: the engine's)")

@@ -124,7 +124,7 @@ PAPER_TREES = (
 # short chain is the fastest shape (1,1,1 beat 1,1,1,1 in both runs with lookup branches, docs/BENCHMARKS.md).
 DEFAULT_TREE = TreeConfig((2, 2, 1, 1))
 CPU_DEFAULT_TREE = TreeConfig((1, 1, 1))
-# Lookup tokens the CLI, the app and the bench add to every drafted tree (TreeConfig.with_lookup):
+# Lookup tokens the CLI, the app and the bench add to every drafted tree of greedy requests (TreeConfig.with_lookup):
 # free drafts where the context repeats itself, a few more verify rows when it does (docs/BENCHMARKS.md).
 DEFAULT_LOOKUP = 8
 

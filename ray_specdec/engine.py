@@ -118,8 +118,10 @@ class SpeculativeEngine:
         lookup: int = 0,
     ):
         """min_path_prob: drafts stop at depths whose nodes the drafter rates below this (DrafterSession.draft).
-        lookup: every drafted tree also verifies up to this many prompt-lookup tokens (lookup.py);
-        the tree policy still learns about the tree it picked."""
+        lookup: every drafted tree of a greedy request also verifies up to this many prompt-lookup tokens
+        (lookup.py); the tree policy still learns about the tree it picked. Sampled requests get a lookup branch only
+        from trees that name one ("1,1,1+L4"): at T=1 a lookup token is kept with probability p(x) only, and on this
+        project's pair it did not pay (docs/BENCHMARKS.md)."""
         if not 0.0 <= min_path_prob < 1.0:
             raise ValueError(f"min_path_prob must be in [0, 1), got {min_path_prob}")
         if not 0 <= lookup <= MAX_LOOKUP_TOKENS:
@@ -175,7 +177,7 @@ class SpeculativeEngine:
         context_len = len(prompt_ids)
         while not stop.finished:
             arm = self._pick_tree(tree, context_len, stop.remaining, params)
-            config = arm.with_lookup(min(self.lookup, stop.remaining - 1))
+            config = arm.with_lookup(min(self.lookup if params.greedy else 0, stop.remaining - 1))
             draft, verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
             sampled = not params.greedy
             self.policy.record(arm, context_len, len(verdict.accepted_rows), stats.last_round_s, sampled)

@@ -70,7 +70,7 @@ def load_engine(
     lookup: int = DEFAULT_LOOKUP,
 ):
     """tree None: the device's default tree (config.default_tree); min_path_prob None: the engine's default;
-    lookup: prompt-lookup tokens added to every drafted tree (0: none)."""
+    lookup: prompt-lookup tokens added to every drafted tree of greedy requests (0: none)."""
     from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, SpeculativeEngine
     from ray_specdec.models.loading import resolve_dtype
 

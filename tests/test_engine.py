@@ -429,3 +429,13 @@ def test_a_drafter_with_a_smaller_vocabulary_drafts_for_a_larger_target():
     sampled = SpeculativeEngine(target, tiny_mamba(vocab=128), TreeConfig((2, 1))).generate(
         prompt, SamplingParams(temperature=1.0, seed=1, max_new_tokens=23, ignore_eos=True))
     assert len(sampled.token_ids) == 23
+
+
+def test_the_lookup_setting_leaves_sampled_requests_alone(target):
+    """The engine-wide lookup setting is for greedy requests; a sampled one drafts exactly as without it."""
+    prompt = random_prompt(300, seed=300)
+    params = SamplingParams(temperature=1.0, seed=11, max_new_tokens=20)
+    with_setting = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1)), lookup=8).generate(prompt, params)
+    without = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1))).generate(prompt, params)
+    assert with_setting.token_ids == without.token_ids
+    assert not any("+L" in name for name in with_setting.stats.trees)

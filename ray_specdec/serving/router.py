@@ -142,7 +142,8 @@ class RouterCore:
         draft_timeout_s: float = 30.0,
         lookup: int = 0,
     ):
-        """lookup: every drafted tree also verifies up to this many prompt-lookup tokens."""
+        """lookup: every drafted tree of a greedy request also verifies up to this many prompt-lookup tokens
+        (sampled requests: only trees naming their own, as in the engine)."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -196,7 +197,7 @@ class RouterCore:
         self.in_flight += 1
         try:
             arm = self._pick_tree(tree, len(tokens), stop.remaining, params)
-            config = arm.with_lookup(min(self.lookup, stop.remaining - 1))
+            config = arm.with_lookup(min(self.lookup if params.greedy else 0, stop.remaining - 1))
             draft = await self._start(request_id, link, config, params, tokens, stats)
             draft_s = 0.0  # the first draft is hidden behind the target's prefill
             while True:
@@ -217,7 +218,7 @@ class RouterCore:
                     return
                 t0 = time.perf_counter()
                 arm = self._pick_tree(tree, len(tokens), stop.remaining, params)
-                config = arm.with_lookup(min(self.lookup, stop.remaining - 1))
+                config = arm.with_lookup(min(self.lookup if params.greedy else 0, stop.remaining - 1))
                 draft = await self._draft(link, config, params, tokens)
                 draft_s = time.perf_counter() - t0
                 stats.draft_s += draft_s
