@@ -73,6 +73,16 @@ def draw_children(q, k, without_replacement, gen):
     return torch.multinomial(q, k, replacement=True, generator=gen)
 
 
+def assert_distributed_as(counts: np.ndarray, p: torch.Tensor) -> None:
+    """counts [V] of emitted tokens over n draws match p: nothing outside its support, chi-square, total variation."""
+    n = counts.sum()
+    expected = p.numpy() * n
+    support = expected > 0
+    assert counts[~support].sum() == 0, "a zero-probability token was emitted"
+    assert chisquare(counts[support], expected[support]).pvalue > 1e-3
+    assert 0.5 * np.abs(counts / n - p.numpy()).sum() < 0.03
+
+
 @pytest.mark.parametrize("without_replacement", [False, True])
 @pytest.mark.parametrize("k, zeros", [(1, 0), (2, 0), (3, 0), (3, 3), (5, 2)])
 def test_first_emitted_token_has_target_distribution(k, zeros, without_replacement):
@@ -87,11 +97,7 @@ def test_first_emitted_token_has_target_distribution(k, zeros, without_replaceme
         children = draw_children(q, k, without_replacement, gen)
         verdict = accept_sampled(target, q[None], tree, children, without_replacement, gen)
         counts[verdict.new_tokens[0]] += 1
-    expected = p.numpy() * n
-    support = expected > 0
-    assert counts[~support].sum() == 0, "a zero-probability token was emitted"
-    assert chisquare(counts[support], expected[support]).pvalue > 1e-3
-    assert 0.5 * np.abs(counts / n - p.numpy()).sum() < 0.03
+    assert_distributed_as(counts, p)
 
 
 @pytest.mark.parametrize("without_replacement", [False, True])
@@ -142,8 +148,4 @@ def test_a_deterministic_child_tried_first_keeps_the_target_distribution(k, det_
         verdict = accept_sampled(target, q[None], tree, tokens, without_replacement, gen,
                                  deterministic=frozenset({det_row}), q_rows=(0,) + (-1,) * (k + 1))
         counts[verdict.new_tokens[0]] += 1
-    expected = p.numpy() * n
-    support = expected > 0
-    assert counts[~support].sum() == 0, "a zero-probability token was emitted"
-    assert chisquare(counts[support], expected[support]).pvalue > 1e-3
-    assert 0.5 * np.abs(counts / n - p.numpy()).sum() < 0.03
+    assert_distributed_as(counts, p)
