@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 import click
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from ray.serve import Application
 
 from deployments.bandit import BanditHubDeployment
@@ -111,7 +111,10 @@ class AppArgs(BaseModel):
         return self.drafter_max_replicas is not None and self.drafter_max_replicas > (self.drafter_min_replicas or 1)
 
 
-def app(args: AppArgs) -> Application:  # Serve validates `key=value` arguments into AppArgs by this annotation
+def app(args: AppArgs | dict[str, Any]) -> Application:
+    """Serve passes the `key=value` arguments (or a config file's `args`) as a dict: not annotated as a pydantic model,
+    so the validation error is ours to word (one line) rather than Serve's traceback."""
+    args = args if isinstance(args, AppArgs) else parse_app_args(args)
     target_path = _model_path(args.target, "target")
     drafter_path = None if (args.drafter or "").lower() == "none" else _model_path(args.drafter, "drafter")
     settings = _router_settings(args, target_path, drafter_path is not None)
@@ -135,6 +138,24 @@ def app(args: AppArgs) -> Application:  # Serve validates `key=value` arguments 
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
     ).bind(target, drafter, hub, settings)
+
+
+def parse_app_args(raw: dict[str, Any]) -> AppArgs:
+    """AppArgs from `key=value` strings or a config file's values; an invalid one raises AppError in one line."""
+    try:
+        return AppArgs.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = ".".join(str(part) for part in error["loc"])
+            if error["type"] == "extra_forbidden":
+                problems.append(f"{name}: unknown argument (see AppArgs in deployments/app.py)")
+                continue
+            message = error["msg"].removeprefix("Value error, ")  # our validators' messages quote the value
+            if error["type"] != "value_error":
+                message += f" (got {error['input']!r})"
+            problems.append(f"{name}: {message}" if name else message)
+        raise AppError("bad app arguments: " + "; ".join(problems).replace("\n", " ")) from None
 
 
 def _router_settings(args: AppArgs, target_path: str, drafting: bool) -> RouterSettings:

@@ -75,6 +75,27 @@ def test_app_args_refuse_bad_values(args, message):
         AppArgs(**args)
 
 
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"tree": "bogus"}, "bad app arguments: tree: tree must be comma-separated integers like 3,2,2,1,1, got 'bogus'"),
+        ({"replicas": "2"}, "bad app arguments: replicas: unknown argument (see AppArgs in deployments/app.py)"),
+        ({"tp_size": "0", "lookup": "40"}, "bad app arguments: tp_size: Input should be greater than or equal to 1 "
+                                           "(got '0'); lookup: Input should be less than or equal to 32 (got '40')"),
+        ({"drafter_min_replicas": "3", "drafter_max_replicas": "2"},
+         "bad app arguments: drafter_max_replicas (2) < drafter_min_replicas (3)"),
+    ],
+)
+def test_serve_run_arguments_fail_in_one_line(raw, message):
+    """`serve run deployments:app key=value` hands the builder a dict of strings (Serve's own path, not a copy of it);
+    a bad one is an AppError, which the CLI prints as "Error: <message>" without a traceback."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    with pytest.raises(AppError) as info:
+        call_user_app_builder_with_args_if_necessary(app, raw)
+    assert info.value.format_message() == message
+
+
 def test_autoscaling_options():
     fixed = _drafter_options(AppArgs(drafter_replicas=3))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
