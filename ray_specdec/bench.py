@@ -65,18 +65,24 @@ class MethodResult:
         self.verify_s += verify_s
         self.other_s += other_s
 
-    def to_dict(self, baseline: "MethodResult | None", reference: list[list[int]] | None) -> dict:
+    def to_dict(self, baseline: "MethodResult | None", reference: list[list[int]] | None, brief: bool = False) -> dict:
+        """brief: name, temperature, tokens/s, speedup, mean accepted length, tokens and seconds only."""
         mean_len = sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else None
-        return {
+        head = {
             "name": self.name,
             "temperature": self.temperature,
             "tokens_per_s": round(self.tokens_per_s, 2),
             "speedup_vs_hf_generate": round(self.tokens_per_s / baseline.tokens_per_s, 3) if baseline else None,
             "mean_accepted_length": round(mean_len, 3) if mean_len is not None else None,
-            "acceptance_per_depth": [round(r / o, 3) for r, o in zip(self.reached, self.offered)] or None,
-            "identical_to_target": (self.outputs == reference) if reference is not None else None,
             "new_tokens": self.new_tokens,
             "seconds": round(self.seconds, 3),
+        }
+        if brief:
+            return head
+        return {
+            **head,
+            "acceptance_per_depth": [round(r / o, 3) for r, o in zip(self.reached, self.offered)] or None,
+            "identical_to_target": (self.outputs == reference) if reference is not None else None,
             "draft_s": round(self.draft_s, 3),
             "verify_s": round(self.verify_s, 3),
             "other_s": round(self.other_s, 3),
@@ -121,6 +127,18 @@ def run_ours(name, engine: SpeculativeEngine, prompts, max_new, temperature, see
         d = engine.drafter
         result.state_bytes = d.n_layers * d.d_inner * (d.d_conv + d.d_state) * d.dtype.itemsize
     return result
+
+
+def qa_prompts(tokenizer, n: int, buckets: list[int], seed: int) -> list[list[int]]:
+    """n long-context QA prompts (qa_traffic) over held-out documents only, cycling through the token buckets."""
+    from ray_specdec.qa_traffic import QAGenerator, token_counter
+    from ray_specdec.training.corpus import is_heldout
+
+    if n <= 0:
+        return []
+    gen = QAGenerator(token_counter(tokenizer), seed=seed, include=is_heldout)
+    items = [gen.item(buckets[i % len(buckets)], i // len(buckets)) for i in range(n)]
+    return [tokenizer(item["prompt"], add_special_tokens=False)["input_ids"] for item in items]
 
 
 def model_label(path: str) -> str:
@@ -185,6 +203,9 @@ def parse_args(argv):
                    help="our tree configs, ';'-separated ('+L8': with a lookup branch of up to 8 tokens)")
     p.add_argument("--prompts", type=int, default=8, help="short held-out prompts")
     p.add_argument("--long-prompts", type=int, default=2, help="long-context (1-2k token) held-out prompts")
+    p.add_argument("--qa-prompts", type=int, default=2,
+                   help="long-context QA prompts (qa_traffic over held-out documents, cycling through --qa-buckets)")
+    p.add_argument("--qa-buckets", default="1024,2048", help="prompt token budgets of the QA prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--contexts", default="1024,2048,4096,8192", help="context sweep lengths")
@@ -205,7 +226,7 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="Markdown table and PNG plots go here")
     args = p.parse_args(argv)
     if args.quick:
-        args.prompts, args.long_prompts, args.max_new_tokens, args.bandit_warmup = 2, 1, 24, 1
+        args.prompts, args.long_prompts, args.qa_prompts, args.max_new_tokens, args.bandit_warmup = 2, 0, 1, 24, 1
         args.trees, args.temperatures, args.contexts = "1,1,1,1;2,2,1,1+L8", "0,1", "1024,4096"
     return args
 
@@ -228,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         trees = [TreeConfig.parse(t) for t in args.trees.split(";")]
         temperatures = [float(t) for t in args.temperatures.split(",")]
         contexts = [int(c) for c in args.contexts.split(",")]
+        qa_buckets = [int(b) for b in args.qa_buckets.split(",")]
+        if min(qa_buckets) < 64:
+            raise ValueError(f"--qa-buckets must be >= 64 tokens, got {args.qa_buckets}")
         if not 0 <= args.lookup <= MAX_LOOKUP_TOKENS:
             raise ValueError(f"--lookup must be in [0, {MAX_LOOKUP_TOKENS}], got {args.lookup}")
     except ValueError as e:
@@ -247,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     tok = target.tokenizer
     short = [p.token_ids for p in heldout_prompts(args.prompts, 64, 256, seed=args.seed, tokenizer=tok)]
     long = [p.token_ids for p in heldout_prompts(args.long_prompts, 1024, 2048, seed=args.seed + 1, tokenizer=tok)]
-    prompts = short + long
+    qa = qa_prompts(tok, args.qa_prompts, qa_buckets, args.seed)
+    groups = ["short"] * len(short) + ["long"] * len(long) + ["qa"] * len(qa)  # the group of each prompt
+    prompts = short + long + qa
     hf = target.model
     cut = DEFAULT_MIN_PATH_PROB if args.min_path_prob is None else args.min_path_prob
     ours = SpeculativeEngine(target, drafter, trees[0], min_path_prob=cut)
@@ -287,26 +313,34 @@ def main(argv: list[str] | None = None) -> int:
 
     run_hf("warmup", hf, prompts[:1], 4, 0.0, 0)  # first calls pay one-time costs; keep them out of the timings
     ours.generate(prompts[0], SamplingParams(max_new_tokens=4))
-    results = []
+    results, group_results = [], []
     for temperature in temperatures:
         # Interleaved: every prompt goes through every method (in a rotating order) before the next prompt, so a
         # machine that speeds up or slows down during the run shifts all methods alike.
         by_name = {name: MethodResult(name, temperature) for name, _ in methods}
+        by_group = {(g, name): MethodResult(name, temperature) for g in dict.fromkeys(groups) for name, _ in methods}
         for i, ids in enumerate(tqdm(prompts, desc=f"prompts x {len(methods)} methods (temperature {temperature:g})")):
             for name, run in methods[i % len(methods):] + methods[: i % len(methods)]:
-                by_name[name].merge(run(temperature, [ids], args.seed + i))
+                result = run(temperature, [ids], args.seed + i)
+                by_group[groups[i], name].merge(result)
+                by_name[name].merge(result)
         baseline, reference = by_name["hf_generate"], by_name["hf_generate"].outputs if temperature == 0 else None
         results += [r.to_dict(baseline, reference) for r in by_name.values()]
+        group_results += [{"group": g, "prompts": groups.count(g), **r.to_dict(by_group[g, "hf_generate"], None,
+                                                                               brief=True)}
+                          for (g, _), r in by_group.items()]
 
     stream = heldout_prompts(1, max(contexts), max(contexts), seed=args.seed + 2, tokenizer=tok)[0].token_ids
     sweep = context_sweep(drafter, tf_drafter, stream, contexts, steps=10 if args.quick else 30)
     report = {
         "methods": results,
+        "groups": group_results,
         "context_sweep": sweep,
         "hardware": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
-        "settings": {"prompts": len(short), "long_prompts": len(long), "max_new_tokens": args.max_new_tokens,
+        "settings": {"prompts": len(short), "long_prompts": len(long), "qa_prompts": len(qa),
+                     "qa_buckets": qa_buckets, "max_new_tokens": args.max_new_tokens,
                      "trees": [str(t) for t in trees], "min_path_prob": cut, "bandit_lookup": args.lookup,
                      "cut_trees": [f"{t}@{c:g}" for t, c in cut_trees],
                      "bandit_warmup_prompts": args.bandit_warmup,

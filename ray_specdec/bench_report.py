@@ -20,6 +20,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {m['name']} | {m['temperature']:g} | {m['tokens_per_s']:.1f} | "
                      f"{m['speedup_vs_hf_generate']:.2f}x | {mal} | {per_depth} | {split} | {same} |")
     lines += bandit_vs_best_fixed(report["methods"])
+    lines += group_table(report.get("groups") or [])
     pulls = report.get("settings", {}).get("bandit_pulls")
     if pulls:
         lines += ["", "Bandit pulls per arm (warm-up included): "
@@ -32,7 +33,30 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bandit_vs_best_fixed(methods: list[dict]) -> list[str]:
+def group_table(groups: list[dict]) -> list[str]:
+    """Speedup per prompt group (short / long / qa), each against HF generate on the same prompts, and the bandit
+    against the best fixed setting of each group."""
+    if not groups:
+        return []
+    names = list(dict.fromkeys(g["group"] for g in groups))
+    count = {g["group"]: g["prompts"] for g in groups}
+    lines = ["", "Per prompt group: speedup vs HF generate on the same prompts (mean accepted length)", "",
+             "| method | T | " + " | ".join(f"{n} (n={count[n]})" for n in names) + " |",
+             "| --- | --- |" + " --- |" * len(names)]
+    cell = {(g["group"], g["name"], g["temperature"]): g for g in groups}
+    for name, t in dict.fromkeys((g["name"], g["temperature"]) for g in groups):
+        row = []
+        for n in names:
+            g = cell.get((n, name, t))
+            mal = f" ({g['mean_accepted_length']:.2f})" if g and g["mean_accepted_length"] is not None else ""
+            row.append(f"{g['speedup_vs_hf_generate']:.2f}x{mal}" if g else "-")
+        lines.append(f"| {name} | {t:g} | " + " | ".join(row) + " |")
+    bandit_lines = [line for n in names
+                    for line in bandit_vs_best_fixed([g for g in groups if g["group"] == n], f" ({n} prompts)")[1:]]
+    return lines + ([""] + bandit_lines if bandit_lines else [])
+
+
+def bandit_vs_best_fixed(methods: list[dict], label: str = "") -> list[str]:
     """One line per temperature: the bandit against the best fixed setting of our engine in hindsight (target-only,
     i.e. no drafting, included; draft-cut variants too)."""
     lines = []
@@ -44,7 +68,7 @@ def bandit_vs_best_fixed(methods: list[dict]) -> list[str]:
             continue
         best = max(fixed, key=lambda m: m["tokens_per_s"])
         ratio = bandit["tokens_per_s"] / best["tokens_per_s"] if best["tokens_per_s"] else float("nan")
-        lines.append(f"Bandit vs the best fixed setting in hindsight at T={t:g}: "
+        lines.append(f"Bandit vs the best fixed setting in hindsight at T={t:g}{label}: "
                      f"{bandit['speedup_vs_hf_generate']:.2f}x vs {best['speedup_vs_hf_generate']:.2f}x "
                      f"({best['name']}), ratio {ratio:.2f}")
     return [""] + lines if lines else []

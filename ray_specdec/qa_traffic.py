@@ -171,10 +171,18 @@ def list_sources(root: str | os.PathLike) -> list[str]:
 
 
 class QAGenerator:
-    def __init__(self, count_tokens: TokenCounter, source_dir: str | os.PathLike | None = None, seed: int = 0):
+    def __init__(
+        self,
+        count_tokens: TokenCounter,
+        source_dir: str | os.PathLike | None = None,
+        seed: int = 0,
+        include: Callable[[str], bool] | None = None,
+    ):
+        """include: keep only the files (relative posix paths) it accepts, e.g. `training.corpus.is_heldout` for
+        documents the default models never trained on."""
         self.count_tokens = count_tokens
         self.root = str(source_dir if source_dir is not None else sysconfig.get_paths()["stdlib"])
-        self.files = list_sources(self.root)
+        self.files = [f for f in list_sources(self.root) if include is None or include(f)]
         if len(self.files) < 2:
             raise ValueError(f"need at least two .py files under {self.root}, found {len(self.files)}")
         self.seed = seed
@@ -272,10 +280,11 @@ def generate(
     seed: int = 0,
     source_dir: str | os.PathLike | None = None,
     progress: bool = False,
+    include: Callable[[str], bool] | None = None,
 ) -> Iterator[dict[str, Any]]:
     from tqdm import tqdm
 
-    gen = QAGenerator(count_tokens, source_dir, seed)
+    gen = QAGenerator(count_tokens, source_dir, seed, include)
     keys = [(bucket, i) for bucket in buckets for i in range(per_bucket)]
     for bucket, i in tqdm(keys, desc="qa-traffic", unit="prompt", disable=not progress):
         yield gen.item(bucket, i)

@@ -30,6 +30,7 @@ def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["--target", str(model_dirs / "target"), "--drafter", str(model_dirs / "mamba"),
                  "--tf-drafter", str(model_dirs / "tf"), "--prompts", "2", "--long-prompts", "0",
+                 "--qa-prompts", "1", "--qa-buckets", "200",
                  "--max-new-tokens", "12", "--trees", "1,1,1;2,1+L4", "--temperatures", "0,1",
                  "--contexts", "64,256", "--json", str(tmp_path / "bench.json"), "--out", str(out)])
     assert code == 0
@@ -55,6 +56,17 @@ def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
     markdown = (out / "bench.md").read_text()
     assert "| hf_generate |" in markdown and "Bandit vs the best fixed setting in hindsight at T=1" in markdown
     assert "greedy outputs identical" in capsys.readouterr().out
+    groups = report["groups"]
+    assert {(g["group"], g["prompts"]) for g in groups} == {("short", 2), ("qa", 1)}
+    assert {(g["name"], g["temperature"]) for g in groups if g["group"] == "qa"} == {
+        (m["name"], m["temperature"]) for m in report["methods"]}
+    assert all(g["speedup_vs_hf_generate"] == 1.0 for g in groups if g["name"] == "hf_generate")
+    for m in report["methods"]:  # the groups partition the prompts: tokens and seconds add up to the method's
+        parts = [g for g in groups if (g["name"], g["temperature"]) == (m["name"], m["temperature"])]
+        assert len(parts) == 2 and sum(g["new_tokens"] for g in parts) == m["new_tokens"]
+        assert sum(g["seconds"] for g in parts) == pytest.approx(m["seconds"], abs=2e-3)
+    assert "| method | T | short (n=2) | qa (n=1) |" in markdown
+    assert "Bandit vs the best fixed setting in hindsight at T=0 (qa prompts):" in markdown
 
 
 def test_bench_bad_arguments_exit_2(capsys):

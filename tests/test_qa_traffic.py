@@ -96,6 +96,19 @@ def test_generation_depends_only_on_seed_bucket_and_index(items):
     assert all(a["prompt"] != b["prompt"] for a, b in zip(items, other))
 
 
+def test_include_keeps_documents_and_fillers_to_the_accepted_files():
+    from ray_specdec.training.corpus import is_heldout
+
+    gen = qa_traffic.QAGenerator(count_words, seed=3, include=is_heldout)
+    assert gen.files and all(is_heldout(f) for f in gen.files)
+    assert len(gen.files) < len(qa_traffic.QAGenerator(count_words, seed=3).files)
+    for i in range(3):
+        item = gen.item(2048, i)
+        assert item["source_files"] and all(is_heldout(f) for f in item["source_files"]), item["source_files"]
+    with pytest.raises(ValueError, match="need at least two .py files"):
+        qa_traffic.QAGenerator(count_words, include=lambda path: False)
+
+
 @pytest.fixture(scope="module")
 def bpe_dir(tmp_path_factory):
     """A small byte-level BPE tokenizer saved like a model directory's (nothing is downloaded)."""
