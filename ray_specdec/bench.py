@@ -37,6 +37,8 @@ class MethodResult:
     verify_s: float = 0.0
     other_s: float = 0.0
     state_bytes: int = 0  # drafter state + target KV cache of one request at the end of generation
+    prompt_tokens: list[int] = field(default_factory=list)  # new tokens of each prompt, in prompt order
+    prompt_seconds: list[float] = field(default_factory=list)  # and its seconds: paired comparisons per prompt
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,9 +49,17 @@ class MethodResult:
         self.new_tokens += other.new_tokens
         self.seconds += other.seconds
         self.outputs += other.outputs
+        self.prompt_tokens += other.prompt_tokens
+        self.prompt_seconds += other.prompt_seconds
         self.state_bytes = max(self.state_bytes, other.state_bytes)
         self._add_rounds(other.accepted_lengths, other.reached, other.offered,
                          other.draft_s, other.verify_s, other.other_s)  # fmt: skip
+
+    def add_prompt(self, new_tokens: int, seconds: float) -> None:
+        self.new_tokens += new_tokens
+        self.seconds += seconds
+        self.prompt_tokens.append(new_tokens)
+        self.prompt_seconds.append(seconds)
 
     def add_stats(self, stats) -> None:
         self._add_rounds(stats.accepted_lengths, stats.reached_depth, stats.offered_depth,
@@ -83,6 +93,8 @@ class MethodResult:
             **head,
             "acceptance_per_depth": [round(r / o, 3) for r, o in zip(self.reached, self.offered)] or None,
             "identical_to_target": (self.outputs == reference) if reference is not None else None,
+            "per_prompt_tokens": self.prompt_tokens,
+            "per_prompt_seconds": [round(x, 4) for x in self.prompt_seconds],
             "draft_s": round(self.draft_s, 3),
             "verify_s": round(self.verify_s, 3),
             "other_s": round(self.other_s, 3),
@@ -106,9 +118,8 @@ def run_hf(name, model, prompts, max_new, temperature, seed, **extra) -> MethodR
         with torch.inference_mode():
             out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new,
                                  pad_token_id=model.config.eos_token_id, **hf_kwargs(temperature), **extra)
-        result.seconds += time.perf_counter() - t0
         new = out[0, len(ids):].tolist()
-        result.new_tokens += len(new)
+        result.add_prompt(len(new), time.perf_counter() - t0)
         result.outputs.append(new)
     return result
 
@@ -119,8 +130,7 @@ def run_ours(name, engine: SpeculativeEngine, prompts, max_new, temperature, see
         params = SamplingParams(temperature=temperature, seed=seed + i, max_new_tokens=max_new)
         t0 = time.perf_counter()
         gen = engine.generate(ids, params, tree)
-        result.seconds += time.perf_counter() - t0
-        result.new_tokens += len(gen.token_ids)
+        result.add_prompt(len(gen.token_ids), time.perf_counter() - t0)
         result.outputs.append(gen.token_ids)
         result.add_stats(gen.stats)
     if engine.drafter is not None:

@@ -89,3 +89,40 @@ def test_bandit_vs_best_fixed_line():
                             ("ours_mamba_bandit", 110.0)]]
     assert bandit_vs_best_fixed(methods) == [
         "", "Bandit vs the best fixed setting in hindsight at T=0: 1.10x vs 1.20x (ours_mamba_chain_1,1), ratio 0.92"]
+
+
+def _method(name, seconds, tokens=None):
+    tokens = tokens or [10] * len(seconds)
+    return {"name": name, "temperature": 0.0, "tokens_per_s": sum(tokens) / sum(seconds),
+            "speedup_vs_hf_generate": 1.0, "per_prompt_tokens": tokens, "per_prompt_seconds": seconds}
+
+
+def test_cross_fitted_best_arm_carries_no_selection_bias():
+    from ray_specdec.bench_report import cross_fitted
+
+    # A is fast on the even prompts, B on the odd ones: picked on one half, each is timed where it is slow.
+    a = _method("ours_a", [1.0, 2.0, 1.0, 2.0])
+    b = _method("ours_b", [2.0, 1.0, 2.0, 1.0])
+    bandit = _method("ours_mamba_bandit", [1.5] * 4)
+    # even half picks A (2 s there vs 4 s), timed on the odd half: 20 tokens / 4 s; the other way round B: 20 / 4 s
+    assert cross_fitted(bandit, [a, b]) == pytest.approx((40 / 6.0) / (40 / 8.0))
+    # with one arm better everywhere, cross-fitting picks it both ways: the plain ratio
+    c = _method("ours_c", [0.5] * 4)
+    assert cross_fitted(bandit, [a, b, c]) == pytest.approx(0.5 / 1.5)
+
+
+def test_paired_bootstrap_interval():
+    from ray_specdec.bench_report import bandit_vs_best_fixed, paired_bootstrap
+
+    base = [1.0, 3.0, 0.5, 2.0, 1.5, 4.0]
+    best = _method("ours_best", base)
+    faster = _method("ours_mamba_bandit", [x / 1.25 for x in base])
+    assert paired_bootstrap(faster, best) == pytest.approx((1.25, 1.25))  # the same ratio on every prompt
+    noisy = _method("ours_mamba_bandit", [x * f for x, f in zip(base, [0.8, 1.1, 0.9, 1.3, 1.0, 0.95])])
+    lo, hi = paired_bootstrap(noisy, best)
+    assert lo < noisy["tokens_per_s"] / best["tokens_per_s"] < hi and lo < 1 < hi
+    lines = bandit_vs_best_fixed([best, noisy])
+    assert lines[1].startswith("Bandit vs the best fixed setting in hindsight at T=0: ")
+    assert lines[2] == (f"  paired bootstrap over prompts, 90% interval of that ratio: [{lo:.2f}, {hi:.2f}]; "
+                        f"cross-fitted (arm picked on one half of the prompts, timed on the other): ratio "
+                        f"{noisy['tokens_per_s'] / best['tokens_per_s']:.2f}")
