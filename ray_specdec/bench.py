@@ -139,6 +139,18 @@ def run_ours(name, engine: SpeculativeEngine, prompts, max_new, temperature, see
     return result
 
 
+def split_like(n: int, counts: tuple[int, ...]) -> tuple[int, ...]:
+    """n split in proportion to counts (largest remainders first), e.g. warm-up prompts in the measured mix."""
+    total = sum(counts)
+    if total == 0 or n <= 0:
+        return tuple(0 for _ in counts)
+    exact = [n * c / total for c in counts]
+    parts = [int(x) for x in exact]
+    for i in sorted(range(len(counts)), key=lambda i: exact[i] - parts[i], reverse=True)[: n - sum(parts)]:
+        parts[i] += 1
+    return tuple(parts)
+
+
 def qa_prompts(tokenizer, n: int, buckets: list[int], seed: int) -> list[list[int]]:
     """n long-context QA prompts (qa_traffic) over held-out documents only, cycling through the token buckets."""
     from ray_specdec.qa_traffic import QAGenerator, token_counter
@@ -226,9 +238,10 @@ def parse_args(argv):
     p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP,
                    help="lookup tokens the bandit's engine adds to every drafted tree in greedy runs (its arms are "
                         "the trees without their own lookup, plus no drafting)")
-    p.add_argument("--bandit-warmup", type=int, default=4,
-                   help="held-out prompts (not the measured ones) the bandit learns from before it is measured, as a "
-                        "served bandit has learned from earlier traffic; 0: it starts cold in the measured run")
+    p.add_argument("--bandit-warmup", type=int, default=8,
+                   help="held-out prompts (not the measured ones; short, long and QA in the measured run's mix) the "
+                        "bandit learns from before it is measured, as a served bandit has learned from earlier "
+                        "traffic; 0: it starts cold in the measured run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="small run for CI (under 5 minutes on 2 cores)")
@@ -313,11 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     arms = tuple(dict.fromkeys(t.without_lookup() for t in trees))
     bandit = Bandit(BanditConfig(arms=(*arms, NO_TREE)), seed=args.seed)
     bandit_engine = SpeculativeEngine(target, drafter, bandit, min_path_prob=cut, lookup=args.lookup)
-    warmup = heldout_prompts(args.bandit_warmup, 64, 1024, seed=args.seed + 3, tokenizer=tok)
-    for i, p in enumerate(tqdm(warmup, desc="bandit warm-up", leave=False)):
+    n_short, n_long, n_qa = split_like(args.bandit_warmup, (len(short), len(long), len(qa)))
+    warmup = ([p.token_ids for p in heldout_prompts(n_short, 64, 256, seed=args.seed + 3, tokenizer=tok)]
+              + [p.token_ids for p in heldout_prompts(n_long, 1024, 2048, seed=args.seed + 4, tokenizer=tok)]
+              + qa_prompts(tok, n_qa, qa_buckets, args.seed + 5))
+    for i, ids in enumerate(tqdm(warmup, desc="bandit warm-up", leave=False)):
         for temperature in temperatures:
-            bandit_engine.generate(p.token_ids, SamplingParams(temperature=temperature, seed=1000 + i,
-                                                               max_new_tokens=args.max_new_tokens))
+            bandit_engine.generate(ids, SamplingParams(temperature=temperature, seed=1000 + i,
+                                                       max_new_tokens=args.max_new_tokens))
     methods.append(("ours_mamba_bandit", lambda t, ps, sd: run_ours("ours_mamba_bandit", bandit_engine, ps,
                                                                      args.max_new_tokens, t, sd, None)))
 

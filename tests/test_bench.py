@@ -126,3 +126,14 @@ def test_paired_bootstrap_interval():
     assert lines[2] == (f"  paired bootstrap over prompts, 90% interval of that ratio: [{lo:.2f}, {hi:.2f}]; "
                         f"cross-fitted (arm picked on one half of the prompts, timed on the other): ratio "
                         f"{noisy['tokens_per_s'] / best['tokens_per_s']:.2f}")
+
+
+def test_warmup_prompts_follow_the_measured_mix():
+    from ray_specdec.bench import split_like
+
+    assert split_like(8, (10, 3, 4)) == (5, 1, 2)  # 4.71, 1.41, 1.88: the largest remainders get the spare two
+    assert split_like(7, (1, 1, 1)) == (3, 2, 2)
+    assert split_like(1, (2, 0, 1)) == (1, 0, 0)
+    assert split_like(0, (1, 1, 1)) == split_like(5, (0, 0, 0)) == (0, 0, 0)
+    for n in range(12):
+        assert sum(split_like(n, (10, 3, 4))) == n
