@@ -16,7 +16,7 @@ import torch
 
 from ray_specdec.acceptance import Verdict, accept_greedy, accept_sampled
 from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
-from ray_specdec.drafting import Draft, DrafterSession, tree_for
+from ray_specdec.drafting import Draft, DrafterSession, tree_for, what_if
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 from ray_specdec.sampling import logits_to_probs
@@ -77,7 +77,13 @@ class FixedTree:
         return self.tree
 
     def record(
-        self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float, sampled: bool = False
+        self,
+        tree: TreeConfig,
+        context_len: int,
+        accepted_tokens: int,
+        round_time_s: float,
+        sampled: bool = False,
+        what_if=None,
     ) -> None:
         pass
 
@@ -180,7 +186,11 @@ class SpeculativeEngine:
             config = arm.with_lookup(min(self.lookup if params.greedy else 0, stop.remaining - 1))
             draft, verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
             sampled = not params.greedy
-            self.policy.record(arm, context_len, len(verdict.accepted_rows), stats.last_round_s, sampled)
+            # greedy rounds also teach the arms whose trees this one contained (exact unless the drafter cuts trees)
+            arms = getattr(self.policy, "arms", ()) if params.greedy and self.min_path_prob == 0 else ()
+            lookup = min(self.lookup, stop.remaining - 1)
+            what = what_if(draft, verdict, arms, lookup) if arms and arm in arms else None
+            self.policy.record(arm, context_len, len(verdict.accepted_rows), stats.last_round_s, sampled, what)
             context_len += len(verdict.new_tokens)
             kept, delta = stop.feed(verdict.new_tokens)
             stats.new_tokens += len(kept)

@@ -22,6 +22,7 @@ from ray_specdec.bandit import (
     UCB1,
     bucket_labels,
 )
+from ray_specdec.bandit.state import OWN_FIELDS, WHAT_IF_FIELDS
 from ray_specdec.config import TreeConfig
 
 # An environment answers one round: (arm index, round number, context_len, rng) -> (accepted_tokens, round_time_s).
@@ -175,8 +176,16 @@ def test_a_one_mode_state_warm_starts_both_modes_and_old_files_are_refused(tmp_p
     data["version"] = 1  # per-round means only, no token/time moments: refused with what to do about it
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="not a version-2 bandit state.*move the state file away"):
+    with pytest.raises(ValueError, match="not a version-3 bandit state.*move the state file away"):
         Bandit.load(old)
+    data["version"] = 2  # before what-if rounds: loads, with none
+    for table in ("raw", "disc"):
+        for name in WHAT_IF_FIELDS:
+            del data[table][name]
+    old.write_text(json.dumps(data))
+    v2 = Bandit.load(old, BanditConfig(split_sampling=False))
+    np.testing.assert_array_equal(v2.state.raw, one_mode.state.raw)
+    assert not v2.state.raw[..., len(OWN_FIELDS):].any()
 
 
 def test_throughput_is_a_ratio_of_sums_with_a_delta_method_variance():
@@ -333,7 +342,7 @@ def test_save_load_round_trip_and_continue_where_it_left_off(tmp_path):
     first.save(path)
     assert sorted(p.name for p in path.parent.iterdir()) == ["bandit.json"]  # temporary file renamed away
     data = json.loads(path.read_text())
-    assert (data["format"], data["version"], data["modes"]) == ("ray_specdec.bandit", 2, ["greedy", "sampled"])
+    assert (data["format"], data["version"], data["modes"]) == ("ray_specdec.bandit", 3, ["greedy", "sampled"])
 
     resumed = Bandit.load(path, config)
     assert_same_state(resumed.state, first.state)

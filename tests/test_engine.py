@@ -383,7 +383,7 @@ class RecordingPolicy:
     def select(self, context_len, sampled=False):
         return self.tree
 
-    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False):
+    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None):
         self.records.append((str(tree), accepted_tokens, sampled))
 
 

@@ -16,12 +16,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
 from ray_specdec.bandit.policies import ArmStats, GaussianThompson, Policy, Reward, ThroughputReward
-from ray_specdec.bandit.state import ONE_MODE, SPLIT_MODES, BanditState
+from ray_specdec.bandit.state import ONE_MODE, OWN_FIELDS, SPLIT_MODES, BanditState
 from ray_specdec.config import MAX_LOOKUP_TOKENS, PAPER_TREES, TreeConfig
 
 # The paper's trees and the chain, plus shallower / wider shapes that win when verification is expensive.
@@ -44,7 +44,13 @@ class TreePolicy(Protocol):
     def select(self, context_len: int, sampled: bool = False) -> TreeConfig: ...
 
     def record(
-        self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float, sampled: bool = False
+        self,
+        tree: TreeConfig,
+        context_len: int,
+        accepted_tokens: int,
+        round_time_s: float,
+        sampled: bool = False,
+        what_if: Mapping[TreeConfig, int] | None = None,
     ) -> None: ...
 
 
@@ -88,9 +94,13 @@ class BanditConfig:
             return ArmStats.from_sums(own, self.reward)
         first = cell - cell % state.num_buckets
         others = sum(table[c] for c in range(first, first + state.num_buckets) if c != cell)  # [arms, fields]
-        pulls = others[:, 0]
-        scale = np.divide(np.minimum(pulls, self.prior_pulls), pulls, out=np.zeros_like(pulls), where=pulls > 0)
-        return ArmStats.from_sums(own + scale[:, None] * others, self.reward)  # every sum scaled: same means
+        own_fields = len(OWN_FIELDS)
+        prior = others.copy()
+        for columns in (slice(0, own_fields), slice(own_fields, None)):  # own rounds, and what-if rounds
+            n = others[:, columns.start]
+            scale = np.divide(np.minimum(n, self.prior_pulls), n, out=np.zeros_like(n), where=n > 0)
+            prior[:, columns] *= scale[:, None]  # every sum scaled: same means
+        return ArmStats.from_sums(own + prior, self.reward)
 
     def restore(self, state: BanditState) -> BanditState:
         """A stored state made to fit this config (arm set and gamma may change, a one-mode state may be split into
@@ -138,27 +148,43 @@ class Bandit:
             stats = self.config.policy_stats(self._view, cell)
             return self.config.arms[self.config.policy.choose(stats, self._rng)]
 
+    @property
+    def arms(self) -> tuple[TreeConfig, ...]:
+        return self.config.arms
+
     def record(
-        self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float, sampled: bool = False
+        self,
+        tree: TreeConfig,
+        context_len: int,
+        accepted_tokens: int,
+        round_time_s: float,
+        sampled: bool = False,
+        what_if: Mapping[TreeConfig, int] | None = None,
     ) -> None:
         """accepted_tokens: draft tokens the target kept (the bonus token excluded): 0 for a round without a tree,
         at most the tree's depth plus the lookup tokens an engine may add to it (`TreeConfig.with_lookup`).
+        what_if: other arms -> the draft tokens each would have had accepted in this round (`drafting.what_if`, greedy
+        rounds whose tree contained theirs); their token estimates learn from it, their time estimates do not.
 
         Rounds of trees outside the arm set (a tree cut short at the end of a generation) are not counted.
         """
-        most = max(tree.max_depth, MAX_LOOKUP_TOKENS) if tree.depth else 0
-        if not 0 <= accepted_tokens <= most:
-            raise ValueError(f"accepted_tokens={accepted_tokens} outside [0, {most}] for tree {tree} (bonus excluded)")
+        _check_accepted(tree, accepted_tokens)
         if not (math.isfinite(round_time_s) and round_time_s > 0):
             raise ValueError(f"round_time_s must be a positive number, got {round_time_s}")
         arm = self._view.arm_index(tree)
         if arm is None:
             return
+        others: dict[int, int] = {}
+        for other, kept in (what_if or {}).items():
+            _check_accepted(other, kept)
+            index = self._view.arm_index(other)
+            if index is not None and index != arm:
+                others[index] = int(kept)
         reward = self.config.reward(tree, accepted_tokens, round_time_s, self._max_depth)
         with self._lock:
             bucket = self._view.bucket_of(context_len, sampled)
-            self._view.record(bucket, arm, reward, accepted_tokens, round_time_s)
-            self._pending.record(bucket, arm, reward, accepted_tokens, round_time_s)
+            self._view.record(bucket, arm, reward, accepted_tokens, round_time_s, others)
+            self._pending.record(bucket, arm, reward, accepted_tokens, round_time_s, others)
 
     def drain_updates(self) -> BanditState:
         """Records since the last drain, as a delta for `BanditHub.push` (`.to_dict()` for JSON transport)."""
@@ -226,6 +252,12 @@ class BanditHub:
         self._last_save = self._clock()
 
 
+def _check_accepted(tree: TreeConfig, accepted_tokens: int) -> None:
+    most = max(tree.max_depth, MAX_LOOKUP_TOKENS) if tree.depth else 0
+    if not 0 <= accepted_tokens <= most:
+        raise ValueError(f"accepted_tokens={accepted_tokens} outside [0, {most}] for tree {tree} (bonus excluded)")
+
+
 def _nan_to_none(x: float) -> float | None:
     return None if math.isnan(x) else float(x)
 
@@ -251,6 +283,7 @@ def summarize(state: BanditState, config: BanditConfig) -> dict[str, Any]:
             {
                 "tree": str(tree),
                 "pulls": int(pulls[i]),
+                "what_if_rounds": int(state.raw[b, i, len(OWN_FIELDS)]),  # other arms' rounds that taught this one
                 "mean_reward": _nan_to_none(plain.mean[i]) if pulls[i] else None,
                 "recent_mean_reward": _nan_to_none(recent.mean[i]) if recent.pulls[i] > 0 else None,
                 "mean_accepted_length": _nan_to_none(accepted_length[i]),

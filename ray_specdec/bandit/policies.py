@@ -70,17 +70,36 @@ class ArmStats:
 
     @classmethod
     def from_sums(cls, sums: np.ndarray, reward) -> "ArmStats":
-        """sums [arms, len(state.FIELDS)] -> the estimates `reward` calls for (a plain mean or a ratio of sums)."""
-        pulls, reward_sum, reward_sq, tokens, time, tokens_sq, time_sq, tokens_time = sums.T
+        """sums [arms, len(state.FIELDS)] -> the estimates `reward` calls for (a plain mean or a ratio of sums).
+
+        Ratio rewards also use what-if rounds (tokens an arm would have kept in rounds of arms whose tree contained
+        its own): tokens per round from the arm's own and what-if rounds, time per round from its own rounds, and
+        `pulls` is then the effective number of rounds behind the estimate (own pulls when there are no what-if
+        rounds; an arm never pulled in the cell still counts as unpulled: its round time is unknown).
+        """
+        pulls, reward_sum, reward_sq, tokens, time, tokens_sq, time_sq, tokens_time, wi_n, wi_tokens, wi_sq = sums.T
         pulled = pulls > 0
         if not reward.ratio:
             mean = np.divide(reward_sum, pulls, out=np.zeros_like(reward_sum), where=pulled)
             return cls(pulls, mean, np.maximum(reward_sq - mean * reward_sum, 0.0), reward.bounded)
-        ratio = np.divide(tokens, time, out=np.zeros_like(tokens), where=pulled & (time > 0))
-        # delta method: Var(sum x / sum t) ~ sum (x - R t)^2 / (sum t)^2 = residual / time^2
-        residual = np.maximum(tokens_sq - 2 * ratio * tokens_time + ratio * ratio * time_sq, 0.0)
-        var_of_mean = np.divide(residual, time * time, out=np.zeros_like(time), where=pulled & (time > 0))
-        return cls(pulls, ratio, pulls * pulls * var_of_mean, reward.bounded)
+        timed = pulled & (time > 0)
+        n_all = pulls + wi_n
+        t_mean = np.divide(time, pulls, out=np.zeros_like(time), where=timed)  # seconds per round: own rounds only
+        x_own = np.divide(tokens, pulls, out=np.zeros_like(tokens), where=timed)
+        x_mean = np.divide(tokens + wi_tokens, n_all, out=np.zeros_like(tokens), where=timed)  # tokens per round
+        ratio = np.divide(x_mean, t_mean, out=np.zeros_like(x_mean), where=timed)
+        var_x = np.maximum(np.divide(tokens_sq + wi_sq, n_all, out=np.zeros_like(tokens), where=timed) - x_mean**2, 0)
+        var_t = np.maximum(np.divide(time_sq, pulls, out=np.zeros_like(time), where=timed) - t_mean**2, 0)
+        cov = np.divide(tokens_time, pulls, out=np.zeros_like(time), where=timed) - x_own * t_mean  # own rounds
+        # delta method for x_mean / t_mean; only own rounds pair tokens with time: Cov(x_mean, t_mean) = cov / n_all
+        t2 = np.where(timed, t_mean**2, 1.0)
+        per_round = np.maximum(var_x - 2 * ratio * cov + ratio**2 * var_t, 0.0) / t2
+        var_of_mean = np.maximum(
+            np.divide(var_x - 2 * ratio * cov, n_all, out=np.zeros_like(time), where=timed)
+            + np.divide(ratio**2 * var_t, pulls, out=np.zeros_like(time), where=timed), 0.0) / t2  # fmt: skip
+        effective = np.divide(per_round, var_of_mean, out=pulls.astype(np.float64), where=timed & (var_of_mean > 0))
+        effective = np.where(timed, np.clip(effective, np.minimum(pulls, n_all), n_all), 0.0)
+        return cls(effective, ratio, effective * effective * var_of_mean, reward.bounded)
 
     def pooled_var(self) -> float:
         total = float(self.pulls.sum())

@@ -2,7 +2,7 @@
 
 A `BanditState` holds, for every context cell and every arm (tree config), plain and discounted sums (for the
 non-stationary policies) of the same fields: pulls, reward, reward², and the round's tokens x (accepted + bonus) and
-time t with x², t², x*t, from which the throughput policies estimate tokens per second as a ratio of sums (what a
+time t with x², t², x*t (plus what-if rounds: tokens an arm would have kept in other arms' rounds), from which the throughput policies estimate tokens per second as a ratio of sums (what a
 stream of rounds delivers) rather than a mean of per-round ratios (biased by how round time varies). A cell is a
 prompt-length bucket times a sampling mode (greedy or sampled rounds: their best trees differ, e.g. a lookup branch
 pays more in greedy rounds), or the bucket alone with the single mode "all". Discounting is per record of a cell:
@@ -28,12 +28,18 @@ import numpy as np
 from ray_specdec.config import TreeConfig
 
 FORMAT = "ray_specdec.bandit"
-VERSION = 2  # 2: sampling modes and token/time moments (version-1 files are refused: they lack the moments)
+VERSION = 3  # 3: what-if fields; 2: sampling modes and token/time moments (version-1 files lack the moments)
+READABLE_VERSIONS = (2, 3)  # a version-2 file loads with empty what-if fields
 SPLIT_MODES = ("greedy", "sampled")
 ONE_MODE = ("all",)
 
-# Columns of `BanditState.raw` and `BanditState.disc` ([cells, arms, len(FIELDS)] each).
-FIELDS = ("pulls", "reward_sum", "reward_sq", "tokens_sum", "time_sum", "tokens_sq", "time_sq", "tokens_time")
+# Columns of `BanditState.raw` and `BanditState.disc` ([cells, arms, len(FIELDS)] each). The first eight come from
+# the arm's own rounds; the what-if fields count rounds of other arms whose tree contained this arm's, with the tokens
+# this arm would have kept in them (greedy acceptance is a prefix walk: `drafting.what_if`). No time: a round of
+# another arm does not say how long this arm's round takes.
+OWN_FIELDS = ("pulls", "reward_sum", "reward_sq", "tokens_sum", "time_sum", "tokens_sq", "time_sq", "tokens_time")
+WHAT_IF_FIELDS = ("what_if_rounds", "what_if_tokens_sum", "what_if_tokens_sq")
+FIELDS = OWN_FIELDS + WHAT_IF_FIELDS
 
 
 def bucket_labels(edges: Sequence[int]) -> list[str]:
@@ -133,12 +139,27 @@ class BanditState:
         except ValueError:
             return None
 
-    def record(self, bucket: int, arm: int, reward: float, accepted_tokens: int, round_time_s: float) -> None:
+    def record(
+        self,
+        bucket: int,
+        arm: int,
+        reward: float,
+        accepted_tokens: int,
+        round_time_s: float,
+        what_if: dict[int, int] | None = None,
+    ) -> None:
+        """One round of `arm`; what_if: other arm -> draft tokens it would have had accepted in this round."""
         x, t = accepted_tokens + 1.0, round_time_s
         row = (1.0, reward, reward * reward, x, t, x * x, t * t, x * t)
+        own = slice(0, len(OWN_FIELDS))
         self.disc[bucket] *= self.gamma
-        self.disc[bucket, arm] += row
-        self.raw[bucket, arm] += row
+        self.disc[bucket, arm, own] += row
+        self.raw[bucket, arm, own] += row
+        for other, kept in (what_if or {}).items():
+            if other != arm:
+                y = kept + 1.0
+                self.disc[bucket, other, own.stop :] += (1.0, y, y * y)
+                self.raw[bucket, other, own.stop :] += (1.0, y, y * y)
         self.steps[bucket] += 1
 
     def merge(self, updates: "BanditState | Iterable[BanditState]") -> "BanditState":
@@ -186,7 +207,7 @@ class BanditState:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BanditState":
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
+        if data.get("format") != FORMAT or data.get("version") not in READABLE_VERSIONS:
             raise ValueError(
                 f"not a version-{VERSION} bandit state (format={data.get('format')!r}, "
                 f"version={data.get('version')!r}); move the state file away to start over"
@@ -195,8 +216,12 @@ class BanditState:
         state = cls.empty(
             [TreeConfig.parse(a) for a in data["arms"]], data["bucket_edges"], data["gamma"], data["reward"], modes
         )
-        state.raw = np.stack([np.asarray(data["raw"][f], dtype=np.float64) for f in FIELDS], axis=-1)
-        state.disc = np.stack([np.asarray(data["disc"][f], dtype=np.float64) for f in FIELDS], axis=-1)
+        shape = (state.num_cells, len(state.arms))
+        state.raw, state.disc = (
+            np.stack([np.asarray(data[table][f], dtype=np.float64) if f in data[table] or f in OWN_FIELDS
+                      else np.zeros(shape) for f in FIELDS], axis=-1)
+            for table in ("raw", "disc")
+        )  # fmt: skip
         state.steps = np.asarray(data["steps"], dtype=np.int64)
         if state.raw.shape[:2] != (state.num_cells, len(state.arms)) or state.disc.shape != state.raw.shape:
             raise ValueError(f"bandit state arrays have shape {state.raw.shape}, expected cells x arms x fields")

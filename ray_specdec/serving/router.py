@@ -37,7 +37,7 @@ from typing import AsyncIterator, Awaitable, Protocol, Sequence
 from ray_specdec.acceptance import Verdict
 from ray_specdec.bandit import TreePolicy
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafting import Draft
+from ray_specdec.drafting import Draft, what_if
 from ray_specdec.engine import NO_TREE, Generation, StreamChunk, empty_draft
 from ray_specdec.stats import GenerationStats
 from ray_specdec.stopping import StopChecker
@@ -209,7 +209,8 @@ class RouterCore:
                 stats.verify_s += verify_s
                 stats.last_round_s = draft_s + verify_s
                 # the policy learns about the tree it picked, or "none" when the draft failed
-                self._record(arm if draft.arm == config else draft.arm, draft, len(tokens), verdict, stats, params)
+                self._record(arm if draft.arm == config else draft.arm, draft, len(tokens), verdict, stats, params,
+                             min(self.lookup, stop.remaining - 1))
                 tokens += verdict.new_tokens
                 kept, delta = stop.feed(verdict.new_tokens)
                 stats.new_tokens += len(kept)
@@ -305,10 +306,14 @@ class RouterCore:
         verdict: Verdict,
         stats: GenerationStats,
         params: SamplingParams,
+        lookup: int,
     ) -> None:
         accepted = len(verdict.accepted_rows)
-        # every round teaches the policy, rounds without a tree too (they are the "none" arm when it has one)
-        self.policy.record(arm, context_len, accepted, max(stats.last_round_s, 1e-9), not params.greedy)
+        # every round teaches the policy, rounds without a tree too (they are the "none" arm when it has one); greedy
+        # rounds also teach the arms whose trees this one contained (drafting.what_if)
+        arms = getattr(self.policy, "arms", ()) if params.greedy else ()
+        what = what_if(draft, verdict, arms, lookup) if arms and arm in arms else None
+        self.policy.record(arm, context_len, accepted, max(stats.last_round_s, 1e-9), not params.greedy, what)
         stats.record_round(draft.label, draft.tree.depth, accepted)
 
     @staticmethod

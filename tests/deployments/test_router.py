@@ -258,7 +258,7 @@ class Alternating:
         self.calls += 1
         return self.tree if self.calls % self.period == 1 else NO_TREE
 
-    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False):
+    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None):
         self.recorded.append(str(tree))
 
 
