@@ -67,6 +67,7 @@ class LoadTestConfig:
     tree: str | None = None  # forwarded as the request's "tree" (e.g. "none" to turn drafting off)
     timeout_s: float = 120.0  # per request, whole response included
     sample_interval_s: float = 1.0
+    temperature: float = 0.0  # sent with every request: 0 greedy, > 0 sampled (the server picks a seed per request)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", check_loopback(self.url))
@@ -78,6 +79,8 @@ class LoadTestConfig:
             raise ValueError(f"max requests must be >= 1, got {self.max_requests}")
         if not self.prompts or self.max_tokens < 1:
             raise ValueError("need at least one prompt and max_tokens >= 1")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
 
 
 @dataclass
@@ -120,7 +123,8 @@ def _finish(result: RequestResult, body: dict[str, Any], tokens: int) -> Request
 
 
 async def _send(client: httpx.AsyncClient, config: LoadTestConfig, prompt: str, t0: float) -> RequestResult:
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": config.max_tokens, "stream": config.stream}
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": config.max_tokens, "stream": config.stream,
+                            "temperature": config.temperature}
     if config.tree is not None:
         body["tree"] = config.tree
     start = time.perf_counter()
@@ -376,13 +380,14 @@ def main(argv: list[str] | None = None, *, replica_reader: ReplicaReader | None 
     parser.add_argument("--stream", action="store_true", help="stream responses (measures time to first token)")
     parser.add_argument("--tree", help="tree config sent with every request, e.g. 3,2,2,1,1 or none")
     parser.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy requests; > 0: sampled")
     parser.add_argument("--out", default="runs/loadtest", help="directory for loadtest.json and plots")
     try:
         args = parser.parse_args(argv)
         prompts = read_prompts(args.prompts) if args.prompts else DEFAULT_PROMPTS
         config = LoadTestConfig(
             args.url, args.concurrency, args.duration, args.requests, prompts, args.max_tokens, args.stream,
-            args.tree, args.timeout,
+            args.tree, args.timeout, temperature=args.temperature,
         )  # fmt: skip
     except (_UsageError, ValueError) as exc:
         print(f"loadtest: error: {exc}", file=sys.stderr)

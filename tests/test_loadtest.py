@@ -33,11 +33,15 @@ def _speculative(d: dict[str, str]) -> dict:
     return {"rounds": int(d.get("rounds", 4)), "mean_accepted_length": float(d.get("mal", 2.0))}
 
 
+TEMPERATURES_SEEN: list[float] = []
+
+
 def fake_app() -> Starlette:
     in_flight = [0]
 
     async def completions(request: Request):
         body = await request.json()
+        TEMPERATURES_SEEN.append(body.get("temperature"))
         d, n = _directives(body["prompt"]), body["max_tokens"]
         if "status" in d:
             return JSONResponse({"error": "busy"}, status_code=int(d["status"]))
@@ -127,6 +131,15 @@ def test_counts_latency_percentiles_and_accepted_length(server_url):
     assert sum(b["requests"] for b in report["timeline"]) == 20
 
 
+def test_temperature_is_sent_with_every_request(server_url):
+    TEMPERATURES_SEEN.clear()
+    report = run(LoadTestConfig(server_url, max_requests=3, prompts=("a",), max_tokens=2, temperature=0.7))
+    assert TEMPERATURES_SEEN == [0.7] * 3 and report["config"]["temperature"] == 0.7
+    TEMPERATURES_SEEN.clear()
+    run(LoadTestConfig(server_url, max_requests=1, prompts=("a",), max_tokens=2))
+    assert TEMPERATURES_SEEN == [0.0]  # greedy unless asked
+
+
 def test_streaming_measures_time_to_first_token(server_url):
     config = LoadTestConfig(server_url, 2, 30, 6, ("sleep=0.1 mal=3.5",), max_tokens=20, stream=True)
     report = run(config)
@@ -205,7 +218,7 @@ def test_cli_writes_json_and_plots(server_url, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [(["--concurrency", "0"], "concurrency"), (["--prompts", "/nonexistent.jsonl"], "cannot read prompts"),
-     (["--duration", "x"], "invalid float")],  # fmt: skip
+     (["--duration", "x"], "invalid float"), (["--temperature", "-1"], "temperature must be in [0, 2]")],  # fmt: skip
 )
 def test_cli_rejects_bad_input(argv, message, capsys):
     assert main(["--url", "http://127.0.0.1:1", *argv]) == 2
