@@ -9,7 +9,7 @@ closed-loop load test of `ray_specdec.loadtest` once per (concurrency, mode), al
 Prompts are held-out corpus windows (the domain the default models were trained on). The report gives tokens/s,
 latency and mean accepted length per run and each mode's throughput as a ratio of `off` at the same concurrency.
 
-Run: python -m benchmarks.serve_load [--duration 45] [--concurrency 1,8] [--out docs/bench]
+Run: python -m benchmarks.serve_load [--duration 45] [--concurrency 1,8] [--temperature 0] [--out docs/bench]
 """
 
 from __future__ import annotations
@@ -54,8 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--num-cpus", type=int, default=4, help="CPUs Ray may schedule (actors, not cores)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="of every request (0: greedy); outputs are serve_load_t<T>.json/.md when > 0")
     parser.add_argument("--out", type=Path, default=Path("bench_out"))
     args = parser.parse_args(argv)
+    if not 0 <= args.temperature <= 2:
+        parser.error(f"--temperature must be in [0, 2], got {args.temperature}")
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
@@ -78,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         serve.run(app(AppArgs(drafter_min_replicas=1, drafter_max_replicas=2, drafter_upscale_delay_s=5)),
                   name="specdec", route_prefix="/")  # fmt: skip
         # warm-up: first calls pay one-time costs, and the bandit starts learning (as on a live service)
-        asyncio.run(run_loadtest(LoadTestConfig(url, 2, args.warmup, None, prompts, args.max_tokens)))
+        asyncio.run(run_loadtest(LoadTestConfig(url, 2, args.warmup, None, prompts, args.max_tokens,
+                                                temperature=args.temperature)))
         for concurrency in concurrencies:
             for mode in modes:
                 config = LoadTestConfig(url, concurrency, args.duration, None, prompts, args.max_tokens,
-                                        tree=MODES[mode])  # fmt: skip
+                                        tree=MODES[mode], temperature=args.temperature)  # fmt: skip
                 report = asyncio.run(run_loadtest(config))
                 print(f"concurrency {concurrency}, drafting {mode}: {describe(report)}", flush=True)
                 runs.append({"concurrency": concurrency, "mode": mode, "report": report})
@@ -99,10 +104,12 @@ def main(argv: list[str] | None = None) -> int:
                      "requests": run["report"]["requests"], "latency_s": run["report"]["latency_s"],
                      "mean_accepted_length": run["report"]["mean_accepted_length"]})
     result = {"runs": rows, "duration_s": args.duration, "max_tokens": args.max_tokens,
+              "temperature": args.temperature,
               "hardware": {"platform": platform.platform(), "cpus": os.cpu_count()},
               "when": time.strftime("%Y-%m-%d")}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve_load.json").write_text(json.dumps(result, indent=2) + "\n")
+    name = "serve_load" if args.temperature == 0 else f"serve_load_t{args.temperature:g}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["| concurrency | drafting | tokens/s | vs off | mean accepted length | latency p50 (s) | errors |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['ratio_vs_off']:.2f}x | "
                      f"{'-' if acc is None else f'{acc:.2f}'} | {lat.get('p50', float('nan')):.2f} | "
                      f"{r['requests'].get('errors', 0)} |")
-    (args.out / "serve_load.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
