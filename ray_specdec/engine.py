@@ -186,10 +186,10 @@ class SpeculativeEngine:
             config = arm.with_lookup(min(self.lookup if params.greedy else 0, stop.remaining - 1))
             draft, verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
             sampled = not params.greedy
-            # greedy rounds also teach the arms whose trees this one contained (exact unless the drafter cuts trees)
-            arms = getattr(self.policy, "arms", ()) if params.greedy and self.min_path_prob == 0 else ()
-            lookup = min(self.lookup, stop.remaining - 1)
-            what = what_if(draft, verdict, arms, lookup) if arms and arm in arms else None
+            # the round also teaches the arms whose trees this one contained (unless the drafter cuts trees)
+            arms = getattr(self.policy, "arms", ()) if self.min_path_prob == 0 else ()
+            lookup = min(self.lookup if params.greedy else 0, stop.remaining - 1)
+            what = what_if(draft, verdict, arms, lookup, sampled) if arms and arm in arms else None
             self.policy.record(arm, context_len, len(verdict.accepted_rows), stats.last_round_s, sampled, what)
             context_len += len(verdict.new_tokens)
             kept, delta = stop.feed(verdict.new_tokens)

@@ -94,7 +94,7 @@ def test_no_what_if_when_the_drafter_cut_the_tree():
     assert what_if(draft, verdict, CONTAINED, 0) == {}
 
 
-def test_engine_feeds_what_if_rounds_to_the_bandit_in_greedy_rounds_only():
+def test_engine_feeds_what_if_rounds_to_the_bandit():
     from tests.test_engine import TARGETS
     from ray_specdec.models.target import TargetModel
 
@@ -109,9 +109,10 @@ def test_engine_feeds_what_if_rounds_to_the_bandit_in_greedy_rounds_only():
     pulls, what_ifs = state.raw[greedy_cell, :, 0], state.raw[greedy_cell, :, 8]
     # every round of "2,1" taught "1" and "none"; "1" taught "none"; "none" teaches nobody
     assert what_ifs[0] == 0 and what_ifs[1] == pulls[0] and what_ifs[2] == pulls[0] + pulls[1]
-    engine.generate(prompt, SamplingParams(max_new_tokens=20, temperature=1.0, seed=1))
+    engine.generate(prompt, SamplingParams(max_new_tokens=40, temperature=1.0, seed=1))
     sampled_cell = state.bucket_of(len(prompt), sampled=True)
-    assert bandit.state.raw[sampled_cell, :, 0].sum() > 0 and not bandit.state.raw[sampled_cell, :, 8].any()
+    pulls, what_ifs = bandit.state.raw[sampled_cell, :, 0], bandit.state.raw[sampled_cell, :, 8]
+    assert pulls.sum() > 0 and what_ifs[0] == 0 and what_ifs[2] == pulls[0] + pulls[1]
 
 
 def sums(rounds: list[tuple[float, float]], what_ifs: list[float] = ()) -> np.ndarray:
@@ -196,3 +197,74 @@ def test_what_if_rounds_lower_the_regret_on_nested_chains():
     plain = [chain_regret(False, seed) for seed in range(12)]
     taught = [chain_regret(True, seed) for seed in range(12)]
     assert np.mean(taught) < 0.95 * np.mean(plain), (np.mean(taught), np.mean(plain))  # 29.3 vs 33.0
+
+
+def sampled_round(branching: tuple[int, ...], without_replacement: bool, gen: torch.Generator):
+    """A sampled round over a small vocabulary: q and p at every node are fixed functions of the node's token path
+    (p leans on q, so deep acceptance is common); children drawn from q, i.i.d. or without replacement."""
+    from ray_specdec.acceptance import accept_sampled
+    from ray_specdec.sampling import gumbel_top_k, sample
+    from ray_specdec.tree import build_tree
+
+    def dist(path: tuple[int, ...], salt: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash((salt, path)) % 2**31)
+        return torch.softmax(2.0 * torch.randn(6, generator=g, dtype=torch.float64), 0)
+
+    config = TreeConfig(branching)
+    tree = build_tree(config.index_paths())
+    token_of: dict[tuple[int, ...], int] = {}
+    q_rows, p_rows = [], [dist((), 1) * 0.3 + dist((), 0) * 0.7]
+    level = [()]
+    for depth, k in enumerate(branching):
+        nxt = []
+        for parent in level:
+            path = tuple(token_of[parent[:i]] for i in range(1, len(parent) + 1))
+            q = dist(path, 0)
+            q_rows.append(q)
+            children = gumbel_top_k(q[None], k, gen)[0] if without_replacement else sample(q.expand(k, -1), gen)
+            for rank, token in enumerate(children.tolist()):
+                token_of[parent + (rank,)] = token
+                nxt.append(parent + (rank,))
+        level = nxt
+    tokens = torch.tensor([token_of[p] for p in tree.paths])
+    for node in tree.paths:
+        path = tuple(token_of[node[:i]] for i in range(1, len(node) + 1))
+        p_rows.append(dist(path, 1) * 0.3 + dist(path, 0) * 0.7)
+    verdict = accept_sampled(torch.stack(p_rows), torch.stack(q_rows), tree, tokens, without_replacement, gen)
+    return Draft(config, tokens, torch.stack(q_rows)), verdict
+
+
+@pytest.mark.parametrize("without_replacement", [False, True], ids=["iid", "without-replacement"])
+def test_sampled_what_if_has_each_smaller_arms_acceptance_distribution(without_replacement):
+    """Rounds of (3, 2, 1) give, through what_if, draws of what (2, 1), (1, 1) and (3,) keep; rounds of those arms
+    themselves must have the same distribution of accepted lengths (two-sample chi-square)."""
+    from scipy.stats import chi2_contingency
+
+    big, n = (3, 2, 1), 1500
+    smaller = [TreeConfig((2, 1)), TreeConfig((1, 1)), TreeConfig((3,))]
+    gen = torch.Generator().manual_seed(0)
+    taught = {arm: [] for arm in smaller}
+    for _ in range(n):
+        draft, verdict = sampled_round(big, without_replacement, gen)
+        for arm, kept in what_if(draft, verdict, smaller, 0, sampled=True).items():
+            taught[arm].append(kept)
+    for arm in smaller:
+        direct = [len(sampled_round(arm.branching, without_replacement, gen)[1].accepted_rows) for _ in range(n)]
+        levels = range(arm.depth + 1)
+        table = np.array([[taught[arm].count(k) for k in levels], [direct.count(k) for k in levels]])
+        assert table[:, 1:].sum() > 0.3 * n  # not vacuous: most rounds accept something
+        assert chi2_contingency(table)[1] > 1e-3, (str(arm), table)
+
+
+def test_sampled_what_if_needs_the_lookup_branch_the_round_had():
+    """A rejected lookup token changes the p that the drafter's children meet: an arm without the branch cannot be
+    read off a sampled round that had one (a greedy round is fine: greedy acceptance is a prefix walk)."""
+    from ray_specdec.acceptance import Verdict
+
+    session = DrafterSession(tiny_mamba(), repetitive_history(), vocab_size=VOCAB)
+    draft = session.draft(TreeConfig((2, 1), 3), SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert draft.lookup_tokens
+    arms = [TreeConfig((1,)), TreeConfig((1,), 2), TreeConfig((2, 1), 3)]
+    nothing = Verdict((), (), bonus_token=1)
+    assert set(what_if(draft, nothing, arms, 0, sampled=True)) == {TreeConfig((1,), 2), TreeConfig((2, 1), 3)}
+    assert set(what_if(draft, nothing, arms, 0, sampled=False)) == set(arms)

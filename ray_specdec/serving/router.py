@@ -210,7 +210,7 @@ class RouterCore:
                 stats.last_round_s = draft_s + verify_s
                 # the policy learns about the tree it picked, or "none" when the draft failed
                 self._record(arm if draft.arm == config else draft.arm, draft, len(tokens), verdict, stats, params,
-                             min(self.lookup, stop.remaining - 1))
+                             min(self.lookup if params.greedy else 0, stop.remaining - 1))
                 tokens += verdict.new_tokens
                 kept, delta = stop.feed(verdict.new_tokens)
                 stats.new_tokens += len(kept)
@@ -309,10 +309,10 @@ class RouterCore:
         lookup: int,
     ) -> None:
         accepted = len(verdict.accepted_rows)
-        # every round teaches the policy, rounds without a tree too (they are the "none" arm when it has one); greedy
-        # rounds also teach the arms whose trees this one contained (drafting.what_if)
-        arms = getattr(self.policy, "arms", ()) if params.greedy else ()
-        what = what_if(draft, verdict, arms, lookup) if arms and arm in arms else None
+        # every round teaches the policy, rounds without a tree too (they are the "none" arm when it has one), and the
+        # arms whose trees this one contained (drafting.what_if; none when the drafter cut the tree)
+        arms = getattr(self.policy, "arms", ())
+        what = what_if(draft, verdict, arms, lookup, not params.greedy) if arms and arm in arms else None
         self.policy.record(arm, context_len, accepted, max(stats.last_round_s, 1e-9), not params.greedy, what)
         stats.record_round(draft.label, draft.tree.depth, accepted)
 
