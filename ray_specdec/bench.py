@@ -3,7 +3,13 @@
 Same held-out prompts, same target weights: HF `generate` (no drafter), HF assisted generation with the Transformer
 drafter, HF prompt lookup, and our engine with the Mamba drafter as a chain and as fixed trees; greedy and
 temperature 1. Speedups are ratios within this run; greedy outputs are checked token for token against HF `generate`.
-A context sweep compares drafter memory and step time, Mamba vs Transformer, as prompts grow.
+Prompts come in groups (short and long held-out windows, long-context QA prompts over held-out files), reported
+together and per group. A context sweep compares drafter memory and step time, Mamba vs Transformer, as prompts grow.
+
+JSON (`--json`): {"methods": [{"name", "temperature", "tokens_per_s", "speedup_vs_hf_generate",
+"mean_accepted_length", "identical_to_target", "acceptance_per_depth", "per_prompt_tokens", "per_prompt_seconds",
+...}], "groups": [{"group", "prompts", "name", "temperature", "tokens_per_s", "speedup_vs_hf_generate", ...}],
+"context_sweep": [...], "hardware": {...}, "settings": {...}, "greedy_outputs_identical"}.
 """
 
 from __future__ import annotations
