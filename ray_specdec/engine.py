@@ -183,12 +183,12 @@ class SpeculativeEngine:
         context_len = len(prompt_ids)
         while not stop.finished:
             arm = self._pick_tree(tree, context_len, stop.remaining, params)
-            config = arm.with_lookup(min(self.lookup if params.greedy else 0, stop.remaining - 1))
+            lookup = min(self.lookup if params.greedy else 0, stop.remaining - 1)
+            config = arm.with_lookup(lookup)
             draft, verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
             sampled = not params.greedy
             # the round also teaches the arms whose trees this one contained (unless the drafter cuts trees)
             arms = getattr(self.policy, "arms", ()) if self.min_path_prob == 0 else ()
-            lookup = min(self.lookup if params.greedy else 0, stop.remaining - 1)
             what = what_if(draft, verdict, arms, lookup, sampled) if arms and arm in arms else None
             self.policy.record(arm, context_len, len(verdict.accepted_rows), stats.last_round_s, sampled, what)
             context_len += len(verdict.new_tokens)

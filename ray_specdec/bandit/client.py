@@ -163,8 +163,8 @@ class Bandit:
     ) -> None:
         """accepted_tokens: draft tokens the target kept (the bonus token excluded): 0 for a round without a tree,
         at most the tree's depth plus the lookup tokens an engine may add to it (`TreeConfig.with_lookup`).
-        what_if: other arms -> the draft tokens each would have had accepted in this round (`drafting.what_if`, greedy
-        rounds whose tree contained theirs); their token estimates learn from it, their time estimates do not.
+        what_if: other arms -> the draft tokens each would have had accepted in this round (`drafting.what_if`: arms
+        whose tree this round's contained); their token estimates learn from it, their time estimates do not.
 
         Rounds of trees outside the arm set (a tree cut short at the end of a generation) are not counted.
         """

@@ -2,8 +2,9 @@
 
 A `BanditState` holds, for every context cell and every arm (tree config), plain and discounted sums (for the
 non-stationary policies) of the same fields: pulls, reward, reward², and the round's tokens x (accepted + bonus) and
-time t with x², t², x*t (plus what-if rounds: tokens an arm would have kept in other arms' rounds), from which the throughput policies estimate tokens per second as a ratio of sums (what a
-stream of rounds delivers) rather than a mean of per-round ratios (biased by how round time varies). A cell is a
+time t with x², t², x*t, plus what-if rounds (tokens an arm would have kept in other arms' rounds), from which the
+throughput policies estimate tokens per second as a ratio of sums (what a stream of rounds delivers) rather than a
+mean of per-round ratios (biased by how round time varies). A cell is a
 prompt-length bucket times a sampling mode (greedy or sampled rounds: their best trees differ, e.g. a lookup branch
 pays more in greedy rounds), or the bucket alone with the single mode "all". Discounting is per record of a cell:
 each record multiplies that cell's discounted sums by gamma first. Arrays are indexed by cell = mode * buckets +
@@ -35,8 +36,8 @@ ONE_MODE = ("all",)
 
 # Columns of `BanditState.raw` and `BanditState.disc` ([cells, arms, len(FIELDS)] each). The first eight come from
 # the arm's own rounds; the what-if fields count rounds of other arms whose tree contained this arm's, with the tokens
-# this arm would have kept in them (greedy acceptance is a prefix walk: `drafting.what_if`). No time: a round of
-# another arm does not say how long this arm's round takes.
+# this arm would have kept in them (`drafting.what_if`). No time: a round of another arm does not say how long this
+# arm's round takes.
 OWN_FIELDS = ("pulls", "reward_sum", "reward_sq", "tokens_sum", "time_sum", "tokens_sq", "time_sq", "tokens_time")
 WHAT_IF_FIELDS = ("what_if_rounds", "what_if_tokens_sum", "what_if_tokens_sq")
 FIELDS = OWN_FIELDS + WHAT_IF_FIELDS

@@ -197,7 +197,8 @@ class RouterCore:
         self.in_flight += 1
         try:
             arm = self._pick_tree(tree, len(tokens), stop.remaining, params)
-            config = arm.with_lookup(min(self.lookup if params.greedy else 0, stop.remaining - 1))
+            lookup = self._lookup(params, stop.remaining)
+            config = arm.with_lookup(lookup)
             draft = await self._start(request_id, link, config, params, tokens, stats)
             draft_s = 0.0  # the first draft is hidden behind the target's prefill
             while True:
@@ -210,7 +211,7 @@ class RouterCore:
                 stats.last_round_s = draft_s + verify_s
                 # the policy learns about the tree it picked, or "none" when the draft failed
                 self._record(arm if draft.arm == config else draft.arm, draft, len(tokens), verdict, stats, params,
-                             min(self.lookup if params.greedy else 0, stop.remaining - 1))
+                             lookup)
                 tokens += verdict.new_tokens
                 kept, delta = stop.feed(verdict.new_tokens)
                 stats.new_tokens += len(kept)
@@ -219,7 +220,8 @@ class RouterCore:
                     return
                 t0 = time.perf_counter()
                 arm = self._pick_tree(tree, len(tokens), stop.remaining, params)
-                config = arm.with_lookup(min(self.lookup if params.greedy else 0, stop.remaining - 1))
+                lookup = self._lookup(params, stop.remaining)
+                config = arm.with_lookup(lookup)
                 draft = await self._draft(link, config, params, tokens)
                 draft_s = time.perf_counter() - t0
                 stats.draft_s += draft_s
@@ -247,6 +249,10 @@ class RouterCore:
         draft = await first_draft
         stats.prefill_s = time.perf_counter() - t0
         return draft
+
+    def _lookup(self, params: SamplingParams, remaining: int) -> int:
+        """Lookup tokens added to the round's tree: greedy requests only, never past what is left to generate."""
+        return min(self.lookup if params.greedy else 0, remaining - 1)
 
     def _pick_tree(
         self, override: TreeConfig | None, context_len: int, remaining: int, params: SamplingParams
