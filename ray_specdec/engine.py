@@ -67,6 +67,38 @@ def empty_draft() -> Draft:
     return Draft(NO_TREE, torch.empty(0, dtype=torch.long), None)
 
 
+class LazyDrafter:
+    """One request's drafter, paid for only in rounds that draft.
+
+    The `DrafterSession` is built (a prefill over every token so far) on the request's first drafted round, so a
+    request whose rounds all go undrafted never runs the drafter. Verdicts wait until the next draft and go through
+    the drafter in one `commit_all` (one sequence pass over their tokens), as the Serve router sends them: rounds
+    without a draft cost the drafter nothing then, and the last round's verdict is never applied.
+    """
+
+    def __init__(self, drafter: MambaDrafter, prompt_ids: Sequence[int], vocab_size: int):
+        self.drafter, self.vocab_size = drafter, vocab_size
+        self.tokens = list(prompt_ids)  # every token so far (prompt + generated): what a late prefill runs over
+        self.session: DrafterSession | None = None
+        self.pending: list[Verdict] = []  # verdicts since the last draft, that draft's own first
+        self.prefill_s = 0.0  # the drafter's prefill, when it happened
+
+    def draft(self, config: TreeConfig, params: SamplingParams, generator, min_path_prob: float) -> Draft:
+        if self.session is None:
+            t0 = time.perf_counter()
+            self.session = DrafterSession(self.drafter, self.tokens, self.vocab_size)
+            self.prefill_s = time.perf_counter() - t0
+        else:
+            self.session.commit_all(self.pending)
+        self.pending = []
+        return self.session.draft(config, params, generator, min_path_prob)
+
+    def commit(self, verdict: Verdict) -> None:
+        self.tokens += verdict.new_tokens
+        if self.session is not None:
+            self.pending.append(verdict)
+
+
 class FixedTree:
     """A tree policy that always picks one config (the bandit is the adaptive one)."""
 
@@ -177,8 +209,8 @@ class SpeculativeEngine:
 
         t0 = time.perf_counter()
         target_side = TargetSession(self.target, prompt_ids)
-        drafter_side = DrafterSession(self.drafter, prompt_ids, self.target.vocab_size) if self.drafter else None
         stats.prefill_s = time.perf_counter() - t0
+        drafter_side = LazyDrafter(self.drafter, prompt_ids, self.target.vocab_size) if self.drafter else None
 
         context_len = len(prompt_ids)
         while not stop.finished:
@@ -206,12 +238,19 @@ class SpeculativeEngine:
         # the bonus token comes for free: never draft deeper than what is left to generate
         return config.truncated(remaining - 1)
 
-    def _round(self, target_side, drafter_side, config, params, draft_gen, target_gen, stats) -> tuple[Draft, Verdict]:
+    def _round(
+        self, target_side, drafter_side: LazyDrafter | None, config, params, draft_gen, target_gen, stats
+    ) -> tuple[Draft, Verdict]:
+        """One round; its time (the policy's reward) leaves out the drafter's prefill, a per-request cost that goes
+        to stats.prefill_s; the drafter's catch-up on earlier verdicts counts as draft time."""
         t0 = time.perf_counter()
+        drafter_prefill_s = 0.0
         if drafter_side is None or config.depth == 0:
             draft = empty_draft()
         else:
+            built = drafter_side.session is not None
             draft = drafter_side.draft(config, params, draft_gen, self.min_path_prob)
+            drafter_prefill_s = 0.0 if built else drafter_side.prefill_s
         t1 = time.perf_counter()
         logits = target_side.forward(draft)
         t2 = time.perf_counter()
@@ -220,8 +259,9 @@ class SpeculativeEngine:
         if drafter_side is not None:
             drafter_side.commit(verdict)
         t3 = time.perf_counter()
-        stats.draft_s += t1 - t0
+        stats.prefill_s += drafter_prefill_s
+        stats.draft_s += t1 - t0 - drafter_prefill_s
         stats.verify_s += t2 - t1
         stats.other_s += t3 - t2
-        stats.last_round_s = t3 - t0
+        stats.last_round_s = t3 - t0 - drafter_prefill_s
         return draft, verdict
