@@ -26,6 +26,11 @@ from ray_specdec.stopping import StopChecker
 NO_TREE = TreeConfig(())
 # Default cut of drafts by the drafter's own path probabilities (DrafterSession.draft); see docs/BENCHMARKS.md.
 DEFAULT_MIN_PATH_PROB = 0.0
+# Of the requests that the start rule (SpeculativeEngine._worth_starting) keeps undrafted, one in this many drafts
+# anyway, so that the drafting arms' estimates in that context keep learning and a wrong "no" does not last.
+START_ANYWAY_EVERY = 8
+# Weight of the newest measurement in the running estimate of the drafter's prefill cost per token.
+PREFILL_RATE_EMA = 0.2
 
 
 class TargetSession:
@@ -170,6 +175,8 @@ class SpeculativeEngine:
         self.min_path_prob = min_path_prob
         self.policy = FixedTree(tree_policy) if isinstance(tree_policy, TreeConfig) else tree_policy
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
+        self.prefill_s_per_token: float | None = None  # the drafter's, measured (running estimate)
+        self.kept_plain = 0  # requests the start rule kept undrafted (START_ANYWAY_EVERY)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -213,8 +220,12 @@ class SpeculativeEngine:
         drafter_side = LazyDrafter(self.drafter, prompt_ids, self.target.vocab_size) if self.drafter else None
 
         context_len = len(prompt_ids)
+        plain = False  # the start rule kept this request undrafted
         while not stop.finished:
-            arm = self._pick_tree(tree, context_len, stop.remaining, params)
+            arm = NO_TREE if plain else self._pick_tree(tree, context_len, stop.remaining, params)
+            if arm.depth and tree is None and drafter_side.session is None:
+                plain = not self._worth_starting(context_len, stop.remaining, not params.greedy)
+                arm = NO_TREE if plain else arm
             lookup = min(self.lookup if params.greedy else 0, stop.remaining - 1)
             config = arm.with_lookup(lookup)
             draft, verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
@@ -228,6 +239,33 @@ class SpeculativeEngine:
             stats.new_tokens += len(kept)
             stats.record_round(draft.label, draft.tree.depth, len(verdict.accepted_rows))
             yield StreamChunk(kept, delta, stop.finish_reason, stats)
+
+    def _worth_starting(self, context_len: int, remaining: int, sampled: bool) -> bool:
+        """Whether to start the drafter for a request, asked when the policy first picks a tree for it.
+
+        The drafter's prefill is paid once per request, so a per-round reward cannot weigh it. Goodput, not
+        acceptance, decides: draft unless the policy's own estimates say that over the tokens left, drafting's best
+        rate would not make up for the prefill (prefill + remaining / best drafting rate >= remaining / rate without
+        drafting); then the request stays undrafted, but for one in START_ANYWAY_EVERY. Without estimates of both
+        rates (a policy that has none, like a fixed tree) or of the prefill's cost, it drafts.
+        """
+        rates = getattr(self.policy, "throughput", None)
+        if rates is None or self.prefill_s_per_token is None:
+            return True
+        estimates = rates(context_len, sampled)
+        plain = estimates.get(NO_TREE)
+        drafting = max((rate for arm, rate in estimates.items() if arm.depth), default=None)
+        if plain is None or drafting is None:
+            return True
+        if self.prefill_s_per_token * context_len + remaining / drafting < remaining / plain:
+            return True
+        self.kept_plain += 1
+        return self.kept_plain % START_ANYWAY_EVERY == 0
+
+    def _note_prefill(self, seconds: float, tokens: int) -> None:
+        rate = seconds / max(tokens, 1)
+        old = self.prefill_s_per_token
+        self.prefill_s_per_token = rate if old is None else old + PREFILL_RATE_EMA * (rate - old)
 
     def _pick_tree(
         self, override: TreeConfig | None, context_len: int, remaining: int, params: SamplingParams
@@ -250,7 +288,9 @@ class SpeculativeEngine:
         else:
             built = drafter_side.session is not None
             draft = drafter_side.draft(config, params, draft_gen, self.min_path_prob)
-            drafter_prefill_s = 0.0 if built else drafter_side.prefill_s
+            if not built:
+                drafter_prefill_s = drafter_side.prefill_s
+                self._note_prefill(drafter_prefill_s, len(drafter_side.tokens))
         t1 = time.perf_counter()
         logits = target_side.forward(draft)
         t2 = time.perf_counter()

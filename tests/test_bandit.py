@@ -400,3 +400,22 @@ def test_summary_reports_pulls_means_and_best():
     assert (long["bucket"], long["min_context"], long["max_context"]) == ("greedy >=1k", 1024, None)
     assert long["best"] == "1,1"
     json.dumps(summary)
+
+
+def test_throughput_estimates_are_the_cells_tokens_per_second():
+    from ray_specdec.bandit import Bandit, BanditConfig, PaperReward
+
+    arms = (TreeConfig((1, 1)), TreeConfig(()), TreeConfig((2,)))
+    bandit = Bandit(BanditConfig(arms=arms, prior_pulls=0), seed=0)
+    for _ in range(5):
+        bandit.record(arms[0], 100, accepted_tokens=2, round_time_s=0.02)  # 3 tokens / 20 ms
+        bandit.record(arms[1], 100, accepted_tokens=0, round_time_s=0.01)  # 1 token / 10 ms
+        bandit.record(arms[0], 5000, accepted_tokens=0, round_time_s=0.02)  # another bucket
+    rates = bandit.throughput(100)
+    assert set(rates) == {arms[0], arms[1]}  # unpulled arms have no estimate
+    assert rates[arms[0]] == pytest.approx(150.0) and rates[arms[1]] == pytest.approx(100.0)
+    assert bandit.throughput(5000)[arms[0]] == pytest.approx(50.0)
+    assert bandit.throughput(100, sampled=True) == {}  # greedy and sampled rounds are separate cells
+    paper = Bandit(BanditConfig(arms=arms, reward=PaperReward()), seed=0)
+    paper.record(arms[0], 100, accepted_tokens=2, round_time_s=0.02)
+    assert paper.throughput(100) == {}  # not a throughput

@@ -536,3 +536,52 @@ def test_the_drafters_prefill_is_a_request_cost_not_a_rounds(target):
     assert result.stats.prefill_s >= 1.0
     assert max(t for _, t in policy.records) < 1.0
     assert result.stats.draft_s < 1.0 and result.stats.total_s >= 1.0
+
+
+class RatedPolicy(ScriptedPolicy):
+    """A scripted policy that also reports throughput estimates (tokens per second of round time), as the bandit
+    does."""
+
+    def __init__(self, script, rates):
+        super().__init__(script)
+        self.rates = {TreeConfig(b): r for b, r in rates.items()}
+
+    def throughput(self, context_len, sampled=False):
+        return dict(self.rates)
+
+
+@pytest.mark.parametrize("max_new, drafts", [(12, True), (6, False)])
+def test_the_start_rule_drafts_only_when_the_tokens_left_pay_for_the_drafters_prefill(target, max_new, drafts):
+    """prefill 37 tokens x 1 ms = 37 ms; drafting saves 1/100 - 1/200 = 5 ms per token: worth it past 7.4 tokens."""
+    from ray_specdec.engine import START_ANYWAY_EVERY
+
+    prompt = random_prompt(37, seed=10)
+    policy = RatedPolicy([(1, 1)], {(1, 1): 200.0, (): 100.0})
+    engine = SpeculativeEngine(target, tiny_mamba() if drafts else NoDrafterCalls(), policy)
+    engine.prefill_s_per_token = 1e-3
+    result = engine.generate(prompt, SamplingParams(max_new_tokens=max_new))
+    assert result.token_ids == hf_greedy(target, prompt, max_new)
+    assert ("1,1" in result.stats.trees) == drafts
+    if not drafts:
+        assert result.stats.trees == {"none": max_new} and engine.kept_plain == 1
+        assert {tree for tree, _ in policy.records} == {"none"}  # the policy learns what ran
+        engine.drafter = tiny_mamba()  # one request in START_ANYWAY_EVERY the rule keeps plain drafts anyway
+        trees = [engine.generate(prompt, SamplingParams(max_new_tokens=max_new)).stats.trees
+                 for _ in range(START_ANYWAY_EVERY - 1)]
+        assert ["1,1" in t for t in trees] == [False] * (START_ANYWAY_EVERY - 2) + [True]
+        assert engine.kept_plain == START_ANYWAY_EVERY
+
+
+def test_the_start_rule_drafts_without_estimates_and_learns_the_prefill_cost(target):
+    prompt = random_prompt(37, seed=11)
+    for rates in ({(1, 1): 200.0}, {(): 100.0}, {}):  # a rate missing: no judgement, draft
+        engine = SpeculativeEngine(target, tiny_mamba(), RatedPolicy([(1, 1)], rates))
+        engine.prefill_s_per_token = 1.0  # a prefill that would never pay
+        assert "1,1" in engine.generate(prompt, SamplingParams(max_new_tokens=6)).stats.trees
+    engine = SpeculativeEngine(target, tiny_mamba(), RatedPolicy([(1, 1)], {(1, 1): 200.0, (): 100.0}))
+    assert engine.prefill_s_per_token is None  # nothing measured yet: draft, and measure
+    assert "1,1" in engine.generate(prompt, SamplingParams(max_new_tokens=6)).stats.trees
+    assert 0 < engine.prefill_s_per_token < 1.0
+    # a tree asked for explicitly is drafted whatever the estimates say
+    engine.prefill_s_per_token = 1.0
+    assert "2" in engine.generate(prompt, SamplingParams(max_new_tokens=6), TreeConfig((2,))).stats.trees

@@ -152,6 +152,15 @@ class Bandit:
     def arms(self) -> tuple[TreeConfig, ...]:
         return self.config.arms
 
+    def throughput(self, context_len: int, sampled: bool = False) -> dict[TreeConfig, float]:
+        """Estimated tokens per second of round time of every arm pulled in the context's cell: the values the
+        policy decides on (prior pseudo-rounds included). Empty under a reward that is not a throughput."""
+        if not self.config.reward.ratio:
+            return {}
+        with self._lock:
+            stats = self.config.policy_stats(self._view, self._view.bucket_of(context_len, sampled))
+        return {arm: float(v) for arm, v, n in zip(self.config.arms, stats.mean, stats.pulls) if n > 0 and v > 0}
+
     def record(
         self,
         tree: TreeConfig,
