@@ -244,15 +244,17 @@ class SpeculativeEngine:
         """Whether to start the drafter for a request, asked when the policy first picks a tree for it.
 
         The drafter's prefill is paid once per request, so a per-round reward cannot weigh it. Goodput, not
-        acceptance, decides: draft unless the policy's own estimates say that over the tokens left, drafting's best
-        rate would not make up for the prefill (prefill + remaining / best drafting rate >= remaining / rate without
-        drafting); then the request stays undrafted, but for one in START_ANYWAY_EVERY. Without estimates of both
-        rates (a policy that has none, like a fixed tree) or of the prefill's cost, it drafts.
+        acceptance, decides: draft unless the policy's estimates say that over the tokens left, drafting's best rate
+        would not make up for the prefill (prefill + remaining / best drafting rate >= remaining / rate without
+        drafting); then the request stays undrafted, but for one in START_ANYWAY_EVERY. The rates are Thompson draws
+        from the policy's posteriors, not its means: a rule that acted on means alone would stop trying the drafting
+        arms of a context after a few slow first rounds and never learn otherwise. Without estimates of both rates
+        (a policy that has none, like a fixed tree) or of the prefill's cost, it drafts.
         """
         rates = getattr(self.policy, "throughput", None)
         if rates is None or self.prefill_s_per_token is None:
             return True
-        estimates = rates(context_len, sampled)
+        estimates = rates(context_len, sampled, draw=True)  # Thompson: uncertain estimates still get tried
         plain = estimates.get(NO_TREE)
         drafting = max((rate for arm, rate in estimates.items() if arm.depth), default=None)
         if plain is None or drafting is None:

@@ -419,3 +419,23 @@ def test_throughput_estimates_are_the_cells_tokens_per_second():
     paper = Bandit(BanditConfig(arms=arms, reward=PaperReward()), seed=0)
     paper.record(arms[0], 100, accepted_tokens=2, round_time_s=0.02)
     assert paper.throughput(100) == {}  # not a throughput
+
+
+def test_an_arm_whose_first_rounds_were_slow_is_tried_again():
+    """Cold start as measured in the engine: the first round of each drafted tree pays one-time costs (new shapes)
+    and keeps few tokens, while rounds without a draft are steady. A prior spread taken only from the pooled
+    variance (dominated by the steady arm) never samples the drafting arm again; the relative prior does."""
+    arms = (TreeConfig((1, 1, 1)), TreeConfig(()))
+
+    def env(arm, t, context_len, rng):
+        if arm == 1:
+            return 0, 0.010 * math.exp(0.02 * rng.standard_normal())  # 100 tokens/s, steady
+        if first[0]:
+            first[0] = False
+            return 0, 0.030  # one token in 30 ms: 33 tokens/s
+        return int(rng.integers(1, 4)), 0.015  # 3 tokens per 15 ms on average: 200 tokens/s
+
+    for seed in range(4):
+        first = [True]
+        picks = simulate(Bandit(BanditConfig(arms=arms), seed=seed), env, 1000, seed=seed)
+        assert late_share(picks, 0) >= 0.9, seed

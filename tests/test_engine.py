@@ -546,7 +546,8 @@ class RatedPolicy(ScriptedPolicy):
         super().__init__(script)
         self.rates = {TreeConfig(b): r for b, r in rates.items()}
 
-    def throughput(self, context_len, sampled=False):
+    def throughput(self, context_len, sampled=False, draw=False):
+        assert draw  # the engine decides on Thompson draws
         return dict(self.rates)
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
-from ray_specdec.bandit.policies import ArmStats, GaussianThompson, Policy, Reward, ThroughputReward
+from ray_specdec.bandit.policies import ArmStats, GaussianThompson, Policy, Reward, ThroughputReward, posterior_draws
 from ray_specdec.bandit.state import ONE_MODE, OWN_FIELDS, SPLIT_MODES, BanditState
 from ray_specdec.config import MAX_LOOKUP_TOKENS, PAPER_TREES, TreeConfig
 
@@ -152,14 +152,19 @@ class Bandit:
     def arms(self) -> tuple[TreeConfig, ...]:
         return self.config.arms
 
-    def throughput(self, context_len: int, sampled: bool = False) -> dict[TreeConfig, float]:
+    def throughput(self, context_len: int, sampled: bool = False, draw: bool = False) -> dict[TreeConfig, float]:
         """Estimated tokens per second of round time of every arm pulled in the context's cell: the values the
-        policy decides on (prior pseudo-rounds included). Empty under a reward that is not a throughput."""
+        policy decides on (prior pseudo-rounds included), or with `draw` one Thompson draw from each estimate's
+        posterior (`posterior_draws`), so that a decision made on them explores where the estimates are uncertain.
+        Empty under a reward that is not a throughput."""
         if not self.config.reward.ratio:
             return {}
         with self._lock:
             stats = self.config.policy_stats(self._view, self._view.bucket_of(context_len, sampled))
-        return {arm: float(v) for arm, v, n in zip(self.config.arms, stats.mean, stats.pulls) if n > 0 and v > 0}
+            pulled, values = stats.pulls > 0, stats.mean.copy()
+            if draw and pulled.any():
+                values[pulled] = posterior_draws(_pulled_only(stats, pulled), self._rng)
+        return {arm: float(v) for arm, v, ok in zip(self.config.arms, values, pulled) if ok and v > 0}
 
     def record(
         self,
@@ -259,6 +264,10 @@ class BanditHub:
             raise ValueError("this BanditHub has no path to save to")
         self.state.save(self.path)
         self._last_save = self._clock()
+
+
+def _pulled_only(stats: ArmStats, pulled: np.ndarray) -> ArmStats:
+    return ArmStats(stats.pulls[pulled], stats.mean[pulled], stats.sq_dev[pulled], stats.bounded)
 
 
 def _check_accepted(tree: TreeConfig, accepted_tokens: int) -> None:

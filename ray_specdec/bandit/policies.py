@@ -17,7 +17,8 @@ Rules (`choose(stats, rng) -> arm index`; arms never pulled in the bucket are tr
 - `DiscountedUCB`: the same index on discounted sums (Garivier & Moulines, 2011): old rounds fade with gamma per
   round, so the bandit follows load or traffic changes.
 - `GaussianThompson`: sample mu_k ~ N(r_k, v_k / n_k) on discounted sums, with v_k the arm's variance shrunk toward
-  the bucket's pooled variance (one pseudo-observation); pick the largest sample.
+  a prior variance (one pseudo-observation: the bucket's pooled variance, at least (PRIOR_CV r_k)^2 for an unbounded
+  reward); pick the largest sample.
 """
 
 from __future__ import annotations
@@ -139,6 +140,21 @@ class DiscountedUCB(UCB1):
     discounted = True
 
 
+# Spread of one round's unbounded reward assumed a priori, relative to the arm's mean. The bucket's pooled spread
+# alone can be far too small for an arm: rounds without a draft emit one token each and barely vary, drafted rounds
+# emit one to nine, so an arm whose one or two first rounds were slow (cold caches) would never be sampled again.
+PRIOR_CV = 1.0
+
+
+def posterior_draws(stats: ArmStats, rng: np.random.Generator) -> np.ndarray:
+    """One draw per arm from N(mean, v / pulls), v the arm's per-round variance shrunk toward a prior variance (one
+    pseudo-round): 0.25 for a bounded reward (the largest variance on a unit range), else the larger of the bucket's
+    pooled variance and (PRIOR_CV x the arm's mean)^2. Arms must have been pulled."""
+    prior_var = 0.25 if stats.bounded else np.maximum(stats.pooled_var(), (PRIOR_CV * stats.mean) ** 2)
+    var = (stats.sq_dev + prior_var) / (stats.pulls + 1.0)
+    return rng.normal(stats.mean, np.sqrt(var / stats.pulls))
+
+
 @dataclass(frozen=True)
 class GaussianThompson:
     discounted = True
@@ -147,10 +163,7 @@ class GaussianThompson:
         unpulled = _first_unpulled(stats)
         if unpulled is not None:
             return unpulled
-        prior_var = 0.25 if stats.bounded else stats.pooled_var()  # 0.25: largest variance on a unit range
-        var = (stats.sq_dev + prior_var) / (stats.pulls + 1.0)
-        samples = rng.normal(stats.mean, np.sqrt(var / stats.pulls))
-        return int(np.argmax(samples))
+        return int(np.argmax(posterior_draws(stats, rng)))
 
 
 Policy = UCB1 | DiscountedUCB | GaussianThompson
