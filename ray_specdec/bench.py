@@ -377,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                      "cut_trees": [f"{t}@{c:g}" for t, c in cut_trees],
                      "bandit_warmup_prompts": args.bandit_warmup,
                      "bandit_pulls": {str(arm): int(n) for arm, n in zip(bandit.config.arms, bandit_pulls(bandit))},
+                     # requests (warm-up included) the engine's start rule ran without drafting at all
+                     "bandit_requests_kept_plain": bandit_engine.kept_plain,
                      "target": model_label(args.target), "drafter": model_label(args.drafter),
                      "tf_drafter": model_label(args.tf_drafter), "quick": args.quick},
     }

@@ -25,6 +25,9 @@ def markdown(report: dict) -> str:
     if pulls:
         lines += ["", "Bandit pulls per arm (warm-up included): "
                   + ", ".join(f"{arm}: {n}" for arm, n in pulls.items())]
+        plain = report["settings"].get("bandit_requests_kept_plain")
+        if plain is not None:
+            lines.append(f"Requests the bandit's engine kept undrafted (the drafter's prefill would not pay): {plain}")
     lines += ["", "| context tokens | Mamba state (KiB) | Mamba step (ms) | Transformer KV (KiB) | Transformer step (ms) |",
               "| --- | --- | --- | --- | --- |"]
     for r in report["context_sweep"]:
