@@ -1,0 +1,158 @@
+"""The engine's drafter is paid for only in rounds that draft (LazyDrafter), and each request decides once whether
+drafting can repay the drafter's prefill (the start rule). Output stays exactly the target's either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.drafting import DrafterSession
+from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from tests.test_engine import hf_greedy, random_prompt, target, tiny_mamba  # noqa: F401 (target: a fixture)
+
+
+
+class ScriptedPolicy:
+    """Picks trees from a script, round after round (the last one once the script runs out)."""
+
+    def __init__(self, script):
+        self.script, self.round, self.records = [TreeConfig(b) for b in script], 0, []
+
+    def select(self, context_len, sampled=False):
+        tree = self.script[min(self.round, len(self.script) - 1)]
+        self.round += 1
+        return tree
+
+    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None):
+        self.records.append((str(tree), round_time_s))
+
+
+class NoDrafterCalls:
+    """A drafter that fails the test if anything runs it."""
+
+    device, vocab_size = torch.device("cpu"), 128
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the drafter's {name} ran in a request that never drafted")
+
+
+def test_a_request_that_never_drafts_never_runs_the_drafter(target):
+    prompt = random_prompt(37, seed=7)
+    engine = SpeculativeEngine(target, NoDrafterCalls(), ScriptedPolicy([()]))
+    result = engine.generate(prompt, SamplingParams(max_new_tokens=12))
+    assert result.token_ids == hf_greedy(target, prompt, 12)
+    assert result.stats.trees == {"none": 12}
+
+
+@pytest.mark.parametrize("script", [
+    [(), (), (1, 1), (), (3, 2), (), (), (1,)],  # drafting starts late: the drafter is prefilled mid-request
+    [(2, 1), (), (), (1, 1, 1), (1, 1, 1), (), (2, 2, 1)],  # stretches without a draft between drafted rounds
+])
+def test_interleaved_undrafted_rounds_keep_output_and_drafter_state_exact(target, script):
+    prompt = random_prompt(37, seed=8)
+    engine = SpeculativeEngine(target, tiny_mamba(), ScriptedPolicy(script))
+    result = engine.generate(prompt, SamplingParams(max_new_tokens=40))
+    assert result.token_ids == hf_greedy(target, prompt, 40)
+    assert "none" in result.stats.trees and len(result.stats.trees) > 2
+
+
+def test_lazy_drafter_catches_up_to_a_prefill_from_scratch():
+    """Every draft after rounds with and without drafts starts from the state a fresh prefill of every token so far
+    gives, and proposes the same tree (greedy)."""
+    from ray_specdec.acceptance import Verdict
+    from ray_specdec.engine import LazyDrafter
+
+    drafter = tiny_mamba(vocab=32)
+    tokens = random_prompt(12, seed=5, vocab=32)
+    lazy = LazyDrafter(drafter, tokens, vocab_size=32)
+    g = torch.Generator().manual_seed(1)
+    script = [None, None, (2, 1), None, (1, 1, 1), (1, 1, 1), None, None, None, (3, 2), (2,)]
+    for round_, branching in enumerate(script):
+        if branching is None:
+            verdict = Verdict((), (), bonus_token=int(torch.randint(32, (1,), generator=g)))
+        else:
+            config = TreeConfig(branching)
+            draft = lazy.draft(config, SamplingParams(), None, 0.0)
+            fresh = DrafterSession(drafter, tokens, vocab_size=32)
+            torch.testing.assert_close(lazy.session.root_state.ssm, fresh.root_state.ssm)
+            torch.testing.assert_close(lazy.session.root_state.conv, fresh.root_state.conv)
+            assert torch.equal(draft.tokens, fresh.draft(config, SamplingParams(), None, 0.0).tokens)
+            leaf = draft.tree.leaf_paths[round_ % len(draft.tree.leaf_paths)]
+            rows = leaf[1 : 1 + round_ % (config.depth + 1)]
+            accepted = tuple(int(draft.tokens[r - 1]) for r in rows)
+            verdict = Verdict(rows, accepted, bonus_token=int(torch.randint(32, (1,), generator=g)))
+        lazy.commit(verdict)
+        tokens += verdict.new_tokens
+        assert lazy.tokens == tokens
+    assert lazy.session is not None and lazy.pending  # the last verdicts are never applied: no draft followed
+
+
+def test_the_drafters_prefill_is_a_request_cost_not_a_rounds(target):
+    """A late drafter prefill goes to stats.prefill_s; the round the policy is told about leaves it out."""
+    import time as _time
+
+    class SlowPrefill(MambaDrafter):
+        def prefill(self, ids):
+            _time.sleep(1.0)
+            return super().prefill(ids)
+
+    slow = tiny_mamba()
+    slow.__class__ = SlowPrefill
+    policy = ScriptedPolicy([(), (), (1, 1)])
+    engine = SpeculativeEngine(target, slow, policy)
+    result = engine.generate(random_prompt(37, seed=9), SamplingParams(max_new_tokens=12))
+    assert result.stats.prefill_s >= 1.0
+    assert max(t for _, t in policy.records) < 1.0
+    assert result.stats.draft_s < 1.0 and result.stats.total_s >= 1.0
+
+
+class RatedPolicy(ScriptedPolicy):
+    """A scripted policy that also reports throughput estimates (tokens per second of round time), as the bandit
+    does."""
+
+    def __init__(self, script, rates):
+        super().__init__(script)
+        self.rates = {TreeConfig(b): r for b, r in rates.items()}
+
+    def throughput(self, context_len, sampled=False, draw=False):
+        assert draw  # the engine decides on Thompson draws
+        return dict(self.rates)
+
+
+@pytest.mark.parametrize("max_new, drafts", [(12, True), (6, False)])
+def test_the_start_rule_drafts_only_when_the_tokens_left_pay_for_the_drafters_prefill(target, max_new, drafts):
+    """prefill 37 tokens x 1 ms = 37 ms; drafting saves 1/100 - 1/200 = 5 ms per token: worth it past 7.4 tokens."""
+    from ray_specdec.engine import START_ANYWAY_EVERY
+
+    prompt = random_prompt(37, seed=10)
+    policy = RatedPolicy([(1, 1)], {(1, 1): 200.0, (): 100.0})
+    engine = SpeculativeEngine(target, tiny_mamba() if drafts else NoDrafterCalls(), policy)
+    engine.prefill_s_per_token = 1e-3
+    result = engine.generate(prompt, SamplingParams(max_new_tokens=max_new))
+    assert result.token_ids == hf_greedy(target, prompt, max_new)
+    assert ("1,1" in result.stats.trees) == drafts
+    if not drafts:
+        assert result.stats.trees == {"none": max_new} and engine.kept_plain == 1
+        assert {tree for tree, _ in policy.records} == {"none"}  # the policy learns what ran
+        engine.drafter = tiny_mamba()  # one request in START_ANYWAY_EVERY the rule keeps plain drafts anyway
+        trees = [engine.generate(prompt, SamplingParams(max_new_tokens=max_new)).stats.trees
+                 for _ in range(START_ANYWAY_EVERY - 1)]
+        assert ["1,1" in t for t in trees] == [False] * (START_ANYWAY_EVERY - 2) + [True]
+        assert engine.kept_plain == START_ANYWAY_EVERY
+
+
+def test_the_start_rule_drafts_without_estimates_and_learns_the_prefill_cost(target):
+    prompt = random_prompt(37, seed=11)
+    for rates in ({(1, 1): 200.0}, {(): 100.0}, {}):  # a rate missing: no judgement, draft
+        engine = SpeculativeEngine(target, tiny_mamba(), RatedPolicy([(1, 1)], rates))
+        engine.prefill_s_per_token = 1.0  # a prefill that would never pay
+        assert "1,1" in engine.generate(prompt, SamplingParams(max_new_tokens=6)).stats.trees
+    engine = SpeculativeEngine(target, tiny_mamba(), RatedPolicy([(1, 1)], {(1, 1): 200.0, (): 100.0}))
+    assert engine.prefill_s_per_token is None  # nothing measured yet: draft, and measure
+    assert "1,1" in engine.generate(prompt, SamplingParams(max_new_tokens=6)).stats.trees
+    assert 0 < engine.prefill_s_per_token < 1.0
+    # a tree asked for explicitly is drafted whatever the estimates say
+    engine.prefill_s_per_token = 1.0
+    assert "2" in engine.generate(prompt, SamplingParams(max_new_tokens=6), TreeConfig((2,))).stats.trees
