@@ -26,11 +26,13 @@ from ray_specdec.stopping import StopChecker
 NO_TREE = TreeConfig(())
 # Default cut of drafts by the drafter's own path probabilities (DrafterSession.draft); see docs/BENCHMARKS.md.
 DEFAULT_MIN_PATH_PROB = 0.0
-# Of the requests that the start rule (SpeculativeEngine._worth_starting) keeps undrafted, one in this many drafts
+# Of the requests that the start rule (SpeculativeEngine._start_rule) keeps undrafted, one in this many drafts
 # anyway, so that the drafting arms' estimates in that context keep learning and a wrong "no" does not last.
 START_ANYWAY_EVERY = 8
 # Weight of the newest measurement in the running estimate of the drafter's prefill cost per token.
 PREFILL_RATE_EMA = 0.2
+# The start rule's word on a request: draft as the policy picks; never draft; draft in every round (exploration).
+DRAFT, PLAIN, EXPLORE = "draft", "plain", "explore"
 
 
 class TargetSession:
@@ -220,12 +222,14 @@ class SpeculativeEngine:
         drafter_side = LazyDrafter(self.drafter, prompt_ids, self.target.vocab_size) if self.drafter else None
 
         context_len = len(prompt_ids)
-        plain = False  # the start rule kept this request undrafted
+        start = DRAFT  # the start rule's word on this request (asked when the policy first picks a tree)
         while not stop.finished:
-            arm = NO_TREE if plain else self._pick_tree(tree, context_len, stop.remaining, params)
+            arm = NO_TREE if start == PLAIN else self._pick_tree(tree, context_len, stop.remaining, params)
+            if start == EXPLORE and not arm.depth:
+                arm = self._drafting_arm(context_len, stop.remaining, params)
             if arm.depth and tree is None and drafter_side.session is None:
-                plain = not self._worth_starting(context_len, stop.remaining, not params.greedy)
-                arm = NO_TREE if plain else arm
+                start = self._start_rule(context_len, stop.remaining, not params.greedy)
+                arm = NO_TREE if start == PLAIN else arm
             lookup = min(self.lookup if params.greedy else 0, stop.remaining - 1)
             config = arm.with_lookup(lookup)
             draft, verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
@@ -240,29 +244,38 @@ class SpeculativeEngine:
             stats.record_round(draft.label, draft.tree.depth, len(verdict.accepted_rows))
             yield StreamChunk(kept, delta, stop.finish_reason, stats)
 
-    def _worth_starting(self, context_len: int, remaining: int, sampled: bool) -> bool:
-        """Whether to start the drafter for a request, asked when the policy first picks a tree for it.
+    def _start_rule(self, context_len: int, remaining: int, sampled: bool) -> str:
+        """Whether to start the drafter for a request (DRAFT, PLAIN or EXPLORE), asked when the policy first picks a
+        tree for it.
 
         The drafter's prefill is paid once per request, so a per-round reward cannot weigh it. Goodput, not
         acceptance, decides: draft unless the policy's estimates say that over the tokens left, drafting's best rate
         would not make up for the prefill (prefill + remaining / best drafting rate >= remaining / rate without
-        drafting); then the request stays undrafted, but for one in START_ANYWAY_EVERY. The rates are Thompson draws
-        from the policy's posteriors, not its means: a rule that acted on means alone would stop trying the drafting
+        drafting); then the request stays undrafted (PLAIN), but for one in START_ANYWAY_EVERY (EXPLORE), which
+        drafts in every round: it is there to learn what drafting does in this context, and a round the policy
+        would leave undrafted would teach nothing the undrafted requests do not. The rates are Thompson draws from
+        the policy's posteriors, not its means: a rule that acted on means alone would stop trying the drafting
         arms of a context after a few slow first rounds and never learn otherwise. Without estimates of both rates
         (a policy that has none, like a fixed tree) or of the prefill's cost, it drafts.
         """
         rates = getattr(self.policy, "throughput", None)
         if rates is None or self.prefill_s_per_token is None:
-            return True
+            return DRAFT
         estimates = rates(context_len, sampled, draw=True)  # Thompson: uncertain estimates still get tried
         plain = estimates.get(NO_TREE)
         drafting = max((rate for arm, rate in estimates.items() if arm.depth), default=None)
         if plain is None or drafting is None:
-            return True
+            return DRAFT
         if self.prefill_s_per_token * context_len + remaining / drafting < remaining / plain:
-            return True
+            return DRAFT
         self.kept_plain += 1
-        return self.kept_plain % START_ANYWAY_EVERY == 0
+        return EXPLORE if self.kept_plain % START_ANYWAY_EVERY == 0 else PLAIN
+
+    def _drafting_arm(self, context_len: int, remaining: int, params: SamplingParams) -> TreeConfig:
+        """The drafting arm with the best Thompson draw (a round of an EXPLORE request the policy left undrafted)."""
+        estimates = self.policy.throughput(context_len, not params.greedy, draw=True)
+        drafting = [(rate, arm) for arm, rate in estimates.items() if arm.depth]
+        return max(drafting, key=lambda pair: pair[0])[1].truncated(remaining - 1) if drafting else NO_TREE
 
     def _note_prefill(self, seconds: float, tokens: int) -> None:
         rate = seconds / max(tokens, 1)
