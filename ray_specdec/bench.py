@@ -233,7 +233,7 @@ def parse_args(argv):
     p.add_argument("--long-prompts", type=int, default=2, help="long-context (1-2k token) held-out prompts")
     p.add_argument("--qa-prompts", type=int, default=2,
                    help="long-context QA prompts (qa_traffic over held-out documents, cycling through --qa-buckets)")
-    p.add_argument("--qa-buckets", default="1024,2048", help="prompt token budgets of the QA prompts")
+    p.add_argument("--qa-buckets", default="1024,2048,4096", help="prompt token budgets of the QA prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--contexts", default="1024,2048,4096,8192", help="context sweep lengths")
