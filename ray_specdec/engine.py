@@ -222,14 +222,13 @@ class SpeculativeEngine:
         drafter_side = LazyDrafter(self.drafter, prompt_ids, self.target.vocab_size) if self.drafter else None
 
         context_len = len(prompt_ids)
-        start = DRAFT  # the start rule's word on this request (asked when the policy first picks a tree)
+        # the start rule's word on this request; asked of every request the policy decides (not of explicit trees)
+        drafts = drafter_side is not None and tree is None
+        start = self._start_rule(context_len, stop.remaining, not params.greedy) if drafts else DRAFT
         while not stop.finished:
             arm = NO_TREE if start == PLAIN else self._pick_tree(tree, context_len, stop.remaining, params)
             if start == EXPLORE and not arm.depth:
                 arm = self._drafting_arm(context_len, stop.remaining, params)
-            if arm.depth and tree is None and drafter_side.session is None:
-                start = self._start_rule(context_len, stop.remaining, not params.greedy)
-                arm = NO_TREE if start == PLAIN else arm
             lookup = min(self.lookup if params.greedy else 0, stop.remaining - 1)
             config = arm.with_lookup(lookup)
             draft, verdict = self._round(target_side, drafter_side, config, params, draft_gen, target_gen, stats)
@@ -245,15 +244,17 @@ class SpeculativeEngine:
             yield StreamChunk(kept, delta, stop.finish_reason, stats)
 
     def _start_rule(self, context_len: int, remaining: int, sampled: bool) -> str:
-        """Whether to start the drafter for a request (DRAFT, PLAIN or EXPLORE), asked when the policy first picks a
-        tree for it.
+        """Whether to start the drafter for a request (DRAFT, PLAIN or EXPLORE), asked before its first round.
 
         The drafter's prefill is paid once per request, so a per-round reward cannot weigh it. Goodput, not
         acceptance, decides: draft unless the policy's estimates say that over the tokens left, drafting's best rate
         would not make up for the prefill (prefill + remaining / best drafting rate >= remaining / rate without
         drafting); then the request stays undrafted (PLAIN), but for one in START_ANYWAY_EVERY (EXPLORE), which
         drafts in every round: it is there to learn what drafting does in this context, and a round the policy
-        would leave undrafted would teach nothing the undrafted requests do not. The rates are Thompson draws from
+        would leave undrafted would teach nothing the undrafted requests do not. It is asked of every request, not
+        only of those whose rounds the policy starts drafting: a policy whose estimates rate drafting too low (slow
+        first rounds in a cold process) would otherwise pick no tree round after round and never hear otherwise,
+        while here one in START_ANYWAY_EVERY of those requests drafts throughout. The rates are Thompson draws from
         the policy's posteriors, not its means: a rule that acted on means alone would stop trying the drafting
         arms of a context after a few slow first rounds and never learn otherwise. Without estimates of both rates
         (a policy that has none, like a fixed tree) or of the prefill's cost, it drafts.

@@ -143,20 +143,24 @@ def test_the_start_rule_drafts_only_when_the_tokens_left_pay_for_the_drafters_pr
         assert engine.kept_plain == START_ANYWAY_EVERY
 
 
-def test_a_request_started_anyway_drafts_in_every_round(target):
+@pytest.mark.parametrize("script, first", [
+    ([(2, 1), ()], "2,1"),  # the policy drafts its first round, then picks no tree
+    ([()], "1,1"),  # the policy never picks a tree (it rates drafting too low): the rule is asked all the same
+])
+def test_a_request_started_anyway_drafts_in_every_round(target, script, first):
     """The request the start rule starts only to explore drafts every round, even where the policy (here: confident
     that drafting does not pay) picks no tree: then the drafting arm with the best draw."""
     from ray_specdec.engine import START_ANYWAY_EVERY
 
     prompt = random_prompt(37, seed=12)
-    policy = RatedPolicy([(2, 1), ()], {(1, 1): 150.0, (2, 1): 120.0, (): 200.0})
+    policy = RatedPolicy(script, {(1, 1): 150.0, (2, 1): 120.0, (): 200.0})
     engine = SpeculativeEngine(target, tiny_mamba(), policy)
     engine.prefill_s_per_token = 1e-3
     engine.kept_plain = START_ANYWAY_EVERY - 1  # the next request the rule keeps plain is started anyway
     result = engine.generate(prompt, SamplingParams(max_new_tokens=16))
     assert result.token_ids == hf_greedy(target, prompt, 16)
     rounds = [tree for tree, _ in policy.records]
-    assert rounds[0] == "2,1" and len(rounds) > 2
+    assert rounds[0] == first and len(rounds) > 2
     # later rounds: the best drafting draw, cut to the tokens left (a last round with one token left has no tree)
     assert all(tree in ("1,1", "1") for tree in rounds[1:-1]) and rounds[-1] in ("1,1", "1", "none")
     policy.round = 0  # the next request is kept plain again: no round drafts
