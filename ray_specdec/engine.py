@@ -74,6 +74,12 @@ def empty_draft() -> Draft:
     return Draft(NO_TREE, torch.empty(0, dtype=torch.long), None)
 
 
+def _best_drafting(estimates: dict[TreeConfig, float]) -> tuple[float | None, TreeConfig]:
+    """(rate, arm) of the drafting arm with the highest estimate; (None, NO_TREE) when no drafting arm has one."""
+    return max(((rate, arm) for arm, rate in estimates.items() if arm.depth), key=lambda pair: pair[0],
+               default=(None, NO_TREE))
+
+
 class LazyDrafter:
     """One request's drafter, paid for only in rounds that draft.
 
@@ -223,8 +229,8 @@ class SpeculativeEngine:
 
         context_len = len(prompt_ids)
         # the start rule's word on this request; asked of every request the policy decides (not of explicit trees)
-        drafts = drafter_side is not None and tree is None
-        start = self._start_rule(context_len, stop.remaining, not params.greedy) if drafts else DRAFT
+        policy_decides = drafter_side is not None and tree is None
+        start = self._start_rule(context_len, stop.remaining, not params.greedy) if policy_decides else DRAFT
         while not stop.finished:
             arm = NO_TREE if start == PLAIN else self._pick_tree(tree, context_len, stop.remaining, params)
             if start == EXPLORE and not arm.depth:
@@ -252,19 +258,16 @@ class SpeculativeEngine:
         drafting); then the request stays undrafted (PLAIN), but for one in START_ANYWAY_EVERY (EXPLORE), which
         drafts in every round: it is there to learn what drafting does in this context, and a round the policy
         would leave undrafted would teach nothing the undrafted requests do not. It is asked of every request, not
-        only of those whose rounds the policy starts drafting: a policy whose estimates rate drafting too low (slow
-        first rounds in a cold process) would otherwise pick no tree round after round and never hear otherwise,
-        while here one in START_ANYWAY_EVERY of those requests drafts throughout. The rates are Thompson draws from
-        the policy's posteriors, not its means: a rule that acted on means alone would stop trying the drafting
-        arms of a context after a few slow first rounds and never learn otherwise. Without estimates of both rates
-        (a policy that has none, like a fixed tree) or of the prefill's cost, it drafts.
+        only of those whose rounds the policy starts drafting: a policy that rates drafting too low (slow first
+        rounds in a cold process) would otherwise pick no tree round after round and never hear otherwise. The rates
+        are Thompson draws from the policy's posteriors, not its means, so that uncertain estimates still get tried.
+        Without estimates of both rates (a policy that has none, like a fixed tree) or of the prefill's cost, it
+        drafts.
         """
-        rates = getattr(self.policy, "throughput", None)
-        if rates is None or self.prefill_s_per_token is None:
+        if getattr(self.policy, "throughput", None) is None or self.prefill_s_per_token is None:
             return DRAFT
-        estimates = rates(context_len, sampled, draw=True)  # Thompson: uncertain estimates still get tried
-        plain = estimates.get(NO_TREE)
-        drafting = max((rate for arm, rate in estimates.items() if arm.depth), default=None)
+        estimates = self.policy.throughput(context_len, sampled, draw=True)
+        plain, (drafting, _) = estimates.get(NO_TREE), _best_drafting(estimates)
         if plain is None or drafting is None:
             return DRAFT
         if self.prefill_s_per_token * context_len + remaining / drafting < remaining / plain:
@@ -274,9 +277,8 @@ class SpeculativeEngine:
 
     def _drafting_arm(self, context_len: int, remaining: int, params: SamplingParams) -> TreeConfig:
         """The drafting arm with the best Thompson draw (a round of an EXPLORE request the policy left undrafted)."""
-        estimates = self.policy.throughput(context_len, not params.greedy, draw=True)
-        drafting = [(rate, arm) for arm, rate in estimates.items() if arm.depth]
-        return max(drafting, key=lambda pair: pair[0])[1].truncated(remaining - 1) if drafting else NO_TREE
+        _, arm = _best_drafting(self.policy.throughput(context_len, not params.greedy, draw=True))
+        return arm.truncated(remaining - 1)
 
     def _note_prefill(self, seconds: float, tokens: int) -> None:
         rate = seconds / max(tokens, 1)
