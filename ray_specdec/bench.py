@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     from ray_specdec.bandit import Bandit, BanditConfig
     from ray_specdec.bench_report import write_report
     from ray_specdec.models.mamba_drafter import MambaDrafter
-    from ray_specdec.models.target import TargetModel
+    from ray_specdec.models.loading import resolve_model_path
+    from ray_specdec.models.target import ATTN_IMPLEMENTATION, TargetModel
     from ray_specdec.training.corpus import heldout_prompts
 
     try:
@@ -290,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         target = TargetModel.from_pretrained(args.target)
+        # HF's methods run the target as transformers loads it (our engine's copy may take planned GEMM paths)
+        hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.target), dtype=torch.float32,
+                                                  attn_implementation=ATTN_IMPLEMENTATION).eval()
         drafter = MambaDrafter.from_pretrained(args.drafter)
         tf_drafter = AutoModelForCausalLM.from_pretrained(args.tf_drafter, dtype=torch.float32).eval()
     except Exception as e:  # report, don't trace: a missing model is the user's input problem
@@ -303,7 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     qa = qa_prompts(tok, args.qa_prompts, qa_buckets, args.seed)
     groups = ["short"] * len(short) + ["long"] * len(long) + ["qa"] * len(qa)  # the group of each prompt
     prompts = short + long + qa
-    hf = target.model
     cut = DEFAULT_MIN_PATH_PROB if args.min_path_prob is None else args.min_path_prob
     ours = SpeculativeEngine(target, drafter, trees[0], min_path_prob=cut)
     plain = SpeculativeEngine(target, None)
@@ -370,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         "context_sweep": sweep,
         "hardware": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                     "target_gemm_plan": target.gemm_plan.describe() if target.gemm_plan else None,
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
         "settings": {"prompts": len(short), "long_prompts": len(long), "qa_prompts": len(qa),
                      "qa_buckets": qa_buckets, "max_new_tokens": args.max_new_tokens,

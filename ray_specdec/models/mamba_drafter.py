@@ -12,7 +12,7 @@ SSM dtype. On CUDA with mamba_ssm and causal_conv1d installed, `step` and `prefi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import functools
 from dataclasses import dataclass
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers import MambaForCausalLM
 
 from kernels.state_copy import copy_state_rows
+from ray_specdec.models import cpu_gemm
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path
 
 try:  # GPU fast path; mamba_ssm fails to import without its CUDA extension
@@ -33,8 +34,8 @@ except (ImportError, RuntimeError):
 # Elements of one prefill scan block ([tokens, d_inner, d_state]): its decay and injection buffers (0.5 MB each in
 # float32) stay in cache; blocks of 4M elements were 2-3x slower on CPU (fresh pages, cache misses).
 _SCAN_BLOCK_ELEMENTS = 1 << 17
-# Rows up to which a step's matmuls use the low-precision weight copies (fast_matmul); prefill uses float32.
-_LOW_PRECISION_MAX_ROWS = 64
+# Row counts the drafter's GEMM plan is measured at (fast_matmul); products of more rows (prefill) use F.linear.
+_PLANNED_ROWS = (*range(1, 9), 12, 16, 24, 32, 48, 64)
 
 
 @functools.cache
@@ -152,13 +153,14 @@ class MambaDrafter:
         return cls(model.to(device), fast_matmul=fast_matmul)
 
     def __init__(self, model: MambaForCausalLM, *, fast_matmul: bool = False):
-        """fast_matmul: steps of few rows multiply by half-precision copies of the projection weights.
+        """fast_matmul: steps of few rows take the fastest of several matrix-product paths, measured at load.
 
-        A drafter step is memory-bound on CPU: a float32 matrix-vector product reads 4 bytes per weight. With
-        fast_matmul a 1-row step uses float16 copies (torch's fp16 GEMV accumulates in float32; the shipped weights
-        are float16 anyway) and a step of up to 64 rows bfloat16 copies where the CPU has bf16 matrix instructions.
-        Activations are rounded to that precision on the way in, so drafts can differ from the float32 drafter's
-        in near ties. That changes acceptance, never the output: the target verifies every token.
+        A drafter step is memory- and overhead-bound on CPU. The paths: F.linear, the float32 ones of
+        `cpu_gemm` (weight as the left operand, oneDNN), and half-precision copies of the projection weights
+        (float16, whose GEMV accumulates in float32 and reads half the bytes; the shipped weights are float16
+        anyway; bfloat16 where the CPU has bf16 matrix instructions). A low-precision path rounds activations on
+        the way in, so drafts can differ from the float32 drafter's in near ties. That changes acceptance, never
+        the output: the target verifies every token.
         """
         config = model.config
         if config.hidden_act != "silu":
@@ -182,6 +184,11 @@ class MambaDrafter:
         self._norm_f = backbone.norm_f.weight.detach()  # [d_model]
         self._lm_head = model.lm_head.weight.detach()  # [V, d_model], may be the embedding (tied)
         self._low_precision = self._low_precision_copies() if fast_matmul else {}
+        self._gemm_paths = self._step_paths() if fast_matmul else {}
+        self.gemm_plan: cpu_gemm.GemmPlan | None = None
+        if fast_matmul:
+            weights = [(w, None) for w in self._low_precision]
+            self.gemm_plan = cpu_gemm.calibrate(weights, _PLANNED_ROWS, paths=self._gemm_paths)
         # The CUDA kernels take float32 and half precision, not float64.
         self._use_kernels = (
             selective_state_update is not None and self.device.type == "cuda" and self.dtype != torch.float64
@@ -197,17 +204,28 @@ class MambaDrafter:
             w: (w.to(torch.float16), w.to(torch.bfloat16) if bf16 else None) for w in [*weights, self._lm_head]
         }
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear, through a low-precision weight copy for a few rows when fast_matmul is on."""
-        copies = self._low_precision.get(weight)
-        rows = x.shape[0]
-        if copies is not None and rows <= _LOW_PRECISION_MAX_ROWS:
-            half, bf16 = copies
-            low = half if rows == 1 else bf16
-            if low is not None:
-                out = F.linear(x.to(low.dtype), low).to(x.dtype)
+    def _step_paths(self) -> dict[str, Callable]:
+        """name -> fn(x, weight, bias) for every product path the plan may pick (see __init__)."""
+
+        def low(which: int):
+            def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                copy = self._low_precision[weight][which]
+                out = F.linear(x.to(copy.dtype), copy).to(x.dtype)
                 return out if bias is None else out + bias
-        return F.linear(x, weight, bias)
+
+            return product
+
+        paths = {name: cpu_gemm.PATHS[name] for name in cpu_gemm.available_paths()}
+        paths["float16"] = low(0)
+        if _cpu_has_bf16_matmul():
+            paths["bfloat16"] = low(1)
+        return paths
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear, or the path the GEMM plan names for this many rows when fast_matmul is on."""
+        if self.gemm_plan is None or weight not in self._low_precision:
+            return F.linear(x, weight, bias)
+        return self._gemm_paths[self.gemm_plan.path_for(x.shape[0])](x, weight, bias)
 
     def new_state(self, rows: int) -> MambaState:
         """Zero state: the state before any token."""

@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from ray_specdec.models import cpu_gemm
 from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path
 from ray_specdec.tree import TreeTensors
@@ -49,18 +50,27 @@ class TargetModel:
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str, *, dtype: str | torch.dtype | None = None, device: str = "cpu"
+        cls,
+        name_or_path: str,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str = "cpu",
+        planned_gemm: bool | None = None,
     ) -> "TargetModel":
         """Load from a hub id or a local directory; float32 on CPU unless `dtype` says otherwise."""
         path = resolve_model_path(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=resolve_dtype(dtype, device), attn_implementation=ATTN_IMPLEMENTATION
         )
-        return cls(model.to(device).eval(), load_tokenizer(path))
+        return cls(model.to(device).eval(), load_tokenizer(path), planned_gemm=planned_gemm)
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None):
+    def __init__(self, model: PreTrainedModel, tokenizer=None, *, planned_gemm: bool | None = None):
+        """planned_gemm: the Linear layers take the fastest measured GEMM path per row count (models/cpu_gemm.py).
+        None: on for a float32 model on CPU (not for a DeepSpeed engine's shard), unless the environment sets
+        RAY_SPECDEC_PLANNED_GEMM=0; True insists (an error where unsupported); False leaves the model as loaded."""
+        sharded = not isinstance(model, PreTrainedModel)
         # A DeepSpeed InferenceEngine keeps the (AutoTP-sharded) HF model as `.module`; call that one directly.
-        self.model = model if isinstance(model, PreTrainedModel) else model.module
+        self.model = model.module if sharded else model
         self.tokenizer = tokenizer
         config = self.model.config.get_text_config(decoder=True)
         attn = self.model.config._attn_implementation
@@ -76,6 +86,9 @@ class TargetModel:
         self.eos_token_ids: frozenset[int] = _eos_token_ids(self.model)
         self._window = _sliding_window(config)
         self._logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        if planned_gemm is None:
+            planned_gemm = not sharded and cpu_gemm.supported(self.model) and cpu_gemm.enabled_by_environment()
+        self.gemm_plan: cpu_gemm.GemmPlan | None = cpu_gemm.install(self.model) if planned_gemm else None
 
     def new_cache(self) -> TargetCache:
         # Full-attention layers that keep every position (sliding windows are applied by the mask); buffers never

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import DynamicCache, MambaConfig, MambaForCausalLM
 
-from ray_specdec.models import mamba_drafter
+from ray_specdec.models import cpu_gemm, mamba_drafter
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
 
 VOCAB = 61
@@ -236,18 +236,25 @@ def test_fast_matmul_is_the_cpu_float32_default_and_stays_close(tmp_path, monkey
     for bf16 in (False, True):  # with and without bf16 matrix instructions (the copies are made at init)
         monkeypatch.setattr(mamba_drafter, "_cpu_has_bf16_matmul", lambda bf16=bf16: bf16)
         fast, exact = MambaDrafter(model.float(), fast_matmul=True), MambaDrafter(model.float())
+        assert fast.gemm_plan is not None and exact.gemm_plan is None
+        assert set(fast.gemm_plan.paths) <= set(fast._gemm_paths)
+        assert ("bfloat16" in fast._gemm_paths) == bf16 and "float16" in fast._gemm_paths
         ids = prompt(12, seed=3)
-        fast_state, fast_logits = fast.prefill(ids)  # the prefill's last-row logits go through the fp16 copy
         exact_state, exact_logits = exact.prefill(ids)
-        torch.testing.assert_close(fast_logits, exact_logits, atol=2e-2, rtol=2e-2)
-        for rows in (1, 3):  # one row: float16 copies; a few rows: bfloat16 copies (or float32 without them)
-            f_state, e_state = fast.copy_rows(fast_state, [0] * rows), exact.copy_rows(exact_state, [0] * rows)
-            tokens = torch.arange(rows) + 5
-            f_logits, e_logits = fast.step(f_state, tokens), exact.step(e_state, tokens)
-            assert f_logits.dtype == torch.float32 and f_logits.shape == (rows, VOCAB)
-            torch.testing.assert_close(f_logits, e_logits, atol=5e-2, rtol=5e-2)
-            assert not torch.equal(f_logits, e_logits) or (rows > 1 and not bf16)  # the copies were used
-            torch.testing.assert_close(f_state.ssm, e_state.ssm, atol=2e-2, rtol=2e-2)
+        for path in fast._gemm_paths:  # every path the plan may pick, forced for every row count
+            fast.gemm_plan = cpu_gemm.GemmPlan((64,), (path,))
+            fast_state, fast_logits = fast.prefill(ids)  # the prefill's last-row logits go through the path
+            torch.testing.assert_close(fast_logits, exact_logits, atol=2e-2, rtol=2e-2)
+            for rows in (1, 3):
+                f_state, e_state = fast.copy_rows(fast_state, [0] * rows), exact.copy_rows(exact_state, [0] * rows)
+                tokens = torch.arange(rows) + 5
+                f_logits, e_logits = fast.step(f_state, tokens), exact.step(e_state, tokens)
+                assert f_logits.dtype == torch.float32 and f_logits.shape == (rows, VOCAB)
+                torch.testing.assert_close(f_logits, e_logits, atol=5e-2, rtol=5e-2)
+                # the low-precision copies are used: their logits differ from float32's beyond float32 rounding
+                differs = not torch.allclose(f_logits, e_logits, atol=1e-6, rtol=1e-6)
+                assert differs == (path in ("float16", "bfloat16"))
+                torch.testing.assert_close(f_state.ssm, e_state.ssm, atol=2e-2, rtol=2e-2)
 
 
 def reference_conv_update(x, conv_state, weight, bias=None, activation=None):

@@ -1,0 +1,198 @@
+"""Few-row matrix products on CPU: per row count, the fastest of a few equivalent float32 GEMM paths, measured.
+
+A decode or verify forward of a small Transformer on CPU multiplies 1 to a few dozen rows by every weight matrix, so
+it is bound by reading the weights. torch's `F.linear` leaves that to MKL, whose paths for few rows are far from the
+memory bound on some CPUs. On the 2-core AMD EPYC (Zen 4) this project is developed on, over the default target's
+weights (55 MB in float32, more than the cache holds): a 1-row product (GEMV) reads them at ~11 GB/s, 2-16 rows cost
+1.3-1.6x more than one row, while the same product with the weight as the left operand (W @ x^T) reads them at
+~28 GB/s for 2 rows, and oneDNN's matmul is the fastest from ~8 rows. Which path wins depends on the CPU, the BLAS and
+the shapes, so `calibrate` times them on the model's own weights at load (about a second for that target) and
+`install` makes every `nn.Linear` of the model dispatch by row count.
+
+The paths compute the same product in float32 with different summation orders: results agree with `F.linear` to
+float32 rounding (~1e-6 relative), as a batched and a one-row forward already do. Greedy output can differ only at
+near-ties of the target's logits, as it can between any two GEMM kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LINEAR, WEIGHT_LEFT, ONEDNN = "linear", "weight_left", "onednn"
+# Row counts the calibration times; a product of m rows uses the plan of the smallest of these >= m, and products of
+# more rows than the last (prefill chunks) use F.linear.
+CALIBRATED_ROWS = (*range(1, 9), 10, 12, 16, 24, 32, 48, 64)
+# Another path replaces F.linear only when it is at least this much faster (timings on a busy machine are noisy).
+MIN_GAIN = 0.10
+
+
+def _weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ weight^T as (weight @ x^T)^T. One row is padded to two: torch sends a 1-row product to GEMV."""
+    m = x.shape[0]
+    xt = (torch.cat((x, x)) if m == 1 else x).t()
+    out = torch.mm(weight, xt) if bias is None else torch.addmm(bias[:, None], weight, xt)
+    return out.t()[:m].contiguous()
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
+    LINEAR: _linear,
+    WEIGHT_LEFT: _weight_left,
+    ONEDNN: _onednn,
+}
+
+
+def enabled_by_environment() -> bool:
+    """RAY_SPECDEC_PLANNED_GEMM=0 (or off/false/no) turns the automatic choice off, e.g. to compare."""
+    return os.environ.get("RAY_SPECDEC_PLANNED_GEMM", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def available_paths() -> tuple[str, ...]:
+    paths = [LINEAR, WEIGHT_LEFT]
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        paths.append(ONEDNN)
+    return tuple(paths)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """The path for each calibrated row count (CALIBRATED_ROWS order); products of more rows use F.linear."""
+
+    rows: tuple[int, ...]
+    paths: tuple[str, ...]
+
+    def path_for(self, m: int) -> str:
+        for rows, path in zip(self.rows, self.paths):
+            if m <= rows:
+                return path
+        return LINEAR
+
+    def describe(self) -> str:
+        """e.g. 'rows 1-7: weight_left, 8-64: onednn, more: linear'."""
+        spans, start = [], 1
+        for i, (rows, path) in enumerate(zip(self.rows, self.paths)):
+            if i + 1 == len(self.paths) or self.paths[i + 1] != path:
+                spans.append(f"{start}-{rows}: {path}" if start != rows else f"{rows}: {path}")
+                start = rows + 1
+        return "rows " + ", ".join(spans) + ", more: linear"
+
+
+def choose(timings: dict[tuple[str, int], float], rows: Sequence[int] = CALIBRATED_ROWS) -> GemmPlan:
+    """The plan from measured seconds per (path, rows): F.linear unless another path is MIN_GAIN faster."""
+    chosen = []
+    for m in rows:
+        base = timings[(LINEAR, m)]
+        best, best_s = LINEAR, base
+        for (path, rows_), seconds in timings.items():
+            if rows_ == m and path != LINEAR and seconds < best_s and seconds <= base * (1 - MIN_GAIN):
+                best, best_s = path, seconds
+        chosen.append(best)
+    return GemmPlan(tuple(rows), tuple(chosen))
+
+
+Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+@torch.inference_mode()
+def calibrate(
+    weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    rows: Sequence[int] = CALIBRATED_ROWS,
+    repeats: int = 3,
+    paths: Mapping[str, Product] | None = None,
+    seed: int = 0,
+) -> GemmPlan:
+    """Time every path at every row count over all `weights` in turn (as a forward reads them: from memory, not
+    from cache, when they are bigger than it) and keep the fastest.
+
+    A busy machine only ever adds time, so each (path, rows) keeps its best of `repeats` sweeps, and the sweeps run
+    in a fresh random order each time, so that a burst of other work spoils scattered measurements, not all of one
+    path's. paths: name -> fn(x, weight, bias), F.linear's among them under LINEAR; default: `available_paths()`.
+    """
+    paths = dict(paths or {name: PATHS[name] for name in available_paths()})
+    if LINEAR not in paths:
+        raise ValueError(f"the paths to calibrate must include {LINEAR!r}, the reference")
+    inputs = {m: [torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for w, _ in weights] for m in rows}
+    cells = [(name, m) for m in rows for name in paths]
+    order = random.Random(seed)
+    timings: dict[tuple[str, int], float] = {}
+    for rep in range(repeats + 1):  # the first round warms every path up
+        order.shuffle(cells)
+        for name, m in cells:
+            fn = paths[name]
+            t0 = time.perf_counter()
+            for x, (w, b) in zip(inputs[m], weights):
+                fn(x, w, b)
+            seconds = time.perf_counter() - t0
+            if rep:
+                timings[(name, m)] = min(timings.get((name, m), seconds), seconds)
+    return choose(timings, rows)
+
+
+class PlannedLinear(nn.Linear):
+    """nn.Linear whose product takes the path its plan names for the input's row count (set by `install`)."""
+
+    gemm_plan: GemmPlan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        path = self.gemm_plan.path_for(rows) if rows else LINEAR
+        if path == LINEAR:
+            return F.linear(x, self.weight, self.bias)
+        out = PATHS[path](x.reshape(rows, x.shape[-1]), self.weight, self.bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def linear_layers(model: nn.Module) -> list[nn.Linear]:
+    """Every module that is exactly nn.Linear (or already planned): sharded layers of other classes are left alone."""
+    return [m for m in model.modules() if type(m) in (nn.Linear, PlannedLinear)]
+
+
+def supported(model: nn.Module) -> bool:
+    """float32 weights on CPU: the paths are float32 GEMMs (float64 models keep F.linear, exactly)."""
+    layers = linear_layers(model)
+    return bool(layers) and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in layers)
+
+
+_PLANS: dict[tuple, GemmPlan] = {}
+
+
+def install(model: nn.Module, plan: GemmPlan | None = None) -> GemmPlan:
+    """Calibrate on the model's own weights (unless a plan is given) and make its nn.Linear layers follow the plan.
+
+    Parameters, state dict and module names stay as they were; `uninstall` undoes it.
+    """
+    if not supported(model):
+        raise ValueError("the planned GEMM paths are for float32 models on CPU")
+    layers = linear_layers(model)
+    if plan is None:
+        # one calibration per process for a model's shapes: the same model loaded again takes the same paths
+        key = tuple((tuple(m.weight.shape), m.bias is not None) for m in layers)
+        if key not in _PLANS:
+            _PLANS[key] = calibrate([(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in layers])
+        plan = _PLANS[key]
+    for m in layers:
+        m.__class__ = PlannedLinear
+        m.gemm_plan = plan
+    return plan
+
+
+def uninstall(model: nn.Module) -> None:
+    for m in model.modules():
+        if type(m) is PlannedLinear:
+            m.__class__ = nn.Linear
+            del m.gemm_plan

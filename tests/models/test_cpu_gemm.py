@@ -1,0 +1,124 @@
+"""Planned GEMM paths: every path computes F.linear's product, the plan picks by measured time, install is invisible
+to the model's parameters and (up to float32 rounding) to its outputs, and greedy speculation stays exact on it."""
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.models import cpu_gemm
+from ray_specdec.models.cpu_gemm import LINEAR, GemmPlan, PlannedLinear
+from ray_specdec.models.target import TargetModel
+from tests.test_engine import tiny_mamba
+from tests.tiny_models import tiny_gpt_neox, tiny_llama
+
+
+@pytest.mark.parametrize("path", cpu_gemm.available_paths())
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_path_computes_the_linear_product(path, bias):
+    torch.manual_seed(0)
+    weight, b = torch.randn(48, 40), torch.randn(48) if bias else None
+    for rows in (1, 2, 3, 7, 16, 17, 65):
+        x = torch.randn(rows, 40)
+        out = cpu_gemm.PATHS[path](x, weight, b)
+        want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        assert out.shape == (rows, 48) and out.dtype == torch.float32 and out.is_contiguous()
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_lookup_and_description():
+    plan = GemmPlan((1, 2, 4, 8), ("weight_left", "weight_left", "onednn", LINEAR))
+    assert [plan.path_for(m) for m in (1, 2, 3, 4, 5, 8, 9, 500)] == [
+        "weight_left", "weight_left", "onednn", "onednn", LINEAR, LINEAR, LINEAR, LINEAR]
+    assert plan.describe() == "rows 1-2: weight_left, 3-4: onednn, 5-8: linear, more: linear"
+
+
+def test_choose_keeps_linear_unless_another_path_is_clearly_faster():
+    timings = {
+        (LINEAR, 1): 1.0, ("a", 1): 0.95, ("b", 1): 0.97,  # within the margin: stay with F.linear
+        (LINEAR, 2): 1.0, ("a", 2): 0.5, ("b", 2): 0.6,  # the fastest of those that pass
+        (LINEAR, 3): 1.0, ("a", 3): 1.5, ("b", 3): 0.85,
+    }
+    assert cpu_gemm.choose(timings, (1, 2, 3)).paths == (LINEAR, "a", "b")
+
+
+def test_calibrate_finds_the_fast_path_by_timing():
+    def slow(x, w, b):
+        time.sleep(0.002)
+        return F.linear(x, w, b)
+
+    weights = [(torch.randn(16, 8), None), (torch.randn(8, 16), torch.randn(8))]
+    rows = (1, 3, 8)
+    assert cpu_gemm.calibrate(weights, rows, repeats=1, paths={LINEAR: slow, "fast": F.linear}).paths == ("fast",) * 3
+    assert cpu_gemm.calibrate(weights, rows, repeats=1, paths={LINEAR: F.linear, "slow": slow}).paths == (LINEAR,) * 3
+    with pytest.raises(ValueError, match="must include 'linear'"):
+        cpu_gemm.calibrate(weights, rows, paths={"fast": F.linear})
+
+
+@pytest.mark.parametrize("build", [tiny_gpt_neox, tiny_llama], ids=["neox", "llama"])
+def test_install_changes_the_product_path_only(build):
+    model = build(torch.float32)
+    params_before = dict(model.named_parameters())
+    ids = torch.randint(1, 128, (1, 11))
+    with torch.no_grad():
+        before = model(ids).logits
+    every_path = GemmPlan(cpu_gemm.CALIBRATED_ROWS, ("onednn",) * len(cpu_gemm.CALIBRATED_ROWS))
+    for plan in (None, every_path, GemmPlan((64,), ("weight_left",))):
+        chosen = cpu_gemm.install(model, plan)
+        assert plan is None or chosen is plan
+        layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        assert layers and all(type(m) is PlannedLinear and m.gemm_plan is chosen for m in layers)
+        assert {k: v for k, v in model.named_parameters()} == params_before  # the same tensors, the same names
+        with torch.no_grad():
+            for rows in (1, 11):  # 11 rows in one forward, and a one-token forward after a cache-free prefix
+                torch.testing.assert_close(model(ids[:, :rows]).logits, before[:, :rows], atol=1e-5, rtol=1e-5)
+    cpu_gemm.uninstall(model)
+    assert not any(type(m) is PlannedLinear for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_target_takes_a_plan_for_float32_on_cpu_only(monkeypatch):
+    assert TargetModel(tiny_gpt_neox(torch.float32)).gemm_plan is not None
+    assert TargetModel(tiny_gpt_neox(torch.float64)).gemm_plan is None  # float64 keeps F.linear, exactly
+    assert TargetModel(tiny_gpt_neox(torch.float32), planned_gemm=False).gemm_plan is None
+    with pytest.raises(ValueError, match="float32 models on CPU"):
+        TargetModel(tiny_gpt_neox(torch.float64), planned_gemm=True)
+    monkeypatch.setenv("RAY_SPECDEC_PLANNED_GEMM", "0")
+    assert TargetModel(tiny_gpt_neox(torch.float32)).gemm_plan is None
+
+
+def greedy_margin(model, prompt: list[int], generated: list[int]) -> float:
+    ids = torch.tensor(prompt + generated)
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0, len(prompt) - 1 : -1]
+    top = logits.topk(2, dim=-1).values
+    return float((top[:, 0] - top[:, 1]).min())
+
+
+@pytest.mark.parametrize("path", ["weight_left", "onednn"])
+def test_greedy_speculation_on_planned_paths_is_the_target_alone(path):
+    """float32, every product through one planned path: tree drafts and plain decoding on the planned target give
+    HF generate's tokens on the unplanned model (prompts whose greedy path holds no float32 near-tie)."""
+    reference = tiny_gpt_neox(torch.float32, seed=5)
+    target = TargetModel(tiny_gpt_neox(torch.float32, seed=5), planned_gemm=False)
+    cpu_gemm.install(target.model, GemmPlan((64,), (path,)))
+    drafter = tiny_mamba(torch.float32, fast_matmul=True)
+    engines = [SpeculativeEngine(target, None)] + [
+        SpeculativeEngine(target, drafter, TreeConfig.parse(t)) for t in ("1,1,1", "3,2,1", "2,2,1+L4")]
+    checked = 0
+    for seed in range(6):
+        prompt = torch.randint(1, 128, (5 + 7 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)
+        expected = out[0, len(prompt):].tolist()
+        if greedy_margin(reference, prompt, expected) < 1e-4:
+            continue
+        checked += 1
+        for engine in engines:
+            assert engine.generate(prompt, SamplingParams(max_new_tokens=20)).token_ids == expected
+    assert checked >= 4
