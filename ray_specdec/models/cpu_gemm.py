@@ -112,7 +112,7 @@ Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tens
 def calibrate(
     weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
     rows: Sequence[int] = CALIBRATED_ROWS,
-    repeats: int = 3,
+    repeats: int = 4,
     paths: Mapping[str, Product] | None = None,
     seed: int = 0,
 ) -> GemmPlan:
