@@ -6,8 +6,8 @@ memory bound on some CPUs. On the 2-core AMD EPYC (Zen 4) this project is develo
 weights (55 MB in float32, more than the cache holds): a 1-row product (GEMV) reads them at ~11 GB/s, 2-16 rows cost
 1.3-1.6x more than one row, while the same product with the weight as the left operand (W @ x^T) reads them at
 ~28 GB/s for 2 rows, and oneDNN's matmul is the fastest from ~8 rows. Which path wins depends on the CPU, the BLAS and
-the shapes, so `calibrate` times them on the model's own weights at load (about a second for that target) and
-`install` makes every `nn.Linear` of the model dispatch by row count.
+the shapes, so `calibrate` times them on the model's own weights (about two seconds for that target, once per
+machine: plans are kept in `cache_dir()`) and `install` makes every `nn.Linear` of the model dispatch by row count.
 
 The paths compute the same product in float32 with different summation orders: results agree with `F.linear` to
 float32 rounding (~1e-6 relative), as a batched and a one-row forward already do. Greedy output can differ only at
@@ -16,10 +16,14 @@ near-ties of the target's logits, as it can between any two GEMM kernels.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -108,7 +112,6 @@ def choose(timings: dict[tuple[str, int], float], rows: Sequence[int] = CALIBRAT
 Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-@torch.inference_mode()
 def calibrate(
     weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
     rows: Sequence[int] = CALIBRATED_ROWS,
@@ -116,11 +119,23 @@ def calibrate(
     paths: Mapping[str, Product] | None = None,
     seed: int = 0,
 ) -> GemmPlan:
-    """Time every path at every row count over all `weights` in turn (as a forward reads them: from memory, not
-    from cache, when they are bigger than it) and keep the fastest.
+    """The plan of the fastest path per row count, as `measure` times them."""
+    return choose(measure(weights, rows, repeats, paths, seed), rows)
 
-    A busy machine only ever adds time, so each (path, rows) keeps its best of `repeats` sweeps, and the sweeps run
-    in a fresh random order each time, so that a burst of other work spoils scattered measurements, not all of one
+
+@torch.inference_mode()
+def measure(
+    weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    rows: Sequence[int] = CALIBRATED_ROWS,
+    repeats: int = 4,
+    paths: Mapping[str, Product] | None = None,
+    seed: int = 0,
+) -> dict[tuple[str, int], float]:
+    """Seconds per (path, rows) to multiply `rows` rows by all `weights` in turn (as a forward reads them: from
+    memory, not from cache, when they are bigger than it).
+
+    A busy machine only ever adds time, so each cell keeps its best of `repeats` sweeps, and the sweeps run in a
+    fresh random order each time, so that a burst of other work spoils scattered measurements, not all of one
     path's. paths: name -> fn(x, weight, bias), F.linear's among them under LINEAR; default: `available_paths()`.
     """
     paths = dict(paths or {name: PATHS[name] for name in available_paths()})
@@ -140,7 +155,7 @@ def calibrate(
             seconds = time.perf_counter() - t0
             if rep:
                 timings[(name, m)] = min(timings.get((name, m), seconds), seconds)
-    return choose(timings, rows)
+    return timings
 
 
 class PlannedLinear(nn.Linear):
@@ -168,23 +183,92 @@ def supported(model: nn.Module) -> bool:
     return bool(layers) and all(m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 for m in layers)
 
 
-_PLANS: dict[tuple, GemmPlan] = {}
+_PLANS: dict[str, GemmPlan] = {}  # this process's plans, by `_plan_key`
+
+
+def cache_dir() -> Path | None:
+    """Where measured plans are kept across processes: RAY_SPECDEC_CACHE_DIR, or ~/.cache/ray_specdec; an empty
+    RAY_SPECDEC_CACHE_DIR keeps none (every process measures)."""
+    configured = os.environ.get("RAY_SPECDEC_CACHE_DIR")
+    if configured is not None:
+        return Path(configured) if configured.strip() else None
+    return Path.home() / ".cache" / "ray_specdec"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _plan_key(weights, rows: Sequence[int], paths: Mapping[str, Product], tag: str) -> str:
+    """What a plan depends on: the CPU, torch and its thread count, the shapes, the row counts and the paths."""
+    described = {
+        "cpu": _cpu_name(), "machine": platform.machine(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "tag": tag, "rows": list(rows), "paths": sorted(paths),
+        "weights": [[*w.shape, str(w.dtype), b is not None] for w, b in weights],
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def plan_for(
+    weights: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    rows: Sequence[int] = CALIBRATED_ROWS,
+    paths: Mapping[str, Product] | None = None,
+    tag: str = "",
+) -> GemmPlan:
+    """The plan for these weights: measured once per machine and kept (this process, then `cache_dir()`).
+
+    tag: tells apart path sets whose names alone do not (the drafter's low-precision copies)."""
+    paths = dict(paths or {name: PATHS[name] for name in available_paths()})
+    key = _plan_key(weights, rows, paths, tag)
+    if key in _PLANS:
+        return _PLANS[key]
+    directory = cache_dir()
+    file = directory / f"gemm-plan-{key}.json" if directory is not None else None
+    plan = _load_plan(file, rows, paths) if file is not None else None
+    if plan is None:
+        plan = calibrate(weights, rows, paths=paths)
+        if file is not None:
+            _save_plan(file, plan)
+    _PLANS[key] = plan
+    return plan
+
+
+def _load_plan(file: Path, rows: Sequence[int], paths: Mapping[str, Product]) -> GemmPlan | None:
+    """A kept plan, or None when there is none or it does not fit (a damaged file is measured again)."""
+    try:
+        saved = json.loads(file.read_text())
+        plan = GemmPlan(tuple(int(r) for r in saved["rows"]), tuple(str(p) for p in saved["paths"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if plan.rows != tuple(rows) or len(plan.paths) != len(plan.rows) or not set(plan.paths) <= set(paths):
+        return None
+    return plan
+
+
+def _save_plan(file: Path, plan: GemmPlan) -> None:
+    """Write atomically; a cache that cannot be written is no error (the next process measures again)."""
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"rows": list(plan.rows), "paths": list(plan.paths), "plan": plan.describe()}))
+        os.replace(tmp, file)
+    except OSError:
+        pass
 
 
 def install(model: nn.Module, plan: GemmPlan | None = None) -> GemmPlan:
-    """Calibrate on the model's own weights (unless a plan is given) and make its nn.Linear layers follow the plan.
-
-    Parameters, state dict and module names stay as they were; `uninstall` undoes it.
+    """Make the model's nn.Linear layers follow `plan`, by default the one measured on its own weights
+    (`plan_for`). Parameters, state dict and module names stay as they were; `uninstall` undoes it.
     """
     if not supported(model):
         raise ValueError("the planned GEMM paths are for float32 models on CPU")
     layers = linear_layers(model)
     if plan is None:
-        # one calibration per process for a model's shapes: the same model loaded again takes the same paths
-        key = tuple((tuple(m.weight.shape), m.bias is not None) for m in layers)
-        if key not in _PLANS:
-            _PLANS[key] = calibrate([(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in layers])
-        plan = _PLANS[key]
+        plan = plan_for([(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in layers])
     for m in layers:
         m.__class__ = PlannedLinear
         m.gemm_plan = plan

@@ -188,7 +188,7 @@ class MambaDrafter:
         self.gemm_plan: cpu_gemm.GemmPlan | None = None
         if fast_matmul:
             weights = [(w, None) for w in self._low_precision]
-            self.gemm_plan = cpu_gemm.calibrate(weights, _PLANNED_ROWS, paths=self._gemm_paths)
+            self.gemm_plan = cpu_gemm.plan_for(weights, _PLANNED_ROWS, self._gemm_paths, tag="mamba-step")
         # The CUDA kernels take float32 and half precision, not float64.
         self._use_kernels = (
             selective_state_update is not None and self.device.type == "cuda" and self.dtype != torch.float64

@@ -122,3 +122,33 @@ def test_greedy_speculation_on_planned_paths_is_the_target_alone(path):
         for engine in engines:
             assert engine.generate(prompt, SamplingParams(max_new_tokens=20)).token_ids == expected
     assert checked >= 4
+
+
+def test_plans_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_SPECDEC_CACHE_DIR", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(cpu_gemm, "calibrate", lambda *a, **k: measured.append(1) or GemmPlan((1, 64), (
+        "weight_left", LINEAR)))
+    monkeypatch.setattr(cpu_gemm, "_PLANS", {})
+    weights = [(torch.randn(24, 8), torch.randn(24)), (torch.randn(8, 24), None)]
+    plan = cpu_gemm.plan_for(weights, rows=(1, 64))
+    assert measured == [1] and len(list(tmp_path.glob("gemm-plan-*.json"))) == 1
+    assert cpu_gemm.plan_for(weights, rows=(1, 64)) is plan and measured == [1]  # this process's copy
+    monkeypatch.setattr(cpu_gemm, "_PLANS", {})  # a new process: the kept file
+    assert cpu_gemm.plan_for(weights, rows=(1, 64)) == plan and measured == [1]
+    cpu_gemm.plan_for([(torch.randn(24, 9), None)], rows=(1, 64))  # other shapes: measured
+    assert measured == [1, 1]
+
+    monkeypatch.setattr(cpu_gemm, "_PLANS", {})
+    for file in tmp_path.glob("gemm-plan-*.json"):
+        file.write_text("{not json")  # damaged: measured again and rewritten
+    assert cpu_gemm.plan_for(weights, rows=(1, 64)) == plan and measured == [1, 1, 1]
+    monkeypatch.setattr(cpu_gemm, "_PLANS", {})
+    assert cpu_gemm.plan_for(weights, rows=(1, 64)) == plan and measured == [1, 1, 1]
+
+    monkeypatch.setenv("RAY_SPECDEC_CACHE_DIR", "")  # no cache dir: nothing kept on disk
+    monkeypatch.setattr(cpu_gemm, "_PLANS", {})
+    for file in tmp_path.glob("gemm-plan-*.json"):
+        file.unlink()
+    cpu_gemm.plan_for(weights, rows=(1, 64))
+    assert measured == [1, 1, 1, 1] and not list(tmp_path.glob("*"))

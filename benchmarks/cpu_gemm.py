@@ -1,0 +1,83 @@
+"""The target's planned GEMM paths on this CPU: per row count, ms per sweep over all of its Linear weights for
+every path (what the plan is chosen from), then plain greedy decoding and a chain draft's verify with and without
+the plan, interleaved in one run.
+
+Run from the repository root: python -m benchmarks.cpu_gemm [--target PATH] [--tokens 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from ray_specdec.config import TreeConfig
+from ray_specdec.defaults import DEFAULT_TARGET
+from ray_specdec.drafting import tree_for
+from ray_specdec.models import cpu_gemm
+from ray_specdec.models.target import TargetModel
+
+TABLE_ROWS = (1, 2, 3, 4, 5, 8, 12, 16, 32, 64)
+
+
+def decode_ms(target: TargetModel, prompt: torch.Tensor, tokens: int, chain: int) -> float:
+    """Median ms of one forward over 1 + chain rows (a plain decode step when chain is 0) at the prompt's context."""
+    cache = target.new_cache()
+    target.prefill(cache, prompt)
+    tree = tree_for(TreeConfig((1,) * chain))
+    draft = torch.randint(0, target.vocab_size, (chain,))
+    times = []
+    for _ in range(tokens):
+        start = time.perf_counter()
+        logits = target.verify(cache, int(prompt[-1]), tree, draft)
+        times.append(time.perf_counter() - start)
+        target.commit(cache, [0])
+        prompt = torch.cat([prompt, logits[0].argmax()[None]])
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=str(DEFAULT_TARGET))
+    p.add_argument("--tokens", type=int, default=64, help="forwards per measurement")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of (planned, unplanned)")
+    args = p.parse_args()
+
+    target = TargetModel.from_pretrained(args.target, planned_gemm=False)
+    layers = cpu_gemm.linear_layers(target.model)
+    weights = [(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in layers]
+    timings = cpu_gemm.measure(weights)
+    paths = list(dict.fromkeys(name for name, _ in timings))
+    mb = sum(w.numel() * w.element_size() for w, _ in weights) / 1e6
+    print(f"ms per sweep over the target's {len(weights)} Linear weights ({mb:.0f} MB), best of 4:")
+    print("| rows | " + " | ".join(paths) + " | chosen |")
+    print("| --- |" + " --- |" * (len(paths) + 1))
+    plan = cpu_gemm.choose(timings)
+    for m in TABLE_ROWS:
+        cells = " | ".join(f"{1e3 * timings[(p_, m)]:.2f}" for p_ in paths)
+        print(f"| {m} | {cells} | {plan.path_for(m)} |")
+    print(f"plan: {plan.describe()}")
+
+    prompt = torch.randint(1, target.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+    results: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for planned in (True, False):
+            if planned:
+                cpu_gemm.install(target.model, plan)
+            else:
+                cpu_gemm.uninstall(target.model)
+            for chain in (0, 3, 8):
+                results.setdefault(("planned" if planned else "F.linear", chain), []).append(
+                    decode_ms(target, prompt, args.tokens, chain))
+    print("\nms per target forward at 200 tokens of context (median over rounds):")
+    print("| rows | F.linear | planned | planned / F.linear |")
+    print("| --- | --- | --- | --- |")
+    for chain in (0, 3, 8):
+        base, fast = (statistics.median(results[(k, chain)]) for k in ("F.linear", "planned"))
+        print(f"| {1 + chain} | {base:.2f} | {fast:.2f} | {fast / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
