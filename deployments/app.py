@@ -51,6 +51,8 @@ class AppArgs(BaseModel):
     drafter_num_gpus: float | None = Field(None, ge=0)  # None: 0 on CPU, 1 on CUDA
     drafter_resources: dict[str, float] = Field(default_factory=dict)  # custom resources, e.g. to pin a node type
     drafter_max_sessions: int = Field(1024, ge=1)  # request states per replica (least recently used evicted)
+    # a request's drafter state starts from its last this many tokens (None: all; see docs/BENCHMARKS.md)
+    drafter_prefill_window: int | None = Field(None, ge=1)
     # drafts stop at depths whose paths the drafter itself rates below this probability (0: always the whole tree)
     min_path_prob: float = Field(DEFAULT_MIN_PATH_PROB, ge=0, lt=1)
     # every drafted tree of a greedy request also verifies up to this many tokens copied from earlier in the context
@@ -128,6 +130,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
         drafter = DrafterDeployment.options(**_drafter_options(args)).bind(
             drafter_path, _vocab_size(target_path), dtype=args.dtype, device=args.device,
             max_sessions=args.drafter_max_sessions, min_path_prob=args.min_path_prob,
+            prefill_window=args.drafter_prefill_window,
         )  # fmt: skip
     hub = None
     if settings.bandit is not None:

@@ -49,8 +49,9 @@ class DrafterDeployment:
         max_sessions: int = 1024,
         idle_timeout_s: float = 600.0,
         min_path_prob: float = 0.0,
+        prefill_window: int | None = None,
     ):
-        model = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device)
+        model = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device, prefill_window=prefill_window)
         self.worker = DrafterWorker(model, vocab_size, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,
                                     min_path_prob=min_path_prob)  # fmt: skip
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")

@@ -241,6 +241,8 @@ def parse_args(argv):
                    help="extra methods: trees with their own draft cut, 'TREE@CUT;...' e.g. '3,2,2,1,1@0.06'")
     p.add_argument("--min-path-prob", type=float, default=None,
                    help="our engine's draft cut (default: the engine's DEFAULT_MIN_PATH_PROB)")
+    p.add_argument("--drafter-prefill-window", type=int, default=None, metavar="N",
+                   help="our Mamba drafter's state starts from a request's last N tokens (default: all of them)")
     p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP,
                    help="lookup tokens the bandit's engine adds to every drafted tree in greedy runs (its arms are "
                         "the trees without their own lookup, plus no drafting)")
@@ -284,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--qa-buckets must be >= 64 tokens, got {args.qa_buckets}")
         if not 0 <= args.lookup <= MAX_LOOKUP_TOKENS:
             raise ValueError(f"--lookup must be in [0, {MAX_LOOKUP_TOKENS}], got {args.lookup}")
+        if args.drafter_prefill_window is not None and args.drafter_prefill_window < 1:
+            raise ValueError(f"--drafter-prefill-window must be >= 1, got {args.drafter_prefill_window}")
     except ValueError as e:
         print(f"error: bad bench arguments: {e}", file=sys.stderr)
         return 2
@@ -294,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         # HF's methods run the target as transformers loads it (our engine's copy may take planned GEMM paths)
         hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.target), dtype=torch.float32,
                                                   attn_implementation=ATTN_IMPLEMENTATION).eval()
-        drafter = MambaDrafter.from_pretrained(args.drafter)
+        drafter = MambaDrafter.from_pretrained(args.drafter, prefill_window=args.drafter_prefill_window)
         tf_drafter = AutoModelForCausalLM.from_pretrained(args.tf_drafter, dtype=torch.float32).eval()
     except Exception as e:  # report, don't trace: a missing model is the user's input problem
         print(f"error: cannot load bench models: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
@@ -378,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"prompts": len(short), "long_prompts": len(long), "qa_prompts": len(qa),
                      "qa_buckets": qa_buckets, "max_new_tokens": args.max_new_tokens,
                      "trees": [str(t) for t in trees], "min_path_prob": cut, "bandit_lookup": args.lookup,
+                     "drafter_prefill_window": args.drafter_prefill_window,
                      "cut_trees": [f"{t}@{c:g}" for t, c in cut_trees],
                      "bandit_warmup_prompts": args.bandit_warmup,
                      "bandit_pulls": {str(arm): int(n) for arm, n in zip(bandit.config.arms, bandit_pulls(bandit))},

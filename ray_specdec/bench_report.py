@@ -34,8 +34,8 @@ def markdown(report: dict) -> str:
             lines.append(f"Requests the bandit's engine kept undrafted (the drafter's prefill would not pay): {plain}")
     gemm = report.get("hardware", {}).get("target_gemm_plan")
     if gemm is not None:
-        lines += ["", f"Our engine's target GEMM paths (measured at load, models/cpu_gemm.py): {gemm}; HF's methods "
-                  "run the target as transformers loads it (F.linear)"]
+        lines += ["", f"Our engine's target GEMM paths (measured at load, models/cpu_gemm.py): {gemm}; "
+                  "HF's methods run the target as transformers loads it (F.linear)"]
     lines += ["", "| context tokens | Mamba state (KiB) | Mamba step (ms) | Transformer KV (KiB) | Transformer step (ms) |",
               "| --- | --- | --- | --- | --- |"]
     for r in report["context_sweep"]:

@@ -44,6 +44,8 @@ def generate_parser() -> OneLineParser:
     p.add_argument("--drafter", default=None, help="HF id or local dir of the Mamba drafter, or 'none' (default: embedded)")
     p.add_argument("--tree", default=None, help="tree config N1,N2,... (the chain is 1,1,1,1; '+L6' adds its own lookup "
                    "branch); default: 1,1,1 on CPU, 2,2,1,1 on GPU")
+    p.add_argument("--drafter-prefill-window", type=int, default=None, metavar="N",
+                   help="the drafter's state starts from a request's last N tokens (default: all of them)")
     p.add_argument("--lookup", type=int, default=None,
                    help="prompt-lookup tokens added to every drafted tree of a greedy run; 0 turns them off "
                         "(default: %d)" % DEFAULT_LOOKUP)
@@ -91,7 +93,8 @@ def run_generate(argv: list[str]) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     engine = load_engine(args.target, args.drafter, tree=tree, dtype=args.dtype, device=args.device,
-                         min_path_prob=args.min_path_prob, lookup=lookup)
+                         min_path_prob=args.min_path_prob, lookup=lookup,
+                         drafter_prefill_window=args.drafter_prefill_window)
     try:
         result = engine.generate(args.prompt, params)
     except ValueError as e:

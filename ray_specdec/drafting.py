@@ -113,7 +113,8 @@ class DrafterSession:
         self.drafter = drafter
         self.vocab_size = vocab_size  # the target's: draft distributions live in its vocabulary
         self.history = [int(t) for t in token_ids]  # every token so far: the lookup branch searches it
-        self.root_state, logits = drafter.prefill(self._drafter_ids(self.history))
+        window = getattr(drafter, "prefill_window", None)  # the state starts from the last `window` tokens
+        self.root_state, logits = drafter.prefill(self._drafter_ids(self.history[-window:] if window else self.history))
         self.root_logits = _align_vocab(logits.unsqueeze(0), vocab_size)  # [1, V]
         self._lookup: LookupIndex | None = None  # built on the first lookup, then kept up to date
         self._depth_states: list[MambaState] = []

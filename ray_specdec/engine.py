@@ -270,7 +270,7 @@ class SpeculativeEngine:
         plain, (drafting, _) = estimates.get(NO_TREE), _best_drafting(estimates)
         if plain is None or drafting is None:
             return DRAFT
-        if self.prefill_s_per_token * context_len + remaining / drafting < remaining / plain:
+        if self.prefill_s_per_token * self._prefilled(context_len) + remaining / drafting < remaining / plain:
             return DRAFT
         self.kept_plain += 1
         return EXPLORE if self.kept_plain % START_ANYWAY_EVERY == 0 else PLAIN
@@ -279,6 +279,11 @@ class SpeculativeEngine:
         """The drafting arm with the best Thompson draw (a round of an EXPLORE request the policy left undrafted)."""
         _, arm = _best_drafting(self.policy.throughput(context_len, not params.greedy, draw=True))
         return arm.truncated(remaining - 1)
+
+    def _prefilled(self, context_len: int) -> int:
+        """Tokens a drafter prefill over this context runs (its prefill window, if it has one)."""
+        window = getattr(self.drafter, "prefill_window", None)
+        return min(context_len, window) if window else context_len
 
     def _note_prefill(self, seconds: float, tokens: int) -> None:
         rate = seconds / max(tokens, 1)
@@ -308,7 +313,7 @@ class SpeculativeEngine:
             draft = drafter_side.draft(config, params, draft_gen, self.min_path_prob)
             if not built:
                 drafter_prefill_s = drafter_side.prefill_s
-                self._note_prefill(drafter_prefill_s, len(drafter_side.tokens))
+                self._note_prefill(drafter_prefill_s, self._prefilled(len(drafter_side.tokens)))
         t1 = time.perf_counter()
         logits = target_side.forward(draft)
         t2 = time.perf_counter()

@@ -47,7 +47,7 @@ def load_target(name: str | None, dtype="auto", device="cpu"):
         raise LoadError(f"cannot load target {name!r}: {_first_line(e)}") from None
 
 
-def load_drafter(name: str | None, dtype="auto", device="cpu"):
+def load_drafter(name: str | None, dtype="auto", device="cpu", prefill_window: int | None = None):
     """None -> the embedded default drafter; 'none' -> no drafter (plain target decoding)."""
     from ray_specdec.models.mamba_drafter import MambaDrafter
 
@@ -55,7 +55,7 @@ def load_drafter(name: str | None, dtype="auto", device="cpu"):
         return None
     name = name or _default("drafter")
     try:
-        return MambaDrafter.from_pretrained(name, dtype=dtype, device=device)
+        return MambaDrafter.from_pretrained(name, dtype=dtype, device=device, prefill_window=prefill_window)
     except Exception as e:
         raise LoadError(f"cannot load drafter {name!r}: {_first_line(e)}") from None
 
@@ -68,9 +68,11 @@ def load_engine(
     device: str | None = "auto",
     min_path_prob: float | None = None,
     lookup: int = DEFAULT_LOOKUP,
+    drafter_prefill_window: int | None = None,
 ):
     """tree None: the device's default tree (config.default_tree); min_path_prob None: the engine's default;
-    lookup: prompt-lookup tokens added to every drafted tree of greedy requests (0: none)."""
+    lookup: prompt-lookup tokens added to every drafted tree of greedy requests (0: none);
+    drafter_prefill_window: the drafter's state starts from this many last tokens of a request (None: all)."""
     from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, SpeculativeEngine
     from ray_specdec.models.loading import resolve_dtype
 
@@ -88,7 +90,9 @@ def load_engine(
     except FileNotFoundError as e:
         raise LoadError(f"cannot load {kind} {name!r}: {e}") from None
     target_model = load_target(target, dtype, device)
-    drafter_model = load_drafter(drafter, dtype, device)
+    if drafter_prefill_window is not None and drafter_prefill_window < 1:
+        raise LoadError(f"drafter_prefill_window must be >= 1, got {drafter_prefill_window}")
+    drafter_model = load_drafter(drafter, dtype, device, drafter_prefill_window)
     cut = DEFAULT_MIN_PATH_PROB if min_path_prob is None else min_path_prob
     tree = tree if tree is not None else default_tree(str(device))
     return SpeculativeEngine(target_model, drafter_model, tree, min_path_prob=cut, lookup=lookup)

@@ -32,7 +32,7 @@ class ScriptedPolicy:
 class NoDrafterCalls:
     """A drafter that fails the test if anything runs it."""
 
-    device, vocab_size = torch.device("cpu"), 128
+    device, vocab_size, prefill_window = torch.device("cpu"), 128, None
 
     def __getattr__(self, name):
         raise AssertionError(f"the drafter's {name} ran in a request that never drafted")

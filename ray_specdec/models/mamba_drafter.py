@@ -144,15 +144,16 @@ class MambaDrafter:
         dtype: str | torch.dtype | None = None,
         device: str = "cpu",
         fast_matmul: bool | None = None,
+        prefill_window: int | None = None,
     ) -> "MambaDrafter":
         """fast_matmul None: on for a float32 model on CPU (see __init__), off elsewhere."""
         torch_dtype = resolve_dtype(dtype, device)
         model = MambaForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=torch_dtype)
         if fast_matmul is None:
             fast_matmul = torch.device(device).type == "cpu" and torch_dtype == torch.float32
-        return cls(model.to(device), fast_matmul=fast_matmul)
+        return cls(model.to(device), fast_matmul=fast_matmul, prefill_window=prefill_window)
 
-    def __init__(self, model: MambaForCausalLM, *, fast_matmul: bool = False):
+    def __init__(self, model: MambaForCausalLM, *, fast_matmul: bool = False, prefill_window: int | None = None):
         """fast_matmul: steps of few rows take the fastest of several matrix-product paths, measured at load.
 
         A drafter step is memory- and overhead-bound on CPU. The paths: F.linear, the float32 ones of
@@ -161,7 +162,14 @@ class MambaDrafter:
         anyway; bfloat16 where the CPU has bf16 matrix instructions). A low-precision path rounds activations on
         the way in, so drafts can differ from the float32 drafter's in near ties. That changes acceptance, never
         the output: the target verifies every token.
+
+        prefill_window: a request's drafter state starts from its last this many tokens (None: all of them). The
+        drafter's prefill is a sequential scan, linear in the prompt; a drafter trained on short windows gains
+        nothing from further back (docs/BENCHMARKS.md), and drafts never change the output.
         """
+        if prefill_window is not None and prefill_window < 1:
+            raise ValueError(f"prefill_window must be >= 1 or None, got {prefill_window}")
+        self.prefill_window = prefill_window
         config = model.config
         if config.hidden_act != "silu":
             raise ValueError(f"only silu Mamba models are supported, got hidden_act={config.hidden_act!r}")

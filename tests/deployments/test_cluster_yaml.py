@@ -68,6 +68,7 @@ def test_serve_config_is_valid_and_spells_out_the_defaults():
         ({"replicas": 2}, "Extra inputs are not permitted"),
         ({"lookup": 33}, "lookup"),
         ({"tree": "1,1+L"}, "lookup must be written like"),
+        ({"drafter_prefill_window": 0}, "drafter_prefill_window"),
     ],
 )
 def test_app_args_refuse_bad_values(args, message):
@@ -133,6 +134,9 @@ def test_builder_wires_the_app(model_dirs):
     assert bound(target_app)[1:] == ((str(target),), {"tp_size": 2, "dtype": "auto", "device": "cpu",
                                                        "num_cpus_per_rank": 1.0})  # fmt: skip
     assert bound(drafter_app)[1] == (str(drafter), 128)  # the target's vocabulary, read from its config
+    assert bound(drafter_app)[2]["prefill_window"] is None
+    windowed = app(AppArgs(target=str(target), drafter=str(drafter), drafter_prefill_window=512))
+    assert bound(bound(windowed)[1][1])[2]["prefill_window"] == 512
     assert [str(t) for t in settings.bandit.arms] == ["1,1", "3,2,1"] and settings.model_name == "target"
     _, (_, no_drafter, no_hub, plain), _ = bound(app(AppArgs(target=str(target), drafter="none")))
     assert no_drafter is None and no_hub is None and plain.bandit is None
