@@ -3,9 +3,9 @@
 A decode or verify forward of a small Transformer on CPU multiplies 1 to a few dozen rows by every weight matrix, so
 it is bound by reading the weights. torch's `F.linear` leaves that to MKL, whose paths for few rows are far from the
 memory bound on some CPUs. On the 2-core AMD EPYC (Zen 4) this project is developed on, over the default target's
-weights (55 MB in float32, more than the cache holds): a 1-row product (GEMV) reads them at ~11 GB/s, 2-16 rows cost
-1.3-1.6x more than one row, while the same product with the weight as the left operand (W @ x^T) reads them at
-~28 GB/s for 2 rows, and oneDNN's matmul is the fastest from ~8 rows. Which path wins depends on the CPU, the BLAS and
+Linear weights (49 MB in float32, more than the cache holds): a 1-row product (GEMV) reads them at ~11 GB/s, 2-16
+rows cost 1.1-1.6x more than one row, while the same product with the weight as the left operand (W @ x^T) reads them
+at ~23 GB/s, and oneDNN's matmul is the fastest from ~8 rows (`python -m benchmarks.cpu_gemm` prints the table). Which path wins depends on the CPU, the BLAS and
 the shapes, so `calibrate` times them on the model's own weights (about two seconds for that target, once per
 machine: plans are kept in `cache_dir()`) and `install` makes every `nn.Linear` of the model dispatch by row count.
 
