@@ -1,8 +1,9 @@
 """Drafter step cost against a Transformer decode step, measured side by side (interleaved, so load hits both).
 
-A random ~2.8M-parameter Mamba (d_model 256, 4 layers, vocab 4096) through MambaDrafter (rows=1 and rows=16) and
-through HF's own cached forward, against a random HF GPTNeoX 6 layers x 384 (vocab 4096) decoding one token with
-128 tokens in its KV cache. Also times MambaDrafter.prefill at a few prompt lengths.
+A random ~2.8M-parameter Mamba (d_model 256, 4 layers, vocab 4096) through MambaDrafter's native C step (models/
+native, the CPU float32 default) and its torch step (with planned matrix products), rows=1 / 4 / 16, and through
+HF's own cached forward, against a random HF GPTNeoX 6 layers x 384 (vocab 4096) decoding one token with 128 tokens
+in its KV cache. Also times MambaDrafter.prefill at a few prompt lengths, native and torch.
 Run: python benchmarks/drafter_step.py [--threads 1] [--repeats 200] [--device cpu]
 """
 
@@ -98,15 +99,18 @@ def main() -> None:
 
     mamba, target = build_models(args.device)
     drafter = MambaDrafter(mamba)
+    drafters = {"native": drafter} if drafter.native is not None else {}
+    if args.device == "cpu":
+        drafters["torch"] = MambaDrafter(mamba, fast_matmul=True, native=False)
     print(f"drafter {sum(p.numel() for p in mamba.parameters()) / 1e6:.2f}M params, "
           f"target {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M params, "
-          f"{args.threads} thread(s), device {args.device}, fast kernels: {drafter._use_kernels}")
-    timers = {
-        "target decode (GPTNeoX 6x384, ctx 128)": target_decode(target),
-        "drafter step rows=1": drafter_step(drafter, 1),
-        "drafter step rows=16": drafter_step(drafter, 16),
-        "HF Mamba cached forward rows=1": hf_mamba_step(mamba),
-    }
+          f"{args.threads} thread(s), device {args.device}, fast kernels: {drafter._use_kernels}, "
+          f"native: {drafter.native is not None} ({drafter.native_why or 'built'})")
+    timers = {"target decode (GPTNeoX 6x384, ctx 128)": target_decode(target)}
+    for rows in (1, 4, 16):
+        for name, d in (drafters or {"": drafter}).items():
+            timers[f"drafter step rows={rows} {name}".rstrip()] = drafter_step(d, rows)
+    timers["HF Mamba cached forward rows=1"] = hf_mamba_step(mamba)
     times = time_interleaved(timers, args.repeats, args.device)
     # p10 as well as the median: on a shared CPU a preemption adds milliseconds, which inflates short calls most.
     stats = {name: (statistics.median(ms), statistics.quantiles(ms, n=10)[0]) for name, ms in times.items()}
@@ -117,11 +121,12 @@ def main() -> None:
 
     for length in PREFILL_LENGTHS:
         ids = torch.randint(0, VOCAB, (length,), device=args.device)
-        sync(args.device)
-        start = time.perf_counter()
-        drafter.prefill(ids)
-        sync(args.device)
-        print(f"drafter prefill {length:5d} tokens: {time.perf_counter() - start:7.3f} s")
+        for name, d in (drafters or {"": drafter}).items():
+            sync(args.device)
+            start = time.perf_counter()
+            d.prefill(ids)
+            sync(args.device)
+            print(f"drafter prefill {length:5d} tokens {name:6s}: {time.perf_counter() - start:7.3f} s")
 
 
 if __name__ == "__main__":

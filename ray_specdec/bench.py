@@ -378,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                      "target_gemm_plan": target.gemm_plan.describe() if target.gemm_plan else None,
+                     "drafter_native": drafter.native is not None, "drafter_native_why": drafter.native_why,
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
         "settings": {"prompts": len(short), "long_prompts": len(long), "qa_prompts": len(qa),
                      "qa_buckets": qa_buckets, "max_new_tokens": args.max_new_tokens,

@@ -36,6 +36,11 @@ def markdown(report: dict) -> str:
     if gemm is not None:
         lines += ["", f"Our engine's target GEMM paths (measured at load, models/cpu_gemm.py): {gemm}; "
                   "HF's methods run the target as transformers loads it (F.linear)"]
+    hardware = report.get("hardware", {})
+    if "drafter_native" in hardware:
+        lines.append("Mamba drafter steps and scans: " + (
+            "native C kernels (models/native)" if hardware["drafter_native"]
+            else f"torch ({hardware.get('drafter_native_why')})"))
     lines += ["", "| context tokens | Mamba state (KiB) | Mamba step (ms) | Transformer KV (KiB) | Transformer step (ms) |",
               "| --- | --- | --- | --- | --- |"]
     for r in report["context_sweep"]:

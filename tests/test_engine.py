@@ -13,6 +13,7 @@ from transformers import MambaConfig, MambaForCausalLM
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import DrafterSession
 from ray_specdec.engine import SpeculativeEngine, TargetSession, empty_draft, judge
+from ray_specdec.models import native as native_kernels
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 from tests.tiny_models import tiny_gpt_neox, tiny_llama
@@ -205,22 +206,28 @@ def enumerate_target(target: TargetModel, prompt: list[int], params: SamplingPar
 
 
 @pytest.mark.parametrize(
-    "branching, draft_sampling, temperature, top_k, top_p, min_path_prob",
+    "branching, draft_sampling, temperature, top_k, top_p, min_path_prob, native",
     [
-        ((2, 1), "iid", 0.9, 0, 1.0, 0.0),
-        ((3, 2), "without_replacement", 0.9, 0, 1.0, 0.0),
+        ((2, 1), "iid", 0.9, 0, 1.0, 0.0, False),
+        ((3, 2), "without_replacement", 0.9, 0, 1.0, 0.0, False),
         # filtered supports of target and drafter overlap only partly here: rejections must renormalize correctly
-        ((2, 2), "without_replacement", 2.0, 4, 0.9, 0.0),
+        ((2, 2), "without_replacement", 2.0, 4, 0.9, 0.0, False),
         # drafts cut short by the drafter's own path probabilities: the cut must not bias what is kept
-        ((2, 1), "iid", 2.0, 0, 1.0, 0.15),
-        ((3, 2), "without_replacement", 2.0, 0, 1.0, 0.15),
+        ((2, 1), "iid", 2.0, 0, 1.0, 0.15, False),
+        ((3, 2), "without_replacement", 2.0, 0, 1.0, 0.15, False),
+        # a float32 drafter on the native C step (models/native): its q is what it sampled from
+        ((3, 2), "without_replacement", 0.9, 0, 1.0, 0.0, True),
+        ((2, 1), "iid", 2.0, 0, 1.0, 0.15, True),
     ],
 )
 def test_sampled_generation_has_target_distribution(branching, draft_sampling, temperature, top_k, top_p,
-                                                    min_path_prob):
+                                                    min_path_prob, native):
     target = TargetModel(tiny_gpt_neox(torch.float64, vocab=VOCAB, seed=5))
     target.eos_token_ids = frozenset()
-    drafter = tiny_mamba(vocab=VOCAB, seed=6)
+    if native and native_kernels.load() is None:
+        pytest.skip(f"native kernels unavailable: {native_kernels.why_unavailable()}")
+    drafter = tiny_mamba(torch.float32 if native else torch.float64, vocab=VOCAB, seed=6)
+    assert (drafter.native is not None) == native
     prompt = [1, 4, 2]
     # with a cut, 3 tokens: the first round may draft depth 2 (later rounds are cut to what is left anyway)
     n_tokens, n_samples = (3 if min_path_prob else 2), 2000

@@ -22,6 +22,7 @@ from transformers import MambaForCausalLM
 
 from kernels.state_copy import copy_state_rows
 from ray_specdec.models import cpu_gemm
+from ray_specdec.models import native as native_kernels
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path
 
 try:  # GPU fast path; mamba_ssm fails to import without its CUDA extension
@@ -145,15 +146,23 @@ class MambaDrafter:
         device: str = "cpu",
         fast_matmul: bool | None = None,
         prefill_window: int | None = None,
+        native: bool | None = None,
     ) -> "MambaDrafter":
         """fast_matmul None: on for a float32 model on CPU (see __init__), off elsewhere."""
         torch_dtype = resolve_dtype(dtype, device)
         model = MambaForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=torch_dtype)
         if fast_matmul is None:
             fast_matmul = torch.device(device).type == "cpu" and torch_dtype == torch.float32
-        return cls(model.to(device), fast_matmul=fast_matmul, prefill_window=prefill_window)
+        return cls(model.to(device), fast_matmul=fast_matmul, prefill_window=prefill_window, native=native)
 
-    def __init__(self, model: MambaForCausalLM, *, fast_matmul: bool = False, prefill_window: int | None = None):
+    def __init__(
+        self,
+        model: MambaForCausalLM,
+        *,
+        fast_matmul: bool = False,
+        prefill_window: int | None = None,
+        native: bool | None = None,
+    ):
         """fast_matmul: steps of few rows take the fastest of several matrix-product paths, measured at load.
 
         A drafter step is memory- and overhead-bound on CPU. The paths: F.linear, the float32 ones of
@@ -166,6 +175,10 @@ class MambaDrafter:
         prefill_window: a request's drafter state starts from its last this many tokens (None: all of them). The
         drafter's prefill is a sequential scan, linear in the prompt; a drafter trained on short windows gains
         nothing from further back (docs/BENCHMARKS.md), and drafts never change the output.
+
+        native: steps and the prefill's scan run in the fused C kernels of models/native (compiled on first use).
+        None: on for a float32 drafter on CPU where they build (else the torch path, `native_why` says why; off with
+        RAY_SPECDEC_NATIVE=0); True insists (an error where they cannot run); False: the torch path.
         """
         if prefill_window is not None and prefill_window < 1:
             raise ValueError(f"prefill_window must be >= 1 or None, got {prefill_window}")
@@ -201,6 +214,20 @@ class MambaDrafter:
         self._use_kernels = (
             selective_state_update is not None and self.device.type == "cuda" and self.dtype != torch.float64
         )
+        self.native: native_kernels.NativeMamba | None = None
+        self.native_why: str | None = None  # why the native kernels are off, when they are
+        if native is not False:
+            self._start_native(insist=native is True)
+
+    def _start_native(self, insist: bool) -> None:
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            self.native_why = f"native kernels run float32 drafters on CPU, not {self.dtype} on {self.device}"
+        elif (lib := native_kernels.load()) is None:
+            self.native_why = native_kernels.why_unavailable()
+        else:
+            self.native = native_kernels.NativeMamba(lib, self)
+        if insist and self.native is None:
+            raise RuntimeError(f"native=True but {self.native_why}")
 
     def _low_precision_copies(self) -> dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
         """weight -> (float16 copy, bfloat16 copy or None) for every projection a step multiplies by."""
@@ -303,6 +330,8 @@ class MambaDrafter:
         tokens = self._as_ids(tokens)  # [rows]
         if tokens.shape[0] != state.rows:
             raise ValueError(f"{tokens.shape[0]} tokens for a state of {state.rows} rows")
+        if self.native is not None and state.conv.is_contiguous() and state.ssm.is_contiguous():
+            return self.native.step(state.conv, state.ssm, tokens)
         mix = self._mix_step_kernels if self._use_kernels else self._mix_step
         residual = F.embedding(tokens, self._embed).to(self.residual_dtype)  # [rows, d_model]
         for layer, w in enumerate(self._layers):
@@ -390,6 +419,9 @@ class MambaDrafter:
         sd = self.ssm_dtype
         dt = F.softplus(F.linear(dt, w.dt_proj, w.dt_bias).to(sd))  # [S, d_inner]
         x, B, C = x.to(sd), B.to(sd), C.to(sd)
+        if self.native is not None:
+            y = self.native.scan(dt, x, B, C, w.A, ssm_state)
+            return torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
         y = torch.empty_like(x)  # [S, d_inner]
         block = max(1, _SCAN_BLOCK_ELEMENTS // (self.d_inner * self.d_state))
         for start in range(0, x.shape[0], block):

@@ -235,7 +235,9 @@ def test_fast_matmul_is_the_cpu_float32_default_and_stays_close(tmp_path, monkey
 
     for bf16 in (False, True):  # with and without bf16 matrix instructions (the copies are made at init)
         monkeypatch.setattr(mamba_drafter, "_cpu_has_bf16_matmul", lambda bf16=bf16: bf16)
-        fast, exact = MambaDrafter(model.float(), fast_matmul=True), MambaDrafter(model.float())
+        # the torch step's product paths (the native step, on by default, has its own tests)
+        fast = MambaDrafter(model.float(), fast_matmul=True, native=False)
+        exact = MambaDrafter(model.float(), native=False)
         assert fast.gemm_plan is not None and exact.gemm_plan is None
         assert set(fast.gemm_plan.paths) <= set(fast._gemm_paths)
         assert ("bfloat16" in fast._gemm_paths) == bf16 and "float16" in fast._gemm_paths
@@ -289,7 +291,7 @@ def reference_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 
 def test_kernel_paths_match_torch_paths(monkeypatch):
     """The GPU fast paths' wiring, with mamba_ssm's kernels replaced by references to their contracts."""
-    drafter = MambaDrafter(tiny_mamba("biases_untied", torch.float32))
+    drafter = MambaDrafter(tiny_mamba("biases_untied", torch.float32), native=False)
     ids = prompt(9, seed=8)
     state, logits = drafter.prefill(ids)
     state = drafter.copy_rows(state, [0, 0, 0])

@@ -1,0 +1,183 @@
+"""Native CPU kernels, compiled on first use with the machine's C compiler and loaded with ctypes.
+
+`load()` returns the library, or None with the reason in `why_unavailable()`: no compiler, a failed build, or
+RAY_SPECDEC_NATIVE=0. Callers keep their torch path for that case; nothing here is required.
+
+The shared object is built for this CPU (-march=native) and kept under `cpu_gemm.cache_dir()/native/`, keyed by
+the source, the flags, the compiler and the CPU, so a process on the same machine loads it in milliseconds. The
+build writes a temporary file and renames it into place: processes that build at once (Serve replicas) do not see
+each other's half-written files.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ray_specdec.models import cpu_gemm
+
+SOURCE = Path(__file__).with_name("mamba_cpu.c")
+# Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+_why: list[str] = []
+
+
+def enabled_by_environment() -> bool:
+    """RAY_SPECDEC_NATIVE=0 (or off / false / no) keeps the torch paths."""
+    return os.environ.get("RAY_SPECDEC_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def why_unavailable() -> str | None:
+    """Why `load()` returned None (None when it did not)."""
+    return _why[-1] if _why else None
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels for this machine, built if needed; None (see `why_unavailable`) where that fails."""
+    if not enabled_by_environment():
+        _why.append("RAY_SPECDEC_NATIVE=0")
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None or shutil.which(compiler) is None:
+        _why.append(f"no C compiler found ({compiler or 'cc, gcc, clang'})")
+        return None
+    try:
+        library = _build(compiler)
+        lib = ctypes.CDLL(str(library))
+    except (OSError, subprocess.SubprocessError) as e:
+        _why.append(f"native kernels could not be built with {compiler}: {str(e).strip().splitlines()[-1][:300]}")
+        return None
+    _declare(lib)
+    return lib
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), cpu_gemm._cpu_name().encode(),
+                    platform.machine().encode()])
+    ).hexdigest()[:20]
+    directory = cpu_gemm.cache_dir()
+    if directory is None:  # no cache: build into this process's own temp dir
+        directory = Path(tempfile.mkdtemp(prefix="ray_specdec_native_"))
+    target = directory / "native" / f"mamba_cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.stem}.{os.getpid()}.tmp.so")
+    done = subprocess.run(
+        [compiler, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+    )
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise subprocess.SubprocessError(done.stderr or f"{compiler} exited with {done.returncode}")
+    os.replace(tmp, target)
+    return target
+
+
+class Layer(ctypes.Structure):
+    """layer_t of mamba_cpu.c: one layer's weight pointers, in its field order."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "norm", "in_proj", "in_proj_bias", "conv", "conv_bias", "x_proj", "dt_proj", "dt_bias", "A", "D",
+        "out_proj", "out_proj_bias")]  # fmt: skip
+
+
+class Model(ctypes.Structure):
+    """model_t of mamba_cpu.c."""
+
+    _fields_ = [
+        *[(name, ctypes.c_int32) for name in ("n_layers", "d_model", "d_inner", "d_conv", "d_state", "dt_rank",
+                                              "vocab")],
+        ("eps", ctypes.c_float),
+        ("embed", ctypes.c_void_p),
+        ("norm_f", ctypes.c_void_p),
+        ("lm_head", ctypes.c_void_p),
+        ("layers", ctypes.POINTER(Layer)),
+    ]  # fmt: skip
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.mamba_step.argtypes = [ctypes.POINTER(Model), i, p, p, p, p]
+    lib.mamba_step.restype = i
+    lib.mamba_scan.argtypes = [i, i, i, i, i, p, p, p, p, p, p, p]
+    lib.mamba_scan.restype = None
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [n_out, n_in] -> the panels gemm_rows of mamba_cpu.c reads: the columns of weight^T cut into blocks of
+    64 outputs, then of 16, then the rest, each block [n_in, width] contiguous, one after the other (flat)."""
+    n_out = weight.shape[0]
+    wide, narrow = n_out // 64 * 64, n_out // 16 * 16
+    bounds = [*range(0, wide, 64), *range(wide, narrow, 16), narrow, n_out]
+    blocks = [weight[a:b].t().contiguous().reshape(-1) for a, b in zip(bounds, bounds[1:]) if b > a]
+    return torch.cat(blocks)
+
+
+class NativeMamba:
+    """The fused step and scan of mamba_cpu.c bound to one drafter's float32 weights (which it keeps alive)."""
+
+    def __init__(self, lib: ctypes.CDLL, drafter) -> None:
+        self.lib = lib
+        d = drafter
+        self._keep = []  # every tensor whose pointer the C side holds
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise ValueError(f"native kernels take float32 CPU tensors, got {t.dtype} on {t.device}")
+            t = t.contiguous()
+            self._keep.append(t)
+            return t.data_ptr()
+
+        self._layers = (Layer * d.n_layers)(*[
+            Layer(ptr(w.norm), ptr(pack_panels(w.in_proj)), ptr(w.in_proj_bias), ptr(w.conv), ptr(w.conv_bias),
+                  ptr(pack_panels(w.x_proj)), ptr(pack_panels(w.dt_proj)), ptr(w.dt_bias), ptr(w.A), ptr(w.D),
+                  ptr(pack_panels(w.out_proj)), ptr(w.out_proj_bias))
+            for w in d._layers])  # fmt: skip
+        self._model = Model(
+            d.n_layers, d.model.config.hidden_size, d.d_inner, d.d_conv, d.d_state, d.dt_rank, d.vocab_size,
+            d.eps, ptr(d._embed), ptr(d._norm_f), ptr(pack_panels(d._lm_head)), self._layers,
+        )
+        self.vocab_size = d.vocab_size
+
+    def step(self, conv: torch.Tensor, ssm: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [rows] (int64) -> logits [rows, V]; conv / ssm ([n_layers, rows, ...], contiguous) advance."""
+        rows = tokens.shape[0]
+        tokens = tokens.contiguous()
+        logits = torch.empty(rows, self.vocab_size, dtype=torch.float32)
+        if rows == 0:
+            return logits
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:  # the C side indexes the embedding
+            raise IndexError(f"token ids must be in [0, {self.vocab_size}), got {tokens.tolist()}")
+        if self.lib.mamba_step(ctypes.byref(self._model), rows, tokens.data_ptr(), conv.data_ptr(), ssm.data_ptr(),
+                               logits.data_ptr()) != 0:  # fmt: skip
+            raise MemoryError("the native Mamba step could not allocate its buffers")
+        return logits
+
+    def scan(self, dt, x, B, C, A, state: torch.Tensor) -> torch.Tensor:
+        """The selective scan of `_scan_block` (C . state per token, before the D skip and the gate) over all of
+        dt / x [S, d_inner] and B / C [S, N]; state [d_inner, N] carried in and out."""
+        S, d_inner = x.shape
+        N = B.shape[1]
+        dt, x, B, C, A = (t.contiguous() for t in (dt, x, B, C, A))
+        carried = state if state.is_contiguous() else state.contiguous()
+        y = torch.empty(S, d_inner, dtype=torch.float32)
+        self.lib.mamba_scan(S, d_inner, N, 0, d_inner, dt.data_ptr(), x.data_ptr(), B.data_ptr(), C.data_ptr(),
+                            A.data_ptr(), carried.data_ptr(), y.data_ptr())  # fmt: skip
+        if carried is not state:
+            state.copy_(carried)
+        return y

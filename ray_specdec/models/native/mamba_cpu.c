@@ -1,0 +1,202 @@
+/* Fused CPU kernels for the Mamba drafter (float32): one decode step through every layer for a few state rows, and
+ * the prefill's selective scan over a sequence.
+ *
+ * Why: a drafter step in torch is ~100 small ops (4 layers x ~20, then the head), each a few microseconds of
+ * dispatch for a few thousand multiply-adds, so on CPU the step is bound by overhead, not arithmetic or memory. Here
+ * the step is one call; the prefill's scan (sequential over tokens) runs one 16-wide vector per channel and token
+ * instead of one torch op per token.
+ *
+ * The math is the torch path's (ray_specdec/models/mamba_drafter.py), operation for operation; sums are reassociated
+ * (-ffast-math), so results agree to float32 rounding, not bit for bit. That is enough for a drafter: its drafts
+ * only change acceptance; the target verifies every token. Built at first use by native/__init__.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef struct {
+    const float *norm;          /* [d_model] */
+    const float *in_proj;       /* [2 d_inner, d_model]: every matrix as panels (see gemm_rows) */
+    const float *in_proj_bias;  /* [2 d_inner] or NULL */
+    const float *conv;          /* [d_inner, d_conv] */
+    const float *conv_bias;     /* [d_inner] or NULL */
+    const float *x_proj;        /* [dt_rank + 2 d_state, d_inner] */
+    const float *dt_proj;       /* [d_inner, dt_rank] */
+    const float *dt_bias;       /* [d_inner] */
+    const float *A;             /* [d_inner, d_state]: -exp(A_log) */
+    const float *D;             /* [d_inner] */
+    const float *out_proj;      /* [d_model, d_inner] */
+    const float *out_proj_bias; /* [d_model] or NULL */
+} layer_t;
+
+typedef struct {
+    int32_t n_layers, d_model, d_inner, d_conv, d_state, dt_rank, vocab;
+    float eps;
+    const float *embed;   /* [vocab, d_model] */
+    const float *norm_f;  /* [d_model] */
+    const float *lm_head; /* [vocab, d_model] as panels */
+    const layer_t *layers;
+} model_t;
+
+/* 16 floats in one vector register (GCC / Clang vector extension), loadable from any float address. */
+typedef float vf16 __attribute__((vector_size(64), aligned(4)));
+#define LANES 16
+
+/* One register block of gemm_rows: NR rows x NV vectors of outputs, accumulated over all n_in inputs in registers.
+ * Called with constant NR and NV, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void gemm_block(
+    const int NR, const int NV, int n_in, int n_out, const float *restrict P, const float *restrict bias,
+    const float *restrict x, int x_stride, float *restrict y, int y_stride) {
+    (void)n_out;
+    vf16 acc[4][4];
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < NV; v++) {
+            vf16 b = {0};
+            if (bias) b = *(const vf16 *)(bias + v * LANES);
+            acc[r][v] = b;
+        }
+    for (int i = 0; i < n_in; i++) {
+        const float *w = P + (int64_t)i * NV * LANES;
+        vf16 wv[4];
+        for (int v = 0; v < NV; v++) wv[v] = *(const vf16 *)(w + v * LANES);
+        for (int r = 0; r < NR; r++) {
+            const float xi = x[(int64_t)r * x_stride + i];
+            for (int v = 0; v < NV; v++) acc[r][v] += xi * wv[v];
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < NV; v++) *(vf16 *)(y + (int64_t)r * y_stride + v * LANES) = acc[r][v];
+}
+
+#define GEMM_BLOCK(NR, NV) gemm_block(NR, NV, n_in, n_out, P + (int64_t)o * n_in, bias ? bias + o : NULL, xr, x_stride, yr + o, \
+                                      y_stride)
+#define FOR_ROWS(NV)                                          \
+    switch (nr) {                                             \
+        case 1: GEMM_BLOCK(1, NV); break;                     \
+        case 2: GEMM_BLOCK(2, NV); break;                     \
+        case 3: GEMM_BLOCK(3, NV); break;                     \
+        default: GEMM_BLOCK(4, NV); break;                    \
+    }
+
+/* y[r] = x[r] @ W^T (+ bias) for rows r, W [n_out, in] given as panels P (see pack_panels in native/__init__.py):
+ * the columns of W^T ([n_in, n_out]) cut into blocks of 64 outputs, then of 16, then the rest, each block stored
+ * [n_in, width] contiguously, one after the other; so block o starts at P + o * n_in and is read front to back. Up
+ * to 4 rows by 64 outputs accumulate in registers while a panel streams past. (A dot product per output over the
+ * weight's own layout chains every multiply-add of a row into one accumulator and was latency-bound: ~4x slower.) */
+static void gemm_rows(int rows, int n_out, int n_in, const float *restrict P, const float *restrict bias,
+                      const float *restrict x, int x_stride, float *restrict y, int y_stride) {
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+        const int nr = rows - r0 < 4 ? rows - r0 : 4;
+        const float *xr = x + (int64_t)r0 * x_stride;
+        float *yr = y + (int64_t)r0 * y_stride;
+        int o = 0;
+        for (; o + 4 * LANES <= n_out; o += 4 * LANES) FOR_ROWS(4)
+        for (; o + LANES <= n_out; o += LANES) FOR_ROWS(1)
+        const int tail = n_out - o;
+        const float *pt = P + (int64_t)o * n_in;
+        for (int j = 0; j < tail; j++)
+            for (int r = 0; r < nr; r++) {
+                float acc = bias ? bias[o + j] : 0.0f;
+                for (int i = 0; i < n_in; i++) acc += xr[(int64_t)r * x_stride + i] * pt[(int64_t)i * tail + j];
+                yr[(int64_t)r * y_stride + o + j] = acc;
+            }
+    }
+}
+
+/* HF MambaRMSNorm: x * rsqrt(mean(x^2) + eps) * w, in float32. */
+static void rms_norm(int rows, int d, const float *restrict x, const float *restrict w, float eps,
+                     float *restrict out) {
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (int64_t)r * d;
+        float ss = 0.0f;
+        for (int i = 0; i < d; i++) ss += xr[i] * xr[i];
+        float scale = 1.0f / sqrtf(ss / (float)d + eps);
+        for (int i = 0; i < d; i++) out[(int64_t)r * d + i] = xr[i] * scale * w[i];
+    }
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* torch's softplus (beta 1, threshold 20). */
+static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
+
+/* One token per state row through every layer and the head.
+ * tokens [rows]; conv_state [n_layers, rows, d_inner, d_conv] (oldest input first) and ssm_state
+ * [n_layers, rows, d_inner, d_state] advance in place; logits [rows, vocab]. Returns 0, or -1 when out of memory
+ * (nothing is changed then). */
+int mamba_step(const model_t *m, int rows, const int64_t *tokens, float *conv_state, float *ssm_state,
+               float *logits) {
+    const int dm = m->d_model, di = m->d_inner, dc = m->d_conv, N = m->d_state, R = m->dt_rank;
+    const int nx = R + 2 * N;
+    float *buf = malloc(sizeof(float) * (size_t)rows * (2 * dm + 2 * di + nx + 2 * di));
+    if (!buf) return -1;
+    float *residual = buf, *h = residual + rows * dm, *xz = h + rows * dm, *xdbl = xz + rows * 2 * di;
+    float *dt = xdbl + rows * nx, *y = dt + rows * di;
+
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < dm; i++) residual[r * dm + i] = m->embed[tokens[r] * dm + i];
+
+    for (int l = 0; l < m->n_layers; l++) {
+        const layer_t *w = &m->layers[l];
+        rms_norm(rows, dm, residual, w->norm, m->eps, h);
+        gemm_rows(rows, 2 * di, dm, w->in_proj, w->in_proj_bias, h, dm, xz, 2 * di);
+        /* depthwise causal conv over the window (the state's last d_conv - 1 inputs, then x), then SiLU; x in place */
+        for (int r = 0; r < rows; r++) {
+            float *cs = conv_state + ((int64_t)(l * rows + r) * di) * dc;
+            float *x = xz + r * 2 * di;
+            for (int c = 0; c < di; c++, cs += dc) {
+                for (int k = 0; k + 1 < dc; k++) cs[k] = cs[k + 1];
+                cs[dc - 1] = x[c];
+                float acc = 0.0f;
+                for (int k = 0; k < dc; k++) acc += cs[k] * w->conv[c * dc + k];
+                if (w->conv_bias) acc += w->conv_bias[c];
+                x[c] = silu(acc);
+            }
+        }
+        gemm_rows(rows, nx, di, w->x_proj, NULL, xz, 2 * di, xdbl, nx);
+        gemm_rows(rows, di, R, w->dt_proj, w->dt_bias, xdbl, nx, dt, di);
+        for (int r = 0; r < rows; r++) {
+            const float *x = xz + r * 2 * di, *z = x + di, *B = xdbl + r * nx + R, *C = B + N;
+            float *ss = ssm_state + ((int64_t)(l * rows + r) * di) * N;
+            for (int c = 0; c < di; c++, ss += N) {
+                const float d = softplus(dt[r * di + c]), dx = d * x[c];
+                const float *A = w->A + c * N;
+                float acc = 0.0f;
+                for (int n = 0; n < N; n++) {
+                    ss[n] = ss[n] * expf(d * A[n]) + dx * B[n];
+                    acc += ss[n] * C[n];
+                }
+                y[r * di + c] = (acc + x[c] * w->D[c]) * silu(z[c]);
+            }
+        }
+        gemm_rows(rows, dm, di, w->out_proj, w->out_proj_bias, y, di, h, dm);
+        for (int i = 0; i < rows * dm; i++) residual[i] += h[i];
+    }
+    rms_norm(rows, dm, residual, m->norm_f, m->eps, h);
+    gemm_rows(rows, m->vocab, dm, m->lm_head, NULL, h, dm, logits, m->vocab);
+    free(buf);
+    return 0;
+}
+
+/* The selective scan of channels [c0, c1) over S tokens: state[c] <- state[c] * exp(dt[t, c] A[c]) +
+ * dt[t, c] x[t, c] B[t];  y[t, c] = C[t] . state[c]  (before the D skip and the gate, as the torch path's
+ * _scan_block). dt (after softplus) and x: [S, d_inner]; B, C: [S, N]; A: [d_inner, N]; state [d_inner, N] carried in
+ * and out; y [S, d_inner]. Channels are independent: callers may run disjoint ranges at once. */
+void mamba_scan(int S, int d_inner, int N, int c0, int c1, const float *restrict dt, const float *restrict x,
+                const float *restrict B, const float *restrict C, const float *restrict A, float *restrict state,
+                float *restrict y) {
+    for (int64_t t = 0; t < S; t++) {
+        const float *Bt = B + t * N, *Ct = C + t * N;
+        for (int c = c0; c < c1; c++) {
+            const float d = dt[t * d_inner + c], dx = d * x[t * d_inner + c];
+            const float *Ac = A + (int64_t)c * N;
+            float *s = state + (int64_t)c * N;
+            float acc = 0.0f;
+            for (int n = 0; n < N; n++) {
+                s[n] = s[n] * expf(d * Ac[n]) + dx * Bt[n];
+                acc += s[n] * Ct[n];
+            }
+            y[t * d_inner + c] = acc;
+        }
+    }
+}

@@ -1,0 +1,187 @@
+"""The native C step and scan of the Mamba drafter (models/native) against the torch path, and their fallbacks.
+
+The torch path is itself tested against HF's Mamba (test_mamba_drafter.py, where float32 drafters now run native by
+default); here the native kernels are held to the float64 torch path at float32 rounding, on shapes that cross every
+block boundary of the C GEMM (64- and 16-wide output blocks, a ragged tail, row groups of 4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MambaConfig, MambaForCausalLM
+
+from ray_specdec.models import native
+from ray_specdec.models.mamba_drafter import MambaDrafter
+
+VOCAB = 93  # 5 x 16 + a tail of 13 logits
+# in_proj 2 x 80 = 2 x 64 + 2 x 16 outputs; out_proj 40 = 2 x 16 + 8; x_proj 5 + 2 x 6 = 17 = 16 + 1
+CONFIGS = {
+    "ragged": dict(hidden_size=40, state_size=6, num_hidden_layers=3, expand=2, conv_kernel=4, time_step_rank=5),
+    "biases": dict(hidden_size=24, state_size=16, num_hidden_layers=2, expand=3, conv_kernel=3, time_step_rank=4,
+                   use_bias=True, use_conv_bias=False, tie_word_embeddings=False),
+}
+TOL = dict(rtol=1e-4, atol=5e-5)
+
+
+def mamba(name: str, seed: int = 0) -> MambaForCausalLM:
+    config = MambaConfig(vocab_size=VOCAB, **CONFIGS[name])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MambaForCausalLM(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(autouse=True)
+def fresh_loader():
+    native.load.cache_clear()
+    yield
+    native.load.cache_clear()
+
+
+@pytest.fixture
+def lib():
+    if native.load() is None:
+        pytest.skip(f"native kernels unavailable here: {native.why_unavailable()}")
+    return native.load()
+
+
+@pytest.fixture(params=list(CONFIGS))
+def pair(request, lib) -> tuple[MambaDrafter, MambaDrafter]:
+    """(native float32 drafter, torch float64 drafter) with the same weights."""
+    model = mamba(request.param)
+    fast = MambaDrafter(model.float(), native=True)
+    assert fast.native is not None and fast.native_why is None
+    return fast, MambaDrafter(model.double(), native=False)
+
+
+def ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_on_by_default_for_float32_on_cpu_and_off_elsewhere(lib):
+    model = mamba("ragged")
+    assert MambaDrafter(model.float()).native is not None
+    assert MambaDrafter(model.float(), native=False).native is None
+    f64 = MambaDrafter(model.double())
+    assert f64.native is None and "float32" in f64.native_why
+    with pytest.raises(RuntimeError, match="native=True but .*float32"):
+        MambaDrafter(model.double(), native=True)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
+def test_steps_match_the_float64_torch_step(pair, rows):
+    fast, exact = pair
+    prompt = ids(11)
+    f_state, e_state = fast.copy_rows(fast.prefill(prompt)[0], [0] * rows), exact.copy_rows(exact.prefill(prompt)[0],
+                                                                                           [0] * rows)
+    for k in range(4):  # each row its own tokens, so rows diverge
+        tokens = ids(rows, seed=10 + k)
+        f_logits, e_logits = fast.step(f_state, tokens), exact.step(e_state, tokens)
+        assert f_logits.shape == (rows, VOCAB) and f_logits.dtype == torch.float32
+        torch.testing.assert_close(f_logits.double(), e_logits, **TOL)
+    torch.testing.assert_close(f_state.conv.double(), e_state.conv, **TOL)
+    torch.testing.assert_close(f_state.ssm.double(), e_state.ssm, **TOL)
+
+
+def test_prefill_and_extend_scan_match_the_float64_torch_path(pair):
+    fast, exact = pair
+    prompt = ids(40, seed=2)
+    (f_state, f_logits), (e_state, e_logits) = fast.prefill(prompt[:30]), exact.prefill(prompt[:30])
+    torch.testing.assert_close(f_logits.double(), e_logits, **TOL)
+    torch.testing.assert_close(f_state.ssm.double(), e_state.ssm, **TOL)
+    f_logits, e_logits = fast.extend(f_state, prompt[30:]), exact.extend(e_state, prompt[30:])
+    torch.testing.assert_close(f_logits.double(), e_logits, **TOL)
+    torch.testing.assert_close(f_state.ssm.double(), e_state.ssm, **TOL)
+    torch.testing.assert_close(f_state.conv.double(), e_state.conv, **TOL)
+
+
+def test_native_is_what_runs(pair, monkeypatch):
+    """The comparisons above must compare the C code, not the torch path twice."""
+    fast, _ = pair
+    state, _ = fast.prefill(ids(5))
+    calls = []
+    real_step = fast.native.lib.mamba_step
+    monkeypatch.setattr(fast.native, "lib", type("Spy", (), {
+        "mamba_step": lambda self, *a: calls.append("step") or real_step(*a),
+        "mamba_scan": lambda self, *a: calls.append("scan") or native.load().mamba_scan(*a)})())  # fmt: skip
+    fast.step(state, [3])
+    fast.extend(state, [4, 5, 6])
+    assert calls.count("step") == 1 and calls.count("scan") == fast.n_layers
+
+
+def test_pack_panels_layout():
+    """Blocks of 64 outputs, then 16, then the rest; each block [n_in, width] row-major, one after the other."""
+    weight = torch.arange(93 * 7, dtype=torch.float32).reshape(93, 7)  # [n_out, n_in]
+    packed = native.pack_panels(weight)
+    assert packed.shape == (93 * 7,)
+    offset = 0
+    for start, width in [(0, 64), (64, 16), (80, 13)]:
+        block = packed[offset : offset + 7 * width].reshape(7, width)
+        assert torch.equal(block, weight[start : start + width].t())
+        offset += 7 * width
+
+
+def test_bad_tokens_raise_and_leave_the_state_alone(pair):
+    fast, _ = pair
+    state = fast.copy_rows(fast.prefill(ids(6))[0], [0, 0])
+    before = (state.conv.clone(), state.ssm.clone())
+    for bad in ([VOCAB, 1], [-1, 2]):
+        with pytest.raises(IndexError, match=f"token ids must be in \\[0, {VOCAB}\\)"):
+            fast.step(state, bad)
+    assert torch.equal(state.conv, before[0]) and torch.equal(state.ssm, before[1])
+    assert fast.step(fast.new_state(0), []).shape == (0, VOCAB)
+
+
+def test_a_non_contiguous_state_takes_the_torch_step(pair):
+    fast, exact = pair
+    state = fast.copy_rows(fast.prefill(ids(8))[0], [0, 0, 0])
+    view = type(state)(conv=state.conv[:, ::2], ssm=state.ssm[:, ::2])  # rows 0 and 2, strided
+    want = exact.copy_rows(exact.prefill(ids(8))[0], [0, 0])
+    torch.testing.assert_close(fast.step(view, [1, 2]).double(), exact.step(want, [1, 2]), **TOL)
+    torch.testing.assert_close(state.ssm[:, ::2].double(), want.ssm, **TOL)  # advanced in place, through the view
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("RAY_SPECDEC_NATIVE", "0")
+    assert native.load() is None and native.why_unavailable() == "RAY_SPECDEC_NATIVE=0"
+    drafter = MambaDrafter(mamba("ragged").float())
+    assert drafter.native is None and drafter.native_why == "RAY_SPECDEC_NATIVE=0"
+    with pytest.raises(RuntimeError, match="native=True but RAY_SPECDEC_NATIVE=0"):
+        MambaDrafter(mamba("ragged").float(), native=True)
+
+
+def test_no_compiler_or_a_failing_build_falls_back_with_the_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_SPECDEC_CACHE_DIR", str(tmp_path))  # nothing built yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert native.load() is None and "no C compiler found" in native.why_unavailable()
+    native.load.cache_clear()
+    failing = tmp_path / "failing-cc"
+    failing.write_text("#!/bin/sh\necho 'mamba_cpu.c:1: error: no luck' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    assert native.load() is None
+    assert "could not be built" in native.why_unavailable() and "no luck" in native.why_unavailable()
+    model = mamba("ragged").float()
+    drafter = MambaDrafter(model)  # still drafts, through torch
+    torch.testing.assert_close(drafter.prefill(ids(9))[1], MambaDrafter(model, native=False).prefill(ids(9))[1])
+    assert not list(tmp_path.glob("native/*.so")) and not list(tmp_path.glob("native/*.tmp*"))
+
+
+def test_built_once_per_machine(lib, monkeypatch, tmp_path):
+    monkeypatch.setenv("RAY_SPECDEC_CACHE_DIR", str(tmp_path))
+    real_run, compiles = native.subprocess.run, []
+
+    def run(args, **kw):
+        compiles.extend([args] if "-shared" in args else [])
+        return real_run(args, **kw)
+
+    monkeypatch.setattr(native.subprocess, "run", run)
+    native.load.cache_clear()
+    assert native.load() is not None and len(compiles) == 1
+    assert len(list(tmp_path.glob("native/mamba_cpu-*.so"))) == 1
+    native.load.cache_clear()  # a new process on the same machine: loads the kept build
+    assert native.load() is not None and len(compiles) == 1
