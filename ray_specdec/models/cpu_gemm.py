@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-LINEAR, WEIGHT_LEFT, ONEDNN = "linear", "weight_left", "onednn"
+LINEAR, WEIGHT_LEFT, ONEDNN, NATIVE = "linear", "weight_left", "onednn", "native"
 # Row counts the calibration times; a product of m rows uses the plan of the smallest of these >= m, and products of
 # more rows than the last (prefill chunks) use F.linear.
 CALIBRATED_ROWS = (*range(1, 9), 10, 12, 16, 24, 32, 48, 64)
@@ -54,10 +54,28 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return F.linear(x, weight, bias)
 
 
+def _native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The register-blocked C GEMM of models/native over a packed copy of the weight (float32, no autograd).
+
+    The copy lives on the weight itself and is packed again whenever the weight has changed in place since."""
+    from ray_specdec.models import native
+
+    if (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or not (
+        x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
+    ):
+        return F.linear(x, weight, bias)
+    packed = getattr(weight, "_ray_specdec_panels", None)
+    if packed is None or packed[0] != weight._version:
+        packed = (weight._version, native.pack_panels(weight.detach()))
+        weight._ray_specdec_panels = packed
+    return native.linear(x, packed[1], None if bias is None else bias.detach(), weight.shape[0])
+
+
 PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
     LINEAR: _linear,
     WEIGHT_LEFT: _weight_left,
     ONEDNN: _onednn,
+    NATIVE: _native,
 }
 
 
@@ -70,6 +88,10 @@ def available_paths() -> tuple[str, ...]:
     paths = [LINEAR, WEIGHT_LEFT]
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         paths.append(ONEDNN)
+    from ray_specdec.models import native  # imports this module
+
+    if native.load() is not None:
+        paths.append(NATIVE)
     return tuple(paths)
 
 

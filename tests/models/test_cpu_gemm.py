@@ -19,15 +19,35 @@ from tests.tiny_models import tiny_gpt_neox, tiny_llama
 
 @pytest.mark.parametrize("path", cpu_gemm.available_paths())
 @pytest.mark.parametrize("bias", [True, False])
-def test_every_path_computes_the_linear_product(path, bias):
-    torch.manual_seed(0)
-    weight, b = torch.randn(48, 40), torch.randn(48) if bias else None
+@pytest.mark.parametrize("n_out, n_in", [(48, 40), (93, 37), (150, 70)])  # native: 16-blocks, a ragged tail, threads
+@pytest.mark.parametrize("threads", [1, 2])  # native: products of >= 2^19 multiply-adds split over threads
+def test_every_path_computes_the_linear_product(path, bias, n_out, n_in, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # what the native path reads; torch's own pool
+    torch.manual_seed(0)                                            # stays as conftest set it
+    weight, b = torch.randn(n_out, n_in), torch.randn(n_out) if bias else None
     for rows in (1, 2, 3, 7, 16, 17, 65):
-        x = torch.randn(rows, 40)
+        x = torch.randn(rows, n_in)
         out = cpu_gemm.PATHS[path](x, weight, b)
         want = F.linear(x.double(), weight.double(), None if b is None else b.double())
-        assert out.shape == (rows, 48) and out.dtype == torch.float32 and out.is_contiguous()
+        assert out.shape == (rows, n_out) and out.dtype == torch.float32 and out.is_contiguous()
         torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif("native" not in cpu_gemm.available_paths(), reason="native kernels unavailable")
+def test_native_path_follows_in_place_weight_changes_and_autograd():
+    """The packed copy of the weight is packed again after an in-place change (a load_state_dict, say); with
+    autograd on, the product is F.linear's, so gradients flow."""
+    linear = torch.nn.Linear(37, 93)
+    x = torch.randn(3, 37)
+    with torch.no_grad():
+        first = cpu_gemm.PATHS["native"](x, linear.weight, linear.bias)
+        torch.testing.assert_close(first, F.linear(x, linear.weight, linear.bias))
+        linear.weight.mul_(2.0)
+        torch.testing.assert_close(cpu_gemm.PATHS["native"](x, linear.weight, linear.bias),
+                                   F.linear(x, linear.weight, linear.bias))
+    out = cpu_gemm.PATHS["native"](x, linear.weight, linear.bias)
+    out.sum().backward()
+    assert linear.weight.grad is not None and linear.weight.grad.abs().sum() > 0
 
 
 def test_plan_lookup_and_description():
@@ -100,7 +120,7 @@ def greedy_margin(model, prompt: list[int], generated: list[int]) -> float:
     return float((top[:, 0] - top[:, 1]).min())
 
 
-@pytest.mark.parametrize("path", ["weight_left", "onednn"])
+@pytest.mark.parametrize("path", [p for p in cpu_gemm.available_paths() if p != "linear"])
 def test_greedy_speculation_on_planned_paths_is_the_target_alone(path):
     """float32, every product through one planned path: tree drafts and plain decoding on the planned target give
     HF generate's tokens on the unplanned model (prompts whose greedy path holds no float32 near-tie)."""

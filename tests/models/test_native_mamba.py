@@ -99,18 +99,42 @@ def test_prefill_and_extend_scan_match_the_float64_torch_path(pair):
     torch.testing.assert_close(f_state.conv.double(), e_state.conv, **TOL)
 
 
+@pytest.fixture
+def two_threads():
+    """The kernels take torch's intra-op thread count; the test suite runs on one (conftest)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_long_prefill_scans_on_several_threads_and_matches(pair, two_threads):
+    """Long enough that the scan and the projections split their channels / outputs over two threads."""
+    fast, exact = pair
+    prompt = ids(1200, seed=4)
+    assert 1200 * fast.d_inner * fast.d_state >= native.PARALLEL_MIN_MACS
+    (f_state, f_logits), (e_state, e_logits) = fast.prefill(prompt), exact.prefill(prompt)
+    torch.testing.assert_close(f_logits.double(), e_logits, **TOL)
+    torch.testing.assert_close(f_state.ssm.double(), e_state.ssm, **TOL)
+    f_logits, e_logits = fast.extend(f_state, prompt[:60]), exact.extend(e_state, prompt[:60])  # one C forward
+    torch.testing.assert_close(f_logits.double(), e_logits, **TOL)
+
+
 def test_native_is_what_runs(pair, monkeypatch):
-    """The comparisons above must compare the C code, not the torch path twice."""
+    """The comparisons above must compare the C code, not the torch path twice: a step and a catch-up are one C
+    call each; a prefill scans each layer in C."""
     fast, _ = pair
     state, _ = fast.prefill(ids(5))
-    calls = []
-    real_step = fast.native.lib.mamba_step
-    monkeypatch.setattr(fast.native, "lib", type("Spy", (), {
-        "mamba_step": lambda self, *a: calls.append("step") or real_step(*a),
-        "mamba_scan": lambda self, *a: calls.append("scan") or native.load().mamba_scan(*a)})())  # fmt: skip
+    lib, calls = native.load(), []
+    spy = type("Spy", (), {
+        "mamba_forward": lambda self, *a: calls.append("forward") or lib.mamba_forward(*a),
+        "mamba_scan": lambda self, *a: calls.append("scan") or lib.mamba_scan(*a)})()  # fmt: skip
+    monkeypatch.setattr(fast.native, "lib", spy)
     fast.step(state, [3])
     fast.extend(state, [4, 5, 6])
-    assert calls.count("step") == 1 and calls.count("scan") == fast.n_layers
+    assert calls == ["forward", "forward"]
+    fast.prefill(ids(7))
+    assert calls[2:] == ["scan"] * fast.n_layers
 
 
 def test_pack_panels_layout():

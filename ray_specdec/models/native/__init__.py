@@ -28,6 +28,11 @@ from ray_specdec.models import cpu_gemm
 SOURCE = Path(__file__).with_name("mamba_cpu.c")
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+# linear_panels splits a product's output blocks over torch's intra-op thread count; built without it if the
+# compiler has no OpenMP.
+OPENMP = ("-fopenmp",)
+# Products smaller than this many multiply-adds run on one thread (waking another costs more than it saves).
+PARALLEL_MIN_MACS = 1 << 19
 _why: list[str] = []
 
 
@@ -52,7 +57,10 @@ def load() -> ctypes.CDLL | None:
         _why.append(f"no C compiler found ({compiler or 'cc, gcc, clang'})")
         return None
     try:
-        library = _build(compiler)
+        try:
+            library = _build(compiler, FLAGS + OPENMP)
+        except subprocess.SubprocessError:  # no OpenMP runtime for this compiler: one thread per product
+            library = _build(compiler, FLAGS)
         lib = ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as e:
         _why.append(f"native kernels could not be built with {compiler}: {str(e).strip().splitlines()[-1][:300]}")
@@ -61,11 +69,11 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), cpu_gemm._cpu_name().encode(),
+        b"\0".join([source, " ".join(flags).encode(), version.encode(), cpu_gemm._cpu_name().encode(),
                     platform.machine().encode()])
     ).hexdigest()[:20]
     directory = cpu_gemm.cache_dir()
@@ -77,7 +85,7 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.stem}.{os.getpid()}.tmp.so")
     done = subprocess.run(
-        [compiler, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+        [compiler, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
     )
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -110,10 +118,14 @@ class Model(ctypes.Structure):
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.mamba_step.argtypes = [ctypes.POINTER(Model), i, p, p, p, p]
-    lib.mamba_step.restype = i
-    lib.mamba_scan.argtypes = [i, i, i, i, i, p, p, p, p, p, p, p]
+    lib.mamba_forward.argtypes = [ctypes.POINTER(Model), i, i, p, p, p, p]
+    lib.mamba_forward.restype = i
+    lib.mamba_scan.argtypes = [i, i, i, p, p, p, p, p, p, p]
     lib.mamba_scan.restype = None
+    lib.linear_panels.argtypes = [i, i, i, p, p, p, p]
+    lib.set_threads.argtypes = [i, i]
+    lib.set_threads.restype = None
+    lib.linear_panels.restype = None
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -124,6 +136,30 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     bounds = [*range(0, wide, 64), *range(wide, narrow, 16), narrow, n_out]
     blocks = [weight[a:b].t().contiguous().reshape(-1) for a, b in zip(bounds, bounds[1:]) if b > a]
     return torch.cat(blocks)
+
+
+_threads_set: list[int] = []
+
+
+def _match_torch_threads(lib: ctypes.CDLL) -> None:
+    """Products use as many threads as torch's intra-op pool (checked per call: a process may change it)."""
+    threads = torch.get_num_threads()
+    if not _threads_set or _threads_set[-1] != threads:
+        lib.set_threads(threads, PARALLEL_MIN_MACS)
+        _threads_set.append(threads)
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> torch.Tensor:
+    """x [rows, n_in] @ W^T (+ bias) -> [rows, n_out] for W [n_out, n_in] packed by `pack_panels` (float32, CPU)."""
+    rows, n_in = x.shape
+    x = x.contiguous()
+    out = torch.empty(rows, n_out, dtype=torch.float32)
+    if rows:
+        lib = load()
+        _match_torch_threads(lib)
+        lib.linear_panels(rows, n_out, n_in, panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                          x.data_ptr(), out.data_ptr())  # fmt: skip
+    return out
 
 
 class NativeMamba:
@@ -154,18 +190,20 @@ class NativeMamba:
         )
         self.vocab_size = d.vocab_size
 
-    def step(self, conv: torch.Tensor, ssm: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [rows] (int64) -> logits [rows, V]; conv / ssm ([n_layers, rows, ...], contiguous) advance."""
-        rows = tokens.shape[0]
+    def forward(self, conv: torch.Tensor, ssm: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [R, S] (int64): S tokens for each of the R state rows -> logits [R, V] after each row's last
+        token; conv / ssm ([n_layers, R, ...], contiguous float32) advance by S tokens in place."""
+        R, S = tokens.shape
         tokens = tokens.contiguous()
-        logits = torch.empty(rows, self.vocab_size, dtype=torch.float32)
-        if rows == 0:
+        logits = torch.empty(R, self.vocab_size, dtype=torch.float32)
+        if R == 0 or S == 0:
             return logits
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:  # the C side indexes the embedding
-            raise IndexError(f"token ids must be in [0, {self.vocab_size}), got {tokens.tolist()}")
-        if self.lib.mamba_step(ctypes.byref(self._model), rows, tokens.data_ptr(), conv.data_ptr(), ssm.data_ptr(),
-                               logits.data_ptr()) != 0:  # fmt: skip
-            raise MemoryError("the native Mamba step could not allocate its buffers")
+            raise IndexError(f"token ids must be in [0, {self.vocab_size}), got {tokens.flatten().tolist()}")
+        _match_torch_threads(load())
+        if self.lib.mamba_forward(ctypes.byref(self._model), R, S, tokens.data_ptr(), conv.data_ptr(),
+                                  ssm.data_ptr(), logits.data_ptr()) != 0:  # fmt: skip
+            raise MemoryError("the native Mamba forward could not allocate its buffers")
         return logits
 
     def scan(self, dt, x, B, C, A, state: torch.Tensor) -> torch.Tensor:
@@ -176,7 +214,8 @@ class NativeMamba:
         dt, x, B, C, A = (t.contiguous() for t in (dt, x, B, C, A))
         carried = state if state.is_contiguous() else state.contiguous()
         y = torch.empty(S, d_inner, dtype=torch.float32)
-        self.lib.mamba_scan(S, d_inner, N, 0, d_inner, dt.data_ptr(), x.data_ptr(), B.data_ptr(), C.data_ptr(),
+        _match_torch_threads(load())
+        self.lib.mamba_scan(S, d_inner, N, dt.data_ptr(), x.data_ptr(), B.data_ptr(), C.data_ptr(),
                             A.data_ptr(), carried.data_ptr(), y.data_ptr())  # fmt: skip
         if carried is not state:
             state.copy_(carried)

@@ -13,6 +13,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef struct {
     const float *norm;          /* [d_model] */
@@ -83,24 +86,48 @@ static inline __attribute__((always_inline)) void gemm_block(
  * [n_in, width] contiguously, one after the other; so block o starts at P + o * n_in and is read front to back. Up
  * to 4 rows by 64 outputs accumulate in registers while a panel streams past. (A dot product per output over the
  * weight's own layout chains every multiply-add of a row into one accumulator and was latency-bound: ~4x slower.) */
+static void gemm_rows_mt(int rows, int n_out, int n_in, const float *restrict P, const float *restrict bias,
+                         const float *restrict x, int x_stride, float *restrict y, int y_stride, int threads) {
+    const int n64 = n_out / 64, n16 = (n_out - 64 * n64) / 16, tail = n_out - 64 * n64 - 16 * n16;
+    const int blocks = n64 + n16 + (tail > 0);
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && blocks > 1)
+    for (int b = 0; b < blocks; b++) {
+        const int o = b < n64 ? 64 * b : 64 * n64 + 16 * (b - n64);
+        for (int r0 = 0; r0 < rows; r0 += 4) {
+            const int nr = rows - r0 < 4 ? rows - r0 : 4;
+            const float *xr = x + (int64_t)r0 * x_stride;
+            float *yr = y + (int64_t)r0 * y_stride;
+            if (b < n64) {
+                FOR_ROWS(4)
+            } else if (b < n64 + n16) {
+                FOR_ROWS(1)
+            } else {
+                const float *pt = P + (int64_t)o * n_in;
+                for (int j = 0; j < tail; j++)
+                    for (int r = 0; r < nr; r++) {
+                        float acc = bias ? bias[o + j] : 0.0f;
+                        for (int i = 0; i < n_in; i++) acc += xr[(int64_t)r * x_stride + i] * pt[(int64_t)i * tail + j];
+                        yr[(int64_t)r * y_stride + o + j] = acc;
+                    }
+            }
+        }
+    }
+}
+
+/* Threads for a product of this many multiply-adds: more only where waking them pays (set by native/__init__.py). */
+static int parallel_min_macs = 1 << 19;
+static int max_threads = 1;
+
+void set_threads(int threads, int min_macs) {
+    max_threads = threads;
+    parallel_min_macs = min_macs;
+}
+
 static void gemm_rows(int rows, int n_out, int n_in, const float *restrict P, const float *restrict bias,
                       const float *restrict x, int x_stride, float *restrict y, int y_stride) {
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-        const int nr = rows - r0 < 4 ? rows - r0 : 4;
-        const float *xr = x + (int64_t)r0 * x_stride;
-        float *yr = y + (int64_t)r0 * y_stride;
-        int o = 0;
-        for (; o + 4 * LANES <= n_out; o += 4 * LANES) FOR_ROWS(4)
-        for (; o + LANES <= n_out; o += LANES) FOR_ROWS(1)
-        const int tail = n_out - o;
-        const float *pt = P + (int64_t)o * n_in;
-        for (int j = 0; j < tail; j++)
-            for (int r = 0; r < nr; r++) {
-                float acc = bias ? bias[o + j] : 0.0f;
-                for (int i = 0; i < n_in; i++) acc += xr[(int64_t)r * x_stride + i] * pt[(int64_t)i * tail + j];
-                yr[(int64_t)r * y_stride + o + j] = acc;
-            }
-    }
+    const int threads = (int64_t)rows * n_out * n_in >= parallel_min_macs ? max_threads : 1;
+    gemm_rows_mt(rows, n_out, n_in, P, bias, x, x_stride, y, y_stride, threads);
 }
 
 /* HF MambaRMSNorm: x * rsqrt(mean(x^2) + eps) * w, in float32. */
@@ -120,83 +147,104 @@ static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 /* torch's softplus (beta 1, threshold 20). */
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
 
-/* One token per state row through every layer and the head.
- * tokens [rows]; conv_state [n_layers, rows, d_inner, d_conv] (oldest input first) and ssm_state
- * [n_layers, rows, d_inner, d_state] advance in place; logits [rows, vocab]. Returns 0, or -1 when out of memory
- * (nothing is changed then). */
-int mamba_step(const model_t *m, int rows, const int64_t *tokens, float *conv_state, float *ssm_state,
-               float *logits) {
-    const int dm = m->d_model, di = m->d_inner, dc = m->d_conv, N = m->d_state, R = m->dt_rank;
-    const int nx = R + 2 * N;
+/* S tokens for each of R state rows through every layer, then the head at each row's last token.
+ * tokens [R, S]; conv_state [n_layers, R, d_inner, d_conv] (oldest input first) and ssm_state
+ * [n_layers, R, d_inner, d_state] advance in place by S tokens; logits [R, vocab]. A drafting step is S = 1 (one
+ * token per tree node); a catch-up on accepted tokens is R = 1. The projections run over all R x S tokens at once;
+ * the conv and the scan go token by token. Returns 0, or -1 when out of memory (nothing is changed then). */
+int mamba_forward(const model_t *m, int R, int S, const int64_t *tokens, float *conv_state, float *ssm_state,
+                  float *logits) {
+    const int dm = m->d_model, di = m->d_inner, dc = m->d_conv, N = m->d_state, dr = m->dt_rank;
+    const int nx = dr + 2 * N, rows = R * S;
     float *buf = malloc(sizeof(float) * (size_t)rows * (2 * dm + 2 * di + nx + 2 * di));
     if (!buf) return -1;
-    float *residual = buf, *h = residual + rows * dm, *xz = h + rows * dm, *xdbl = xz + rows * 2 * di;
-    float *dt = xdbl + rows * nx, *y = dt + rows * di;
+    float *residual = buf, *h = residual + (size_t)rows * dm, *xz = h + (size_t)rows * dm;
+    float *xdbl = xz + (size_t)rows * 2 * di, *dt = xdbl + (size_t)rows * nx, *y = dt + (size_t)rows * di;
 
-    for (int r = 0; r < rows; r++)
-        for (int i = 0; i < dm; i++) residual[r * dm + i] = m->embed[tokens[r] * dm + i];
+    for (int t = 0; t < rows; t++)
+        for (int i = 0; i < dm; i++) residual[(size_t)t * dm + i] = m->embed[tokens[t] * dm + i];
 
     for (int l = 0; l < m->n_layers; l++) {
         const layer_t *w = &m->layers[l];
         rms_norm(rows, dm, residual, w->norm, m->eps, h);
         gemm_rows(rows, 2 * di, dm, w->in_proj, w->in_proj_bias, h, dm, xz, 2 * di);
         /* depthwise causal conv over the window (the state's last d_conv - 1 inputs, then x), then SiLU; x in place */
-        for (int r = 0; r < rows; r++) {
-            float *cs = conv_state + ((int64_t)(l * rows + r) * di) * dc;
-            float *x = xz + r * 2 * di;
-            for (int c = 0; c < di; c++, cs += dc) {
-                for (int k = 0; k + 1 < dc; k++) cs[k] = cs[k + 1];
-                cs[dc - 1] = x[c];
-                float acc = 0.0f;
-                for (int k = 0; k < dc; k++) acc += cs[k] * w->conv[c * dc + k];
-                if (w->conv_bias) acc += w->conv_bias[c];
-                x[c] = silu(acc);
-            }
+        for (int r = 0; r < R; r++) {
+            float *cs = conv_state + ((size_t)(l * R + r) * di) * dc;
+            for (int c = 0; c < di; c++, cs += dc)
+                for (int t = r * S; t < (r + 1) * S; t++) {
+                    float *x = xz + (size_t)t * 2 * di;
+                    for (int k = 0; k + 1 < dc; k++) cs[k] = cs[k + 1];
+                    cs[dc - 1] = x[c];
+                    float acc = 0.0f;
+                    for (int k = 0; k < dc; k++) acc += cs[k] * w->conv[c * dc + k];
+                    if (w->conv_bias) acc += w->conv_bias[c];
+                    x[c] = silu(acc);
+                }
         }
         gemm_rows(rows, nx, di, w->x_proj, NULL, xz, 2 * di, xdbl, nx);
-        gemm_rows(rows, di, R, w->dt_proj, w->dt_bias, xdbl, nx, dt, di);
-        for (int r = 0; r < rows; r++) {
-            const float *x = xz + r * 2 * di, *z = x + di, *B = xdbl + r * nx + R, *C = B + N;
-            float *ss = ssm_state + ((int64_t)(l * rows + r) * di) * N;
-            for (int c = 0; c < di; c++, ss += N) {
-                const float d = softplus(dt[r * di + c]), dx = d * x[c];
-                const float *A = w->A + c * N;
-                float acc = 0.0f;
-                for (int n = 0; n < N; n++) {
-                    ss[n] = ss[n] * expf(d * A[n]) + dx * B[n];
-                    acc += ss[n] * C[n];
+        gemm_rows(rows, di, dr, w->dt_proj, w->dt_bias, xdbl, nx, dt, di);
+        for (int r = 0; r < R; r++) {
+            float *state = ssm_state + ((size_t)(l * R + r) * di) * N;
+            for (int t = r * S; t < (r + 1) * S; t++) {
+                const float *x = xz + (size_t)t * 2 * di, *z = x + di, *B = xdbl + (size_t)t * nx + dr, *C = B + N;
+                float *ss = state;
+                for (int c = 0; c < di; c++, ss += N) {
+                    const float d = softplus(dt[(size_t)t * di + c]), dx = d * x[c];
+                    const float *A = w->A + c * N;
+                    float acc = 0.0f;
+                    for (int n = 0; n < N; n++) {
+                        ss[n] = ss[n] * expf(d * A[n]) + dx * B[n];
+                        acc += ss[n] * C[n];
+                    }
+                    y[(size_t)t * di + c] = (acc + x[c] * w->D[c]) * silu(z[c]);
                 }
-                y[r * di + c] = (acc + x[c] * w->D[c]) * silu(z[c]);
             }
         }
         gemm_rows(rows, dm, di, w->out_proj, w->out_proj_bias, y, di, h, dm);
-        for (int i = 0; i < rows * dm; i++) residual[i] += h[i];
+        for (size_t i = 0; i < (size_t)rows * dm; i++) residual[i] += h[i];
     }
-    rms_norm(rows, dm, residual, m->norm_f, m->eps, h);
-    gemm_rows(rows, m->vocab, dm, m->lm_head, NULL, h, dm, logits, m->vocab);
+    for (int r = 0; r < R; r++)  /* the head at each row's last token */
+        rms_norm(1, dm, residual + ((size_t)r * S + S - 1) * dm, m->norm_f, m->eps, h + (size_t)r * dm);
+    gemm_rows(R, m->vocab, dm, m->lm_head, NULL, h, dm, logits, m->vocab);
     free(buf);
     return 0;
 }
 
-/* The selective scan of channels [c0, c1) over S tokens: state[c] <- state[c] * exp(dt[t, c] A[c]) +
- * dt[t, c] x[t, c] B[t];  y[t, c] = C[t] . state[c]  (before the D skip and the gate, as the torch path's
- * _scan_block). dt (after softplus) and x: [S, d_inner]; B, C: [S, N]; A: [d_inner, N]; state [d_inner, N] carried in
- * and out; y [S, d_inner]. Channels are independent: callers may run disjoint ranges at once. */
-void mamba_scan(int S, int d_inner, int N, int c0, int c1, const float *restrict dt, const float *restrict x,
-                const float *restrict B, const float *restrict C, const float *restrict A, float *restrict state,
-                float *restrict y) {
-    for (int64_t t = 0; t < S; t++) {
-        const float *Bt = B + t * N, *Ct = C + t * N;
-        for (int c = c0; c < c1; c++) {
-            const float d = dt[t * d_inner + c], dx = d * x[t * d_inner + c];
-            const float *Ac = A + (int64_t)c * N;
-            float *s = state + (int64_t)c * N;
-            float acc = 0.0f;
-            for (int n = 0; n < N; n++) {
-                s[n] = s[n] * expf(d * Ac[n]) + dx * Bt[n];
-                acc += s[n] * Ct[n];
+/* The selective scan over S tokens: state[c] <- state[c] * exp(dt[t, c] A[c]) + dt[t, c] x[t, c] B[t];
+ * y[t, c] = C[t] . state[c]  (before the D skip and the gate, as the torch path's _scan_block). dt (after softplus)
+ * and x: [S, d_inner]; B, C: [S, N]; A: [d_inner, N]; state [d_inner, N] carried in and out; y [S, d_inner].
+ * Channels are independent: each thread scans its own contiguous range of them over every token. */
+void mamba_scan(int S, int d_inner, int N, const float *restrict dt, const float *restrict x, const float *restrict B,
+                const float *restrict C, const float *restrict A, float *restrict state, float *restrict y) {
+    const int threads = (int64_t)S * d_inner * N >= parallel_min_macs ? max_threads : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int c0 = 0, c1 = d_inner;
+#ifdef _OPENMP
+        const int per = (d_inner + omp_get_num_threads() - 1) / omp_get_num_threads();
+        c0 = per * omp_get_thread_num();
+        c1 = c0 + per < d_inner ? c0 + per : d_inner;
+#endif
+        for (int64_t t = 0; t < S; t++) {
+            const float *Bt = B + t * N, *Ct = C + t * N;
+            for (int c = c0; c < c1; c++) {
+                const float d = dt[t * d_inner + c], dx = d * x[t * d_inner + c];
+                const float *Ac = A + (int64_t)c * N;
+                float *s = state + (int64_t)c * N;
+                float acc = 0.0f;
+                for (int n = 0; n < N; n++) {
+                    s[n] = s[n] * expf(d * Ac[n]) + dx * Bt[n];
+                    acc += s[n] * Ct[n];
+                }
+                y[t * d_inner + c] = acc;
             }
-            y[t * d_inner + c] = acc;
         }
     }
+}
+
+/* y [rows, n_out] = x [rows, n_in] @ W^T (+ bias), W given as panels (pack_panels): a Linear layer's product for
+ * a few rows (cpu_gemm's "native" path). */
+void linear_panels(int rows, int n_out, int n_in, const float *P, const float *bias, const float *x, float *y) {
+    gemm_rows(rows, n_out, n_in, P, bias, x, n_in, y, n_out);
 }
