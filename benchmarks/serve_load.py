@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
 
+    import httpx
     import ray
     from ray import serve
 
@@ -90,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                                         tree=MODES[mode], temperature=args.temperature)  # fmt: skip
                 report = asyncio.run(run_loadtest(config))
                 print(f"concurrency {concurrency}, drafting {mode}: {describe(report)}", flush=True)
-                runs.append({"concurrency": concurrency, "mode": mode, "report": report})
+                # what the shared bandit believes after the run (its per-cell estimates), to read its choices by
+                bandit = httpx.get(f"{url}/v1/bandit", timeout=30, trust_env=False).json() if mode == "on" else None
+                runs.append({"concurrency": concurrency, "mode": mode, "report": report, "bandit": bandit})
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"concurrency": run["concurrency"], "mode": run["mode"], "tokens_per_s": round(tput, 2),
                      "ratio_vs_off": round(tput / base_tput, 3) if base_tput else None,
                      "requests": run["report"]["requests"], "latency_s": run["report"]["latency_s"],
-                     "mean_accepted_length": run["report"]["mean_accepted_length"]})
+                     "mean_accepted_length": run["report"]["mean_accepted_length"],
+                     **({"bandit_after": run["bandit"]} if run["bandit"] else {})})
     result = {"runs": rows, "duration_s": args.duration, "max_tokens": args.max_tokens,
               "temperature": args.temperature,
               "hardware": {"platform": platform.platform(), "cpus": os.cpu_count()},

@@ -49,6 +49,7 @@ def why_unavailable() -> str | None:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernels for this machine, built if needed; None (see `why_unavailable`) where that fails."""
+    _why.clear()
     if not enabled_by_environment():
         _why.append("RAY_SPECDEC_NATIVE=0")
         return None

@@ -1,14 +1,17 @@
-/* Fused CPU kernels for the Mamba drafter (float32): one decode step through every layer for a few state rows, and
- * the prefill's selective scan over a sequence.
+/* Native CPU kernels (float32): the Mamba drafter's forward over a few state rows and tokens (a drafting step, a
+ * catch-up on accepted tokens), the prefill's selective scan, and the few-row GEMM behind cpu_gemm's "native" path.
  *
  * Why: a drafter step in torch is ~100 small ops (4 layers x ~20, then the head), each a few microseconds of
  * dispatch for a few thousand multiply-adds, so on CPU the step is bound by overhead, not arithmetic or memory. Here
  * the step is one call; the prefill's scan (sequential over tokens) runs one 16-wide vector per channel and token
- * instead of one torch op per token.
+ * instead of one torch op per token; and a product of 1-64 rows with a weight keeps its accumulators in registers
+ * while a packed copy of the weight streams past, where MKL's few-row paths are far from the memory bound.
  *
  * The math is the torch path's (ray_specdec/models/mamba_drafter.py), operation for operation; sums are reassociated
- * (-ffast-math), so results agree to float32 rounding, not bit for bit. That is enough for a drafter: its drafts
- * only change acceptance; the target verifies every token. Built at first use by native/__init__.py.
+ * (-ffast-math), so results agree to float32 rounding, not bit for bit. For the drafter that is enough: its drafts
+ * only change acceptance; the target verifies every token. For the target it is one more float32 summation order,
+ * as between any two GEMM kernels. Products and the scan split their work over up to `max_threads` OpenMP threads
+ * (torch's intra-op count, set from Python) when built with -fopenmp. Built at first use by native/__init__.py.
  */
 #include <math.h>
 #include <stdint.h>
