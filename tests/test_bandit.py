@@ -439,3 +439,43 @@ def test_an_arm_whose_first_rounds_were_slow_is_tried_again():
         first = [True]
         picks = simulate(Bandit(BanditConfig(arms=arms), seed=seed), env, 1000, seed=seed)
         assert late_share(picks, 0) >= 0.9, seed
+
+
+def lockout_state(optimistic_rounds: float, slow_pulls: int) -> tuple[Bandit, tuple[TreeConfig, ...]]:
+    """The sampled short-prompt cell of a Serve run at T=1 (docs/BENCHMARKS.md): plain rounds at 18 ms, tree 2,1,1 at
+    43 ms keeping 3 tokens, and the chain 1,1,1,1, which keeps 4 tokens a round, timed only in `slow_pulls` rounds of
+    200 ms (one-time costs of a new shape in a fresh replica)."""
+    arms = (TreeConfig((1, 1, 1, 1)), TreeConfig((2, 1, 1)), TreeConfig(()))
+    bandit = Bandit(BanditConfig(arms=arms, prior_pulls=0, optimistic_rounds=optimistic_rounds), seed=0)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        bandit.record(arms[2], 100, 0, 0.018 * math.exp(0.05 * rng.standard_normal()), sampled=True)
+        bandit.record(arms[1], 100, 2, 0.043 * math.exp(0.05 * rng.standard_normal()), sampled=True)
+    for _ in range(slow_pulls):
+        bandit.record(arms[0], 100, 3, 0.200, sampled=True)
+    return bandit, arms
+
+
+def test_a_young_arm_is_timed_by_the_cells_cost_model_not_locked_out_by_slow_first_rounds():
+    bandit, (chain, tree, plain) = lockout_state(optimistic_rounds=8, slow_pulls=2)
+    rates = bandit.throughput(100, sampled=True)
+    # cost model from the well-measured arms: 18 ms at 0 nodes, 43 ms at 6 -> ~34.7 ms at the chain's 4 nodes
+    assert rates[chain] == pytest.approx(4 / (0.018 + 4 * (0.043 - 0.018) / 6), rel=0.05)
+    assert rates[tree] == pytest.approx(3 / 0.043, rel=0.05) and rates[plain] == pytest.approx(1 / 0.018, rel=0.05)
+    picks = [bandit.select(100, sampled=True) for _ in range(200)]
+    assert picks.count(chain) > 150
+    locked, _ = lockout_state(optimistic_rounds=0, slow_pulls=2)  # without it: 20 tokens/s, never picked
+    assert locked.throughput(100, sampled=True)[chain] == pytest.approx(20.0, rel=0.01)
+    assert [locked.select(100, sampled=True) for _ in range(200)].count(chain) == 0
+
+
+def test_the_optimism_ends_once_an_arm_has_its_own_rounds():
+    """A chain that really is slow is believed after `optimistic_rounds` rounds of its own (discounted: 10 rounds are
+    a little under 10)."""
+    bandit, (chain, tree, _) = lockout_state(optimistic_rounds=8, slow_pulls=10)
+    assert bandit.throughput(100, sampled=True)[chain] == pytest.approx(20.0, rel=0.01)
+    assert [bandit.select(100, sampled=True) for _ in range(200)].count(chain) < 10
+    # an arm measured faster than the model predicts keeps its own (faster) time
+    fast, (chain, _, _) = lockout_state(optimistic_rounds=8, slow_pulls=0)
+    fast.record(chain, 100, 3, 0.020, sampled=True)
+    assert fast.throughput(100, sampled=True)[chain] == pytest.approx(200.0, rel=0.01)

@@ -73,6 +73,13 @@ class BanditConfig:
     # bucket starts from what the others learned instead of trying every arm (wide trees included) on live traffic,
     # and its own rounds outweigh the prior after a few pulls. 0: every bucket learns alone.
     prior_pulls: float = 4.0
+    # Rounds of its own below which an arm's round time in a cell is taken as no slower than a cost model fitted to
+    # the cell's well-measured arms predicts (time = a + b * tree nodes): optimism bounded by this many rounds per arm.
+    # An arm's token estimate learns from other arms' rounds (what-if feedback), its time only from its own, so a
+    # couple of slow first rounds (one-time costs of a new shape in a fresh replica) would otherwise lock it out:
+    # measured through Serve, a chain pulled twice at 20 tokens/s against 66 for the arm in use (docs/BENCHMARKS.md).
+    # 0: no optimism.
+    optimistic_rounds: float = 8.0
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -91,7 +98,7 @@ class BanditConfig:
         table = state.disc if self.policy.discounted else state.raw  # [cells, arms, fields]
         own = table[cell]
         if self.prior_pulls <= 0 or state.num_buckets == 1:
-            return ArmStats.from_sums(own, self.reward)
+            return ArmStats.from_sums(self._optimistic_times(own), self.reward)
         first = cell - cell % state.num_buckets
         others = sum(table[c] for c in range(first, first + state.num_buckets) if c != cell)  # [arms, fields]
         own_fields = len(OWN_FIELDS)
@@ -100,7 +107,33 @@ class BanditConfig:
             n = others[:, columns.start]
             scale = np.divide(np.minimum(n, self.prior_pulls), n, out=np.zeros_like(n), where=n > 0)
             prior[:, columns] *= scale[:, None]  # every sum scaled: same means
-        return ArmStats.from_sums(own + prior, self.reward)
+        return ArmStats.from_sums(self._optimistic_times(own + prior), self.reward)
+
+    def _optimistic_times(self, sums: np.ndarray) -> np.ndarray:
+        """sums [arms, fields] with the round times of arms timed in fewer than `optimistic_rounds` rounds scaled down
+        to what the cell's cost model predicts, where their own mean is slower (see `optimistic_rounds`). The model,
+        time per round = a + b * nodes with b >= 0, is a least-squares fit over the arms timed in at least that many
+        rounds, weighted by their rounds; with fewer than two tree sizes among them there is none and nothing changes."""
+        if not self.reward.ratio or self.optimistic_rounds <= 0:
+            return sums
+        pulls, time = sums[:, OWN_FIELDS.index("pulls")], sums[:, OWN_FIELDS.index("time_sum")]
+        nodes = np.array([arm.num_nodes for arm in self.arms], dtype=np.float64)
+        solid = pulls >= self.optimistic_rounds
+        if len(set(nodes[solid])) < 2:
+            return sums
+        w, x, t = pulls[solid], nodes[solid], time[solid] / pulls[solid]
+        x_bar, t_bar = np.average(x, weights=w), np.average(t, weights=w)
+        b = max(float(np.sum(w * (x - x_bar) * (t - t_bar)) / np.sum(w * (x - x_bar) ** 2)), 0.0)
+        predicted = t_bar + b * (nodes - x_bar)  # [arms]
+        young = (pulls > 0) & ~solid & (predicted > 0)
+        mean_time = np.divide(time, pulls, out=np.zeros_like(time), where=pulls > 0)
+        scale = np.where(young & (mean_time > predicted), predicted / np.where(mean_time > 0, mean_time, 1.0), 1.0)
+        if (scale == 1.0).all():
+            return sums
+        out = sums.copy()
+        for name, power in (("time_sum", 1), ("time_sq", 2), ("tokens_time", 1)):
+            out[:, OWN_FIELDS.index(name)] *= scale**power
+        return out
 
     def restore(self, state: BanditState) -> BanditState:
         """A stored state made to fit this config (arm set and gamma may change, a one-mode state may be split into
