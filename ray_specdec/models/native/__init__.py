@@ -139,15 +139,15 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(blocks)
 
 
-_threads_set: list[int] = []
+_threads_set: dict[int, int] = {}  # loaded library handle -> the thread count it was last given
 
 
 def _match_torch_threads(lib: ctypes.CDLL) -> None:
     """Products use as many threads as torch's intra-op pool (checked per call: a process may change it)."""
     threads = torch.get_num_threads()
-    if not _threads_set or _threads_set[-1] != threads:
+    if _threads_set.get(lib._handle) != threads:
         lib.set_threads(threads, PARALLEL_MIN_MACS)
-        _threads_set.append(threads)
+        _threads_set[lib._handle] = threads
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> torch.Tensor:
@@ -157,6 +157,8 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n_o
     out = torch.empty(rows, n_out, dtype=torch.float32)
     if rows:
         lib = load()
+        if lib is None:
+            raise RuntimeError(f"native kernels unavailable: {why_unavailable()}")
         _match_torch_threads(lib)
         lib.linear_panels(rows, n_out, n_in, panels.data_ptr(), None if bias is None else bias.data_ptr(),
                           x.data_ptr(), out.data_ptr())  # fmt: skip
@@ -201,7 +203,7 @@ class NativeMamba:
             return logits
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:  # the C side indexes the embedding
             raise IndexError(f"token ids must be in [0, {self.vocab_size}), got {tokens.flatten().tolist()}")
-        _match_torch_threads(load())
+        _match_torch_threads(self.lib)
         if self.lib.mamba_forward(ctypes.byref(self._model), R, S, tokens.data_ptr(), conv.data_ptr(),
                                   ssm.data_ptr(), logits.data_ptr()) != 0:  # fmt: skip
             raise MemoryError("the native Mamba forward could not allocate its buffers")
@@ -215,7 +217,7 @@ class NativeMamba:
         dt, x, B, C, A = (t.contiguous() for t in (dt, x, B, C, A))
         carried = state if state.is_contiguous() else state.contiguous()
         y = torch.empty(S, d_inner, dtype=torch.float32)
-        _match_torch_threads(load())
+        _match_torch_threads(self.lib)
         self.lib.mamba_scan(S, d_inner, N, dt.data_ptr(), x.data_ptr(), B.data_ptr(), C.data_ptr(),
                             A.data_ptr(), carried.data_ptr(), y.data_ptr())  # fmt: skip
         if carried is not state:
