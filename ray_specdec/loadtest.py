@@ -122,12 +122,13 @@ def _finish(result: RequestResult, body: dict[str, Any], tokens: int) -> Request
     return result
 
 
-async def _send(client: httpx.AsyncClient, config: LoadTestConfig, prompt: str, t0: float) -> RequestResult:
+async def _send(
+    client: httpx.AsyncClient, config: LoadTestConfig, prompt: str, t0: float, start: float
+) -> RequestResult:
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": config.max_tokens, "stream": config.stream,
                             "temperature": config.temperature}
     if config.tree is not None:
         body["tree"] = config.tree
-    start = time.perf_counter()
     result = RequestResult(start - t0, 0.0)
     url = f"{config.url}/v1/completions"
     if not config.stream:
@@ -156,10 +157,12 @@ async def _send(client: httpx.AsyncClient, config: LoadTestConfig, prompt: str, 
     return _finish(result, tally.final, tally.chunk_tokens)
 
 
-async def _one_request(client: httpx.AsyncClient, config: LoadTestConfig, prompt: str, t0: float) -> RequestResult:
-    start = time.perf_counter()
+async def _one_request(
+    client: httpx.AsyncClient, config: LoadTestConfig, prompt: str, t0: float, start: float
+) -> RequestResult:
+    """start: when the caller decided to send it (the time it checked against the run's deadline)."""
     try:
-        result = await asyncio.wait_for(_send(client, config, prompt, t0), config.timeout_s)
+        result = await asyncio.wait_for(_send(client, config, prompt, t0, start), config.timeout_s)
     except (asyncio.TimeoutError, httpx.TimeoutException):
         result = RequestResult(start - t0, 0.0, error="timeout")
     except httpx.ConnectError:
@@ -215,10 +218,12 @@ async def run_loadtest(config: LoadTestConfig, replica_reader: ReplicaReader | N
 
         async def worker() -> None:
             nonlocal issued
-            while time.perf_counter() < deadline and (config.max_requests is None or issued < config.max_requests):
+            while (config.max_requests is None or issued < config.max_requests) and (
+                start := time.perf_counter()
+            ) < deadline:  # a request's recorded start is the time checked here, so none starts after the deadline
                 prompt = config.prompts[issued % len(config.prompts)]
                 issued += 1
-                results.append(await _one_request(client, config, prompt, t0))
+                results.append(await _one_request(client, config, prompt, t0, start))
 
         stop = asyncio.Event()
         sampler = asyncio.create_task(_sample_replicas(reader, config, t0, stop, samples))
