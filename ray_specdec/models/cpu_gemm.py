@@ -5,8 +5,9 @@ it is bound by reading the weights. torch's `F.linear` leaves that to MKL, whose
 memory bound on some CPUs. On the 2-core AMD EPYC (Zen 4) this project is developed on, over the default target's
 Linear weights (49 MB in float32, more than the cache holds): a 1-row product (GEMV) reads them at ~11 GB/s, 2-16
 rows cost 1.1-1.6x more than one row, while the same product with the weight as the left operand (W @ x^T) reads them
-at ~23 GB/s, and oneDNN's matmul is the fastest from ~8 rows (`python -m benchmarks.cpu_gemm` prints the table). Which path wins depends on the CPU, the BLAS and
-the shapes, so `calibrate` times them on the model's own weights (about two seconds for that target, once per
+at ~23 GB/s, oneDNN's matmul beats both from ~8 rows, and the register-blocked C product of `models/native` (where a
+compiler builds it) beats all three from 2 rows (`python -m benchmarks.cpu_gemm` prints the table). Which path wins
+depends on the CPU, the BLAS and the shapes, so `calibrate` times them on the model's own weights (about two seconds for that target, once per
 machine: plans are kept in `cache_dir()`) and `install` makes every `nn.Linear` of the model dispatch by row count.
 
 The paths compute the same product in float32 with different summation orders: results agree with `F.linear` to
