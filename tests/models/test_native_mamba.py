@@ -13,6 +13,7 @@ from transformers import MambaConfig, MambaForCausalLM
 
 from ray_specdec.models import native
 from ray_specdec.models.mamba_drafter import MambaDrafter
+from tests.models.test_mamba_drafter import perturbed_mamba
 
 VOCAB = 93  # 5 x 16 + a tail of 13 logits
 # in_proj 2 x 80 = 2 x 64 + 2 x 16 outputs; out_proj 40 = 2 x 16 + 8; x_proj 5 + 2 x 6 = 17 = 16 + 1
@@ -25,14 +26,7 @@ TOL = dict(rtol=1e-4, atol=5e-5)
 
 
 def mamba(name: str, seed: int = 0) -> MambaForCausalLM:
-    config = MambaConfig(vocab_size=VOCAB, **CONFIGS[name])
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = MambaForCausalLM(config)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.2 * torch.randn_like(p))
-    return model.eval()
+    return perturbed_mamba(MambaConfig(vocab_size=VOCAB, **CONFIGS[name]), seed)
 
 
 @pytest.fixture(autouse=True)

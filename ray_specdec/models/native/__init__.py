@@ -124,9 +124,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mamba_scan.argtypes = [i, i, i, p, p, p, p, p, p, p]
     lib.mamba_scan.restype = None
     lib.linear_panels.argtypes = [i, i, i, p, p, p, p]
+    lib.linear_panels.restype = None
     lib.set_threads.argtypes = [i, i]
     lib.set_threads.restype = None
-    lib.linear_panels.restype = None
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
