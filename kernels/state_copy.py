@@ -2,8 +2,9 @@
 
 Tree drafting expands the drafter state from depth i to depth i+1 by copying each child's parent row. On a GPU the
 per-layer `index_select` would be 2 * n_layers launches per depth; this kernel does the whole copy in one launch:
-program (layer * rows_out + i, block) copies one block of the flattened row `src[layer, index[i]]` into
-`dst[layer, i]`, for the conv state and the SSM state alike (the conv row is shorter; its extra blocks are masked).
+program ((layer * rows_out + i) * blocks_per_row + block) copies one block of the flattened row
+`src[layer, index[i]]` into `dst[layer, i]`, for the conv state and the SSM state alike (the conv row is shorter; its
+extra blocks are masked).
 
     dst_conv[l, i] = src_conv[l, index[i]]     # [L, R_out, d_inner, d_conv]  <- [L, R_src, d_inner, d_conv]
     dst_ssm[l, i]  = src_ssm[l, index[i]]      # [L, R_out, d_inner, d_state] <- [L, R_src, d_inner, d_state]
@@ -28,6 +29,10 @@ except ImportError:  # the torch reference keeps everything working where triton
     triton = None
 
 _MAX_BLOCK = 1024
+# Below this many bytes moved (read + write), copy_state_rows on a GPU takes two torch gathers instead: on an H200 a
+# launch of this kernel costs ~50 us from Python and two index_select ~15 us, while above ~64 MiB the kernel's one
+# pass wins (2-3x at 2.8b-model states and 12-64 rows; docs/BENCHMARKS.md, "GPU").
+KERNEL_MIN_BYTES = 64 << 20
 
 
 def state_copy_ref(
@@ -62,13 +67,17 @@ if triton is not None:
         dst_conv_stride_r,
         dst_ssm_stride_l,
         dst_ssm_stride_r,
+        blocks_per_row,
         BLOCK: tl.constexpr,
     ):
+        # one flat grid axis (axis 0 allows 2**31 - 1 programs; axes 1 and 2 only 65535)
         pid = tl.program_id(0).to(tl.int64)  # int64: layer * stride can pass 2**31 on big buffers
-        layer = pid // rows_out
-        row = pid % rows_out
+        block = pid % blocks_per_row
+        layer_row = pid // blocks_per_row
+        layer = layer_row // rows_out
+        row = layer_row % rows_out
         src_row = tl.load(index_ptr + row).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        offs = block * BLOCK + tl.arange(0, BLOCK)
 
         conv_mask = offs < conv_numel
         conv = tl.load(
@@ -98,8 +107,11 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def check_state_copy_args(src_conv, src_ssm, index, dst_conv, dst_ssm) -> None:
-    """Raise ValueError unless the arguments describe a valid copy (shapes, dtypes, devices, index range)."""
+def check_state_copy_args(src_conv, src_ssm, index, dst_conv, dst_ssm, index_checked: bool = False) -> None:
+    """Raise ValueError unless the arguments describe a valid copy (shapes, dtypes, devices, index range).
+
+    index_checked: the caller has checked the index range already (on the host, say): skip the device sync.
+    """
     for name, t in (("src_conv", src_conv), ("src_ssm", src_ssm), ("dst_conv", dst_conv), ("dst_ssm", dst_ssm)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [layers, rows, d_inner, d], got shape {tuple(t.shape)}")
@@ -123,7 +135,7 @@ def check_state_copy_args(src_conv, src_ssm, index, dst_conv, dst_ssm) -> None:
     if any(_overlap(d, s) for d in (dst_conv, dst_ssm) for s in (src_conv, src_ssm)):
         raise ValueError("dst must not overlap src")
     # One host sync; the index must be valid before the kernel reads memory with it.
-    if rows_out and bool(((index < 0) | (index >= rows_src)).any()):
+    if rows_out and not index_checked and bool(((index < 0) | (index >= rows_src)).any()):
         raise ValueError(f"index out of range for {rows_src} source rows")
 
 
@@ -133,13 +145,19 @@ def state_copy(
     index: torch.Tensor,  # [R_out] long
     dst_conv: torch.Tensor,  # [L, R_out, d_inner, d_conv]
     dst_ssm: torch.Tensor,  # [L, R_out, d_inner, d_state]
+    index_checked: bool = False,
 ) -> None:
     """Triton launcher: checks the arguments, then one launch copies every layer's conv and SSM rows."""
     if triton is None:
         raise RuntimeError("triton is not installed; use copy_state_rows or state_copy_ref")
-    check_state_copy_args(src_conv, src_ssm, index, dst_conv, dst_ssm)
+    check_state_copy_args(src_conv, src_ssm, index, dst_conv, dst_ssm, index_checked)
     for name, t in (("src_conv", src_conv), ("src_ssm", src_ssm), ("dst_conv", dst_conv), ("dst_ssm", dst_ssm)):
         _check_rows_contiguous(name, t)
+    _launch(src_conv, src_ssm, index, dst_conv, dst_ssm)
+
+
+def _launch(src_conv, src_ssm, index, dst_conv, dst_ssm) -> None:
+    """The launch alone, on checked arguments."""
     n_layers, rows_out = dst_conv.shape[:2]
     conv_numel = dst_conv.shape[2] * dst_conv.shape[3]
     ssm_numel = dst_ssm.shape[2] * dst_ssm.shape[3]
@@ -147,7 +165,8 @@ def state_copy(
     if n_layers * rows_out * longest == 0:
         return
     block = min(_MAX_BLOCK, triton.next_power_of_2(longest))
-    grid = (n_layers * rows_out, triton.cdiv(longest, block))
+    blocks_per_row = triton.cdiv(longest, block)
+    grid = (n_layers * rows_out * blocks_per_row,)
     _state_copy_kernel[grid](
         src_conv,
         src_ssm,
@@ -165,6 +184,7 @@ def state_copy(
         dst_conv.stride(1),
         dst_ssm.stride(0),
         dst_ssm.stride(1),
+        blocks_per_row,
         BLOCK=block,
     )
 
@@ -190,11 +210,17 @@ def copy_state_rows(
     index: torch.Tensor,  # [R_out] long
     dst_conv: torch.Tensor,  # [L, R_out, d_inner, d_conv]
     dst_ssm: torch.Tensor,  # [L, R_out, d_inner, d_state]
+    index_checked: bool = False,
 ) -> None:
-    """Dispatch: the Triton kernel on a GPU with a Triton driver (or under TRITON_INTERPRET=1), else the reference."""
-    on_gpu = src_conv.is_cuda and _triton_has_driver()
+    """Dispatch: the Triton kernel on a GPU with a Triton driver for copies of KERNEL_MIN_BYTES or more (and always
+    under TRITON_INTERPRET=1), else the reference.
+
+    index_checked: the caller checked 0 <= index < R_src on the host; without it a CUDA index costs a device sync.
+    """
+    moved = 2 * (dst_conv.numel() * dst_conv.element_size() + dst_ssm.numel() * dst_ssm.element_size())
+    on_gpu = src_conv.is_cuda and _triton_has_driver() and moved >= KERNEL_MIN_BYTES
     if triton is not None and (on_gpu or _interpreting()):
-        state_copy(src_conv, src_ssm, index, dst_conv, dst_ssm)
+        state_copy(src_conv, src_ssm, index, dst_conv, dst_ssm, index_checked)
     else:
-        check_state_copy_args(src_conv, src_ssm, index, dst_conv, dst_ssm)
+        check_state_copy_args(src_conv, src_ssm, index, dst_conv, dst_ssm, index_checked)
         state_copy_ref(src_conv, src_ssm, index, dst_conv, dst_ssm)
