@@ -31,10 +31,16 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def _random_device(probs: torch.Tensor, generator: torch.Generator | None) -> torch.device:
+    """Where draws happen: on the generator's device (a request's generators live on the CPU, so a seed gives the
+    same stream on every device), else on the probabilities' own."""
+    return probs.device if generator is None else generator.device
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs: [..., V] -> token ids [...], one multinomial draw per row."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    flat = probs.reshape(-1, probs.shape[-1]).to(_random_device(probs, generator))
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1]).to(probs.device)
 
 
 def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -43,7 +49,8 @@ def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator | None)
     If a row has fewer than k nonzero entries, the surplus draws are zero-probability tokens placed last;
     recursive rejection sampling never reaches them (it stops once q has no mass left).
     """
-    u = torch.rand(probs.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    u = torch.rand(probs.shape, generator=generator, dtype=torch.float64, device=_random_device(probs, generator))
+    u = u.to(probs.device)
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
     keys = torch.log(probs.double()) + gumbel  # zero-probability tokens get -inf keys and are never drawn
     return torch.topk(keys, k, dim=-1).indices
