@@ -160,7 +160,7 @@ class DrafterSession:
                 if float(path_prob.max()) < min_path_prob:
                     drafted = depth  # depth's nodes stay, as leaves (never stepped)
                     break
-            state = self.drafter.copy_rows(state, tree.parents_at_depth(depth).to(self.drafter.device))
+            state = self.drafter.copy_rows(state, tree.parents_at_depth(depth))
             logits = _align_vocab(self.drafter.step(state, tokens[-1]), self.vocab_size)
             states.append(state)
         config = TreeConfig(config.branching[:drafted])
@@ -214,7 +214,7 @@ class DrafterSession:
                 where = self._stepped.get(tree.paths[first.accepted_rows[i] - 1])
                 if where is not None:
                     depth, row = where
-                    index = torch.tensor([row], dtype=torch.long, device=self.drafter.device)
+                    index = torch.tensor([row], dtype=torch.long)  # on the host: copy_rows checks it there
                     state, start = self.drafter.copy_rows(self._depth_states[depth], index), i + 1
                     break
         pending = [*first.accepted_tokens[start:], first.bonus_token]

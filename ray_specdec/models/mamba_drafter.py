@@ -7,13 +7,15 @@ d_conv conv inputs and the SSM state; rows are independent, so a draft tree is a
 
 Numerics follow HF's: the residual stream is float32 when `residual_in_fp32` (and the model is half precision), the
 SSM runs in float32 for half models, logits are float32 (float64 for a float64 model). The SSM state is kept in the
-SSM dtype. On CUDA with mamba_ssm and causal_conv1d installed, `step` and `prefill` use their fused kernels.
+SSM dtype. On CUDA with mamba_ssm and causal_conv1d installed, `step` and `prefill` use their fused kernels; on
+CUDA, steps replay CUDA graphs (models/cuda_graphs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +24,10 @@ from transformers import MambaForCausalLM
 
 from kernels.state_copy import copy_state_rows
 from ray_specdec.models import cpu_gemm
+from ray_specdec.models.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs
 from ray_specdec.models import native as native_kernels
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path
+from ray_specdec.models.mamba_ops import causal_conv, contract_state, rms_norm, scan_block
 
 try:  # GPU fast path; mamba_ssm fails to import without its CUDA extension
     from causal_conv1d import causal_conv1d_update
@@ -105,38 +109,6 @@ class _MixerWeights:
         )
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x.to(weight.dtype), weight.shape, weight, eps)
-
-
-def _causal_conv(
-    x: torch.Tensor,  # [S, d_inner]
-    weight: torch.Tensor,  # [d_inner, d_conv]
-    bias: torch.Tensor | None,  # [d_inner]
-    history: torch.Tensor | None = None,  # [d_conv - 1, d_inner] inputs before x; zeros when None
-) -> torch.Tensor:  # [S, d_inner]
-    # Depthwise causal conv as d_conv shifted multiply-adds: F.conv1d with groups=d_inner falls back to a slow
-    # per-group loop on CPU for float64 (seconds for a short prompt on a busy machine).
-    seq_len, width = x.shape[0], weight.shape[1]
-    if history is None:
-        padded = F.pad(x, (0, 0, width - 1, 0))  # [S + d_conv - 1, d_inner]
-    else:
-        padded = torch.cat((history.to(x.dtype), x))
-    out = padded[:seq_len] * weight[:, 0]
-    for k in range(1, width):
-        out = torch.addcmul(out, padded[k : k + seq_len], weight[:, k])
-    return out if bias is None else out + bias
-
-
-def _contract_state(
-    state: torch.Tensor,  # [n, d_inner, d_state]
-    C: torch.Tensor,  # [n, d_state]
-) -> torch.Tensor:  # [n, d_inner]
-    # C @ state^T as a batched (1 x d_state) @ (d_state x d_inner) product: several times faster on CPU than
-    # state @ C (a batch of d_inner x 16 matrix-vector products) or a reduction over the short last dimension.
-    return torch.bmm(C.unsqueeze(1), state.mT).squeeze(1)
-
-
 class MambaDrafter:
     """Prefill a prompt into one state row, step batches of rows one token each, copy rows by parent index."""
 
@@ -150,13 +122,15 @@ class MambaDrafter:
         fast_matmul: bool | None = None,
         prefill_window: int | None = None,
         native: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> "MambaDrafter":
         """fast_matmul None: on for a float32 model on CPU (see __init__), off elsewhere."""
         torch_dtype = resolve_dtype(dtype, device)
         model = MambaForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=torch_dtype)
         if fast_matmul is None:
             fast_matmul = torch.device(device).type == "cpu" and torch_dtype == torch.float32
-        return cls(model.to(device), fast_matmul=fast_matmul, prefill_window=prefill_window, native=native)
+        return cls(model.to(device), fast_matmul=fast_matmul, prefill_window=prefill_window, native=native,
+                   cuda_graphs=cuda_graphs)
 
     def __init__(
         self,
@@ -165,6 +139,7 @@ class MambaDrafter:
         fast_matmul: bool = False,
         prefill_window: int | None = None,
         native: bool | None = None,
+        cuda_graphs: bool | None = None,
     ):
         """fast_matmul: steps of few rows take the fastest of several matrix-product paths, measured at load.
 
@@ -182,6 +157,9 @@ class MambaDrafter:
         native: steps and the prefill's scan run in the fused C kernels of models/native (compiled on first use).
         None: on for a float32 drafter on CPU where they build (else the torch path, `native_why` says why; off with
         RAY_SPECDEC_NATIVE=0); True insists (an error where they cannot run); False: the torch path.
+
+        cuda_graphs: steps of up to 64 rows and catch-ups of up to 32 tokens replay CUDA graphs (models/cuda_graphs).
+        None: on for CUDA devices unless RAY_SPECDEC_CUDA_GRAPHS=0.
         """
         if prefill_window is not None and prefill_window < 1:
             raise ValueError(f"prefill_window must be >= 1 or None, got {prefill_window}")
@@ -221,6 +199,13 @@ class MambaDrafter:
         self.native_why: str | None = None  # why the native kernels are off, when they are
         if native is not False:
             self._start_native(insist=native is True)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and os.environ.get("RAY_SPECDEC_CUDA_GRAPHS", "1") != "0"
+        self.graphs = StepGraphs(self._step_eager, self._new_buffers, self.device) if cuda_graphs else None
+        self.extend_graphs = None
+        if cuda_graphs and not self._use_kernels:  # (mamba_ssm's catch-up steps token by token, through `graphs`)
+            self.extend_graphs = StepGraphs(self._extend_eager, lambda n: self._new_buffers(1), self.device,
+                                            max_tokens=MAX_GRAPH_TOKENS)
 
     def _start_native(self, insist: bool) -> None:
         if self.device.type != "cpu" or self.dtype != torch.float32:
@@ -274,18 +259,26 @@ class MambaDrafter:
             ),
         )
 
+    def _new_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        state = self.new_state(rows)
+        return state.conv, state.ssm
+
     @torch.inference_mode()
     def copy_rows(
         self, src: MambaState, index: torch.Tensor | Sequence[int], out: MambaState | None = None
     ) -> MambaState:
         """out.row[i] = src.row[index[i]] for every layer's conv and SSM state (one kernel launch on CUDA)."""
-        index = self._as_ids(index)  # [rows_out]
+        index = torch.as_tensor(index, dtype=torch.long)  # [rows_out]
+        checked = index.device.type == "cpu"  # checked here, on the host: no device sync for it in the launcher
+        if checked and index.numel() and not (0 <= int(index.min()) and int(index.max()) < src.rows):
+            raise ValueError(f"index out of range for {src.rows} source rows")
+        index = self._as_ids(index)
         if out is None:
             out = MambaState(
                 conv=src.conv.new_empty(self.n_layers, index.shape[0], self.d_inner, self.d_conv),
                 ssm=src.ssm.new_empty(self.n_layers, index.shape[0], self.d_inner, self.d_state),
             )
-        copy_state_rows(src.conv, src.ssm, index, out.conv, out.ssm)
+        copy_state_rows(src.conv, src.ssm, index, out.conv, out.ssm, index_checked=checked)
         return out
 
     @torch.inference_mode()
@@ -316,7 +309,12 @@ class MambaDrafter:
             for token in ids:
                 logits = self.step(state, token[None])
             return logits[0]
+        if self.extend_graphs is not None and self.extend_graphs.covers(ids.shape[0]):
+            return self.extend_graphs.step(state.conv, state.ssm, ids)
         return self._advance(state, ids, linear=self._linear)
+
+    def _extend_eager(self, conv: torch.Tensor, ssm: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self._advance(MambaState(conv, ssm), ids, linear=self._linear)
 
     def _advance(self, state: MambaState, ids: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """Run ids [S] through every layer from `state` (1 row, updated in place) -> logits [V] after the last.
@@ -325,7 +323,7 @@ class MambaDrafter:
         """
         residual = F.embedding(ids, self._embed).to(self.residual_dtype)  # [S, d_model]
         for layer, w in enumerate(self._layers):
-            h = _rms_norm(residual, w.norm, self.eps)
+            h = rms_norm(residual, w.norm, self.eps)
             residual = residual + self._mix_sequence(h, w, state.conv[layer, 0], state.ssm[layer, 0], linear)
         return self._logits(residual[-1:])[0]
 
@@ -337,11 +335,16 @@ class MambaDrafter:
             raise ValueError(f"{tokens.shape[0]} tokens for a state of {state.rows} rows")
         if self._runs_native(state):
             return self.native.forward(state.conv, state.ssm, tokens[:, None])
+        if self.graphs is not None and self.graphs.covers(tokens.shape[0]):
+            return self.graphs.step(state.conv, state.ssm, tokens)
+        return self._step_eager(state.conv, state.ssm, tokens)
+
+    def _step_eager(self, conv: torch.Tensor, ssm: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         mix = self._mix_step_kernels if self._use_kernels else self._mix_step
         residual = F.embedding(tokens, self._embed).to(self.residual_dtype)  # [rows, d_model]
         for layer, w in enumerate(self._layers):
-            h = _rms_norm(residual, w.norm, self.eps)
-            residual = residual + mix(h, w, state.conv[layer], state.ssm[layer])
+            h = rms_norm(residual, w.norm, self.eps)
+            residual = residual + mix(h, w, conv[layer], ssm[layer])
         return self._logits(residual)
 
     def _runs_native(self, state: MambaState) -> bool:
@@ -354,7 +357,7 @@ class MambaDrafter:
         return ids
 
     def _logits(self, residual: torch.Tensor) -> torch.Tensor:
-        h = _rms_norm(residual, self._norm_f, self.eps)  # [n, d_model]
+        h = rms_norm(residual, self._norm_f, self.eps)  # [n, d_model]
         return self._linear(h, self._lm_head).to(self.ssm_dtype)  # [n, V]
 
     def _mix_step(
@@ -379,7 +382,7 @@ class MambaDrafter:
         decay = torch.exp(dt.unsqueeze(-1) * w.A)  # [rows, d_inner, d_state]
         inject = (dt * x).unsqueeze(-1) * B.to(sd).unsqueeze(1)  # [rows, d_inner, d_state]
         torch.addcmul(inject, decay, ssm_state, out=ssm_state)
-        y = _contract_state(ssm_state, C.to(sd))  # [rows, d_inner]
+        y = contract_state(ssm_state, C.to(sd))  # [rows, d_inner]
         y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
         return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
 
@@ -408,7 +411,7 @@ class MambaDrafter:
         x, z = linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [S, d_inner] each
         inputs = torch.cat((conv_state.t().to(x.dtype), x))  # [d_conv + S, d_inner]: the window's inputs, then x
         conv_state.copy_(inputs[-self.d_conv :].t())
-        x = F.silu(_causal_conv(x, w.conv, w.conv_bias, history=inputs[1 : self.d_conv]))  # [S, d_inner]
+        x = F.silu(causal_conv(x, w.conv, w.conv_bias, history=inputs[1 : self.d_conv]))  # [S, d_inner]
         dt, B, C = linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         scan = self._scan_kernel if self._use_kernels else self._scan
         y = scan(x, z, dt, B, C, w, ssm_state)  # [S, d_inner]
@@ -434,7 +437,7 @@ class MambaDrafter:
         block = max(1, _SCAN_BLOCK_ELEMENTS // (self.d_inner * self.d_state))
         for start in range(0, x.shape[0], block):
             t = slice(start, start + block)
-            y[t] = self._scan_block(dt[t], x[t], B[t], C[t], w.A, ssm_state)
+            y[t] = scan_block(dt[t], x[t], B[t], C[t], w.A, ssm_state)
         return torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
 
     def _scan_kernel(self, x, z, dt, B, C, w: _MixerWeights, ssm_state: torch.Tensor) -> torch.Tensor:
@@ -458,22 +461,3 @@ class MambaDrafter:
         )
         ssm_state.copy_(last_state[0])
         return y[0].t()
-
-    @staticmethod
-    def _scan_block(
-        dt: torch.Tensor,  # [T, d_inner]
-        x: torch.Tensor,  # [T, d_inner]
-        B: torch.Tensor,  # [T, d_state]
-        C: torch.Tensor,  # [T, d_state]
-        A: torch.Tensor,  # [d_inner, d_state]
-        ssm_state: torch.Tensor,  # [d_inner, d_state], carried in and out
-    ) -> torch.Tensor:  # [T, d_inner]: C . state, before the D skip and the gate
-        # Sequential over tokens, vectorised over channels: one fused op per token. The decays and injections of
-        # the whole block come from batched ops, and the decay buffer is overwritten with the states as we go.
-        states = torch.exp(dt.unsqueeze(-1) * A)  # [T, d_inner, d_state]: decays, then states
-        inject = (dt * x).unsqueeze(-1) * B.unsqueeze(1)  # [T, d_inner, d_state]
-        prev = ssm_state
-        for decay, add in zip(states.unbind(0), inject.unbind(0)):
-            prev = torch.addcmul(add, decay, prev, out=decay)
-        ssm_state.copy_(prev)
-        return _contract_state(states, C)

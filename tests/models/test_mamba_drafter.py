@@ -336,3 +336,22 @@ def test_half_model_keeps_state_and_residual_in_float32(half, atol):
     want_state, want_logits = MambaDrafter(model.double()).prefill(torch.cat([ids, torch.tensor([4])]))
     torch.testing.assert_close(logits.double(), want_logits, rtol=0, atol=atol)
     torch.testing.assert_close(state.ssm.double(), want_state.ssm, rtol=0, atol=atol / 10)
+
+
+def test_cuda_graphs_stay_off_on_cpu_and_asking_for_them_is_an_error():
+    from ray_specdec.models.cuda_graphs import StepGraphs
+
+    model = tiny_mamba()
+    assert MambaDrafter(model).graphs is None
+    with pytest.raises(ValueError, match="CUDA device"):
+        MambaDrafter(model, cuda_graphs=True)
+    with pytest.raises(ValueError, match="CUDA device"):
+        StepGraphs(lambda *a: None, lambda rows: (None, None), torch.device("cpu"))
+
+
+def test_copy_rows_refuses_an_index_out_of_range_before_copying():
+    drafter = MambaDrafter(tiny_mamba())
+    state = drafter.copy_rows(drafter.prefill([1, 2, 3])[0], [0, 0])
+    for bad in ([0, 2], [-1], torch.tensor([5])):
+        with pytest.raises(ValueError, match="out of range"):
+            drafter.copy_rows(state, bad)

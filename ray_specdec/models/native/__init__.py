@@ -210,8 +210,8 @@ class NativeMamba:
         return logits
 
     def scan(self, dt, x, B, C, A, state: torch.Tensor) -> torch.Tensor:
-        """The selective scan of `_scan_block` (C . state per token, before the D skip and the gate) over all of
-        dt / x [S, d_inner] and B / C [S, N]; state [d_inner, N] carried in and out."""
+        """The selective scan of `mamba_ops.scan_block` (C . state per token, before the D skip and the gate) over
+        all of dt / x [S, d_inner] and B / C [S, N]; state [d_inner, N] carried in and out."""
         S, d_inner = x.shape
         N = B.shape[1]
         dt, x, B, C, A = (t.contiguous() for t in (dt, x, B, C, A))
