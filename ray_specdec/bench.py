@@ -119,7 +119,7 @@ def run_hf(name, model, prompts, max_new, temperature, seed, **extra) -> MethodR
     result = MethodResult(name, temperature)
     for i, ids in enumerate(prompts):
         torch.manual_seed(seed + i)
-        inp = torch.tensor([ids])
+        inp = torch.tensor([ids], device=model.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new,
@@ -194,25 +194,34 @@ def kv_bytes(past) -> int:
     return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in past.layers)
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def context_sweep(drafter, tf_drafter, stream: list[int], lengths, steps: int) -> list[dict]:
     """Per context length: drafter state bytes of one request and one draft step's time, Mamba vs Transformer."""
     rows = []
     for length in tqdm(lengths, desc="context sweep", leave=False):
         ids = stream[:length]
         state, _ = drafter.prefill(torch.tensor(ids))
-        token = torch.tensor([ids[-1]])
+        token = torch.tensor([ids[-1]], device=drafter.device)
+        _synchronize(drafter.device)
         t0 = time.perf_counter()
         for _ in range(steps):
             drafter.step(state, token)
+        _synchronize(drafter.device)
         mamba_step = (time.perf_counter() - t0) / steps
         mamba_bytes = state.conv.numel() * state.conv.element_size() + state.ssm.numel() * state.ssm.element_size()
         with torch.inference_mode():
-            out = tf_drafter(torch.tensor([ids]), use_cache=True)
+            out = tf_drafter(torch.tensor([ids], device=tf_drafter.device), use_cache=True)
             past = out.past_key_values
+            _synchronize(tf_drafter.device)
             t0 = time.perf_counter()
             for _ in range(steps):
-                out = tf_drafter(token[None], past_key_values=past, use_cache=True)
+                out = tf_drafter(token[None].to(tf_drafter.device), past_key_values=past, use_cache=True)
                 past = out.past_key_values
+            _synchronize(tf_drafter.device)
             tf_step = (time.perf_counter() - t0) / steps
         rows.append({"context_tokens": length, "mamba_state_bytes": mamba_bytes, "mamba_step_ms": mamba_step * 1e3,
                      "transformer_kv_bytes": kv_bytes(past), "transformer_step_ms": tf_step * 1e3})
@@ -252,6 +261,11 @@ def parse_args(argv):
                         "traffic; 0: it starts cold in the measured run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when there is one)")
+    p.add_argument("--dtype", default="float32",
+                   help="every model's dtype: float32 (default; greedy text comparable bit for bit across methods), "
+                        "bfloat16 / float16 (faster on GPUs; a batched tree forward and a one-token forward round "
+                        "differently, so near-ties may flip and the identical-text check may say no), float64")
     p.add_argument("--quick", action="store_true", help="small run for CI (under 5 minutes on 2 cores)")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="Markdown table and PNG plots go here")
@@ -268,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     from ray_specdec.bandit import Bandit, BanditConfig
     from ray_specdec.bench_report import write_report
     from ray_specdec.models.mamba_drafter import MambaDrafter
-    from ray_specdec.models.loading import resolve_model_path
+    from ray_specdec.factory import resolve_device
+    from ray_specdec.models.loading import resolve_dtype, resolve_model_path
     from ray_specdec.models.target import ATTN_IMPLEMENTATION, TargetModel
     from ray_specdec.training.corpus import heldout_prompts
 
@@ -294,12 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        target = TargetModel.from_pretrained(args.target)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        target = TargetModel.from_pretrained(args.target, dtype=dtype, device=device)
         # HF's methods run the target as transformers loads it (our engine's copy may take planned GEMM paths)
-        hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.target), dtype=torch.float32,
-                                                  attn_implementation=ATTN_IMPLEMENTATION).eval()
-        drafter = MambaDrafter.from_pretrained(args.drafter, prefill_window=args.drafter_prefill_window)
-        tf_drafter = AutoModelForCausalLM.from_pretrained(args.tf_drafter, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.target), dtype=dtype,
+                                                  attn_implementation=ATTN_IMPLEMENTATION).to(device).eval()
+        drafter = MambaDrafter.from_pretrained(args.drafter, dtype=dtype, device=device,
+                                               prefill_window=args.drafter_prefill_window)
+        tf_drafter = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.tf_drafter),
+                                                          dtype=dtype).to(device).eval()
     except Exception as e:  # report, don't trace: a missing model is the user's input problem
         print(f"error: cannot load bench models: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
               file=sys.stderr)
@@ -379,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                      "target_gemm_plan": target.gemm_plan.describe() if target.gemm_plan else None,
                      "drafter_native": drafter.native is not None, "drafter_native_why": drafter.native_why,
-                     "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+                     "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                     "device": str(target.device), "dtype": str(dtype).removeprefix("torch.")},
         "settings": {"prompts": len(short), "long_prompts": len(long), "qa_prompts": len(qa),
                      "qa_buckets": qa_buckets, "max_new_tokens": args.max_new_tokens,
                      "trees": [str(t) for t in trees], "min_path_prob": cut, "bandit_lookup": args.lookup,
