@@ -181,12 +181,12 @@ def test_graphed_steps_are_the_eager_steps_bit_for_bit(dtype):
                 kept.append((got, want.clone()))
                 assert torch.equal(state.conv, ref.conv) and torch.equal(state.ssm, ref.ssm)
         assert all(torch.equal(got, want) for got, want in kept)
-    assert graphed.graphs.captured == [1, 3, 12, 64]
+    assert graphed.graphs.captured == list(range(1, 65))  # all captured at load
     # catch-ups: a 1-row state advanced by n tokens, n up to MAX_GRAPH_TOKENS (33: past it, eager)
     for n in (1, 2, 5, 33, 2):
         state, ref = graphed.copy_rows(root, [0]), graphed.copy_rows(root, [0])
         ids = torch.randint(0, graphed.vocab_size, (n,), generator=gen, device=CUDA)
         assert torch.equal(graphed.extend(state, ids), eager.extend(ref, ids))
         assert torch.equal(state.conv, ref.conv) and torch.equal(state.ssm, ref.ssm)
-    assert graphed.extend_graphs.captured == [2, 5]  # one token: a step (graphed as a step)
+    assert graphed.extend_graphs.captured == list(range(2, 33))  # one token: a step (graphed as a step)
 

@@ -35,7 +35,9 @@ class _Captured:
 
 
 class StepGraphs:
-    """fn(conv, ssm, tokens) through a CUDA graph captured on first use for each token count n in 1..max_tokens.
+    """fn(conv, ssm, tokens) through a CUDA graph per token count n in 1..max_tokens, captured by `capture` (a
+    drafter captures them all at load, as vLLM captures its decode graphs at start-up, so that no request's round, and
+    no round time a bandit learns from, pays a capture) or else on first use.
 
     step_fn(conv, ssm, tokens [n]) -> logits: the eager function, advancing conv / ssm in place. new_buffers(n) ->
     (conv, ssm): zero state buffers for n tokens (n rows for a step, 1 row for a catch-up). Replays are serialized
@@ -79,6 +81,16 @@ class StepGraphs:
             ssm.copy_(captured.ssm)
             return captured.logits.clone()
 
+    def capture(self, counts) -> None:
+        """Capture the graphs of these token counts now (those not captured yet)."""
+        with self._lock:
+            for n in counts:
+                if not self.covers(n):
+                    raise ValueError(f"no CUDA graph for {n} tokens (1..{self.max_tokens})")
+                if n not in self._graphs:
+                    self._capture(n)
+
+    @torch.inference_mode()
     def _capture(self, n: int) -> _Captured:
         conv, ssm = self._new_buffers(n)
         tokens = torch.zeros(n, dtype=torch.long, device=self.device)

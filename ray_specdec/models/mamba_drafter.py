@@ -158,8 +158,8 @@ class MambaDrafter:
         None: on for a float32 drafter on CPU where they build (else the torch path, `native_why` says why; off with
         RAY_SPECDEC_NATIVE=0); True insists (an error where they cannot run); False: the torch path.
 
-        cuda_graphs: steps of up to 64 rows and catch-ups of up to 32 tokens replay CUDA graphs (models/cuda_graphs).
-        None: on for CUDA devices unless RAY_SPECDEC_CUDA_GRAPHS=0.
+        cuda_graphs: steps of up to 64 rows and catch-ups of up to 32 tokens replay CUDA graphs (models/cuda_graphs),
+        all captured here. None: on for CUDA devices unless RAY_SPECDEC_CUDA_GRAPHS=0.
         """
         if prefill_window is not None and prefill_window < 1:
             raise ValueError(f"prefill_window must be >= 1 or None, got {prefill_window}")
@@ -206,6 +206,9 @@ class MambaDrafter:
         if cuda_graphs and not self._use_kernels:  # (mamba_ssm's catch-up steps token by token, through `graphs`)
             self.extend_graphs = StepGraphs(self._extend_eager, lambda n: self._new_buffers(1), self.device,
                                             max_tokens=MAX_GRAPH_TOKENS)
+            self.extend_graphs.capture(range(2, MAX_GRAPH_TOKENS + 1))  # (one token: a step)
+        if self.graphs is not None:
+            self.graphs.capture(range(1, self.graphs.max_tokens + 1))  # ~0.5 s at load, none in any request
 
     def _start_native(self, insist: bool) -> None:
         if self.device.type != "cpu" or self.dtype != torch.float32:
