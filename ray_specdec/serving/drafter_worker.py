@@ -10,6 +10,7 @@ far, and the state is rebuilt by prefill. States are bounded: least recently use
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -23,6 +24,14 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import Draft, DrafterSession
 from ray_specdec.engine import make_generators
 from ray_specdec.models.mamba_drafter import MambaDrafter
+
+
+def _on_cpu(draft: Draft) -> Draft:
+    """The draft as it crosses to the router: tensors on the CPU. Ray pickles a CUDA tensor with its device, and a
+    router without that GPU (a CPU node, or a GPU node's process that was given none) could not unpickle it."""
+    if draft.tokens.device.type == "cpu" and (draft.probs is None or draft.probs.device.type == "cpu"):
+        return draft
+    return dataclasses.replace(draft, tokens=draft.tokens.cpu(), probs=None if draft.probs is None else draft.probs.cpu())
 
 
 @dataclass
@@ -88,7 +97,7 @@ class DrafterWorker:
             entry.session.commit_all(commits)
         draft = entry.session.draft(config, params, entry.generator, self.min_path_prob)
         entry.drafted = True
-        return draft
+        return _on_cpu(draft)
 
     def release(self, request_id: str) -> None:
         with self._lock:
