@@ -31,7 +31,8 @@ def _on_cpu(draft: Draft) -> Draft:
     router without that GPU (a CPU node, or a GPU node's process that was given none) could not unpickle it."""
     if draft.tokens.device.type == "cpu" and (draft.probs is None or draft.probs.device.type == "cpu"):
         return draft
-    return dataclasses.replace(draft, tokens=draft.tokens.cpu(), probs=None if draft.probs is None else draft.probs.cpu())
+    probs = None if draft.probs is None else draft.probs.cpu()
+    return dataclasses.replace(draft, tokens=draft.tokens.cpu(), probs=probs)
 
 
 @dataclass
