@@ -260,7 +260,8 @@ class RouterDeployment:
         status = await asyncio.to_thread(serve.status)
         deployments = status.applications[self.app_name].deployments
         replicas = {name: d.replica_states.get("RUNNING", 0) for name, d in deployments.items()}
-        return {"replicas": replicas, "in_flight": self.core.in_flight, "draft_failures": self.core.draft_failures}
+        return {"replicas": replicas, "in_flight": self.core.in_flight, "draft_failures": self.core.draft_failures,
+                "rounds_unrecorded": self.core.rounds_unrecorded}
 
     async def _curl_example(self) -> str:
         """A ready-to-paste request against this app's HTTP address (read from the Serve controller)."""

@@ -156,6 +156,9 @@ class RouterCore:
         self.lookup = lookup
         self.in_flight = 0
         self.draft_failures = 0  # draft calls that failed or timed out (each cost one round of plain decoding)
+        # rounds whose tree is none of the policy's arms (cut by the back-off, or by what was left to generate): the
+        # policy cannot learn from them
+        self.rounds_unrecorded = 0
         self._background: set[asyncio.Task] = set()
 
     def encode(self, prompt: str) -> list[int]:
@@ -319,6 +322,8 @@ class RouterCore:
         # arms whose trees this one contained (drafting.what_if; none when the drafter cut the tree)
         arms = getattr(self.policy, "arms", ())
         what = what_if(draft, verdict, arms, lookup, not params.greedy) if arms and arm in arms else None
+        if arms and arm not in arms:
+            self.rounds_unrecorded += 1
         self.policy.record(arm, context_len, accepted, max(stats.last_round_s, 1e-9), not params.greedy, what)
         stats.record_round(draft.label, draft.tree.depth, accepted)
 

@@ -240,6 +240,11 @@ def test_backoff_under_load_keeps_outputs(engine, reference):
     undrafted = sum(g.stats.trees.get("none", 0) for g in outs)
     assert 0 < undrafted < rounds  # 8 in flight: no drafting; as requests finish, drafting resumes
     assert drafters.sessions == 0
+    # between full_below and off_at the back-off cuts the bandit's trees to shapes outside its arms: rounds it
+    # cannot learn from, counted (GET /v1/stats)
+    cut = sum(n for g in outs for name, n in g.stats.trees.items()
+              if name != "none" and TreeConfig.parse(name) not in core.policy.arms)
+    assert cut > 0 and core.rounds_unrecorded >= cut
 
 
 def test_prompt_too_long(engine):
