@@ -479,3 +479,20 @@ def test_the_optimism_ends_once_an_arm_has_its_own_rounds():
     fast, (chain, _, _) = lockout_state(optimistic_rounds=8, slow_pulls=0)
     fast.record(chain, 100, 3, 0.020, sampled=True)
     assert fast.throughput(100, sampled=True)[chain] == pytest.approx(200.0, rel=0.01)
+
+
+@pytest.mark.parametrize("policy", [GaussianThompson(), UCB1(), DiscountedUCB()])
+def test_a_node_budget_restricts_the_pick_to_the_arms_that_fit(policy):
+    """The router's load back-off: under a budget the policy picks the best arm that fits, never a bigger one."""
+    arms = (TreeConfig((3, 3, 2, 1)), TreeConfig((2, 1, 1)), TreeConfig((1, 1)), TreeConfig(()))
+    bandit = Bandit(BanditConfig(arms=arms, policy=policy), seed=3)
+    for _ in range(200):  # the big tree is clearly best, then 2,1,1, then 1,1, then no drafting
+        for arm, tokens, seconds in ((arms[0], 4, 0.05), (arms[1], 3, 0.05), (arms[2], 2, 0.05), (arms[3], 0, 0.05)):
+            bandit.record(arm, 10, tokens, seconds)
+    assert bandit.select(10) == arms[0]
+    assert {bandit.select(10, max_nodes=None) for _ in range(20)} == {arms[0]}
+    assert {bandit.select(10, max_nodes=6) for _ in range(20)} == {arms[1]}  # 2,1,1 has 6 nodes
+    assert {bandit.select(10, max_nodes=5) for _ in range(20)} == {arms[2]}
+    assert {bandit.select(10, max_nodes=0) for _ in range(20)} == {TreeConfig(())}
+    no_plain = Bandit(BanditConfig(arms=arms[:2], policy=policy), seed=3)
+    assert no_plain.select(10, max_nodes=1) == TreeConfig(())  # nothing fits: no drafting

@@ -175,11 +175,19 @@ class Bandit:
         config = config or BanditConfig()
         return cls(config, config.load_state(path), seed)
 
-    def select(self, context_len: int, sampled: bool = False) -> TreeConfig:
+    def select(self, context_len: int, sampled: bool = False, max_nodes: int | None = None) -> TreeConfig:
+        """The policy's pick in the context's cell; with max_nodes (a load back-off's budget), among the arms of at
+        most that many draft nodes only (no drafting when none fits), so that every round is an arm's round."""
         with self._lock:
             cell = self._view.bucket_of(context_len, sampled)
             stats = self.config.policy_stats(self._view, cell)
-            return self.config.arms[self.config.policy.choose(stats, self._rng)]
+            if max_nodes is None:
+                return self.config.arms[self.config.policy.choose(stats, self._rng)]
+            fits = np.array([arm.num_nodes <= max_nodes for arm in self.config.arms])
+            if not fits.any():
+                return TreeConfig(())
+            index = np.flatnonzero(fits)
+            return self.config.arms[index[self.config.policy.choose(_pulled_only(stats, fits), self._rng)]]
 
     @property
     def arms(self) -> tuple[TreeConfig, ...]:

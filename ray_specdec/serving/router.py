@@ -18,7 +18,8 @@ decoding, never the request.
 Load-aware back-off (`LoadBackoff`). SmartSpec's lesson is that goodput, not acceptance, decides how much to draft:
 when many requests share the target, every drafted node costs verify time that other requests wait for. The rule
 here is deliberately simple: up to `full_below` requests in flight on this router the tree policy's pick is used as
-is; from `off_at` on nothing is drafted; in between the pick is cut to a node budget that shrinks linearly. A tree
+is; from `off_at` on nothing is drafted; in between a node budget shrinks linearly: a bandit picks among its arms
+that fit it (so that every round still teaches it about the arm it ran), a fixed tree is cut to its share. A tree
 the client asked for explicitly is honoured as given.
 
 Whatever ends the request (completion, client disconnect or cancellation, an error), both sides' state is released
@@ -87,16 +88,36 @@ class LoadBackoff:
         if not 1 <= self.full_below < self.off_at:
             raise ValueError(f"need 1 <= full_below < off_at, got {self.full_below}, {self.off_at}")
 
-    def limit(self, config: TreeConfig, in_flight: int) -> TreeConfig:
+    def share(self, in_flight: int) -> float:
+        """1 up to full_below requests in flight, 0 from off_at, linear in between."""
         if in_flight <= self.full_below:
-            return config
+            return 1.0
         if in_flight >= self.off_at:
+            return 0.0
+        return (self.off_at - in_flight) / (self.off_at - self.full_below)
+
+    def limit(self, config: TreeConfig, in_flight: int) -> TreeConfig:
+        """A fixed tree cut to its share of nodes (at least one while any share is left)."""
+        share = self.share(in_flight)
+        if share == 1.0:
+            return config
+        if share == 0.0:
             return NO_TREE
-        share = (self.off_at - in_flight) / (self.off_at - self.full_below)
         budget = max(1, int(config.num_nodes * share))
         while config.num_nodes > budget:
             config = config.truncated(config.depth - 1)
         return config
+
+    def node_budget(self, arms: Sequence[TreeConfig], in_flight: int) -> int | None:
+        """For a policy over `arms`: the most draft nodes a pick may have (None: any), the share of the largest arm's
+        nodes. The policy then picks among the arms that fit instead of having its pick cut to a shape it never
+        learns about (a cut round is no arm's round)."""
+        share = self.share(in_flight)
+        if share == 1.0:
+            return None
+        if share == 0.0:
+            return 0
+        return max(1, int(max(arm.num_nodes for arm in arms) * share))
 
 
 class _DrafterLink:
@@ -262,8 +283,12 @@ class RouterCore:
     ) -> TreeConfig:
         if self.drafter is None:
             return NO_TREE
+        arms = getattr(self.policy, "arms", ())
         if override is not None:
             config = override
+        elif arms:
+            budget = self.backoff.node_budget(arms, self.in_flight)
+            config = self.policy.select(context_len, not params.greedy, max_nodes=budget)
         else:
             config = self.backoff.limit(self.policy.select(context_len, not params.greedy), self.in_flight)
         # the bonus token comes for free: never draft deeper than what is left to generate

@@ -223,9 +223,25 @@ def test_load_backoff_limit(tree, in_flight, expected):
     assert LoadBackoff(full_below=4, off_at=32).limit(TreeConfig(tree), in_flight) == TreeConfig(expected)
 
 
+def test_load_backoff_node_budget_for_a_policy_over_arms():
+    backoff, arms = LoadBackoff(full_below=4, off_at=32), [TreeConfig((1, 1, 1, 1)), TreeConfig((3, 3, 2, 1))]
+    assert backoff.node_budget(arms, 4) is None  # as picked
+    assert backoff.node_budget(arms, 8) == 41  # int(48 nodes * 24/28)
+    assert backoff.node_budget(arms, 31) == 1  # max(1, int(48 * 1/28))
+    assert backoff.node_budget(arms, 32) == 0  # no drafting
+
+
 def test_backoff_under_load_keeps_outputs(engine, reference):
     drafters = LocalDrafters(engine.drafter, engine.target.vocab_size)
     core, _ = make_core(engine, drafters, backoff=LoadBackoff(full_below=1, off_at=4))
+    picks, select = [], core.policy.select
+
+    def spy(context_len, sampled=False, max_nodes=None):
+        arm = select(context_len, sampled, max_nodes)
+        picks.append((max_nodes, arm))
+        return arm
+
+    core.policy.select = spy
 
     async def go():
         outs = await asyncio.gather(
@@ -240,11 +256,13 @@ def test_backoff_under_load_keeps_outputs(engine, reference):
     undrafted = sum(g.stats.trees.get("none", 0) for g in outs)
     assert 0 < undrafted < rounds  # 8 in flight: no drafting; as requests finish, drafting resumes
     assert drafters.sessions == 0
-    # between full_below and off_at the back-off cuts the bandit's trees to shapes outside its arms: rounds it
-    # cannot learn from, counted (GET /v1/stats)
-    cut = sum(n for g in outs for name, n in g.stats.trees.items()
-              if name != "none" and TreeConfig.parse(name) not in core.policy.arms)
-    assert cut > 0 and core.rounds_unrecorded >= cut
+    # under load the bandit picks among its arms that fit the node budget, never a cut shape it cannot learn from
+    assert any(budget is not None for budget, _ in picks)
+    assert all(budget is None or arm.num_nodes <= budget for budget, arm in picks)
+    # rounds of no arm remain only where a generation's end shortened the tree; they are counted (GET /v1/stats)
+    off_arm = sum(n for g in outs for name, n in g.stats.trees.items()
+                  if TreeConfig.parse(name) not in core.policy.arms)
+    assert core.rounds_unrecorded == off_arm
 
 
 def test_prompt_too_long(engine):
