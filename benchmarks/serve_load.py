@@ -93,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"concurrency {concurrency}, drafting {mode}: {describe(report)}", flush=True)
                 # what the shared bandit believes after the run (its per-cell estimates), to read its choices by
                 bandit = httpx.get(f"{url}/v1/bandit", timeout=30, trust_env=False).json() if mode == "on" else None
-                runs.append({"concurrency": concurrency, "mode": mode, "report": report, "bandit": bandit})
+                # the router's counters so far (draft failures, rounds no arm learned from), cumulative over runs
+                router = httpx.get(f"{url}/v1/stats", timeout=30, trust_env=False).json()
+                runs.append({"concurrency": concurrency, "mode": mode, "report": report, "bandit": bandit,
+                             "router": {k: router.get(k) for k in ("draft_failures", "rounds_unrecorded")}})
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -106,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                      "ratio_vs_off": round(tput / base_tput, 3) if base_tput else None,
                      "requests": run["report"]["requests"], "latency_s": run["report"]["latency_s"],
                      "mean_accepted_length": run["report"]["mean_accepted_length"],
+                     "router_after": run["router"],
                      **({"bandit_after": run["bandit"]} if run["bandit"] else {})})
     result = {"runs": rows, "duration_s": args.duration, "max_tokens": args.max_tokens,
               "temperature": args.temperature,
