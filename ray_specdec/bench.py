@@ -264,8 +264,9 @@ def parse_args(argv):
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when there is one)")
     p.add_argument("--dtype", default="float32",
                    help="every model's dtype: float32 (default; greedy text comparable bit for bit across methods), "
-                        "bfloat16 / float16 (faster on GPUs; a batched tree forward and a one-token forward round "
-                        "differently, so near-ties may flip and the identical-text check may say no), float64")
+                        "bfloat16 / float16 (what large models run in on GPUs; a batched tree forward and a one-token "
+                        "forward round differently, so near-ties may flip and the identical-text check may say no), "
+                        "float64")
     p.add_argument("--quick", action="store_true", help="small run for CI (under 5 minutes on 2 cores)")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="Markdown table and PNG plots go here")

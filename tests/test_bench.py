@@ -75,6 +75,16 @@ def test_bench_bad_arguments_exit_2(capsys):
     assert capsys.readouterr().err.startswith("error:")
 
 
+def test_bench_bad_device_and_dtype_exit_2(capsys):
+    assert main(["--dtype", "fp99"]) == 2
+    assert "unknown dtype 'fp99'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["--device", "cuda"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+    assert main(["--device", "tpu"]) == 2
+    assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
 def test_bench_help_and_bad_lookup(capsys):
     assert main(["--help"]) == 0
     assert "--lookup" in capsys.readouterr().out

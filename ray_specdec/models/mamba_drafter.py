@@ -270,7 +270,8 @@ class MambaDrafter:
     def copy_rows(
         self, src: MambaState, index: torch.Tensor | Sequence[int], out: MambaState | None = None
     ) -> MambaState:
-        """out.row[i] = src.row[index[i]] for every layer's conv and SSM state (one kernel launch on CUDA)."""
+        """out.row[i] = src.row[index[i]] for every layer's conv and SSM state (kernels.state_copy.copy_state_rows:
+        one Triton launch on CUDA for big states, two gathers otherwise)."""
         index = torch.as_tensor(index, dtype=torch.long)  # [rows_out]
         checked = index.device.type == "cpu"  # checked here, on the host: no device sync for it in the launcher
         if checked and index.numel() and not (0 <= int(index.min()) and int(index.max()) < src.rows):
