@@ -191,7 +191,6 @@ def test_graphed_steps_are_the_eager_steps_bit_for_bit(dtype):
     assert graphed.extend_graphs.captured == list(range(2, 33))  # one token: a step (graphed as a step)
 
 
-
 def test_the_drafter_worker_hands_the_router_cpu_tensors():
     """A draft crosses to the router by pickle: CUDA tensors would carry their device to a process that may lack it."""
     from ray_specdec.serving.drafter_worker import DrafterWorker
