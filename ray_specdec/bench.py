@@ -399,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                      "target_gemm_plan": target.gemm_plan.describe() if target.gemm_plan else None,
                      "drafter_native": drafter.native is not None, "drafter_native_why": drafter.native_why,
+                     "drafter_cuda_graphs": drafter.graphs is not None, "drafter_graphs_why": drafter.graphs_why,
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                      "device": str(target.device), "dtype": str(dtype).removeprefix("torch.")},
         "settings": {"prompts": len(short), "long_prompts": len(long), "qa_prompts": len(qa),

@@ -37,7 +37,11 @@ def markdown(report: dict) -> str:
         lines += ["", f"Our engine's target GEMM paths (measured at load, models/cpu_gemm.py): {gemm}; "
                   "HF's methods run the target as transformers loads it (F.linear)"]
     hardware = report.get("hardware", {})
-    if "drafter_native" in hardware:
+    if hardware.get("drafter_cuda_graphs"):
+        lines.append("Mamba drafter steps and catch-ups: CUDA graphs (models/cuda_graphs.py)")
+    elif hardware.get("drafter_graphs_why"):
+        lines.append(f"Mamba drafter steps: eager torch ({hardware['drafter_graphs_why']})")
+    elif "drafter_native" in hardware:
         lines.append("Mamba drafter steps and scans: " + (
             "native C kernels (models/native)" if hardware["drafter_native"]
             else f"torch ({hardware.get('drafter_native_why')})"))

@@ -68,6 +68,12 @@ def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
         assert sum(g["seconds"] for g in parts) == pytest.approx(m["seconds"], abs=2e-3)
     assert "| method | T | short (n=2) | qa (n=1) |" in markdown
     assert "Bandit vs the best fixed setting in hindsight at T=0 (qa prompts):" in markdown
+    hardware = report["hardware"]  # how the drafter stepped, said in the report
+    assert hardware["drafter_cuda_graphs"] is (hardware["device"].startswith("cuda"))
+    if hardware["drafter_cuda_graphs"]:
+        assert "Mamba drafter steps and catch-ups: CUDA graphs" in markdown
+    else:
+        assert "Mamba drafter steps and scans: " in markdown
 
 
 def test_bench_bad_arguments_exit_2(capsys):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from ray_specdec.models.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs
 from ray_specdec.models import native as native_kernels
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path
 from ray_specdec.models.mamba_ops import causal_conv, contract_state, rms_norm, scan_block
+
+logger = logging.getLogger(__name__)
 
 try:  # GPU fast path; mamba_ssm fails to import without its CUDA extension
     from causal_conv1d import causal_conv1d_update
@@ -159,7 +162,8 @@ class MambaDrafter:
         RAY_SPECDEC_NATIVE=0); True insists (an error where they cannot run); False: the torch path.
 
         cuda_graphs: steps of up to 64 rows and catch-ups of up to 32 tokens replay CUDA graphs (models/cuda_graphs),
-        all captured here. None: on for CUDA devices unless RAY_SPECDEC_CUDA_GRAPHS=0.
+        all captured here. None: on for CUDA devices unless RAY_SPECDEC_CUDA_GRAPHS=0 (eager where a capture fails,
+        `graphs_why` says why); True insists (an error where they cannot run); False: eager.
         """
         if prefill_window is not None and prefill_window < 1:
             raise ValueError(f"prefill_window must be >= 1 or None, got {prefill_window}")
@@ -199,16 +203,34 @@ class MambaDrafter:
         self.native_why: str | None = None  # why the native kernels are off, when they are
         if native is not False:
             self._start_native(insist=native is True)
+        self.graphs: StepGraphs | None = None
+        self.extend_graphs: StepGraphs | None = None
+        self.graphs_why: str | None = None  # why a CUDA drafter steps eagerly, when it does
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and os.environ.get("RAY_SPECDEC_CUDA_GRAPHS", "1") != "0"
-        self.graphs = StepGraphs(self._step_eager, self._new_buffers, self.device) if cuda_graphs else None
-        self.extend_graphs = None
-        if cuda_graphs and not self._use_kernels:  # (mamba_ssm's catch-up steps token by token, through `graphs`)
-            self.extend_graphs = StepGraphs(self._extend_eager, lambda n: self._new_buffers(1), self.device,
-                                            max_tokens=MAX_GRAPH_TOKENS)
-            self.extend_graphs.capture(range(2, MAX_GRAPH_TOKENS + 1))  # (one token: a step)
-        if self.graphs is not None:
-            self.graphs.capture(range(1, self.graphs.max_tokens + 1))  # ~0.5 s at load, none in any request
+            if cuda_graphs:
+                self._start_graphs(insist=False)
+        elif cuda_graphs:
+            self._start_graphs(insist=True)
+
+    def _start_graphs(self, insist: bool) -> None:
+        """Capture every step and catch-up graph now (~0.5 s; none in any request). A capture that fails leaves the
+        drafter eager (graphs_why says why) unless graphs were asked for explicitly."""
+        try:
+            graphs = StepGraphs(self._step_eager, self._new_buffers, self.device)
+            extend = None
+            if not self._use_kernels:  # (mamba_ssm's catch-up steps token by token, through `graphs`)
+                extend = StepGraphs(self._extend_eager, lambda n: self._new_buffers(1), self.device,
+                                    max_tokens=MAX_GRAPH_TOKENS)
+                extend.capture(range(2, MAX_GRAPH_TOKENS + 1))  # (one token: a step)
+            graphs.capture(range(1, graphs.max_tokens + 1))
+        except (RuntimeError, ValueError) as exc:
+            if insist:
+                raise
+            self.graphs_why = f"CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            logger.warning("drafter steps run eagerly: %s", self.graphs_why)
+            return
+        self.graphs, self.extend_graphs = graphs, extend
 
     def _start_native(self, insist: bool) -> None:
         if self.device.type != "cpu" or self.dtype != torch.float32:

@@ -349,6 +349,24 @@ def test_cuda_graphs_stay_off_on_cpu_and_asking_for_them_is_an_error():
         StepGraphs(lambda *a: None, lambda rows: (None, None), torch.device("cpu"))
 
 
+def test_a_failed_graph_capture_leaves_the_drafter_eager_unless_graphs_were_asked_for(monkeypatch):
+    class FailingGraphs:
+        def __init__(self, *args, max_tokens=64):
+            self.max_tokens = max_tokens
+
+        def capture(self, counts):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore lines")
+
+    drafter = MambaDrafter(tiny_mamba())
+    monkeypatch.setattr(mamba_drafter, "StepGraphs", FailingGraphs)
+    drafter._start_graphs(insist=False)
+    assert drafter.graphs is None and drafter.extend_graphs is None
+    assert drafter.graphs_why == ("CUDA graph capture failed: RuntimeError: CUDA error: operation not permitted when "
+                                  "stream is capturing")
+    with pytest.raises(RuntimeError, match="operation not permitted"):
+        drafter._start_graphs(insist=True)
+
+
 def test_copy_rows_refuses_an_index_out_of_range_before_copying():
     drafter = MambaDrafter(tiny_mamba())
     state = drafter.copy_rows(drafter.prefill([1, 2, 3])[0], [0, 0])
