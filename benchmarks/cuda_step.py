@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from kernels.state_copy import _launch, state_copy
+from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ray_specdec.drafting import tree_for
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 
@@ -97,16 +99,13 @@ def state_copies(bandwidth: float) -> list[dict]:
 
 
 def verifies(target_path: str, dtype: torch.dtype) -> list[dict]:
-    from ray_specdec.config import TreeConfig
-    from ray_specdec.drafting import tree_for as tensors_for
-
     target = TargetModel.from_pretrained(target_path, dtype=dtype, device="cuda")
     out = []
     for context in (200, 2000):
         cache = target.new_cache()
         target.prefill(cache, torch.randint(0, target.vocab_size, (context,), device="cuda"))
         for branching in ((), (1, 1, 1, 1), (3, 2, 2, 1, 1), (2, 2, 2, 1, 1, 1)):
-            tree = tensors_for(TreeConfig(branching))
+            tree = tree_for(TreeConfig(branching))
             tokens = torch.randint(0, target.vocab_size, (tree.num_nodes,), device="cuda")
 
             def verify():  # a round's target work: the forward, then keep nothing (the cache length stays put)
