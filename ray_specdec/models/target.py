@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ray_specdec.models import cpu_gemm
+from ray_specdec.models import cpu_attention, cpu_gemm, native
 from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path
 from ray_specdec.tree import TreeTensors
@@ -27,7 +27,7 @@ from ray_specdec.tree import TreeTensors
 # sdpa takes an arbitrary float mask, is exact against eager (float64 agrees to ~1e-15) and is faster on CPU.
 ATTN_IMPLEMENTATION = "sdpa"
 # Implementations whose attention honours a caller-supplied 4D additive mask (flash-attention kernels do not).
-_MASKABLE_ATTENTION = ("eager", "sdpa")
+_MASKABLE_ATTENTION = ("eager", "sdpa", cpu_attention.NAME)
 # Long prompts are prefilled in chunks so the attention scores of one forward stay small.
 PREFILL_CHUNK = 512
 
@@ -56,18 +56,30 @@ class TargetModel:
         dtype: str | torch.dtype | None = None,
         device: str = "cpu",
         planned_gemm: bool | None = None,
+        native_attention: bool | None = None,
     ) -> "TargetModel":
         """Load from a hub id or a local directory; float32 on CPU unless `dtype` says otherwise."""
         path = resolve_model_path(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=resolve_dtype(dtype, device), attn_implementation=ATTN_IMPLEMENTATION
         )
-        return cls(model.to(device).eval(), load_tokenizer(path), planned_gemm=planned_gemm)
+        return cls(model.to(device).eval(), load_tokenizer(path), planned_gemm=planned_gemm,
+                   native_attention=native_attention)
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, *, planned_gemm: bool | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer=None,
+        *,
+        planned_gemm: bool | None = None,
+        native_attention: bool | None = None,
+    ):
         """planned_gemm: the Linear layers take the fastest measured GEMM path per row count (models/cpu_gemm.py).
         None: on for a float32 model on CPU (not for a DeepSpeed engine's shard), unless the environment sets
-        RAY_SPECDEC_PLANNED_GEMM=0; True insists (an error where unsupported); False leaves the model as loaded."""
+        RAY_SPECDEC_PLANNED_GEMM=0; True insists (an error where unsupported); False leaves the model as loaded.
+        native_attention: verify rows attend through the C kernel (models/cpu_attention.py). None: on for a float32
+        sdpa model on CPU (not a shard) where the native kernels build (RAY_SPECDEC_NATIVE=0 turns them off);
+        True insists; False leaves the model's attention as loaded. `native_attention_why` says why it is off."""
         sharded = not isinstance(model, PreTrainedModel)
         # A DeepSpeed InferenceEngine keeps the (AutoTP-sharded) HF model as `.module`; call that one directly.
         self.model = model.module if sharded else model
@@ -89,6 +101,18 @@ class TargetModel:
         if planned_gemm is None:
             planned_gemm = not sharded and cpu_gemm.supported(self.model) and cpu_gemm.enabled_by_environment()
         self.gemm_plan: cpu_gemm.GemmPlan | None = cpu_gemm.install(self.model) if planned_gemm else None
+        self.native_attention_why: str | None = _native_attention_why(self.model, sharded)
+        if native_attention and self.native_attention_why is not None:
+            raise RuntimeError(f"native_attention=True but {self.native_attention_why}")
+        if native_attention is False:
+            self.native_attention_why = "native_attention=False"
+        if self.native_attention_why is None:
+            cpu_attention.install(self.model)
+
+    @property
+    def native_attention(self) -> bool:
+        """Whether verify rows attend through the native CPU kernel."""
+        return self.native_attention_why is None
 
     def new_cache(self) -> TargetCache:
         # Full-attention layers that keep every position (sliding windows are applied by the mask); buffers never
@@ -169,6 +193,17 @@ def tree_attention_mask(
         visible &= (q_pos[:, None] - k_pos[None, :]) < window
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
     return mask.to(device)[None, None]
+
+
+def _native_attention_why(model: PreTrainedModel, sharded: bool) -> str | None:
+    """Why the native attention cannot serve this model, or None when it can."""
+    if sharded:
+        return "the model is a DeepSpeed shard"
+    if not cpu_attention.supported(model):
+        return "it takes a float32 model on CPU with sdpa attention"
+    if native.load() is None:
+        return f"native kernels unavailable: {native.why_unavailable()}"
+    return None
 
 
 def _eos_token_ids(model: PreTrainedModel) -> frozenset[int]:

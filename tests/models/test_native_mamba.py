@@ -210,6 +210,6 @@ def test_built_once_per_machine(lib, monkeypatch, tmp_path):
     monkeypatch.setattr(native.subprocess, "run", run)
     native.load.cache_clear()
     assert native.load() is not None and len(compiles) == 1
-    assert len(list(tmp_path.glob("native/mamba_cpu-*.so"))) == 1
+    assert len(list(tmp_path.glob("native/kernels-*.so"))) == 1
     native.load.cache_clear()  # a new process on the same machine: loads the kept build
     assert native.load() is not None and len(compiles) == 1

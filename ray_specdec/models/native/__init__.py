@@ -25,7 +25,9 @@ import torch
 
 from ray_specdec.models import cpu_gemm
 
-SOURCE = Path(__file__).with_name("mamba_cpu.c")
+# Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("mamba_cpu.c", "attention_cpu.c"))
+HEADERS = (Path(__file__).with_name("attention_rows.h"),)
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 # linear_panels splits a product's output blocks over torch's intra-op thread count; built without it if the
@@ -71,7 +73,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def _build(compiler: str, flags: tuple[str, ...]) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(
         b"\0".join([source, " ".join(flags).encode(), version.encode(), cpu_gemm._cpu_name().encode(),
@@ -80,13 +82,13 @@ def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     directory = cpu_gemm.cache_dir()
     if directory is None:  # no cache: build into this process's own temp dir
         directory = Path(tempfile.mkdtemp(prefix="ray_specdec_native_"))
-    target = directory / "native" / f"mamba_cpu-{key}.so"
+    target = directory / "native" / f"kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.stem}.{os.getpid()}.tmp.so")
     done = subprocess.run(
-        [compiler, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+        [compiler, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"], capture_output=True, text=True, timeout=300
     )
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -127,6 +129,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_panels.restype = None
     lib.set_threads.argtypes = [i, i]
     lib.set_threads.restype = None
+    i64, f = ctypes.c_int64, ctypes.c_float
+    lib.tree_attention.argtypes = [i, i, i, i, i, f, p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, p, i]
+    lib.tree_attention.restype = i
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
