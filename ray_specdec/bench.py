@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray_specdec.bandit import Bandit, BanditConfig
     from ray_specdec.bench_report import write_report
+    from ray_specdec.models import cpu_attention
     from ray_specdec.models.mamba_drafter import MambaDrafter
     from ray_specdec.factory import resolve_device
     from ray_specdec.models.loading import resolve_dtype, resolve_model_path
@@ -398,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                      "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                      "target_gemm_plan": target.gemm_plan.describe() if target.gemm_plan else None,
+                     "target_native_attention": target.native_attention,
+                     "target_native_attention_why": target.native_attention_why,
+                     "target_native_attention_rows": [cpu_attention.MIN_ROWS, cpu_attention.MAX_ROWS],
                      "drafter_native": drafter.native is not None, "drafter_native_why": drafter.native_why,
                      "drafter_cuda_graphs": drafter.graphs is not None, "drafter_graphs_why": drafter.graphs_why,
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

@@ -37,6 +37,11 @@ def markdown(report: dict) -> str:
         lines += ["", f"Our engine's target GEMM paths (measured at load, models/cpu_gemm.py): {gemm}; "
                   "HF's methods run the target as transformers loads it (F.linear)"]
     hardware = report.get("hardware", {})
+    if "target_native_attention" in hardware:
+        low, high = hardware.get("target_native_attention_rows", ("?", "?"))
+        lines.append(f"Our engine's attention for {low}-{high} verify rows: " + (
+            "native C kernel (models/cpu_attention.py)" if hardware["target_native_attention"]
+            else f"sdpa ({hardware.get('target_native_attention_why')})"))
     if hardware.get("drafter_cuda_graphs"):
         lines.append("Mamba drafter steps and catch-ups: CUDA graphs (models/cuda_graphs.py)")
     elif hardware.get("drafter_graphs_why"):
