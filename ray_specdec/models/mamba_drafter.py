@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import MambaForCausalLM
 
+from kernels.selective_scan import available as scan_kernel_available, selective_scan
 from kernels.state_copy import copy_state_rows
 from ray_specdec.models import cpu_gemm
 from ray_specdec.models.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs
@@ -458,6 +459,9 @@ class MambaDrafter:
         x, B, C = x.to(sd), B.to(sd), C.to(sd)
         if self.native is not None:
             y = self.native.scan(dt, x, B, C, w.A, ssm_state)
+            return torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
+        if x.is_cuda and sd == torch.float32 and ssm_state.is_contiguous() and scan_kernel_available(x.device):
+            y = selective_scan(dt, x, B, C, w.A, ssm_state)  # one launch, not one per token (kernels/)
             return torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
         y = torch.empty_like(x)  # [S, d_inner]
         block = max(1, _SCAN_BLOCK_ELEMENTS // (self.d_inner * self.d_state))
