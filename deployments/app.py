@@ -7,7 +7,7 @@ default tree arms. Errors in the arguments are reported in one line (`serve run`
 """
 
 import os
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import click
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -51,8 +51,9 @@ class AppArgs(BaseModel):
     drafter_num_gpus: float | None = Field(None, ge=0)  # None: 0 on CPU, 1 on CUDA
     drafter_resources: dict[str, float] = Field(default_factory=dict)  # custom resources, e.g. to pin a node type
     drafter_max_sessions: int = Field(1024, ge=1)  # request states per replica (least recently used evicted)
-    # a request's drafter state starts from its last this many tokens (None: all; see docs/BENCHMARKS.md)
-    drafter_prefill_window: int | None = Field(None, ge=1)
+    # a request's drafter state starts from its last this many tokens: "auto" (the window the drafter's config names;
+    # the shipped drafter: 512), "all" (or None), or a count >= 1 (see docs/BENCHMARKS.md)
+    drafter_prefill_window: Annotated[int, Field(ge=1)] | Literal["auto", "all"] | None = "auto"
     # drafts stop at depths whose paths the drafter itself rates below this probability (0: always the whole tree)
     min_path_prob: float = Field(DEFAULT_MIN_PATH_PROB, ge=0, lt=1)
     # every drafted tree of a greedy request also verifies up to this many tokens copied from earlier in the context

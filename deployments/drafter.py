@@ -49,7 +49,7 @@ class DrafterDeployment:
         max_sessions: int = 1024,
         idle_timeout_s: float = 600.0,
         min_path_prob: float = 0.0,
-        prefill_window: int | None = None,
+        prefill_window: int | str | None = "auto",
     ):
         model = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device, prefill_window=prefill_window)
         self.worker = DrafterWorker(model, vocab_size, max_sessions=max_sessions, idle_timeout_s=idle_timeout_s,

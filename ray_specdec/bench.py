@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
 from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, NO_TREE, SpeculativeEngine
+from ray_specdec.models.loading import prefill_window_arg
 
 
 @dataclass
@@ -250,8 +251,9 @@ def parse_args(argv):
                    help="extra methods: trees with their own draft cut, 'TREE@CUT;...' e.g. '3,2,2,1,1@0.06'")
     p.add_argument("--min-path-prob", type=float, default=None,
                    help="our engine's draft cut (default: the engine's DEFAULT_MIN_PATH_PROB)")
-    p.add_argument("--drafter-prefill-window", type=int, default=None, metavar="N",
-                   help="our Mamba drafter's state starts from a request's last N tokens (default: all of them)")
+    p.add_argument("--drafter-prefill-window", type=prefill_window_arg, default="auto", metavar="N|auto|all",
+                   help="our Mamba drafter's state starts from a request's last N tokens; auto (default): the window "
+                        "the drafter's config names (the shipped drafter: 512), else all; all: every token")
     p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP,
                    help="lookup tokens the bandit's engine adds to every drafted tree in greedy runs (its arms are "
                         "the trees without their own lookup, plus no drafting)")
@@ -303,8 +305,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--qa-buckets must be >= 64 tokens, got {args.qa_buckets}")
         if not 0 <= args.lookup <= MAX_LOOKUP_TOKENS:
             raise ValueError(f"--lookup must be in [0, {MAX_LOOKUP_TOKENS}], got {args.lookup}")
-        if args.drafter_prefill_window is not None and args.drafter_prefill_window < 1:
-            raise ValueError(f"--drafter-prefill-window must be >= 1, got {args.drafter_prefill_window}")
     except ValueError as e:
         print(f"error: bad bench arguments: {e}", file=sys.stderr)
         return 2
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"prompts": len(short), "long_prompts": len(long), "qa_prompts": len(qa),
                      "qa_buckets": qa_buckets, "max_new_tokens": args.max_new_tokens,
                      "trees": [str(t) for t in trees], "min_path_prob": cut, "bandit_lookup": args.lookup,
-                     "drafter_prefill_window": args.drafter_prefill_window,
+                     "drafter_prefill_window": drafter.prefill_window,
                      "cut_trees": [f"{t}@{c:g}" for t, c in cut_trees],
                      "bandit_warmup_prompts": args.bandit_warmup,
                      "bandit_pulls": {str(arm): int(n) for arm, n in zip(bandit.config.arms, bandit_pulls(bandit))},

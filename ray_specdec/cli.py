@@ -12,6 +12,7 @@ import sys
 
 from ray_specdec.config import DEFAULT_LOOKUP, MAX_LOOKUP_TOKENS
 from ray_specdec.factory import LoadError
+from ray_specdec.models.loading import prefill_window_arg
 
 # Subcommands implemented elsewhere: name -> module whose main(argv) -> int handles it.
 EXTERNAL_COMMANDS = {
@@ -44,8 +45,9 @@ def generate_parser() -> OneLineParser:
     p.add_argument("--drafter", default=None, help="HF id or local dir of the Mamba drafter, or 'none' (default: embedded)")
     p.add_argument("--tree", default=None, help="tree config N1,N2,... (the chain is 1,1,1,1; '+L6' adds its own lookup "
                    "branch); default: 1,1,1 on CPU, 2,2,1,1 on GPU")
-    p.add_argument("--drafter-prefill-window", type=int, default=None, metavar="N",
-                   help="the drafter's state starts from a request's last N tokens (default: all of them)")
+    p.add_argument("--drafter-prefill-window", type=prefill_window_arg, default="auto", metavar="N|auto|all",
+                   help="the drafter's state starts from a request's last N tokens; auto (default): the window the "
+                        "drafter's config names (the shipped drafter: 512), else all; all: every token")
     p.add_argument("--lookup", type=int, default=None,
                    help="prompt-lookup tokens added to every drafted tree of a greedy run; 0 turns them off "
                         "(default: %d)" % DEFAULT_LOOKUP)

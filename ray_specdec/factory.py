@@ -47,7 +47,7 @@ def load_target(name: str | None, dtype="auto", device="cpu"):
         raise LoadError(f"cannot load target {name!r}: {_first_line(e)}") from None
 
 
-def load_drafter(name: str | None, dtype="auto", device="cpu", prefill_window: int | None = None):
+def load_drafter(name: str | None, dtype="auto", device="cpu", prefill_window: int | str | None = "auto"):
     """None -> the embedded default drafter; 'none' -> no drafter (plain target decoding)."""
     from ray_specdec.models.mamba_drafter import MambaDrafter
 
@@ -68,11 +68,12 @@ def load_engine(
     device: str | None = "auto",
     min_path_prob: float | None = None,
     lookup: int = DEFAULT_LOOKUP,
-    drafter_prefill_window: int | None = None,
+    drafter_prefill_window: int | str | None = "auto",
 ):
     """tree None: the device's default tree (config.default_tree); min_path_prob None: the engine's default;
     lookup: prompt-lookup tokens added to every drafted tree of greedy requests (0: none);
-    drafter_prefill_window: the drafter's state starts from this many last tokens of a request (None: all)."""
+    drafter_prefill_window: the drafter's state starts from this many last tokens of a request ("auto": the window
+    the drafter's config names, else all; None or "all": all)."""
     from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, SpeculativeEngine
     from ray_specdec.models.loading import resolve_dtype
 
@@ -90,8 +91,11 @@ def load_engine(
     except FileNotFoundError as e:
         raise LoadError(f"cannot load {kind} {name!r}: {e}") from None
     target_model = load_target(target, dtype, device)
-    if drafter_prefill_window is not None and drafter_prefill_window < 1:
-        raise LoadError(f"drafter_prefill_window must be >= 1, got {drafter_prefill_window}")
+    if drafter_prefill_window not in (None, "auto", "all") and (
+        isinstance(drafter_prefill_window, bool) or not isinstance(drafter_prefill_window, int)
+        or drafter_prefill_window < 1
+    ):
+        raise LoadError(f"drafter_prefill_window must be >= 1, 'auto', 'all' or None, got {drafter_prefill_window!r}")
     drafter_model = load_drafter(drafter, dtype, device, drafter_prefill_window)
     cut = DEFAULT_MIN_PATH_PROB if min_path_prob is None else min_path_prob
     tree = tree if tree is not None else default_tree(str(device))

@@ -68,7 +68,35 @@ def test_bad_windows_are_refused(tmp_path):
     from ray_specdec.factory import LoadError, load_engine
 
     model = tiny_mamba().model
-    with pytest.raises(ValueError, match="prefill_window must be >= 1"):
-        MambaDrafter(model, prefill_window=0)
-    with pytest.raises(LoadError, match="drafter_prefill_window must be >= 1"):
-        load_engine(drafter_prefill_window=0)
+    for bad in (0, -3, "some", 2.5, True):
+        with pytest.raises(ValueError, match="prefill_window must be >= 1"):
+            MambaDrafter(model, prefill_window=bad)
+        with pytest.raises(LoadError, match="drafter_prefill_window must be >= 1"):
+            load_engine(drafter_prefill_window=bad)
+
+
+def test_auto_window_is_the_one_the_drafter_config_names():
+    """'auto' (the default) takes the config's ray_specdec_prefill_window, else all tokens; an explicit window or
+    'all' overrides it. The shipped drafter names 512, the longest windows it was trained on."""
+    from ray_specdec.defaults import DEFAULT_DRAFTER
+
+    model = tiny_mamba().model
+    assert MambaDrafter(model).prefill_window is None
+    model.config.ray_specdec_prefill_window = 48
+    assert MambaDrafter(model).prefill_window == 48
+    assert MambaDrafter(model, prefill_window="auto").prefill_window == 48
+    assert MambaDrafter(model, prefill_window="all").prefill_window is None
+    assert MambaDrafter(model, prefill_window=None).prefill_window is None
+    assert MambaDrafter(model, prefill_window=7).prefill_window == 7
+    assert MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER)).prefill_window == 512
+
+
+def test_window_argument_on_the_command_line():
+    import argparse
+
+    from ray_specdec.models.loading import prefill_window_arg
+
+    assert [prefill_window_arg(t) for t in ("auto", "ALL", "512")] == ["auto", "all", 512]
+    for bad in ("0", "-1", "x", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="'auto', 'all' or a token count"):
+            prefill_window_arg(bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -61,3 +62,29 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(path)
+
+
+# The config key under which a drafter model names its prefill window (the longest windows it was trained on).
+PREFILL_WINDOW_KEY = "ray_specdec_prefill_window"
+
+
+def resolve_prefill_window(window: int | str | None, config) -> int | None:
+    """The drafter prefill window an argument means for a model with this config (None: all tokens). 'auto': the
+    config's PREFILL_WINDOW_KEY if it has one, else all; 'all' or None: all; an int >= 1: that many tokens."""
+    if window == "auto":
+        window = getattr(config, PREFILL_WINDOW_KEY, None)
+    if window is None or window == "all":
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"prefill_window must be >= 1, 'auto', 'all' or None, got {window!r}")
+    return window
+
+
+def prefill_window_arg(text: str) -> int | str:
+    """Command-line form of a prefill window: 'auto', 'all' or a token count >= 1."""
+    text = text.strip().lower()
+    if text in ("auto", "all"):
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected 'auto', 'all' or a token count >= 1, got {text!r}")

@@ -28,7 +28,7 @@ from kernels.state_copy import copy_state_rows
 from ray_specdec.models import cpu_gemm
 from ray_specdec.models.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs
 from ray_specdec.models import native as native_kernels
-from ray_specdec.models.loading import resolve_dtype, resolve_model_path
+from ray_specdec.models.loading import resolve_dtype, resolve_model_path, resolve_prefill_window
 from ray_specdec.models.mamba_ops import causal_conv, contract_state, rms_norm, scan_block
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class MambaDrafter:
         dtype: str | torch.dtype | None = None,
         device: str = "cpu",
         fast_matmul: bool | None = None,
-        prefill_window: int | None = None,
+        prefill_window: int | str | None = "auto",
         native: bool | None = None,
         cuda_graphs: bool | None = None,
     ) -> "MambaDrafter":
@@ -141,7 +141,7 @@ class MambaDrafter:
         model: MambaForCausalLM,
         *,
         fast_matmul: bool = False,
-        prefill_window: int | None = None,
+        prefill_window: int | str | None = "auto",
         native: bool | None = None,
         cuda_graphs: bool | None = None,
     ):
@@ -154,9 +154,11 @@ class MambaDrafter:
         the way in, so drafts can differ from the float32 drafter's in near ties. That changes acceptance, never
         the output: the target verifies every token.
 
-        prefill_window: a request's drafter state starts from its last this many tokens (None: all of them). The
+        prefill_window: a request's drafter state starts from its last this many tokens (None or "all": all of
+        them; "auto": the window the model's config names under `ray_specdec_prefill_window`, else all). The
         drafter's prefill is a sequential scan, linear in the prompt; a drafter trained on short windows gains
-        nothing from further back (docs/BENCHMARKS.md), and drafts never change the output.
+        nothing from further back (the shipped one names 512, the longest windows it was trained on;
+        docs/BENCHMARKS.md), and drafts never change the output.
 
         native: steps and the prefill's scan run in the fused C kernels of models/native (compiled on first use).
         None: on for a float32 drafter on CPU where they build (else the torch path, `native_why` says why; off with
@@ -166,9 +168,7 @@ class MambaDrafter:
         all captured here. None: on for CUDA devices unless RAY_SPECDEC_CUDA_GRAPHS=0 (eager where a capture fails,
         `graphs_why` says why); True insists (an error where they cannot run); False: eager.
         """
-        if prefill_window is not None and prefill_window < 1:
-            raise ValueError(f"prefill_window must be >= 1 or None, got {prefill_window}")
-        self.prefill_window = prefill_window
+        self.prefill_window: int | None = resolve_prefill_window(prefill_window, model.config)
         config = model.config
         if config.hidden_act != "silu":
             raise ValueError(f"only silu Mamba models are supported, got hidden_act={config.hidden_act!r}")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from ray_specdec.models.loading import PREFILL_WINDOW_KEY
 from ray_specdec.training.models import build_model
 
 EXPORT_DTYPE = torch.float16
@@ -36,6 +37,16 @@ def _history(init_from: str | None, info: dict) -> dict:
             "total_minutes": round(sum(r["minutes"] for r in rounds) + info["minutes"], 1)}
 
 
+def _longest_window(settings: dict) -> int:
+    """The longest training window (seq_len) of this run and the runs it continued."""
+    longest = settings["seq_len"]
+    if settings.get("init_from"):
+        prior = json.loads((Path(settings["init_from"]) / "training.json").read_text())
+        for round_ in prior.get("previous_rounds", []) + [prior]:
+            longest = max(longest, round_.get("settings", {}).get("seq_len", 0))
+    return longest
+
+
 def export(run_dir: Path, out_dir: Path, tokenizer_dir: Path | str) -> dict:
     """Writes model.safetensors (fp16), config.json, generation_config.json, tokenizer files, training.json."""
     ckpt = torch.load(run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
@@ -45,6 +56,8 @@ def export(run_dir: Path, out_dir: Path, tokenizer_dir: Path | str) -> dict:
     model.load_state_dict(ckpt["model"])
     model = model.to(EXPORT_DTYPE)
     model.config.dtype = EXPORT_DTYPE
+    if config.model_type == "mamba":  # a drafter names the windows it was trained on as its prefill window
+        setattr(model.config, PREFILL_WINDOW_KEY, _longest_window(ckpt["settings"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -134,7 +134,7 @@ def test_builder_wires_the_app(model_dirs):
     assert bound(target_app)[1:] == ((str(target),), {"tp_size": 2, "dtype": "auto", "device": "cpu",
                                                        "num_cpus_per_rank": 1.0})  # fmt: skip
     assert bound(drafter_app)[1] == (str(drafter), 128)  # the target's vocabulary, read from its config
-    assert bound(drafter_app)[2]["prefill_window"] is None
+    assert bound(drafter_app)[2]["prefill_window"] == "auto"
     windowed = app(AppArgs(target=str(target), drafter=str(drafter), drafter_prefill_window=512))
     assert bound(bound(windowed)[1][1])[2]["prefill_window"] == 512
     assert [str(t) for t in settings.bandit.arms] == ["1,1", "3,2,1"] and settings.model_name == "target"

@@ -36,3 +36,6 @@ def test_export_writes_loadable_fp16_safetensors(tmp_path, small_tokenizer_dir, 
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert len(tokenizer) == loaded.config.vocab_size == 512
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
+    # a Mamba drafter names its training window as its prefill window; a target names none
+    window = json.loads((out / "config.json").read_text()).get("ray_specdec_prefill_window")
+    assert window == (settings.seq_len if config.model_type == "mamba" else None)

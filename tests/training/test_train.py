@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ray_specdec.training.export import _history
+from ray_specdec.training.export import _history, _longest_window
 from ray_specdec.training.train import load_initial_weights
 from tests.tiny_models import tiny_gpt_neox
 
@@ -39,3 +39,10 @@ def test_export_history_sums_all_rounds(tmp_path):
     assert "total_steps" not in history["previous_rounds"][1]
     assert (history["total_steps"], history["total_tokens"], history["total_minutes"]) == (35, 350, 4.0)
     assert _history(None, {}) == {} and _history(str(tmp_path / "missing"), {}) == {}
+
+
+def test_longest_window_covers_every_round(tmp_path):
+    prior = {"settings": {"seq_len": 512}, "previous_rounds": [{"settings": {"seq_len": 1024}}]}
+    (tmp_path / "training.json").write_text(json.dumps(prior))
+    assert _longest_window({"seq_len": 256, "init_from": str(tmp_path)}) == 1024
+    assert _longest_window({"seq_len": 256}) == 256
