@@ -30,8 +30,13 @@ from ray_specdec.tree import TreeTensors
 ATTN_IMPLEMENTATION = "sdpa"
 # Implementations whose attention honours a caller-supplied 4D additive mask (flash-attention kernels do not).
 _MASKABLE_ATTENTION = ("eager", "sdpa", cpu_attention.NAME)
-# Long prompts are prefilled in chunks so the attention scores of one forward stay small.
-PREFILL_CHUNK = 512
+# Long prompts are prefilled in chunks of this many tokens, so one forward's activations stay bounded. A prompt that
+# fits one chunk runs as one causal forward without a mask; a chunk after the first carries a [chunk, cache] mask,
+# which sdpa's CPU kernel reads for every head and layer: a 4,096-token prompt in chunks of 512 took ~1.2x as long
+# as in one forward (the default target on 2 cores).
+PREFILL_CHUNK = 4096
+# Eager attention materialises [heads, chunk, cache + chunk] scores: smaller chunks there.
+EAGER_PREFILL_CHUNK = 512
 # sdpa backends for our forwards on CUDA: not cuDNN's, which builds an execution plan per new shape (every verify of
 # a growing cache is one): on an H200 in bfloat16 that cost ~7 ms of host time per attention call, against ~0.25 ms
 # for the memory-efficient kernel, which takes the same masks.
@@ -103,6 +108,7 @@ class TargetModel:
         self.max_context: int = int(config.max_position_embeddings)
         self.eos_token_ids: frozenset[int] = _eos_token_ids(self.model)
         self._window = _sliding_window(config)
+        self._eager = attn == "eager"
         self._logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         if planned_gemm is None:
             planned_gemm = not sharded and cpu_gemm.supported(self.model) and cpu_gemm.enabled_by_environment()
@@ -131,8 +137,9 @@ class TargetModel:
         self._check_committed(cache)
         input_ids = input_ids.reshape(-1).to(self.device, torch.long)
         self._check_length(cache.length + input_ids.numel(), f"prefill of {input_ids.numel()} tokens")
-        for start in range(0, input_ids.numel(), PREFILL_CHUNK):
-            chunk = input_ids[start : start + PREFILL_CHUNK]
+        size = min(PREFILL_CHUNK, EAGER_PREFILL_CHUNK) if self._eager else PREFILL_CHUNK
+        for start in range(0, input_ids.numel(), size):
+            chunk = input_ids[start : start + size]
             # Default mask and positions: HF derives both from the cache length, which commit keeps exact.
             with self._sdpa_backends():
                 self.model(input_ids=chunk[None], past_key_values=cache.kv, use_cache=True, logits_to_keep=1)
