@@ -23,6 +23,10 @@ def markdown(report: dict) -> str:
         vs_plain = f"{m['tokens_per_s'] / base:.2f}x" if base else "-"
         lines.append(f"| {m['name']} | {m['temperature']:g} | {m['tokens_per_s']:.1f} | "
                      f"{m['speedup_vs_hf_generate']:.2f}x | {vs_plain} | {mal} | {per_depth} | {split} | {same} |")
+    dtype = report.get("hardware", {}).get("dtype")
+    if dtype in ("bfloat16", "float16") and any(m["identical_to_target"] is False for m in report["methods"]):
+        lines += ["", f"identical: in {dtype} different batch shapes round differently and near-ties of the logits "
+                  "flip, HF's own assisted modes included; exactness is checked in float32 or float64"]
     lines += bandit_vs_best_fixed(report["methods"])
     lines += group_table(report.get("groups") or [])
     pulls = report.get("settings", {}).get("bandit_pulls")
