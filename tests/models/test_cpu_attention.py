@@ -6,13 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models import cpu_attention, native
 from ray_specdec.models.target import TargetModel
 from ray_specdec.tree import build_tree
-from tests.models.test_cpu_gemm import greedy_margin
-from tests.test_engine import tiny_mamba
+from tests.models.test_cpu_gemm import assert_greedy_speculation_is_the_target_alone
 from tests.tiny_models import tiny_gpt_neox, tiny_llama
 
 LOWEST = torch.finfo(torch.float32).min
@@ -134,25 +131,9 @@ def test_target_verify_on_native_attention(build):
 def test_greedy_speculation_on_native_attention_is_the_target_alone():
     """float32: plain decoding and tree drafts on the native attention give HF generate's tokens on the model as
     loaded (sdpa), on prompts whose greedy path holds no float32 near-tie."""
-    reference_model = tiny_gpt_neox(torch.float32, seed=5)
     target = TargetModel(tiny_gpt_neox(torch.float32, seed=5), planned_gemm=False)
     assert target.native_attention
-    drafter = tiny_mamba(torch.float32, fast_matmul=True)
-    engines = [SpeculativeEngine(target, None)] + [
-        SpeculativeEngine(target, drafter, TreeConfig.parse(t)) for t in ("1,1,1", "3,2,1", "2,2,1+L4")]
-    checked = 0
-    for seed in range(6):
-        prompt = torch.randint(1, 128, (5 + 17 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
-        with torch.no_grad():
-            out = reference_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                           pad_token_id=0)  # fmt: skip
-        expected = out[0, len(prompt):].tolist()
-        if greedy_margin(reference_model, prompt, expected) < 1e-4:
-            continue
-        checked += 1
-        for engine in engines:
-            assert engine.generate(prompt, SamplingParams(max_new_tokens=20)).token_ids == expected
-    assert checked >= 4
+    assert_greedy_speculation_is_the_target_alone(tiny_gpt_neox(torch.float32, seed=5), target, prompt_step=17)
 
 
 def test_when_the_target_takes_native_attention(monkeypatch):

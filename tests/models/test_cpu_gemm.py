@@ -120,19 +120,17 @@ def greedy_margin(model, prompt: list[int], generated: list[int]) -> float:
     return float((top[:, 0] - top[:, 1]).min())
 
 
-@pytest.mark.parametrize("path", [p for p in cpu_gemm.available_paths() if p != "linear"])
-def test_greedy_speculation_on_planned_paths_is_the_target_alone(path):
-    """float32, every product through one planned path: tree drafts and plain decoding on the planned target give
-    HF generate's tokens on the unplanned model (prompts whose greedy path holds no float32 near-tie)."""
-    reference = tiny_gpt_neox(torch.float32, seed=5)
-    target = TargetModel(tiny_gpt_neox(torch.float32, seed=5), planned_gemm=False)
-    cpu_gemm.install(target.model, GemmPlan((64,), (path,)))
+def assert_greedy_speculation_is_the_target_alone(reference, target: TargetModel, prompt_step: int = 7) -> None:
+    """Plain decoding and tree drafts (lookup included) on `target` give HF generate's tokens on `reference`, over 6
+    prompts (5 + prompt_step * k tokens), of which those whose greedy path holds a float32 near-tie are skipped (at
+    least 4 must be left)."""
     drafter = tiny_mamba(torch.float32, fast_matmul=True)
     engines = [SpeculativeEngine(target, None)] + [
         SpeculativeEngine(target, drafter, TreeConfig.parse(t)) for t in ("1,1,1", "3,2,1", "2,2,1+L4")]
     checked = 0
     for seed in range(6):
-        prompt = torch.randint(1, 128, (5 + 7 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        length = 5 + prompt_step * seed
+        prompt = torch.randint(1, 128, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
         with torch.no_grad():
             out = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)
         expected = out[0, len(prompt):].tolist()
@@ -142,6 +140,15 @@ def test_greedy_speculation_on_planned_paths_is_the_target_alone(path):
         for engine in engines:
             assert engine.generate(prompt, SamplingParams(max_new_tokens=20)).token_ids == expected
     assert checked >= 4
+
+
+@pytest.mark.parametrize("path", [p for p in cpu_gemm.available_paths() if p != "linear"])
+def test_greedy_speculation_on_planned_paths_is_the_target_alone(path):
+    """float32, every product through one planned path: tree drafts and plain decoding on the planned target give
+    HF generate's tokens on the unplanned model (prompts whose greedy path holds no float32 near-tie)."""
+    target = TargetModel(tiny_gpt_neox(torch.float32, seed=5), planned_gemm=False)
+    cpu_gemm.install(target.model, GemmPlan((64,), (path,)))
+    assert_greedy_speculation_is_the_target_alone(tiny_gpt_neox(torch.float32, seed=5), target)
 
 
 def test_plans_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
