@@ -75,7 +75,7 @@ def load_engine(
     drafter_prefill_window: the drafter's state starts from this many last tokens of a request ("auto": the window
     the drafter's config names, else all; None or "all": all)."""
     from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, SpeculativeEngine
-    from ray_specdec.models.loading import resolve_dtype
+    from ray_specdec.models.loading import resolve_dtype, resolve_prefill_window
 
     from ray_specdec.models.loading import resolve_model_path
 
@@ -91,11 +91,12 @@ def load_engine(
     except FileNotFoundError as e:
         raise LoadError(f"cannot load {kind} {name!r}: {e}") from None
     target_model = load_target(target, dtype, device)
-    if drafter_prefill_window not in (None, "auto", "all") and (
-        isinstance(drafter_prefill_window, bool) or not isinstance(drafter_prefill_window, int)
-        or drafter_prefill_window < 1
-    ):
-        raise LoadError(f"drafter_prefill_window must be >= 1, 'auto', 'all' or None, got {drafter_prefill_window!r}")
+    try:  # the drafter resolves "auto" from its config; here only the argument's form is checked
+        resolve_prefill_window(drafter_prefill_window, config=None)
+    except ValueError:
+        raise LoadError(
+            f"drafter_prefill_window must be >= 1, 'auto', 'all' or None, got {drafter_prefill_window!r}"
+        ) from None
     drafter_model = load_drafter(drafter, dtype, device, drafter_prefill_window)
     cut = DEFAULT_MIN_PATH_PROB if min_path_prob is None else min_path_prob
     tree = tree if tree is not None else default_tree(str(device))

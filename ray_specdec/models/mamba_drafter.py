@@ -459,15 +459,14 @@ class MambaDrafter:
         x, B, C = x.to(sd), B.to(sd), C.to(sd)
         if self.native is not None:
             y = self.native.scan(dt, x, B, C, w.A, ssm_state)
-            return torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
-        if x.is_cuda and sd == torch.float32 and ssm_state.is_contiguous() and scan_kernel_available(x.device):
+        elif x.is_cuda and sd == torch.float32 and ssm_state.is_contiguous() and scan_kernel_available(x.device):
             y = selective_scan(dt, x, B, C, w.A, ssm_state)  # one launch, not one per token (kernels/)
-            return torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
-        y = torch.empty_like(x)  # [S, d_inner]
-        block = max(1, _SCAN_BLOCK_ELEMENTS // (self.d_inner * self.d_state))
-        for start in range(0, x.shape[0], block):
-            t = slice(start, start + block)
-            y[t] = scan_block(dt[t], x[t], B[t], C[t], w.A, ssm_state)
+        else:
+            y = torch.empty_like(x)  # [S, d_inner]
+            block = max(1, _SCAN_BLOCK_ELEMENTS // (self.d_inner * self.d_state))
+            for start in range(0, x.shape[0], block):
+                t = slice(start, start + block)
+                y[t] = scan_block(dt[t], x[t], B[t], C[t], w.A, ssm_state)
         return torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
 
     def _scan_kernel(self, x, z, dt, B, C, w: _MixerWeights, ssm_state: torch.Tensor) -> torch.Tensor:
