@@ -1,6 +1,7 @@
 """The target's planned GEMM paths on this CPU: per row count, ms per sweep over all of its Linear weights for
-every path (what the plan is chosen from), then plain greedy decoding and a chain draft's verify with and without
-the plan, interleaved in one run.
+every path (what the plan is chosen from; `native (f32 panels)` is the native path without the exact half-precision
+panels, for comparison), then plain greedy decoding and a chain draft's verify with and without the plan,
+interleaved in one run.
 
 Run from the repository root: python -m benchmarks.cpu_gemm [--target PATH] [--tokens 64] [--rounds 3]
 """
@@ -16,10 +17,11 @@ import torch
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
 from ray_specdec.drafting import tree_for
-from ray_specdec.models import cpu_gemm
+from ray_specdec.models import cpu_gemm, native
 from ray_specdec.models.target import TargetModel
 
 TABLE_ROWS = (1, 2, 3, 4, 5, 8, 12, 16, 32, 64)
+NATIVE_F32 = "native (f32 panels)"
 
 
 def decode_ms(target: TargetModel, prompt: torch.Tensor, tokens: int, chain: int) -> float:
@@ -48,13 +50,19 @@ def main() -> None:
     target = TargetModel.from_pretrained(args.target, planned_gemm=False)
     layers = cpu_gemm.linear_layers(target.model)
     weights = [(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in layers]
-    timings = cpu_gemm.measure(weights)
+    paths = {name: cpu_gemm.PATHS[name] for name in cpu_gemm.available_paths()}
+    if cpu_gemm.NATIVE in paths:
+        f32_panels = {id(w): native.pack_panels(w) for w, _ in weights}
+        paths[NATIVE_F32] = lambda x, w, b: native.linear(x, f32_panels[id(w)], b, w.shape[0])
+        formats = sorted({str(native.exact_panel_dtype(w)).removeprefix("torch.") for w, _ in weights})
+        print(f"native panels: {', '.join(formats)}")
+    timings = cpu_gemm.measure(weights, paths=paths)
     paths = list(dict.fromkeys(name for name, _ in timings))
     mb = sum(w.numel() * w.element_size() for w, _ in weights) / 1e6
     print(f"ms per sweep over the target's {len(weights)} Linear weights ({mb:.0f} MB), best of 4:")
     print("| rows | " + " | ".join(paths) + " | chosen |")
     print("| --- |" + " --- |" * (len(paths) + 1))
-    plan = cpu_gemm.choose(timings)
+    plan = cpu_gemm.choose({key: t for key, t in timings.items() if key[0] != NATIVE_F32})
     for m in TABLE_ROWS:
         cells = " | ".join(f"{1e3 * timings[(p_, m)]:.2f}" for p_ in paths)
         print(f"| {m} | {cells} | {plan.path_for(m)} |")

@@ -58,7 +58,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def _native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The register-blocked C GEMM of models/native over a packed copy of the weight (float32, no autograd).
 
-    The copy lives on the weight itself and is packed again whenever the weight has changed in place since."""
+    The copy lives on the weight itself and is packed again whenever the weight has changed in place since; it is
+    half precision where that holds every value of the weight exactly (`native.exact_panel_dtype`)."""
     from ray_specdec.models import native
 
     if (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or not (
@@ -67,7 +68,8 @@ def _native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         return F.linear(x, weight, bias)
     packed = getattr(weight, "_ray_specdec_panels", None)
     if packed is None or packed[0] != weight._version:
-        packed = (weight._version, native.pack_panels(weight.detach()))
+        w = weight.detach()
+        packed = (weight._version, native.pack_panels(w, native.exact_panel_dtype(w)))
         weight._ray_specdec_panels = packed
     return native.linear(x, packed[1], None if bias is None else bias.detach(), weight.shape[0])
 
@@ -227,11 +229,18 @@ def _cpu_name() -> str:
 
 
 def _plan_key(weights, rows: Sequence[int], paths: Mapping[str, Product], tag: str) -> str:
-    """What a plan depends on: the CPU, torch and its thread count, the shapes, the row counts and the paths."""
+    """What a plan depends on: the CPU, torch and its thread count, the shapes (and, for the native path, the panel
+    format each weight packs into), the row counts and the paths."""
+    formats = []
+    if NATIVE in paths:
+        from ray_specdec.models import native  # imports this module
+
+        formats = [str(native.exact_panel_dtype(w)) for w, _ in weights]
     described = {
         "cpu": _cpu_name(), "machine": platform.machine(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "tag": tag, "rows": list(rows), "paths": sorted(paths),
         "weights": [[*w.shape, str(w.dtype), b is not None] for w, b in weights],
+        "panels": formats,
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:20]
 

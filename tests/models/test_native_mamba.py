@@ -142,14 +142,17 @@ def test_native_is_what_runs(pair, monkeypatch):
 
 
 def test_pack_panels_layout():
-    """Blocks of 64 outputs, then 16, then the rest; each block [n_in, width] row-major, one after the other."""
-    weight = torch.arange(93 * 7, dtype=torch.float32).reshape(93, 7)  # [n_out, n_in]
+    """Blocks of 64 outputs, then 16, then the rest padded with zeros to 16; each block [n_in, width] row-major, one
+    after the other."""
+    weight = torch.arange(1, 93 * 7 + 1, dtype=torch.float32).reshape(93, 7)  # [n_out, n_in]
     packed = native.pack_panels(weight)
-    assert packed.shape == (93 * 7,)
+    assert packed.shape == (96 * 7,)
     offset = 0
-    for start, width in [(0, 64), (64, 16), (80, 13)]:
+    for start, width in [(0, 64), (64, 16), (80, 16)]:
         block = packed[offset : offset + 7 * width].reshape(7, width)
-        assert torch.equal(block, weight[start : start + width].t())
+        real = min(width, 93 - start)
+        assert torch.equal(block[:, :real], weight[start : start + real].t())
+        assert not block[:, real:].any()
         offset += 7 * width
 
 

@@ -26,8 +26,8 @@ import torch
 from ray_specdec.models import cpu_gemm
 
 # Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("mamba_cpu.c", "attention_cpu.c"))
-HEADERS = (Path(__file__).with_name("attention_rows.h"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h", "attention_rows.h"))
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 # linear_panels splits a product's output blocks over torch's intra-op thread count; built without it if the
@@ -125,8 +125,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mamba_forward.restype = i
     lib.mamba_scan.argtypes = [i, i, i, p, p, p, p, p, p, p]
     lib.mamba_scan.restype = None
-    lib.linear_panels.argtypes = [i, i, i, p, p, p, p]
+    lib.linear_panels.argtypes = [i, i, i, i, p, p, p, p]
     lib.linear_panels.restype = None
+    lib.half_panels_fast.argtypes = []
+    lib.half_panels_fast.restype = i
     lib.set_threads.argtypes = [i, i]
     lib.set_threads.restype = None
     i64, f = ctypes.c_int64, ctypes.c_float
@@ -134,14 +136,44 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tree_attention.restype = i
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [n_out, n_in] -> the panels gemm_rows of mamba_cpu.c reads: the columns of weight^T cut into blocks of
-    64 outputs, then of 16, then the rest, each block [n_in, width] contiguous, one after the other (flat)."""
+# Element formats of panels (PANEL_* of gemm_cpu.h).
+PANEL_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def pack_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight [n_out, n_in] -> the panels gemm_cpu.c reads: the columns of weight^T cut into blocks of 64 outputs,
+    then of 16, then the rest padded with zero columns to 16, each block [n_in, 64 or 16] contiguous, one after the
+    other (flat), in `dtype` (float32, or a half format that holds every value of the weight exactly: see
+    `exact_panel_dtype`)."""
     n_out = weight.shape[0]
     wide, narrow = n_out // 64 * 64, n_out // 16 * 16
     bounds = [*range(0, wide, 64), *range(wide, narrow, 16), narrow, n_out]
     blocks = [weight[a:b].t().contiguous().reshape(-1) for a, b in zip(bounds, bounds[1:]) if b > a]
-    return torch.cat(blocks)
+    if narrow < n_out:
+        tail = weight.new_zeros(16, weight.shape[1])
+        tail[: n_out - narrow] = weight[narrow:]
+        blocks[-1] = tail.t().contiguous().reshape(-1)
+    panels = torch.cat(blocks)
+    if dtype != torch.float32:
+        if dtype not in PANEL_FORMATS:
+            raise ValueError(f"panels are float32, float16 or bfloat16, not {dtype}")
+        narrowed = panels.to(dtype)
+        if not torch.equal(narrowed.to(panels.dtype), panels):
+            raise ValueError(f"the weight has values that {dtype} does not hold exactly")
+        panels = narrowed
+    return panels
+
+
+def exact_panel_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The narrowest panel format that holds every value of a float32 weight exactly: float16 or bfloat16 for a
+    weight loaded from a half-precision checkpoint (the products are then the float32 panels' bit for bit, from half
+    the bytes), float32 otherwise, or where this build widens half values slowly."""
+    lib = load()
+    if lib is not None and lib.half_panels_fast() and weight.dtype == torch.float32:
+        for dtype in (torch.float16, torch.bfloat16):
+            if torch.equal(weight.to(dtype).to(torch.float32), weight):
+                return dtype
+    return torch.float32
 
 
 _threads_set: dict[int, int] = {}  # loaded library handle -> the thread count it was last given
@@ -156,7 +188,8 @@ def _match_torch_threads(lib: ctypes.CDLL) -> None:
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> torch.Tensor:
-    """x [rows, n_in] @ W^T (+ bias) -> [rows, n_out] for W [n_out, n_in] packed by `pack_panels` (float32, CPU)."""
+    """x [rows, n_in] @ W^T (+ bias) -> [rows, n_out] for W [n_out, n_in] packed by `pack_panels` (x and bias
+    float32, on CPU; panels in any of PANEL_FORMATS)."""
     rows, n_in = x.shape
     x = x.contiguous()
     out = torch.empty(rows, n_out, dtype=torch.float32)
@@ -165,8 +198,8 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n_o
         if lib is None:
             raise RuntimeError(f"native kernels unavailable: {why_unavailable()}")
         _match_torch_threads(lib)
-        lib.linear_panels(rows, n_out, n_in, panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                          x.data_ptr(), out.data_ptr())  # fmt: skip
+        lib.linear_panels(PANEL_FORMATS[panels.dtype], rows, n_out, n_in, panels.data_ptr(),
+                          None if bias is None else bias.data_ptr(), x.data_ptr(), out.data_ptr())  # fmt: skip
     return out
 
 

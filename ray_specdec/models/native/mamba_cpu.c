@@ -1,17 +1,15 @@
 /* Native CPU kernels (float32): the Mamba drafter's forward over a few state rows and tokens (a drafting step, a
- * catch-up on accepted tokens), the prefill's selective scan, and the few-row GEMM behind cpu_gemm's "native" path.
+ * catch-up on accepted tokens) and the prefill's selective scan; its products are gemm_cpu.c's.
  *
  * Why: a drafter step in torch is ~100 small ops (4 layers x ~20, then the head), each a few microseconds of
  * dispatch for a few thousand multiply-adds, so on CPU the step is bound by overhead, not arithmetic or memory. Here
  * the step is one call; the prefill's scan (sequential over tokens) runs one 16-wide vector per channel and token
- * instead of one torch op per token; and a product of 1-64 rows with a weight keeps its accumulators in registers
- * while a packed copy of the weight streams past, where MKL's few-row paths are far from the memory bound.
+ * instead of one torch op per token.
  *
  * The math is the torch path's (ray_specdec/models/mamba_drafter.py), operation for operation; sums are reassociated
  * (-ffast-math), so results agree to float32 rounding, not bit for bit. For the drafter that is enough: its drafts
- * only change acceptance; the target verifies every token. For the target it is one more float32 summation order,
- * as between any two GEMM kernels. Products and the scan split their work over up to `max_threads` OpenMP threads
- * (torch's intra-op count, set from Python) when built with -fopenmp. Built at first use by native/__init__.py.
+ * only change acceptance; the target verifies every token. Products and the scan split their work over up to
+ * torch's intra-op thread count (set from Python) when built with -fopenmp. Built at first use by native/__init__.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -19,6 +17,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#include "gemm_cpu.h"
 
 typedef struct {
     const float *norm;          /* [d_model] */
@@ -43,95 +43,6 @@ typedef struct {
     const float *lm_head; /* [vocab, d_model] as panels */
     const layer_t *layers;
 } model_t;
-
-/* 16 floats in one vector register (GCC / Clang vector extension), loadable from any float address. */
-typedef float vf16 __attribute__((vector_size(64), aligned(4)));
-#define LANES 16
-
-/* One register block of gemm_rows: NR rows x NV vectors of outputs, accumulated over all n_in inputs in registers.
- * Called with constant NR and NV, so that the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void gemm_block(
-    const int NR, const int NV, int n_in, int n_out, const float *restrict P, const float *restrict bias,
-    const float *restrict x, int x_stride, float *restrict y, int y_stride) {
-    (void)n_out;
-    vf16 acc[4][4];
-    for (int r = 0; r < NR; r++)
-        for (int v = 0; v < NV; v++) {
-            vf16 b = {0};
-            if (bias) b = *(const vf16 *)(bias + v * LANES);
-            acc[r][v] = b;
-        }
-    for (int i = 0; i < n_in; i++) {
-        const float *w = P + (int64_t)i * NV * LANES;
-        vf16 wv[4];
-        for (int v = 0; v < NV; v++) wv[v] = *(const vf16 *)(w + v * LANES);
-        for (int r = 0; r < NR; r++) {
-            const float xi = x[(int64_t)r * x_stride + i];
-            for (int v = 0; v < NV; v++) acc[r][v] += xi * wv[v];
-        }
-    }
-    for (int r = 0; r < NR; r++)
-        for (int v = 0; v < NV; v++) *(vf16 *)(y + (int64_t)r * y_stride + v * LANES) = acc[r][v];
-}
-
-#define GEMM_BLOCK(NR, NV) gemm_block(NR, NV, n_in, n_out, P + (int64_t)o * n_in, bias ? bias + o : NULL, xr, x_stride, yr + o, \
-                                      y_stride)
-#define FOR_ROWS(NV)                                          \
-    switch (nr) {                                             \
-        case 1: GEMM_BLOCK(1, NV); break;                     \
-        case 2: GEMM_BLOCK(2, NV); break;                     \
-        case 3: GEMM_BLOCK(3, NV); break;                     \
-        default: GEMM_BLOCK(4, NV); break;                    \
-    }
-
-/* y[r] = x[r] @ W^T (+ bias) for rows r, W [n_out, in] given as panels P (see pack_panels in native/__init__.py):
- * the columns of W^T ([n_in, n_out]) cut into blocks of 64 outputs, then of 16, then the rest, each block stored
- * [n_in, width] contiguously, one after the other; so block o starts at P + o * n_in and is read front to back. Up
- * to 4 rows by 64 outputs accumulate in registers while a panel streams past. (A dot product per output over the
- * weight's own layout chains every multiply-add of a row into one accumulator and was latency-bound: ~4x slower.) */
-static void gemm_rows_mt(int rows, int n_out, int n_in, const float *restrict P, const float *restrict bias,
-                         const float *restrict x, int x_stride, float *restrict y, int y_stride, int threads) {
-    const int n64 = n_out / 64, n16 = (n_out - 64 * n64) / 16, tail = n_out - 64 * n64 - 16 * n16;
-    const int blocks = n64 + n16 + (tail > 0);
-    (void)threads;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && blocks > 1)
-    for (int b = 0; b < blocks; b++) {
-        const int o = b < n64 ? 64 * b : 64 * n64 + 16 * (b - n64);
-        for (int r0 = 0; r0 < rows; r0 += 4) {
-            const int nr = rows - r0 < 4 ? rows - r0 : 4;
-            const float *xr = x + (int64_t)r0 * x_stride;
-            float *yr = y + (int64_t)r0 * y_stride;
-            if (b < n64) {
-                FOR_ROWS(4)
-            } else if (b < n64 + n16) {
-                FOR_ROWS(1)
-            } else {
-                const float *pt = P + (int64_t)o * n_in;
-                for (int j = 0; j < tail; j++)
-                    for (int r = 0; r < nr; r++) {
-                        float acc = bias ? bias[o + j] : 0.0f;
-                        for (int i = 0; i < n_in; i++) acc += xr[(int64_t)r * x_stride + i] * pt[(int64_t)i * tail + j];
-                        yr[(int64_t)r * y_stride + o + j] = acc;
-                    }
-            }
-        }
-    }
-}
-
-/* Threads for a product of this many multiply-adds: more only where waking them pays (set by native/__init__.py). */
-static int parallel_min_macs = 1 << 19;
-static int max_threads = 1;
-
-void set_threads(int threads, int min_macs) {
-    max_threads = threads;
-    parallel_min_macs = min_macs;
-}
-
-static void gemm_rows(int rows, int n_out, int n_in, const float *restrict P, const float *restrict bias,
-                      const float *restrict x, int x_stride, float *restrict y, int y_stride) {
-    const int threads = (int64_t)rows * n_out * n_in >= parallel_min_macs ? max_threads : 1;
-    gemm_rows_mt(rows, n_out, n_in, P, bias, x, x_stride, y, y_stride, threads);
-}
 
 /* HF MambaRMSNorm: x * rsqrt(mean(x^2) + eps) * w, in float32. */
 static void rms_norm(int rows, int d, const float *restrict x, const float *restrict w, float eps,
@@ -220,7 +131,7 @@ int mamba_forward(const model_t *m, int R, int S, const int64_t *tokens, float *
  * Channels are independent: each thread scans its own contiguous range of them over every token. */
 void mamba_scan(int S, int d_inner, int N, const float *restrict dt, const float *restrict x, const float *restrict B,
                 const float *restrict C, const float *restrict A, float *restrict state, float *restrict y) {
-    const int threads = (int64_t)S * d_inner * N >= parallel_min_macs ? max_threads : 1;
+    const int threads = threads_for_macs((int64_t)S * d_inner * N);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int c0 = 0, c1 = d_inner;
@@ -244,10 +155,4 @@ void mamba_scan(int S, int d_inner, int N, const float *restrict dt, const float
             }
         }
     }
-}
-
-/* y [rows, n_out] = x [rows, n_in] @ W^T (+ bias), W given as panels (pack_panels): a Linear layer's product for
- * a few rows (cpu_gemm's "native" path). */
-void linear_panels(int rows, int n_out, int n_in, const float *P, const float *bias, const float *x, float *y) {
-    gemm_rows(rows, n_out, n_in, P, bias, x, n_in, y, n_out);
 }

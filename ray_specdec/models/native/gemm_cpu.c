@@ -1,0 +1,219 @@
+/* Few-row products y = x @ W^T (+ bias) on CPU over a packed copy of W ("panels"): the GEMM behind the Mamba
+ * drafter's native forward and cpu_gemm's "native" path for the target's Linear layers.
+ *
+ * Why: a decode or verify forward multiplies 1 to a few dozen rows by every weight, so it is bound by reading the
+ * weights; MKL's few-row paths are far from that bound on some CPUs. Here up to ROW_BLOCK rows x 64 outputs
+ * accumulate in registers while a panel of the weight streams past.
+ *
+ * Panels come in three element formats, one kernel: float32, and float16 or bfloat16 for a weight whose every
+ * value is exactly representable in that format (checked in Python: a model loaded from a half-precision checkpoint
+ * and run in float32 is such a weight). Each half value widens to the same float32 before the same multiply-add, in
+ * the same order, so the product is the float32 panels' bit for bit, from half the bytes: on the 2-core development
+ * machine that made the default target's few-row products 1.3-1.8x faster (`python -m benchmarks.cpu_gemm`). The
+ * widening is one instruction per 16 values with AVX-512 (or two per 8 with F16C / AVX2); `half_panels_fast()` says
+ * whether this build has it, and Python packs half panels only then.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "gemm_cpu.h"
+
+/* 16 floats in one vector value (GCC / Clang vector extension), loadable from any float address. */
+typedef float vf16 __attribute__((vector_size(64), aligned(4)));
+#define LANES 16
+/* Rows accumulated at once: 6 x 4 vectors of accumulators plus 4 of weights fit AVX-512's 32 registers; AVX2's 16
+ * registers hold half of that, so fewer rows there (the grouping does not change any row's sums). */
+#ifdef __AVX512F__
+#define ROW_BLOCK 6
+#else
+#define ROW_BLOCK 4
+#endif
+
+#if defined(__AVX512F__) || (defined(__F16C__) && defined(__AVX2__))
+#define FAST_HALF 1
+#else
+#define FAST_HALF 0
+#endif
+
+int half_panels_fast(void) { return FAST_HALF; }
+
+/* One half value (PANEL_F16 or PANEL_BF16) widened to float32: exact, subnormals, infinities and NaN included. */
+static inline float widen(const int FMT, uint16_t h) {
+    uint32_t bits;
+    if (FMT == PANEL_BF16) {
+        bits = (uint32_t)h << 16;
+    } else {
+        uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+        if (e == 0x1f) {
+            bits = sign | 0x7f800000u | (m << 13);
+        } else if (e) {
+            bits = sign | ((e + 112) << 23) | (m << 13);
+        } else if (m == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            e = 113;
+            while (!(m & 0x400)) m <<= 1, e--;
+            bits = sign | (e << 23) | ((m & 0x3ff) << 13);
+        }
+    }
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* 16 consecutive panel elements at `p` (element index `i`) widened to float32; FMT is a compile-time constant. */
+static inline __attribute__((always_inline)) vf16 load_panel(const int FMT, const void *p, int64_t i) {
+    if (FMT == PANEL_F32) return *(const vf16 *)((const float *)p + i);
+    const uint16_t *h = (const uint16_t *)p + i;
+#if defined(__AVX512F__)
+    __m256i bits = _mm256_loadu_si256((const __m256i *)h);
+    if (FMT == PANEL_F16) return (vf16)_mm512_cvtph_ps(bits);
+    return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16);
+#elif defined(__F16C__) && defined(__AVX2__)
+    __m128i lo = _mm_loadu_si128((const __m128i *)h), hi = _mm_loadu_si128((const __m128i *)(h + 8));
+    __m256 a, b;
+    if (FMT == PANEL_F16) {
+        a = _mm256_cvtph_ps(lo);
+        b = _mm256_cvtph_ps(hi);
+    } else {
+        a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
+        b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
+    }
+    vf16 out;
+    __builtin_memcpy(&out, &a, 32);
+    __builtin_memcpy((char *)&out + 32, &b, 32);
+    return out;
+#else
+    vf16 out;
+    for (int k = 0; k < LANES; k++) out[k] = widen(FMT, h[k]);
+    return out;
+#endif
+}
+
+/* One register block: NR rows x NV vectors of outputs, accumulated over all n_in inputs in registers. Called with
+ * constant FMT, NR and NV, so that the accumulators stay in registers. P is the block's panel [n_in, NV * LANES]. */
+static inline __attribute__((always_inline)) void gemm_block(
+    const int FMT, const int NR, const int NV, int n_in, const void *restrict P, const float *restrict bias,
+    const float *restrict x, int x_stride, float *restrict y, int y_stride) {
+    vf16 acc[ROW_BLOCK][4];
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < NV; v++) {
+            vf16 b = {0};
+            if (bias) b = *(const vf16 *)(bias + v * LANES);
+            acc[r][v] = b;
+        }
+    for (int i = 0; i < n_in; i++) {
+        vf16 wv[4];
+        for (int v = 0; v < NV; v++) wv[v] = load_panel(FMT, P, (int64_t)i * NV * LANES + v * LANES);
+        for (int r = 0; r < NR; r++) {
+            const float xi = x[(int64_t)r * x_stride + i];
+            for (int v = 0; v < NV; v++) acc[r][v] += xi * wv[v];
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < NV; v++) *(vf16 *)(y + (int64_t)r * y_stride + v * LANES) = acc[r][v];
+}
+
+#define BLOCK(NR, NV) gemm_block(FMT, NR, NV, n_in, panel, b_, xr, x_stride, y_, y_stride_)
+#if ROW_BLOCK == 6
+#define FOR_ROWS(NV)                         \
+    switch (nr) {                            \
+        case 1: BLOCK(1, NV); break;         \
+        case 2: BLOCK(2, NV); break;         \
+        case 3: BLOCK(3, NV); break;         \
+        case 4: BLOCK(4, NV); break;         \
+        case 5: BLOCK(5, NV); break;         \
+        default: BLOCK(6, NV); break;        \
+    }
+#else
+#define FOR_ROWS(NV)                         \
+    switch (nr) {                            \
+        case 1: BLOCK(1, NV); break;         \
+        case 2: BLOCK(2, NV); break;         \
+        case 3: BLOCK(3, NV); break;         \
+        default: BLOCK(4, NV); break;        \
+    }
+#endif
+
+/* y[r] = x[r] @ W^T (+ bias) for rows r, W [n_out, n_in] given as panels P (pack_panels in native/__init__.py):
+ * the columns of W^T ([n_in, n_out]) cut into blocks of 64 outputs, then of 16, then the rest padded with zeros to
+ * 16, each block stored [n_in, 64 or 16] contiguously, one after the other; so block o starts at element o * n_in and
+ * is read front to back. The padded tail goes through the same vector code as every other block (its extra outputs
+ * are dropped): every output is computed the same way in every panel format. (A dot product per output over the
+ * weight's own layout chains every multiply-add of a row into one accumulator and was latency-bound: ~4x slower.)
+ * Output blocks are split over `threads` OpenMP threads. */
+static inline __attribute__((always_inline)) void gemm_panels(
+    const int FMT, int rows, int n_out, int n_in, const void *restrict P, const float *restrict bias,
+    const float *restrict x, int x_stride, float *restrict y, int y_stride, int threads) {
+    const int elem = FMT == PANEL_F32 ? 4 : 2;
+    const int n64 = n_out / 64, n16 = (n_out - 64 * n64) / 16, tail = n_out - 64 * n64 - 16 * n16;
+    const int blocks = n64 + n16 + (tail > 0);
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && blocks > 1)
+    for (int b = 0; b < blocks; b++) {
+        const int o = b < n64 ? 64 * b : 64 * n64 + 16 * (b - n64);
+        const void *panel = (const char *)P + (int64_t)o * n_in * elem;
+        float padded_bias[LANES] = {0}, padded_out[ROW_BLOCK * LANES];
+        if (b == n64 + n16 && bias)
+            for (int j = 0; j < tail; j++) padded_bias[j] = bias[o + j];
+        for (int r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+            const int nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
+            const float *xr = x + (int64_t)r0 * x_stride;
+            float *yr = y + (int64_t)r0 * y_stride;
+            if (b < n64 + n16) {
+                const float *b_ = bias ? bias + o : NULL;
+                float *y_ = yr + o;
+                const int y_stride_ = y_stride;
+                if (b < n64) {
+                    FOR_ROWS(4)
+                } else {
+                    FOR_ROWS(1)
+                }
+            } else {
+                const float *b_ = bias ? padded_bias : NULL;
+                float *y_ = padded_out;
+                const int y_stride_ = LANES;
+                FOR_ROWS(1)
+                for (int r = 0; r < nr; r++)
+                    for (int j = 0; j < tail; j++) yr[(int64_t)r * y_stride + o + j] = padded_out[r * LANES + j];
+            }
+        }
+    }
+}
+
+/* Threads for a product of this many multiply-adds: more only where waking them pays (set by native/__init__.py). */
+static int parallel_min_macs = 1 << 19;
+static int max_threads = 1;
+
+void set_threads(int threads, int min_macs) {
+    max_threads = threads;
+    parallel_min_macs = min_macs;
+}
+
+int threads_for_macs(int64_t macs) { return macs >= parallel_min_macs ? max_threads : 1; }
+
+static int threads_for(int rows, int n_out, int n_in) { return threads_for_macs((int64_t)rows * n_out * n_in); }
+
+void gemm_rows(int rows, int n_out, int n_in, const float *restrict P, const float *restrict bias,
+               const float *restrict x, int x_stride, float *restrict y, int y_stride) {
+    gemm_panels(PANEL_F32, rows, n_out, n_in, P, bias, x, x_stride, y, y_stride, threads_for(rows, n_out, n_in));
+}
+
+/* y [rows, n_out] = x [rows, n_in] @ W^T (+ bias), W as panels of `format` (PANEL_*): a Linear layer's product for
+ * a few rows (cpu_gemm's "native" path). */
+void linear_panels(int format, int rows, int n_out, int n_in, const void *P, const float *bias, const float *x,
+                   float *y) {
+    const int threads = threads_for(rows, n_out, n_in);
+    if (format == PANEL_F16)
+        gemm_panels(PANEL_F16, rows, n_out, n_in, P, bias, x, n_in, y, n_out, threads);
+    else if (format == PANEL_BF16)
+        gemm_panels(PANEL_BF16, rows, n_out, n_in, P, bias, x, n_in, y, n_out, threads);
+    else
+        gemm_panels(PANEL_F32, rows, n_out, n_in, P, bias, x, n_in, y, n_out, threads);
+}

@@ -1,0 +1,107 @@
+"""Half-precision panels of the native GEMM (native/gemm_cpu.c): for a weight that float16 / bfloat16 hold exactly,
+products are the float32 panels' bit for bit, on this build and on a portable one (the scalar widening); a weight
+they do not hold stays float32."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ray_specdec.models import cpu_gemm, native
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.why_unavailable()}")
+HALF = [torch.float16, torch.bfloat16]
+SHAPES = [(150, 70), (93, 37), (16, 5), (7, 3)]  # 64- and 16-wide blocks, ragged tails, a tail-only product
+
+
+def half_exact(n_out, n_in, dtype, seed=0):
+    """A float32 weight whose values `dtype` holds exactly, with a subnormal, a zero, a negative zero and large values."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n_out, n_in, generator=g) * 3).to(dtype)
+    flat = w.view(-1)
+    flat[:4] = torch.tensor([1e-7 if dtype == torch.float16 else 1e-39, 0.0, -0.0, 6e4], dtype=torch.float32).to(dtype)
+    return w.float()
+
+
+def products(lib, rows, weight, bias, panel_dtypes, seed=1):
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed))
+    outs = []
+    for dtype in panel_dtypes:
+        panels = native.pack_panels(weight, dtype)
+        y = torch.full((rows, weight.shape[0]), float("nan"))
+        lib.linear_panels(native.PANEL_FORMATS[dtype], rows, weight.shape[0], weight.shape[1], panels.data_ptr(),
+                          None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr())  # fmt: skip
+        outs.append(y)
+    return x, outs
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("n_out, n_in", SHAPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_half_panels_give_the_float32_panels_product_bit_for_bit(dtype, n_out, n_in, bias):
+    lib = native.load()
+    weight = half_exact(n_out, n_in, dtype)
+    b = torch.randn(n_out) if bias else None
+    for rows in (1, 2, 5, 6, 7, 13, 64):  # row groups of 4 or 6, ragged
+        x, (full, half) = products(lib, rows, weight, b, [torch.float32, dtype])
+        assert torch.equal(full, half), (rows, (full - half).abs().max())
+        want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        torch.testing.assert_close(half.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_exact_panel_dtype_and_packing():
+    fp16, bf16 = half_exact(20, 8, torch.float16), half_exact(20, 8, torch.bfloat16)
+    fast = bool(native.load().half_panels_fast())
+    assert native.exact_panel_dtype(fp16) == (torch.float16 if fast else torch.float32)
+    bf16[0, 0] = 2.0**100  # beyond float16's range: only bfloat16 holds it
+    assert native.exact_panel_dtype(bf16) == (torch.bfloat16 if fast else torch.float32)
+    full = torch.randn(20, 8)  # float32 values neither half format holds
+    assert native.exact_panel_dtype(full) == torch.float32
+    assert native.exact_panel_dtype(full.double()) == torch.float32
+    with pytest.raises(ValueError, match="does not hold exactly"):
+        native.pack_panels(full, torch.float16)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        native.pack_panels(fp16, torch.int16)
+    assert native.pack_panels(fp16, torch.float16).dtype == torch.float16
+
+
+@pytest.mark.skipif(not native.load().half_panels_fast(), reason="this build widens half values slowly")
+def test_the_native_path_packs_exact_weights_in_half_and_computes_the_same():
+    weight, bias = half_exact(93, 37, torch.float16), torch.randn(93)
+    x = torch.randn(5, 37)
+    out = cpu_gemm.PATHS[cpu_gemm.NATIVE](x, weight, bias)
+    assert weight._ray_specdec_panels[1].dtype == torch.float16
+    assert torch.equal(out, native.linear(x, native.pack_panels(weight), bias, 93))
+    with torch.no_grad():
+        weight[0, 0] = 0.1  # not a float16 value: packed again, in float32
+    cpu_gemm.PATHS[cpu_gemm.NATIVE](x, weight, bias)
+    assert weight._ray_specdec_panels[1].dtype == torch.float32
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("gcc") is None,
+                    reason="builds the portable variant with gcc for x86-64")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])  # scalar widening; F16C / AVX2
+def test_portable_builds_compute_the_same(march, tmp_path):
+    """The widening without AVX-512 (F16C and AVX2, or scalar code on a plain x86-64) gives the same products."""
+    library = tmp_path / f"gemm-{march}.so"
+    source = native.SOURCES[0]
+    assert source.name == "gemm_cpu.c"
+    subprocess.run(["gcc", "-O3", f"-march={march}", "-ffast-math", "-fPIC", "-shared", "-o", str(library),
+                    str(source)], check=True, capture_output=True, timeout=120)  # fmt: skip
+    lib = ctypes.CDLL(str(library))
+    lib.linear_panels.argtypes = native.load().linear_panels.argtypes
+    assert lib.half_panels_fast() == (march != "x86-64")
+    for dtype in HALF:
+        for n_out, n_in in SHAPES:
+            weight = half_exact(n_out, n_in, dtype, seed=n_out)
+            for rows in (1, 4, 9):
+                _, (full, half) = products(lib, rows, weight, None, [torch.float32, dtype])
+                assert torch.equal(full, half)
+                _, (reference,) = products(native.load(), rows, weight, None, [torch.float32])
+                torch.testing.assert_close(full, reference, rtol=1e-5, atol=1e-4)
