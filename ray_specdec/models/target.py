@@ -14,6 +14,7 @@ written in place into preallocated buffers, so a round costs O(new rows), not a 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,7 +22,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ray_specdec.models import cpu_attention, cpu_gemm, native
+from ray_specdec.models import cpu_attention, cpu_gemm, lean_forward, native
 from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path
 from ray_specdec.tree import TreeTensors
@@ -68,6 +69,7 @@ class TargetModel:
         device: str = "cpu",
         planned_gemm: bool | None = None,
         native_attention: bool | None = None,
+        lean: bool | None = None,
     ) -> "TargetModel":
         """Load from a hub id or a local directory; float32 on CPU unless `dtype` says otherwise."""
         path = resolve_model_path(name_or_path)
@@ -75,7 +77,7 @@ class TargetModel:
             path, dtype=resolve_dtype(dtype, device), attn_implementation=ATTN_IMPLEMENTATION
         )
         return cls(model.to(device).eval(), load_tokenizer(path), planned_gemm=planned_gemm,
-                   native_attention=native_attention)
+                   native_attention=native_attention, lean=lean)
 
     def __init__(
         self,
@@ -84,13 +86,18 @@ class TargetModel:
         *,
         planned_gemm: bool | None = None,
         native_attention: bool | None = None,
+        lean: bool | None = None,
     ):
         """planned_gemm: the Linear layers take the fastest measured GEMM path per row count (models/cpu_gemm.py).
         None: on for a float32 model on CPU (not for a DeepSpeed engine's shard), unless the environment sets
         RAY_SPECDEC_PLANNED_GEMM=0; True insists (an error where unsupported); False leaves the model as loaded.
         native_attention: verify rows attend through the C kernel (models/cpu_attention.py). None: on for a float32
         sdpa model on CPU (not a shard) where the native kernels build (RAY_SPECDEC_NATIVE=0 turns them off);
-        True insists; False leaves the model's attention as loaded. `native_attention_why` says why it is off."""
+        True insists; False leaves the model's attention as loaded. `native_attention_why` says why it is off.
+        lean: verify forwards run as models/lean_forward.py's loop over the model's modules (the same logits, bit
+        for bit, without HF's per-call machinery). None: on where it supports the model (GPTNeoX and Llama on CPU,
+        not a shard) unless RAY_SPECDEC_LEAN=0; True insists; False keeps HF's forward. `lean_why` says why it is
+        off."""
         sharded = not isinstance(model, PreTrainedModel)
         # A DeepSpeed InferenceEngine keeps the (AutoTP-sharded) HF model as `.module`; call that one directly.
         self.model = model.module if sharded else model
@@ -120,6 +127,15 @@ class TargetModel:
             self.native_attention_why = "native_attention=False"
         if self.native_attention_why is None:
             cpu_attention.install(self.model)
+        self.lean_why: str | None = (
+            "the model is a DeepSpeed shard" if sharded
+            else "RAY_SPECDEC_LEAN=0" if lean is None and not _enabled("RAY_SPECDEC_LEAN")
+            else "lean=False" if lean is False
+            else lean_forward.why_unsupported(self.model)
+        )  # fmt: skip
+        if lean and self.lean_why is not None:
+            raise RuntimeError(f"lean=True but {self.lean_why}")
+        self._lean = lean_forward.LeanForward(self.model) if self.lean_why is None else None
 
     @property
     def native_attention(self) -> bool:
@@ -157,16 +173,17 @@ class TargetModel:
         cache_len = cache.length
         self._check_length(cache_len + tree.depth + 1, f"verify of a depth-{tree.depth} tree")
         root = torch.tensor([root_token], dtype=torch.long, device=self.device)
-        with self._sdpa_backends():
-            out = self.model(
-                input_ids=torch.cat([root, tree_tokens])[None],
-                attention_mask=tree_attention_mask(cache_len, tree, self.dtype, self.device, self._window),
-                position_ids=tree.position_ids(cache_len).to(self.device)[None],
-                past_key_values=cache.kv,
-                use_cache=True,
-            )
+        input_ids = torch.cat([root, tree_tokens])[None]
+        mask = tree_attention_mask(cache_len, tree, self.dtype, self.device, self._window)
+        position_ids = tree.position_ids(cache_len).to(self.device)[None]
+        if self._lean is not None and self._lean.available:
+            logits = self._lean.forward(input_ids, position_ids, mask, cache.kv)
+        else:
+            with self._sdpa_backends():
+                logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                                    past_key_values=cache.kv, use_cache=True).logits
         cache.pending_rows = 1 + tree.num_nodes
-        return out.logits[0].to(self._logits_dtype)
+        return logits[0].to(self._logits_dtype)
 
     @torch.inference_mode()
     def commit(self, cache: TargetCache, keep_rows: Sequence[int]) -> None:
@@ -212,6 +229,11 @@ def tree_attention_mask(
         visible &= (q_pos[:, None] - k_pos[None, :]) < window
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
     return mask.to(device)[None, None]
+
+
+def _enabled(variable: str) -> bool:
+    """An on/off environment switch, on unless set to 0 / off / false / no."""
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def _native_attention_why(model: PreTrainedModel, sharded: bool) -> str | None:
