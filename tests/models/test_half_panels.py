@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ray_specdec.models import cpu_gemm, native
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from tests.models.test_native_mamba import CONFIGS, VOCAB, mamba
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.why_unavailable()}")
 HALF = [torch.float16, torch.bfloat16]
@@ -105,3 +107,28 @@ def test_portable_builds_compute_the_same(march, tmp_path):
                 assert torch.equal(full, half)
                 _, (reference,) = products(native.load(), rows, weight, None, [torch.float32])
                 torch.testing.assert_close(full, reference, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not native.load().half_panels_fast(), reason="this build widens half values slowly")
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_the_native_drafter_on_half_panels_is_its_float32_panels_step_bit_for_bit(config, monkeypatch):
+    """A drafter whose weights float16 holds (as a half-precision checkpoint's): steps and catch-ups on half panels
+    give the logits and states of the same kernels on float32 panels, bit for bit."""
+    model = mamba(config).half().float()
+    half = MambaDrafter(model, native=True)
+    assert half.native.panel_formats == ["float16"]
+    monkeypatch.setattr(native, "exact_panel_dtype", lambda weight: torch.float32)
+    full = MambaDrafter(model, native=True)
+    assert full.native.panel_formats == ["float32"]
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(0))
+    (states, logits) = zip(*(d.prefill(prompt) for d in (half, full)))
+    assert torch.equal(logits[0], logits[1])
+    for tokens in ([[5, 9, 2, 4]], [[3]], [[7]]):  # a catch-up of 4 tokens, then steps of one row
+        out = [d.native.forward(s.conv, s.ssm, torch.tensor(tokens)) for d, s in zip((half, full), states)]
+        assert torch.equal(out[0], out[1])
+    rows = [(s.conv.repeat(1, 3, 1, 1), s.ssm.repeat(1, 3, 1, 1)) for s in states]  # a step of three tree rows
+    out = [d.native.forward(conv, ssm, torch.tensor([[3], [7], [11]])) for d, (conv, ssm) in zip((half, full), rows)]
+    assert torch.equal(out[0], out[1])
+    for (conv_a, ssm_a), (conv_b, ssm_b) in [(rows[0], rows[1]), ((states[0].conv, states[0].ssm),
+                                                                 (states[1].conv, states[1].ssm))]:
+        assert torch.equal(conv_a, conv_b) and torch.equal(ssm_a, ssm_b)

@@ -98,11 +98,13 @@ def _build(compiler: str, flags: tuple[str, ...]) -> Path:
 
 
 class Layer(ctypes.Structure):
-    """layer_t of mamba_cpu.c: one layer's weight pointers, in its field order."""
+    """layer_t of mamba_cpu.c: one layer's weight pointers and its matrices' panel formats, in its field order."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (
+    _fields_ = [*[(name, ctypes.c_void_p) for name in (
         "norm", "in_proj", "in_proj_bias", "conv", "conv_bias", "x_proj", "dt_proj", "dt_bias", "A", "D",
-        "out_proj", "out_proj_bias")]  # fmt: skip
+        "out_proj", "out_proj_bias")],
+        *[(name, ctypes.c_int32) for name in (
+            "in_proj_format", "x_proj_format", "dt_proj_format", "out_proj_format")]]  # fmt: skip
 
 
 class Model(ctypes.Structure):
@@ -116,6 +118,7 @@ class Model(ctypes.Structure):
         ("norm_f", ctypes.c_void_p),
         ("lm_head", ctypes.c_void_p),
         ("layers", ctypes.POINTER(Layer)),
+        ("lm_head_format", ctypes.c_int32),
     ]  # fmt: skip
 
 
@@ -211,6 +214,8 @@ class NativeMamba:
         d = drafter
         self._keep = []  # every tensor whose pointer the C side holds
 
+        formats: set[torch.dtype] = set()
+
         def ptr(t: torch.Tensor | None) -> int | None:
             if t is None:
                 return None
@@ -220,15 +225,29 @@ class NativeMamba:
             self._keep.append(t)
             return t.data_ptr()
 
-        self._layers = (Layer * d.n_layers)(*[
-            Layer(ptr(w.norm), ptr(pack_panels(w.in_proj)), ptr(w.in_proj_bias), ptr(w.conv), ptr(w.conv_bias),
-                  ptr(pack_panels(w.x_proj)), ptr(pack_panels(w.dt_proj)), ptr(w.dt_bias), ptr(w.A), ptr(w.D),
-                  ptr(pack_panels(w.out_proj)), ptr(w.out_proj_bias))
-            for w in d._layers])  # fmt: skip
+        def panels(weight: torch.Tensor) -> tuple[int, int]:
+            """(pointer, format) of the weight's panels: half precision where it holds the weight exactly (the
+            products are the float32 panels' bit for bit)."""
+            ptr(weight)  # checks dtype and device
+            packed = pack_panels(weight, exact_panel_dtype(weight))
+            self._keep.append(packed)
+            formats.add(packed.dtype)
+            return packed.data_ptr(), PANEL_FORMATS[packed.dtype]
+
+        layers = []
+        for w in d._layers:
+            (in_p, in_f), (x_p, x_f), (dt_p, dt_f), (out_p, out_f) = map(
+                panels, (w.in_proj, w.x_proj, w.dt_proj, w.out_proj))
+            layers.append(Layer(ptr(w.norm), in_p, ptr(w.in_proj_bias), ptr(w.conv), ptr(w.conv_bias), x_p, dt_p,
+                                ptr(w.dt_bias), ptr(w.A), ptr(w.D), out_p, ptr(w.out_proj_bias),
+                                in_f, x_f, dt_f, out_f))  # fmt: skip
+        self._layers = (Layer * d.n_layers)(*layers)
+        head, head_format = panels(d._lm_head)
         self._model = Model(
             d.n_layers, d.model.config.hidden_size, d.d_inner, d.d_conv, d.d_state, d.dt_rank, d.vocab_size,
-            d.eps, ptr(d._embed), ptr(d._norm_f), ptr(pack_panels(d._lm_head)), self._layers,
+            d.eps, ptr(d._embed), ptr(d._norm_f), head, self._layers, head_format,
         )
+        self.panel_formats = sorted(str(dtype).removeprefix("torch.") for dtype in formats)  # for reports
         self.vocab_size = d.vocab_size
 
     def forward(self, conv: torch.Tensor, ssm: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

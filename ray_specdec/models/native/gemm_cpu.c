@@ -200,20 +200,20 @@ int threads_for_macs(int64_t macs) { return macs >= parallel_min_macs ? max_thre
 
 static int threads_for(int rows, int n_out, int n_in) { return threads_for_macs((int64_t)rows * n_out * n_in); }
 
-void gemm_rows(int rows, int n_out, int n_in, const float *restrict P, const float *restrict bias,
+void gemm_rows(int format, int rows, int n_out, int n_in, const void *restrict P, const float *restrict bias,
                const float *restrict x, int x_stride, float *restrict y, int y_stride) {
-    gemm_panels(PANEL_F32, rows, n_out, n_in, P, bias, x, x_stride, y, y_stride, threads_for(rows, n_out, n_in));
+    const int threads = threads_for(rows, n_out, n_in);
+    if (format == PANEL_F16)
+        gemm_panels(PANEL_F16, rows, n_out, n_in, P, bias, x, x_stride, y, y_stride, threads);
+    else if (format == PANEL_BF16)
+        gemm_panels(PANEL_BF16, rows, n_out, n_in, P, bias, x, x_stride, y, y_stride, threads);
+    else
+        gemm_panels(PANEL_F32, rows, n_out, n_in, P, bias, x, x_stride, y, y_stride, threads);
 }
 
 /* y [rows, n_out] = x [rows, n_in] @ W^T (+ bias), W as panels of `format` (PANEL_*): a Linear layer's product for
  * a few rows (cpu_gemm's "native" path). */
 void linear_panels(int format, int rows, int n_out, int n_in, const void *P, const float *bias, const float *x,
                    float *y) {
-    const int threads = threads_for(rows, n_out, n_in);
-    if (format == PANEL_F16)
-        gemm_panels(PANEL_F16, rows, n_out, n_in, P, bias, x, n_in, y, n_out, threads);
-    else if (format == PANEL_BF16)
-        gemm_panels(PANEL_BF16, rows, n_out, n_in, P, bias, x, n_in, y, n_out, threads);
-    else
-        gemm_panels(PANEL_F32, rows, n_out, n_in, P, bias, x, n_in, y, n_out, threads);
+    gemm_rows(format, rows, n_out, n_in, P, bias, x, n_in, y, n_out);
 }

@@ -22,17 +22,18 @@
 
 typedef struct {
     const float *norm;          /* [d_model] */
-    const float *in_proj;       /* [2 d_inner, d_model]: every matrix as panels (see gemm_rows) */
+    const void *in_proj;        /* [2 d_inner, d_model]: every matrix as panels (see gemm_rows), format below */
     const float *in_proj_bias;  /* [2 d_inner] or NULL */
     const float *conv;          /* [d_inner, d_conv] */
     const float *conv_bias;     /* [d_inner] or NULL */
-    const float *x_proj;        /* [dt_rank + 2 d_state, d_inner] */
-    const float *dt_proj;       /* [d_inner, dt_rank] */
+    const void *x_proj;         /* [dt_rank + 2 d_state, d_inner] */
+    const void *dt_proj;        /* [d_inner, dt_rank] */
     const float *dt_bias;       /* [d_inner] */
     const float *A;             /* [d_inner, d_state]: -exp(A_log) */
     const float *D;             /* [d_inner] */
-    const float *out_proj;      /* [d_model, d_inner] */
+    const void *out_proj;       /* [d_model, d_inner] */
     const float *out_proj_bias; /* [d_model] or NULL */
+    int32_t in_proj_format, x_proj_format, dt_proj_format, out_proj_format; /* PANEL_* of gemm_cpu.h */
 } layer_t;
 
 typedef struct {
@@ -40,8 +41,9 @@ typedef struct {
     float eps;
     const float *embed;   /* [vocab, d_model] */
     const float *norm_f;  /* [d_model] */
-    const float *lm_head; /* [vocab, d_model] as panels */
+    const void *lm_head;  /* [vocab, d_model] as panels */
     const layer_t *layers;
+    int32_t lm_head_format;
 } model_t;
 
 /* HF MambaRMSNorm: x * rsqrt(mean(x^2) + eps) * w, in float32. */
@@ -81,7 +83,7 @@ int mamba_forward(const model_t *m, int R, int S, const int64_t *tokens, float *
     for (int l = 0; l < m->n_layers; l++) {
         const layer_t *w = &m->layers[l];
         rms_norm(rows, dm, residual, w->norm, m->eps, h);
-        gemm_rows(rows, 2 * di, dm, w->in_proj, w->in_proj_bias, h, dm, xz, 2 * di);
+        gemm_rows(w->in_proj_format, rows, 2 * di, dm, w->in_proj, w->in_proj_bias, h, dm, xz, 2 * di);
         /* depthwise causal conv over the window (the state's last d_conv - 1 inputs, then x), then SiLU; x in place */
         for (int r = 0; r < R; r++) {
             float *cs = conv_state + ((size_t)(l * R + r) * di) * dc;
@@ -96,8 +98,8 @@ int mamba_forward(const model_t *m, int R, int S, const int64_t *tokens, float *
                     x[c] = silu(acc);
                 }
         }
-        gemm_rows(rows, nx, di, w->x_proj, NULL, xz, 2 * di, xdbl, nx);
-        gemm_rows(rows, di, dr, w->dt_proj, w->dt_bias, xdbl, nx, dt, di);
+        gemm_rows(w->x_proj_format, rows, nx, di, w->x_proj, NULL, xz, 2 * di, xdbl, nx);
+        gemm_rows(w->dt_proj_format, rows, di, dr, w->dt_proj, w->dt_bias, xdbl, nx, dt, di);
         for (int r = 0; r < R; r++) {
             float *state = ssm_state + ((size_t)(l * R + r) * di) * N;
             for (int t = r * S; t < (r + 1) * S; t++) {
@@ -115,12 +117,12 @@ int mamba_forward(const model_t *m, int R, int S, const int64_t *tokens, float *
                 }
             }
         }
-        gemm_rows(rows, dm, di, w->out_proj, w->out_proj_bias, y, di, h, dm);
+        gemm_rows(w->out_proj_format, rows, dm, di, w->out_proj, w->out_proj_bias, y, di, h, dm);
         for (size_t i = 0; i < (size_t)rows * dm; i++) residual[i] += h[i];
     }
     for (int r = 0; r < R; r++)  /* the head at each row's last token */
         rms_norm(1, dm, residual + ((size_t)r * S + S - 1) * dm, m->norm_f, m->eps, h + (size_t)r * dm);
-    gemm_rows(R, m->vocab, dm, m->lm_head, NULL, h, dm, logits, m->vocab);
+    gemm_rows(m->lm_head_format, R, m->vocab, dm, m->lm_head, NULL, h, dm, logits, m->vocab);
     free(buf);
     return 0;
 }
