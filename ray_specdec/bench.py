@@ -279,6 +279,17 @@ def parse_args(argv):
     return args
 
 
+def gemm_panel_formats(target) -> list[str] | None:
+    """The element formats of the native GEMM's packed weights for the target's Linear layers (None: no plan takes
+    the native path)."""
+    from ray_specdec.models import cpu_gemm, native
+
+    if target.gemm_plan is None or cpu_gemm.NATIVE not in target.gemm_plan.paths:
+        return None
+    return sorted({str(native.exact_panel_dtype(m.weight.detach())).removeprefix("torch.")
+                   for m in cpu_gemm.linear_layers(target.model)})
+
+
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
@@ -402,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
                      "target_native_attention": target.native_attention,
                      "target_native_attention_why": target.native_attention_why,
                      "target_native_attention_rows": [cpu_attention.MIN_ROWS, cpu_attention.MAX_ROWS],
+                     "target_lean_forward": target.lean_why is None, "target_lean_forward_why": target.lean_why,
+                     "target_gemm_panels": gemm_panel_formats(target),
                      "drafter_native": drafter.native is not None, "drafter_native_why": drafter.native_why,
+                     "drafter_panels": drafter.native.panel_formats if drafter.native is not None else None,
                      "drafter_cuda_graphs": drafter.graphs is not None, "drafter_graphs_why": drafter.graphs_why,
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                      "device": str(target.device), "dtype": str(dtype).removeprefix("torch.")},

@@ -38,22 +38,29 @@ def markdown(report: dict) -> str:
             lines.append(f"Requests the bandit's engine kept undrafted (the drafter's prefill would not pay): {plain}")
     gemm = report.get("hardware", {}).get("target_gemm_plan")
     if gemm is not None:
-        lines += ["", f"Our engine's target GEMM paths (measured at load, models/cpu_gemm.py): {gemm}; "
-                  "HF's methods run the target as transformers loads it (F.linear)"]
+        panels = report["hardware"].get("target_gemm_panels")
+        lines += ["", f"Our engine's target GEMM paths (measured at load, models/cpu_gemm.py): {gemm}"
+                  + (f" (native panels: {', '.join(panels)})" if panels else "")
+                  + "; HF's methods run the target as transformers loads it (F.linear)"]
     hardware = report.get("hardware", {})
     if "target_native_attention" in hardware:
         low, high = hardware.get("target_native_attention_rows", ("?", "?"))
         lines.append(f"Our engine's attention for {low}-{high} verify rows: " + (
             "native C kernel (models/cpu_attention.py)" if hardware["target_native_attention"]
             else f"sdpa ({hardware.get('target_native_attention_why')})"))
+    if "target_lean_forward" in hardware:
+        lines.append("Our engine's verify forward: " + (
+            "lean loop over the model's modules (models/lean_forward.py)" if hardware["target_lean_forward"]
+            else f"HF's ({hardware.get('target_lean_forward_why')})"))
     if hardware.get("drafter_cuda_graphs"):
         lines.append("Mamba drafter steps and catch-ups: CUDA graphs (models/cuda_graphs.py)")
     elif hardware.get("drafter_graphs_why"):
         lines.append(f"Mamba drafter steps: eager torch ({hardware['drafter_graphs_why']})")
     elif "drafter_native" in hardware:
+        panels = hardware.get("drafter_panels")
         lines.append("Mamba drafter steps and scans: " + (
-            "native C kernels (models/native)" if hardware["drafter_native"]
-            else f"torch ({hardware.get('drafter_native_why')})"))
+            "native C kernels (models/native)" + (f", weight panels: {', '.join(panels)}" if panels else "")
+            if hardware["drafter_native"] else f"torch ({hardware.get('drafter_native_why')})"))
     lines += ["", "| context tokens | Mamba state (KiB) | Mamba step (ms) | Transformer KV (KiB) | Transformer step (ms) |",
               "| --- | --- | --- | --- | --- |"]
     for r in report["context_sweep"]:

@@ -74,6 +74,8 @@ def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
         assert "Mamba drafter steps and catch-ups: CUDA graphs" in markdown
     else:
         assert "Mamba drafter steps and scans: " in markdown
+    assert hardware["target_lean_forward"] is (hardware["device"] == "cpu")  # tiny GPTNeoX target: lean on CPU
+    assert "Our engine's verify forward: " + ("lean loop" if hardware["target_lean_forward"] else "HF's") in markdown
 
 
 def test_bench_bad_arguments_exit_2(capsys):

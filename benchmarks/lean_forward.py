@@ -1,0 +1,61 @@
+"""Verify forwards of the target through HF's forward and through the lean loop (models/lean_forward.py), side by side.
+
+Both targets share one model (the same weights, GEMM plan and attention), so the only difference is the forward's
+own code; calls alternate, and each cell is the median of `--repeats` verifies at that context. Also checks that the
+logits are equal bit for bit.
+Run from the repository root: python -m benchmarks.lean_forward [--target PATH] [--repeats 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ray_specdec.config import TreeConfig
+from ray_specdec.defaults import DEFAULT_TARGET
+from ray_specdec.drafting import tree_for
+from ray_specdec.models.target import TargetModel
+
+CONTEXTS = (200, 1000, 3000)
+TREES = {"plain step": "", "chain 1,1,1": "1,1,1", "tree 2,2,1,1+L8": "2,2,1,1+L8"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=str(DEFAULT_TARGET))
+    p.add_argument("--repeats", type=int, default=40)
+    args = p.parse_args()
+
+    lean = TargetModel.from_pretrained(args.target, lean=True)
+    hf = TargetModel(lean.model, lean.tokenizer, lean=False)
+    print(f"ms per verify, {Path(args.target).name}, {torch.get_num_threads()} threads (median of {args.repeats}, interleaved)")
+    print("| context | verify | HF forward | lean | lean / HF | logits equal |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    g = torch.Generator().manual_seed(0)
+    for context in CONTEXTS:
+        prompt = torch.randint(1, lean.vocab_size, (context,), generator=g)
+        caches = {t: t.new_cache() for t in (lean, hf)}
+        for target, cache in caches.items():
+            target.prefill(cache, prompt)
+        for name, spec in TREES.items():
+            tree = tree_for(TreeConfig.parse(spec)) if spec else tree_for(TreeConfig(()))
+            tokens = torch.randint(1, lean.vocab_size, (tree.num_nodes,), generator=g)
+            times: dict[TargetModel, list[float]] = {lean: [], hf: []}
+            logits = {}
+            for _ in range(args.repeats + 3):
+                for target, cache in caches.items():
+                    start = time.perf_counter()
+                    logits[target] = target.verify(cache, 5, tree, tokens)
+                    times[target].append(time.perf_counter() - start)
+                    target.commit(cache, [])
+            base, fast = (1e3 * statistics.median(times[t][3:]) for t in (hf, lean))
+            equal = "yes" if torch.equal(logits[lean], logits[hf]) else "NO"
+            print(f"| {context} | {name} ({1 + tree.num_nodes} rows) | {base:.2f} | {fast:.2f} | {fast / base:.2f} | {equal} |")
+
+
+if __name__ == "__main__":
+    main()
