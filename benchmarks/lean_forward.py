@@ -32,7 +32,8 @@ def main() -> None:
 
     lean = TargetModel.from_pretrained(args.target, lean=True)
     hf = TargetModel(lean.model, lean.tokenizer, lean=False)
-    print(f"ms per verify, {Path(args.target).name}, {torch.get_num_threads()} threads (median of {args.repeats}, interleaved)")
+    threads = torch.get_num_threads()
+    print(f"ms per verify, {Path(args.target).name}, {threads} threads (median of {args.repeats}, interleaved)")
     print("| context | verify | HF forward | lean | lean / HF | logits equal |")
     print("| --- | --- | --- | --- | --- | --- |")
     g = torch.Generator().manual_seed(0)
@@ -54,7 +55,8 @@ def main() -> None:
                     target.commit(cache, [])
             base, fast = (1e3 * statistics.median(times[t][3:]) for t in (hf, lean))
             equal = "yes" if torch.equal(logits[lean], logits[hf]) else "NO"
-            print(f"| {context} | {name} ({1 + tree.num_nodes} rows) | {base:.2f} | {fast:.2f} | {fast / base:.2f} | {equal} |")
+            rows = f"{name} ({1 + tree.num_nodes} rows)"
+            print(f"| {context} | {rows} | {base:.2f} | {fast:.2f} | {fast / base:.2f} | {equal} |")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ray_specdec.models.loading import switched_on
+
 LINEAR, WEIGHT_LEFT, ONEDNN, NATIVE = "linear", "weight_left", "onednn", "native"
 # Row counts the calibration times; a product of m rows uses the plan of the smallest of these >= m, and products of
 # more rows than the last (prefill chunks) use F.linear.
@@ -84,7 +86,7 @@ PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tor
 
 def enabled_by_environment() -> bool:
     """RAY_SPECDEC_PLANNED_GEMM=0 (or off/false/no) turns the automatic choice off, e.g. to compare."""
-    return os.environ.get("RAY_SPECDEC_PLANNED_GEMM", "1").strip().lower() not in ("0", "off", "false", "no")
+    return switched_on("RAY_SPECDEC_PLANNED_GEMM")
 
 
 def available_paths() -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Small helpers shared by the model adapters: dtype strings, model locations, tokenizers."""
+"""Small helpers shared by the model adapters: dtype strings, model locations, tokenizers, environment switches."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ import argparse
 import os
 
 import torch
+
+def switched_on(variable: str) -> bool:
+    """An on/off environment switch (RAY_SPECDEC_NATIVE and the like): on unless set to 0 / off / false / no."""
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "off", "false", "no")
+
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,

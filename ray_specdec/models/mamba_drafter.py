@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,7 @@ from kernels.state_copy import copy_state_rows
 from ray_specdec.models import cpu_gemm
 from ray_specdec.models.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs
 from ray_specdec.models import native as native_kernels
-from ray_specdec.models.loading import resolve_dtype, resolve_model_path, resolve_prefill_window
+from ray_specdec.models.loading import resolve_dtype, resolve_model_path, resolve_prefill_window, switched_on
 from ray_specdec.models.mamba_ops import causal_conv, contract_state, rms_norm, scan_block
 
 logger = logging.getLogger(__name__)
@@ -208,7 +207,7 @@ class MambaDrafter:
         self.extend_graphs: StepGraphs | None = None
         self.graphs_why: str | None = None  # why a CUDA drafter steps eagerly, when it does
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and os.environ.get("RAY_SPECDEC_CUDA_GRAPHS", "1") != "0"
+            cuda_graphs = self.device.type == "cuda" and switched_on("RAY_SPECDEC_CUDA_GRAPHS")
             if cuda_graphs:
                 self._start_graphs(insist=False)
         elif cuda_graphs:

@@ -14,7 +14,6 @@ written in place into preallocated buffers, so a round costs O(new rows), not a 
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,7 +23,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ray_specdec.models import cpu_attention, cpu_gemm, lean_forward, native
 from ray_specdec.models.kv_cache import GrowableKVCache
-from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path
+from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path, switched_on
 from ray_specdec.tree import TreeTensors
 
 # sdpa takes an arbitrary float mask, is exact against eager (float64 agrees to ~1e-15) and is faster on CPU.
@@ -129,7 +128,7 @@ class TargetModel:
             cpu_attention.install(self.model)
         self.lean_why: str | None = (
             "the model is a DeepSpeed shard" if sharded
-            else "RAY_SPECDEC_LEAN=0" if lean is None and not _enabled("RAY_SPECDEC_LEAN")
+            else "RAY_SPECDEC_LEAN=0" if lean is None and not switched_on("RAY_SPECDEC_LEAN")
             else "lean=False" if lean is False
             else lean_forward.why_unsupported(self.model)
         )  # fmt: skip
@@ -229,11 +228,6 @@ def tree_attention_mask(
         visible &= (q_pos[:, None] - k_pos[None, :]) < window
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
     return mask.to(device)[None, None]
-
-
-def _enabled(variable: str) -> bool:
-    """An on/off environment switch, on unless set to 0 / off / false / no."""
-    return os.environ.get(variable, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def _native_attention_why(model: PreTrainedModel, sharded: bool) -> str | None:

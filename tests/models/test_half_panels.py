@@ -23,7 +23,8 @@ SHAPES = [(150, 70), (93, 37), (16, 5), (7, 3)]  # 64- and 16-wide blocks, ragge
 
 
 def half_exact(n_out, n_in, dtype, seed=0):
-    """A float32 weight whose values `dtype` holds exactly, with a subnormal, a zero, a negative zero and large values."""
+    """A float32 weight whose values `dtype` holds exactly, with a subnormal, a zero, a negative zero and a large
+    value."""
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n_out, n_in, generator=g) * 3).to(dtype)
     flat = w.view(-1)

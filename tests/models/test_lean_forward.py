@@ -68,14 +68,25 @@ def test_verify_is_hf_forward_bit_for_bit(family, attention):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_a_model_put_in_training_mode_goes_back_to_hf_forward():
+def test_a_model_put_in_training_mode_goes_back_to_hf_forward(monkeypatch):
+    """The lean loop skips the dropouts, so a model in training mode verifies through HF's forward (dropout 0 here,
+    so the logits still match); back in eval mode, through the loop again."""
     lean, hf = pair(tiny_gpt_neox)
-    lean.model.train()
-    assert not lean._lean.available
-    cache = lean.new_cache()
-    lean.prefill(cache, torch.arange(1, 20))
-    lean.model.eval()
-    assert lean._lean.available
+    calls = []
+    original = lean_forward.LeanForward.forward
+    monkeypatch.setattr(lean_forward.LeanForward, "forward", lambda self, *a: calls.append(1) or original(self, *a))
+    tree, tokens = build_tree([(0,), (1,)]), torch.tensor([4, 9])
+    caches = [t.new_cache() for t in (lean, hf)]
+    for target, cache in zip((lean, hf), caches):
+        target.prefill(cache, torch.arange(1, 20))
+    for training in (True, False):
+        lean.model.train(training)
+        assert lean._lean.available is not training
+        logits = [t.verify(c, 3, tree, tokens) for t, c in zip((lean, hf), caches)]
+        assert torch.equal(logits[0], logits[1])
+        for target, cache in zip((lean, hf), caches):
+            target.commit(cache, [0])
+        assert calls == ([] if training else [1])
 
 
 def test_why_unsupported():

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ray_specdec.models import cpu_gemm
+from ray_specdec.models.loading import switched_on
 
 # Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c"))
@@ -40,7 +41,7 @@ _why: list[str] = []
 
 def enabled_by_environment() -> bool:
     """RAY_SPECDEC_NATIVE=0 (or off / false / no) keeps the torch paths."""
-    return os.environ.get("RAY_SPECDEC_NATIVE", "1").strip().lower() not in ("0", "off", "false", "no")
+    return switched_on("RAY_SPECDEC_NATIVE")
 
 
 def why_unavailable() -> str | None:
