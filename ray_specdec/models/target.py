@@ -4,7 +4,9 @@ A verify forward takes ``[root, *tree nodes]`` (root = the previous bonus token,
 ids ``cache length + depth`` and a 4D mask: causal over everything cached plus the tree's ancestor mask. HF's masking
 code uses a caller-supplied 4D mask as-is (eager and sdpa alike), so this adapter relies only on the model's forward
 (``past_key_values`` / ``attention_mask`` / ``position_ids``). That keeps it working when DeepSpeed AutoTP has
-replaced the Linear layers: every rank runs the same calls and keeps its own shard of the cache.
+replaced the Linear layers: every rank runs the same calls and keeps its own shard of the cache. On CPU, GPTNeoX and
+Llama verifies run `lean_forward.LeanForward` instead: the same computation over the same modules (HF's logits bit
+for bit) without the model forward's per-call overhead.
 
 After acceptance, ``commit`` keeps the root and the accepted path and drops the other tree rows, compacting each
 layer's K/V so the cache is again one contiguous prefix. The K/V live in a `GrowableKVCache` (kv_cache.py): rows are
