@@ -62,8 +62,15 @@ class LeanForward:
         if why is not None:
             raise ValueError(f"LeanForward cannot run this model: {why}")
         self.model = model
-        self._neox = isinstance(model, GPTNeoXForCausalLM)
-        self._body = model.gpt_neox if self._neox else model.model
+        neox = isinstance(model, GPTNeoXForCausalLM)
+        body = model.gpt_neox if neox else model.model
+        # What differs between the families, resolved once: embedding, layers, final norm, layer step, eager attention.
+        self._embed = body.embed_in if neox else body.embed_tokens
+        self._rotary = body.rotary_emb
+        self._layers = body.layers if neox else body.layers[: model.config.num_hidden_layers]
+        self._norm = body.final_layer_norm if neox else body.norm
+        self._step = self._neox_layer if neox else self._llama_layer
+        self._eager = (modeling_gpt_neox if neox else modeling_llama).eager_attention_forward
         self._head = model.get_output_embeddings()
 
     @property
@@ -73,26 +80,15 @@ class LeanForward:
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                 cache: GrowableKVCache) -> torch.Tensor:
-        """input_ids / position_ids [1, S]; mask: additive [1, 1 or H, S, cache + S] (None: attention sees every
-        key); the cache grows by S rows. -> logits [1, S, V]."""
-        body = self._body
-        config = self.model.config
-        eager = (modeling_gpt_neox if self._neox else modeling_llama).eager_attention_forward  # each family its own
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)
-        if self._neox:
-            hidden = body.embed_in(input_ids)
-            cos, sin = body.rotary_emb(hidden, position_ids=position_ids)
-            layers = body.layers
-        else:
-            hidden = body.embed_tokens(input_ids)
-            cos, sin = body.rotary_emb(hidden, position_ids=position_ids)
-            layers = body.layers[: config.num_hidden_layers]
+        """input_ids / position_ids [1, S]; mask: additive [1, 1 or H, S, cache + S] (a verify's; None is for one
+        row); the cache grows by S rows. -> logits [1, S, V]."""
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, self._eager)
+        hidden = self._embed(input_ids)
+        cos, sin = self._rotary(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        step = self._neox_layer if self._neox else self._llama_layer
-        for layer in layers:
-            hidden = step(layer, hidden, cos, sin, mask, cache, attention)
-        hidden = body.final_layer_norm(hidden) if self._neox else body.norm(hidden)
-        return self._head(hidden)
+        for layer in self._layers:
+            hidden = self._step(layer, hidden, cos, sin, mask, cache, attention)
+        return self._head(self._norm(hidden))
 
     @staticmethod
     def _neox_layer(layer, hidden, cos, sin, mask, cache, attention) -> torch.Tensor:
