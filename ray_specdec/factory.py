@@ -60,6 +60,19 @@ def load_drafter(name: str | None, dtype="auto", device="cpu", prefill_window: i
         raise LoadError(f"cannot load drafter {name!r}: {_first_line(e)}") from None
 
 
+def check_tokenizers(target: str, drafter: str) -> None:
+    """The drafter's tokenizer must agree with the target's on the ids they share (models/tokenizer_check.py);
+    read from their tokenizer and config files, before any weights are loaded."""
+    from ray_specdec.models.tokenizer_check import TokenizerMismatch, check_model_pair
+
+    try:
+        check_model_pair(target, drafter)
+    except TokenizerMismatch as e:
+        raise LoadError(str(e)) from None
+    except Exception as e:
+        raise LoadError(f"cannot compare the tokenizers of {target!r} and {drafter!r}: {_first_line(e)}") from None
+
+
 def load_engine(
     target: str | None = None,
     drafter: str | None = None,
@@ -90,6 +103,8 @@ def load_engine(
         raise LoadError(str(e)) from None
     except FileNotFoundError as e:
         raise LoadError(f"cannot load {kind} {name!r}: {e}") from None
+    if drafter is None or drafter.lower() != "none":
+        check_tokenizers(target or _default("target"), drafter or _default("drafter"))
     target_model = load_target(target, dtype, device)
     try:  # the drafter resolves "auto" from its config; here only the argument's form is checked
         resolve_prefill_window(drafter_prefill_window, config=None)
