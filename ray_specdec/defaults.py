@@ -29,3 +29,21 @@ DEFAULT_TARGET = default_model_path(TARGET_NEOX)
 DEFAULT_DRAFTER = default_model_path(DRAFTER_MAMBA)
 DEFAULT_TARGET_LLAMA = default_model_path(TARGET_LLAMA)
 DEFAULT_TF_DRAFTER = default_model_path(DRAFTER_NEOX_SMALL)
+
+# The shipped tokenizer's chat template (docs/MODELS.md): every message as "<|role|>\n<content>\n" (roles system, user,
+# assistant; content a string or OpenAI-style text parts), then "<|assistant|>\n" for the generation prompt. The
+# markers are plain text the byte-level tokenizer encodes, not special tokens: the models were not trained on chat.
+CHAT_TEMPLATE = r"""{%- for message in messages -%}
+    {%- if message['role'] not in ['system', 'user', 'assistant'] -%}
+        {{- raise_exception('chat roles are system, user and assistant, got ' + message['role']) -}}
+    {%- endif -%}
+    {%- if message['content'] is string -%}
+        {%- set text = message['content'] -%}
+    {%- else -%}
+        {%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}
+    {%- endif -%}
+    {{- '<|' + message['role'] + '|>\n' + text + '\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|assistant|>\n' -}}
+{%- endif -%}"""

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from ray_specdec.defaults import CHAT_TEMPLATE
 from ray_specdec.models.loading import PREFILL_WINDOW_KEY
 from ray_specdec.training.models import build_model
 
@@ -59,6 +60,7 @@ def export(run_dir: Path, out_dir: Path, tokenizer_dir: Path | str) -> dict:
     if config.model_type == "mamba":  # a drafter names the windows it was trained on as its prefill window
         setattr(model.config, PREFILL_WINDOW_KEY, _longest_window(ckpt["settings"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = tokenizer.chat_template or CHAT_TEMPLATE  # a fresh tokenizer run has none
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, do_sample=False,

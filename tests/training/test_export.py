@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig, Mam
 
 import pytest
 
+from ray_specdec.defaults import CHAT_TEMPLATE
 from ray_specdec.training.export import export
 from ray_specdec.training.models import build_model
 from ray_specdec.training.train import TrainSettings, make_optimizer, save_checkpoint
@@ -35,6 +36,7 @@ def test_export_writes_loadable_fp16_safetensors(tmp_path, small_tokenizer_dir, 
         torch.testing.assert_close(loaded.state_dict()[name], param.half().float())
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert len(tokenizer) == loaded.config.vocab_size == 512
+    assert tokenizer.chat_template == CHAT_TEMPLATE  # a fresh tokenizer gets the shipped models' template
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
     # a Mamba drafter names its training window as its prefill window; a target names none
     window = json.loads((out / "config.json").read_text()).get("ray_specdec_prefill_window")
