@@ -71,6 +71,18 @@ class MambaState:
     def rows(self) -> int:
         return self.conv.shape[1]
 
+    def row_slice(self, start: int, stop: int) -> "MambaState":
+        """Rows start..stop-1 as a view, no copy: one request's rows of a state that several requests step in."""
+        return MambaState(self.conv[:, start:stop], self.ssm[:, start:stop])
+
+    @staticmethod
+    def cat(states: Sequence["MambaState"]) -> "MambaState":
+        """The rows of all states, in order, as one state: one copy per tensor, none for a single state (returned
+        as it is, not a copy: change it only through the drafter)."""
+        if len(states) == 1:
+            return states[0]
+        return MambaState(torch.cat([s.conv for s in states], dim=1), torch.cat([s.ssm for s in states], dim=1))
+
 
 @dataclass(frozen=True)
 class _MixerWeights:
@@ -212,6 +224,19 @@ class MambaDrafter:
                 self._start_graphs(insist=False)
         elif cuda_graphs:
             self._start_graphs(insist=True)
+
+    @property
+    def steps_row_invariant(self) -> bool:
+        """Whether a step gives each row the same logits and state, bit for bit, whatever other rows step with it:
+        then the rows of several requests may step together and each gets what it would alone (drafting.draft_many).
+
+        True for the native C step: every output of its products is one chain of multiply-adds over the inputs in a
+        fixed order (threads split outputs, not sums), and its norms, conv and scan run row by row. Not for the
+        torch step, whose products depend on the row count (oneDNN and MKL pick kernels and blockings by shape, and
+        the GEMM plan picks a path per row count), nor on CUDA (cuBLAS picks kernels by shape; a graph is captured
+        per row count). tests/test_draft_batch.py checks the native step.
+        """
+        return self.native is not None
 
     def _start_graphs(self, insist: bool) -> None:
         """Capture every step and catch-up graph now (~0.5 s; none in any request). A capture that fails leaves the
