@@ -137,39 +137,21 @@ class DrafterSession:
         the children they would drop, so every drafted child is still a sample of q given its ancestors: sampled
         output keeps the target's distribution exactly, and greedy output is the target's whatever the draft.
         Greedy rounds of a config with lookup tokens then merge the lookup branch in (`_merge_lookup`).
+        This is `draft_many` of this one request.
         """
-        tree, requested = tree_for(config.without_lookup()), config
-        logits, state = self.root_logits, self.root_state
-        states, tokens, probs = [state], [], []
-        path_prob = torch.ones(1, dtype=torch.float64)  # [rows of the last drafted depth]
-        drafted = config.depth
-        for depth, n in enumerate(config.branching, start=1):
-            if min_path_prob > 0:
-                dist = _draft_distribution(logits, params)  # [rows, V] at the last drafted depth's rows
-                if depth > 1 and float((path_prob * dist.max(dim=-1).values).max()) < min_path_prob:
-                    drafted = depth - 1
-                    break
-            children, q = pick_children(logits, n, params, generator)
-            tokens.append(children.reshape(-1))
-            if q is not None:
-                probs.append(q)
-            if depth == config.depth:
-                break
-            if min_path_prob > 0:
-                path_prob = (path_prob[:, None] * dist.gather(-1, children)).reshape(-1)
-                if float(path_prob.max()) < min_path_prob:
-                    drafted = depth  # depth's nodes stay, as leaves (never stepped)
-                    break
-            state = self.drafter.copy_rows(state, tree.parents_at_depth(depth))
-            logits = _align_vocab(self.drafter.step(state, tokens[-1]), self.vocab_size)
-            states.append(state)
-        config = TreeConfig(config.branching[:drafted])
+        return draft_many([DraftRequest(self, config, params, generator)], min_path_prob)[0]
+
+    def _open_round(self, grown: "_Growth") -> Draft:
+        """Keep a grown tree's per-depth states for the commit and make its draft, with the lookup branch if asked."""
+        requested, params = grown.request.config, grown.request.params
+        tree, states, probs = grown.tree, grown.states, grown.probs
+        config = TreeConfig(requested.branching[: grown.drafted])
         self._depth_states = states
         paths = config.index_paths()
         self._stepped = {
             p: (len(p), row - tree.depth_starts[len(p)]) for row, p in enumerate(paths, 1) if len(p) < len(states)
         }
-        draft_tokens = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long)
+        draft_tokens = torch.cat(grown.tokens) if grown.tokens else torch.empty(0, dtype=torch.long)
         merged, deterministic, q_rows = None, frozenset(), None
         proposal = self._lookup_index().propose(requested.lookup) if requested.lookup else []
         if proposal:
@@ -240,6 +222,120 @@ class DrafterSession:
         if self._lookup is None:
             self._lookup = LookupIndex(self.history)
         return self._lookup
+
+
+@dataclass
+class DraftRequest:
+    """One request's part of a batched draft: what `DrafterSession.draft` takes."""
+
+    session: DrafterSession
+    config: TreeConfig
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's draft random stream (None: torch's global one)
+
+
+def draft_many(requests: Sequence[DraftRequest], min_path_prob: float = 0.0) -> list[Draft]:
+    """Draft every request's tree in one batch -> their drafts, in order: at each depth the rows of all requests that
+    reach it take one row copy (by request and parent) and one drafter step together.
+
+    Each draft, and the state its session keeps for the commit, is bit for bit what `request.session.draft` alone
+    gives: trees of any shapes and depths, greedy and sampled requests (each draws from its own generator in the
+    same order as alone), min_path_prob cuts and lookup branches per request; a depth-0 tree never touches the
+    drafter. That needs a drafter whose step is row-invariant (`MambaDrafter.steps_row_invariant`); on others each
+    request drafts alone, one after the other.
+    """
+    if len({id(r.session) for r in requests}) != len(requests):
+        raise ValueError("a session may draft only once per batch")
+    drafts: list[Draft] = []
+    for batch in _batches(requests):
+        grown = [_Growth(r) for r in batch]
+        _grow(grown, min_path_prob)
+        drafts += [g.request.session._open_round(g) for g in grown]
+    return drafts
+
+
+def _batches(requests: Sequence[DraftRequest]) -> list[list[DraftRequest]]:
+    """Runs of requests that draft together, in order. A run ends at a request on another drafter, at one whose
+    sampled draws use a generator already drawn from in the run (torch's global one included: draws from one
+    stream must come in the order of one-by-one drafting), and after every request on a drafter whose steps are
+    not row-invariant."""
+    batches: list[list[DraftRequest]] = []
+    streams: set[int] = set()  # generators the last run's sampled requests draw from
+    for r in requests:
+        drafter = r.session.drafter
+        stream = None if r.params.greedy else id(r.generator)  # greedy picks draw nothing
+        last = batches[-1] if batches else None
+        if (last is None or last[0].session.drafter is not drafter or not drafter.steps_row_invariant
+                or stream in streams):  # fmt: skip
+            batches.append([r])
+            streams = set()
+        else:
+            last.append(r)
+        if stream is not None:
+            streams.add(stream)
+    return batches
+
+
+class _Growth:
+    """One request's tree while it grows: the loop of drafting one tree, a depth at a time (`_grow` steps the rows)."""
+
+    def __init__(self, request: DraftRequest):
+        self.request = request
+        self.tree = tree_for(request.config.without_lookup())
+        self.logits = request.session.root_logits  # [rows, V] at the last drafted depth's rows
+        self.states = [request.session.root_state]  # per drafted depth, all but the leaves'
+        self.tokens: list[torch.Tensor] = []  # per depth: [rows at that depth]
+        self.probs: list[torch.Tensor] = []  # per depth with children, when sampled: q [rows, V]
+        self.path_prob = torch.ones(1, dtype=torch.float64)  # [rows of the last drafted depth]
+        self.drafted = request.config.depth  # depths drafted: fewer where min_path_prob cuts the tree
+        self.first_row = 0  # this tree's first row in the batch's state of the last stepped depth
+
+    def pick(self, depth: int, min_path_prob: float) -> bool:
+        """Pick this depth's children (see `DrafterSession.draft` for the cuts) -> whether they need a drafter step,
+        to have children of their own."""
+        config, params = self.request.config, self.request.params
+        if min_path_prob > 0:
+            dist = _draft_distribution(self.logits, params)  # [rows, V] at the last drafted depth's rows
+            if depth > 1 and float((self.path_prob * dist.max(dim=-1).values).max()) < min_path_prob:
+                self.drafted = depth - 1
+                return False
+        children, q = pick_children(self.logits, config.branching[depth - 1], params, self.request.generator)
+        self.tokens.append(children.reshape(-1))
+        if q is not None:
+            self.probs.append(q)
+        if depth == config.depth:
+            return False
+        if min_path_prob > 0:
+            self.path_prob = (self.path_prob[:, None] * dist.gather(-1, children)).reshape(-1)
+            if float(self.path_prob.max()) < min_path_prob:
+                self.drafted = depth  # depth's nodes stay, as leaves (never stepped)
+                return False
+        return True
+
+
+def _grow(trees: Sequence[_Growth], min_path_prob: float) -> None:
+    """Grow the trees of one drafter to their depths: at each depth, every tree that goes deeper has its rows copied
+    from their parents' (one copy for all trees) and stepped on its new tokens (one step for all trees)."""
+    growing = [t for t in trees if t.request.config.depth > 0]
+    source: MambaState | None = None  # the batch's state at the last stepped depth
+    depth = 1
+    while growing := [t for t in growing if t.pick(depth, min_path_prob)]:
+        drafter = growing[0].request.session.drafter
+        if source is None:  # depth 1: the parents are the roots
+            source = MambaState.cat([t.states[0] for t in growing])
+            for i, t in enumerate(growing):
+                t.first_row = i
+        index = torch.cat([t.tree.parents_at_depth(depth) + t.first_row for t in growing])  # [rows of all trees]
+        source = drafter.copy_rows(source, index)
+        logits = drafter.step(source, torch.cat([t.tokens[-1] for t in growing]))  # [rows of all trees, V_d]
+        start = 0
+        for t in growing:
+            stop = start + t.tokens[-1].shape[0]
+            t.first_row = start
+            t.states.append(source.row_slice(start, stop))  # a view: the commit copies the one row it keeps
+            t.logits = _align_vocab(logits[start:stop], t.request.session.vocab_size)
+            start = stop
+        depth += 1
 
 
 def what_if(
