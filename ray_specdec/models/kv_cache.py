@@ -4,7 +4,9 @@ transformers' `DynamicCache` appends with `torch.cat`, so every forward copies t
 round at 8k context moves O(context) bytes per layer just to add a few rows. `GrowableKVCache` keeps one buffer per
 layer for keys and one for values, `[B, H, capacity, D]`, writes new rows into the spare capacity and hands attention
 views of the valid prefix `[B, H, length, D]` (strided: attention reads them without a copy). A full buffer is replaced
-by one twice as large (amortised O(1) per row), so a request's buffers are reallocated O(log context) times.
+by one twice as large (amortised O(1) per row), so a request's buffers are reallocated O(log context) times. A cache
+made with `preallocate=True` (a request's share of a KV budget) allocates `max_capacity` rows on its first write and
+never more: a write past them raises `CacheFull` instead of growing.
 
 A later `update` never changes a view an earlier one returned: it writes only at or after the current length, and
 growth copies into a new buffer while old views keep the old one alive. `compact` does rewrite rows such views cover
@@ -28,15 +30,22 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 MIN_CAPACITY = 256
 
 
+class CacheFull(ValueError):
+    """A write needs more rows than a preallocated cache holds."""
+
+
 class GrowableLayer(CacheLayerMixin):
     """One attention layer's K/V in buffers `[B, H, capacity, D]`; rows `[0, length)` are valid.
 
     Every position is kept (a full-attention layer): sliding windows are applied by the mask, not by dropping rows.
     """
 
-    def __init__(self, max_capacity: int | None = None):
+    def __init__(self, max_capacity: int | None = None, preallocate: bool = False):
         # CacheLayerMixin.__init__ is not called: it assigns `keys` / `values`, which are views of the buffers here.
+        if preallocate and not max_capacity:
+            raise ValueError("a preallocated cache needs a max_capacity of at least one row")
         self.max_capacity = max_capacity
+        self.preallocate = preallocate
         self.length = 0
         self.is_initialized = False
         self._keys: torch.Tensor | None = None  # [B, H, capacity, Dk]
@@ -77,13 +86,19 @@ class GrowableLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def reserve(self, rows: int) -> None:
-        """Make room for `rows` rows in total: double the capacity (at least), capped at `max_capacity`."""
+        """Make room for `rows` rows in total: double the capacity (at least), capped at `max_capacity`; a
+        preallocated layer takes all `max_capacity` rows at once and raises `CacheFull` beyond them."""
         if rows <= self.capacity:
             return
-        capacity = max(2 * self.capacity, MIN_CAPACITY)
-        if self.max_capacity is not None:
-            capacity = min(capacity, self.max_capacity)
-        capacity = max(capacity, rows)
+        if self.preallocate:
+            if rows > self.max_capacity:
+                raise CacheFull(f"{rows} KV rows do not fit the cache's fixed capacity of {self.max_capacity} rows")
+            capacity = self.max_capacity
+        else:
+            capacity = max(2 * self.capacity, MIN_CAPACITY)
+            if self.max_capacity is not None:
+                capacity = min(capacity, self.max_capacity)
+            capacity = max(capacity, rows)
         self._keys = _regrow(self._keys, capacity, self.length)
         self._values = _regrow(self._values, capacity, self.length)
 
@@ -116,9 +131,12 @@ class GrowableLayer(CacheLayerMixin):
 class GrowableKVCache(Cache):
     """An HF `Cache` of `GrowableLayer`s, created lazily (one per attention layer) on the first forward."""
 
-    def __init__(self, max_capacity: int | None = None):
-        """max_capacity: rows a buffer never grows beyond unless a single write needs more (the model's context)."""
-        super().__init__(layer_class_to_replicate=partial(GrowableLayer, max_capacity=max_capacity))
+    def __init__(self, max_capacity: int | None = None, preallocate: bool = False):
+        """max_capacity: rows a buffer never grows beyond unless a single write needs more (the model's context).
+        preallocate: every layer allocates max_capacity rows on its first write and never grows (a KV budget)."""
+        super().__init__(layer_class_to_replicate=partial(GrowableLayer, max_capacity=max_capacity,
+                                                          preallocate=preallocate))
+        self.fixed_capacity: int | None = max_capacity if preallocate else None
 
     def compact(self, base: int, keep: Sequence[int]) -> None:
         """Every layer: rows `base + keep[i]` move to `base + i`; the cache then holds `base + len(keep)` rows."""
