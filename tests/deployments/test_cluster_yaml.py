@@ -1,9 +1,13 @@
-"""Deployment configuration without a running cluster: cluster.yaml against Ray's own schema, serve_config.yaml
-against Serve's schema and AppArgs, and the app builder's argument handling."""
+"""Deployment configuration without a running cluster: cluster.yaml against Ray's own schema and checks, both Serve
+configs against Serve's schema and AppArgs, the GPU config against the cluster it runs on, and the app builder's
+argument handling."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
+import tomllib
 from pathlib import Path
 
 import jsonschema
@@ -15,13 +19,30 @@ from ray.serve.schema import ServeDeploySchema
 
 from deployments import AppArgs, app
 from deployments.app import AppError, _drafter_options
+from ray_specdec.models.loading import resolve_model_path
 
 REPO = Path(__file__).resolve().parents[2]
+SERVE_CONFIGS = ["serve_config.yaml", "serve_config.gpu.yaml"]
+# The paper's pairing, as the hub has it (checked against the hub below when it can be reached): the target's
+# attention heads bound tp_size; both models pad the GPT-NeoX tokenizer's 50,277 tokens to these vocabulary sizes.
+PAPER_MODELS = {
+    "EleutherAI/pythia-6.9b": {"model_type": "gpt_neox", "vocab_size": 50432, "num_attention_heads": 32},
+    "state-spaces/mamba-130m-hf": {"model_type": "mamba", "vocab_size": 50280},
+}
 
 
 @pytest.fixture(scope="module")
 def cluster() -> dict:
     return yaml.safe_load((REPO / "cluster.yaml").read_text())
+
+
+def serve_config(name: str) -> dict:
+    return yaml.safe_load((REPO / name).read_text())
+
+
+def gpu_args() -> dict:
+    (application,) = serve_config("serve_config.gpu.yaml")["applications"]
+    return application["args"]
 
 
 def test_cluster_yaml_matches_rays_schema(cluster):
@@ -30,6 +51,8 @@ def test_cluster_yaml_matches_rays_schema(cluster):
     broken = dict(cluster, available_node_types={"head": {"node_config": {}}})  # resources missing
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(dict(cluster, docker={"image": "rayproject/ray:2.60.0-py311-gpu", "gpus": 1}), schema)
 
 
 def test_cluster_yaml_shape(cluster):
@@ -38,22 +61,95 @@ def test_cluster_yaml_shape(cluster):
     validate_config(prepare_config(cluster))  # what `ray up` does first: defaults filled in, then all its checks
     assert cluster["provider"]["type"] == "aws"
     types = cluster["available_node_types"]
-    head, workers = types[cluster["head_node_type"]], [t for name, t in types.items() if name != "head"]
+    head = types[cluster["head_node_type"]]
+    workers = {name: t for name, t in types.items() if name != cluster["head_node_type"]}
     assert head["resources"]["GPU"] == 0
-    assert len(workers) == 1 and workers[0]["node_config"]["InstanceType"].startswith(("g", "p"))
-    assert 1 <= workers[0]["min_workers"] <= workers[0]["max_workers"] <= cluster["max_workers"]
-    setup = " ".join(cluster["setup_commands"])
-    assert "torch==2.13.0" in setup and "pip install -q -e ~/ray_specdec" in setup
-    assert cluster["file_mounts"] == {"~/ray_specdec": "."}
+    assert set(workers) == {"target_gpu", "drafter_gpu"}
+    for worker in workers.values():
+        assert worker["resources"]["GPU"] >= 1 and worker["node_config"]["InstanceType"].startswith(("g", "p"))
+        assert 1 <= worker["min_workers"] <= worker["max_workers"] <= cluster["max_workers"]
+    for node in types.values():  # no node falls back to Ray's default machine image, an old Ubuntu 18.04 DLAMI
+        assert "base-oss-nvidia-driver-gpu-ubuntu-22.04" in node["node_config"]["ImageId"]
+    assert "--dashboard-host=127.0.0.1" in " ".join(cluster["head_start_ray_commands"])
 
 
-def test_serve_config_is_valid_and_spells_out_the_defaults():
-    config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+def test_cluster_runs_rays_gpu_image_with_the_pinned_ray_and_torch(cluster):
+    """Ray's image tags are {Ray version}-py{Python}-gpu; the setup pins the same Ray (the image's own, and the one this
+    repo is tested with) and the CUDA torch wheel before anything else can pull another build."""
+    match = re.fullmatch(r"rayproject/ray:(\d+\.\d+\.\d+)-py(\d)(\d+)-gpu", cluster["docker"]["image"])
+    assert match, cluster["docker"]["image"]
+    version, python = match[1], (int(match[2]), int(match[3]))
+    assert version == ray.__version__ and python == (3, 11)
+    setup = cluster["setup_commands"]
+    assert setup[0] == f'pip install -q "torch==2.13.0" "ray[serve]=={version}"'
+
+
+def test_cluster_installs_this_package_with_its_gpu_extra(cluster):
+    (mount,) = [remote for remote, local in cluster["file_mounts"].items() if local == "."]
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert pyproject["project"]["name"] == "ray_specdec" and "gpu" in pyproject["project"]["optional-dependencies"]
+    checkout = mount.replace("~", "$HOME")
+    assert f'pip install -q --no-build-isolation -e "{checkout}[gpu]"' in cluster["worker_setup_commands"]
+    assert f"pip install -q -e {mount}" in cluster["head_setup_commands"]
+    for config in SERVE_CONFIGS:  # the serve configs travel with the checkout, where the README tells users to find them
+        assert (REPO / config).is_file() and not any(config.startswith(x) for x in cluster["rsync_exclude"])
+
+
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_serve_configs_match_serves_schema_and_app_args(name):
+    config = serve_config(name)
     schema = ServeDeploySchema.model_validate(config)
-    assert schema.http_options.host == "127.0.0.1"
+    assert schema.http_options.host == "127.0.0.1" and schema.proxy_location == "HeadOnly"
     (application,) = config["applications"]
-    assert application["import_path"] == "deployments:app"
+    module, attribute = application["import_path"].split(":")
+    assert getattr(importlib.import_module(module), attribute) is app
+    assert set(application["args"]) <= set(AppArgs.model_fields)
+    AppArgs(**application["args"])
+
+
+def test_serve_config_spells_out_the_defaults():
+    (application,) = serve_config("serve_config.yaml")["applications"]
     assert AppArgs(**application["args"]) == AppArgs()
+
+
+def test_gpu_serve_config_serves_the_paper_pairing():
+    args = AppArgs(**gpu_args())
+    assert (args.target, args.drafter) == ("EleutherAI/pythia-6.9b", "state-spaces/mamba-130m-hf")
+    assert (args.dtype, args.device) == ("bfloat16", "cuda")
+    for name in (args.target, args.drafter):
+        assert name in PAPER_MODELS and resolve_model_path(name) == name  # a hub id, not a local directory
+
+
+def test_gpu_serve_config_fits_the_cluster(cluster):
+    args = AppArgs(**gpu_args())
+    types = cluster["available_node_types"]
+    # the target's ranks, one GPU each, in one STRICT_PACK placement group: exactly one node's GPUs
+    assert args.tp_size == types["target_gpu"]["resources"]["GPU"]
+    assert PAPER_MODELS[args.target]["num_attention_heads"] % args.tp_size == 0
+    # drafters go only where their custom resource is, and every drafter replica the autoscaler may ask for fits
+    (resource, per_replica), = args.drafter_resources.items()
+    hosts = [t for t in types.values() if resource in t["resources"]]
+    assert [t["resources"].get("GPU", 0) for t in hosts] == [types["drafter_gpu"]["resources"]["GPU"]]
+    (host,) = hosts
+    per_node = int(host["resources"][resource] // per_replica)
+    assert per_node * args.drafter_num_gpus <= host["resources"]["GPU"]
+    assert per_node * args.drafter_num_cpus <= host["resources"]["CPU"]
+    assert args.drafter_max_replicas <= per_node * host["max_workers"]
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_MODELS))
+def test_paper_models_exist_on_the_hub(name):
+    """Skipped where the hub cannot be reached (CI machines without network); otherwise the ids and the facts the
+    configs rely on are checked against the hub's own config.json."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = hf_hub_download(name, "config.json", etag_timeout=5)
+    except LocalEntryNotFoundError:  # the hub was not reached and nothing is cached; a missing repo still fails
+        pytest.skip("the Hugging Face hub is not reachable")
+    config = json.loads(Path(path).read_text())
+    assert {key: config.get(key) for key in PAPER_MODELS[name]} == PAPER_MODELS[name]
 
 
 @pytest.mark.parametrize(
