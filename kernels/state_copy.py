@@ -42,9 +42,13 @@ def state_copy_ref(
     dst_conv: torch.Tensor,  # [L, R_out, d_inner, d_conv]
     dst_ssm: torch.Tensor,  # [L, R_out, d_inner, d_state]
 ) -> None:
-    """Plain-torch reference (and CPU path): two gathers over the row dimension."""
-    dst_conv.copy_(src_conv.index_select(1, index))
-    dst_ssm.copy_(src_ssm.index_select(1, index))
+    """Plain-torch reference (and CPU path): two gathers over the row dimension, straight into dst where it is
+    contiguous (a gather then a copy moves every byte twice: 2-3x slower on CPU for tree states of 12-96 rows)."""
+    for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm)):
+        if dst.is_contiguous():
+            torch.index_select(src, 1, index, out=dst)
+        else:
+            dst.copy_(src.index_select(1, index))
 
 
 if triton is not None:
