@@ -17,6 +17,7 @@ children are tried against what is left, so the emitted token still has exactly 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -224,6 +225,14 @@ class DrafterSession:
         return self._lookup
 
 
+# Most rows a batched step takes, summed over its requests' widest depths. The native step of the shipped drafter
+# costs the same per row from ~6 to ~96 rows on a 2-core CPU (its products are compute-bound past a few rows),
+# while the states and logits of a few hundred rows leave the caches and fault in fresh pages: a 384-row step and
+# its row copy cost ~2x per row (benchmarks/draft_batch.py: 32 requests of (3,2,2,1,1) in one run were slower than
+# one by one).
+MAX_BATCH_ROWS = 64
+
+
 @dataclass
 class DraftRequest:
     """One request's part of a batched draft: what `DrafterSession.draft` takes."""
@@ -242,7 +251,7 @@ def draft_many(requests: Sequence[DraftRequest], min_path_prob: float = 0.0) -> 
     gives: trees of any shapes and depths, greedy and sampled requests (each draws from its own generator in the
     same order as alone), min_path_prob cuts and lookup branches per request; a depth-0 tree never touches the
     drafter. That needs a drafter whose step is row-invariant (`MambaDrafter.steps_row_invariant`); on others each
-    request drafts alone, one after the other.
+    request drafts alone, one after the other. Requests step together up to MAX_BATCH_ROWS rows (`_batches`).
     """
     if len({id(r.session) for r in requests}) != len(requests):
         raise ValueError("a session may draft only once per batch")
@@ -257,23 +266,29 @@ def draft_many(requests: Sequence[DraftRequest], min_path_prob: float = 0.0) -> 
 def _batches(requests: Sequence[DraftRequest]) -> list[list[DraftRequest]]:
     """Runs of requests that draft together, in order. A run ends at a request on another drafter, at one whose
     sampled draws use a generator already drawn from in the run (torch's global one included: draws from one
-    stream must come in the order of one-by-one drafting), and after every request on a drafter whose steps are
-    not row-invariant."""
+    stream must come in the order of one-by-one drafting), at one that would take the run's steps past
+    MAX_BATCH_ROWS, and after every request on a drafter whose steps are not row-invariant."""
     batches: list[list[DraftRequest]] = []
     streams: set[int] = set()  # generators the last run's sampled requests draw from
+    rows = 0  # the last run's stepped rows, at each request's widest depth
     for r in requests:
-        drafter = r.session.drafter
+        drafter, width = r.session.drafter, _stepped_rows(r.config)
         stream = None if r.params.greedy else id(r.generator)  # greedy picks draw nothing
         last = batches[-1] if batches else None
         if (last is None or last[0].session.drafter is not drafter or not drafter.steps_row_invariant
-                or stream in streams):  # fmt: skip
-            batches.append([r])
-            streams = set()
-        else:
-            last.append(r)
+                or stream in streams or rows + width > MAX_BATCH_ROWS):  # fmt: skip
+            batches.append([])
+            streams, rows = set(), 0
+        batches[-1].append(r)
+        rows += width
         if stream is not None:
             streams.add(stream)
     return batches
+
+
+def _stepped_rows(config: TreeConfig) -> int:
+    """Rows of the tree's widest depth that the drafter steps: all but the leaves (depths only grow wider)."""
+    return math.prod(config.branching[:-1]) if config.depth > 1 else 0
 
 
 class _Growth:

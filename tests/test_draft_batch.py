@@ -150,6 +150,14 @@ def test_requests_sharing_a_generator_draw_in_one_by_one_order(named_drafter):
     assert torch.equal(shared.get_state(), copy.get_state())
 
 
+def test_batches_stop_at_the_row_cap(monkeypatch):
+    d = drafter("tiny")
+    group = sessions(d, 8)  # (3,2,2,1,1) steps 12 rows at its widest: 5 requests fill a batch of 64 rows
+    steps = count_steps(d, monkeypatch)
+    draft_many([DraftRequest(s, TreeConfig((3, 2, 2, 1, 1)), GREEDY, None) for s in group])
+    assert steps == [15, 30, 60, 60, 9, 18, 36, 36]
+
+
 def test_depth_zero_requests_never_touch_the_drafter(monkeypatch):
     d = drafter("tiny")
     group = sessions(d, 2)
