@@ -11,6 +11,12 @@ HF code it replaces. The logits are HF's forward's bit for bit (tests/models/tes
 `torch.equal` for both families, with and without the native attention), which is what lets the target use it:
 nothing about the output may change.
 
+One forward can carry the rows of several requests (continuous batching): the rows are concatenated into one
+activation, so every product reads each weight once for all of them, and attention runs per `Span` (a request's
+rows) over that request's own cache with its own mask. With `batch_invariant=True` the products, activations,
+rotary tables and tree attention are batch_invariant.py's, so a row's result does not depend on the other rows;
+otherwise they are the model's own calls (HF's logits bit for bit).
+
 `why_unsupported(model)` names what keeps a model on HF's forward: other architectures (a family whose layers do
 anything else, e.g. Qwen3's q/k norms, needs its own loop here), training mode, DeepSpeed shards (their Linear layers
 all-reduce and hold a shard of the heads) and devices other than the CPU (CUDA has its graphs: models/cuda_graphs.py).
@@ -18,12 +24,16 @@ all-reduce and hold a shard of the heads) and devices other than the CPU (CUDA h
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 from transformers import GPTNeoXForCausalLM, LlamaForCausalLM, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt_neox import modeling_gpt_neox
 from transformers.models.llama import modeling_llama
 
+from ray_specdec.models import batch_invariant as invariant
 from ray_specdec.models.kv_cache import GrowableKVCache
 
 # Exactly these classes: a subclass may change what a layer does.
@@ -54,10 +64,25 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([embedded, rest], dim=-1)
 
 
-class LeanForward:
-    """`forward(input_ids, position_ids, mask, cache)` -> logits, as `model(...)` returns them."""
+@dataclass
+class Span:
+    """One request's rows `[start, end)` of a batched forward: they attend over `cache` (which grows by them)."""
 
-    def __init__(self, model: PreTrainedModel):
+    start: int
+    end: int
+    cache: GrowableKVCache
+    mask: torch.Tensor | None  # the attention's mask: [1, 1, S, cache + S] (None: causal, or one row)
+    tree: bool  # a verify's rows (tree mask, additive); else a prefill chunk's (causal)
+
+
+def _call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+class LeanForward:
+    """`forward(input_ids, position_ids, spans)` -> logits of every row, as `model(...)` returns them for one span."""
+
+    def __init__(self, model: PreTrainedModel, batch_invariant: bool = False):
         why = why_unsupported(model)
         if why is not None:
             raise ValueError(f"LeanForward cannot run this model: {why}")
@@ -72,52 +97,82 @@ class LeanForward:
         self._step = self._neox_layer if neox else self._llama_layer
         self._eager = (modeling_gpt_neox if neox else modeling_llama).eager_attention_forward
         self._head = model.get_output_embeddings()
+        # What batch invariance changes, resolved once: products, activations, rotary values, tree attention.
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            why = invariant.why_unsupported(model)
+            if why is not None:
+                raise ValueError(f"LeanForward cannot be batch-invariant for this model: {why}")
+            self._product, self._activate = invariant.product, invariant.activate
+            self._table = invariant.RotaryTable(self._rotary, model.config.max_position_embeddings,
+                                                next(model.parameters()).dtype)  # fmt: skip
+        else:
+            self._product, self._activate, self._table = _call, _call, None
 
     @property
     def available(self) -> bool:
         """Whether the model is still one this loop runs (it may have been put in training mode since)."""
         return not self.model.training
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                cache: GrowableKVCache) -> torch.Tensor:
-        """input_ids / position_ids [1, S]; mask: additive [1, 1 or H, S, cache + S] (a verify's; None is for one
-        row); the cache grows by S rows. -> logits [1, S, V]."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, spans: Sequence[Span],
+                logits: bool = True) -> torch.Tensor | None:
+        """input_ids / position_ids [1, R], spans covering the R rows in order; each span's cache grows by its rows.
+        -> logits [1, R, V], or None (logits=False: prefill chunks need only their K/V)."""
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, self._eager)
         hidden = self._embed(input_ids)
-        cos, sin = self._rotary(hidden, position_ids=position_ids)
+        if self._table is not None:
+            cos, sin = self._table(position_ids, int(position_ids.max()) + 1)
+        else:
+            cos, sin = self._rotary(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for layer in self._layers:
-            hidden = self._step(layer, hidden, cos, sin, mask, cache, attention)
-        return self._head(self._norm(hidden))
+            hidden = self._step(layer, hidden, cos, sin, spans, attention)
+        return self._product(self._head, self._norm(hidden)) if logits else None
 
-    @staticmethod
-    def _neox_layer(layer, hidden, cos, sin, mask, cache, attention) -> torch.Tensor:
+    def _attend(self, module, query, key, value, spans: Sequence[Span], attention) -> torch.Tensor:
+        """query [1, H, R, D], key / value [1, Hkv, R, D] of all rows -> [1, R, H * D]: each span writes its K/V to
+        its cache and attends over it."""
+        outs = []
+        for span in spans:
+            rows = slice(span.start, span.end)
+            keys, values = span.cache.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
+            if span.tree and self.batch_invariant:
+                out = invariant.tree_attention(query[:, :, rows], keys, values, span.mask, module.scaling)
+            else:
+                out, _ = attention(module, query[:, :, rows], keys, values, span.mask, dropout=0.0,
+                                   scaling=module.scaling)  # fmt: skip
+            outs.append(out)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return out.reshape(*query.shape[:1], query.shape[2], -1).contiguous()
+
+    def _neox_layer(self, layer, hidden, cos, sin, spans, attention) -> torch.Tensor:
         """GPTNeoXLayer.forward (eval: its dropouts are identities)."""
-        attn = layer.attention
+        attn, mlp = layer.attention, layer.mlp
         rows = hidden.shape[:-1]
-        qkv = attn.query_key_value(layer.input_layernorm(hidden)).view(*rows, -1, 3 * attn.head_size).transpose(1, 2)
-        query, key, value = qkv.chunk(3, dim=-1)
+        qkv = self._product(attn.query_key_value, layer.input_layernorm(hidden))
+        query, key, value = qkv.view(*rows, -1, 3 * attn.head_size).transpose(1, 2).chunk(3, dim=-1)
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        key, value = cache.update(key, value, attn.layer_idx)
-        out, _ = attention(attn, query, key, value, mask, scaling=attn.scaling, dropout=0.0)
-        out = attn.dense(out.reshape(*rows, -1).contiguous())
-        if layer.use_parallel_residual:
-            return layer.mlp(layer.post_attention_layernorm(hidden)) + out + hidden
-        out = out + hidden
-        return layer.mlp(layer.post_attention_layernorm(out)) + out
+        out = self._product(attn.dense, self._attend(attn, query, key, value, spans, attention))
 
-    @staticmethod
-    def _llama_layer(layer, hidden, cos, sin, mask, cache, attention) -> torch.Tensor:
+        def feed_forward(x):  # GPTNeoXMLP.forward
+            return self._product(mlp.dense_4h_to_h, self._activate(mlp.act, self._product(mlp.dense_h_to_4h, x)))
+
+        if layer.use_parallel_residual:
+            return feed_forward(layer.post_attention_layernorm(hidden)) + out + hidden
+        out = out + hidden
+        return feed_forward(layer.post_attention_layernorm(out)) + out
+
+    def _llama_layer(self, layer, hidden, cos, sin, spans, attention) -> torch.Tensor:
         """LlamaDecoderLayer.forward."""
-        attn = layer.self_attn
+        attn, mlp = layer.self_attn, layer.mlp
         rows = hidden.shape[:-1]
         normed = layer.input_layernorm(hidden)
         shape = (*rows, -1, attn.head_dim)
-        query = attn.q_proj(normed).view(shape).transpose(1, 2)
-        key = attn.k_proj(normed).view(shape).transpose(1, 2)
-        value = attn.v_proj(normed).view(shape).transpose(1, 2)
+        query = self._product(attn.q_proj, normed).view(shape).transpose(1, 2)
+        key = self._product(attn.k_proj, normed).view(shape).transpose(1, 2)
+        value = self._product(attn.v_proj, normed).view(shape).transpose(1, 2)
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        key, value = cache.update(key, value, attn.layer_idx)
-        out, _ = attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling)
-        hidden = hidden + attn.o_proj(out.reshape(*rows, -1).contiguous())
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + self._product(attn.o_proj, self._attend(attn, query, key, value, spans, attention))
+        normed = layer.post_attention_layernorm(hidden)
+        gate = self._activate(mlp.act_fn, self._product(mlp.gate_proj, normed))
+        return hidden + self._product(mlp.down_proj, gate * self._product(mlp.up_proj, normed))  # LlamaMLP.forward

@@ -5,8 +5,25 @@ ids ``cache length + depth`` and a 4D mask: causal over everything cached plus t
 code uses a caller-supplied 4D mask as-is (eager and sdpa alike), so this adapter relies only on the model's forward
 (``past_key_values`` / ``attention_mask`` / ``position_ids``). That keeps it working when DeepSpeed AutoTP has
 replaced the Linear layers: every rank runs the same calls and keeps its own shard of the cache. On CPU, GPTNeoX and
-Llama verifies run `lean_forward.LeanForward` instead: the same computation over the same modules (HF's logits bit
-for bit) without the model forward's per-call overhead.
+Llama forwards run `lean_forward.LeanForward` instead: the same computation over the same modules without the model
+forward's per-call overhead (HF's logits bit for bit, except that batch invariance takes other products for verify
+rows).
+
+`forward_batch` runs one forward over the segments of many requests (continuous batching): each request's verify
+rows (``[root, *tree nodes]`` with its tree mask) or prefill chunk. On the lean loop all verify rows share every
+product (each weight is read once per step) and attend per request over their own caches; each prefill chunk runs
+its own products (compute-bound: its weight reads are amortised over its rows, and its K/V depend on its own rows
+only). Where the lean loop does not run (other architectures, DeepSpeed shards, CUDA, training mode) every segment
+runs its own HF forward inside `forward_batch`: correct, not batched. `verify` and `prefill` are `forward_batch`
+over one segment.
+
+Batch invariance (float32 on CPU with the native kernels and the lean loop, on by default there): a segment's logits
+and K/V are the same bits whatever shares its forward, and a verify's root row gives the same logits under a tree of
+any size (models/batch_invariant.py says how). Elsewhere what holds instead: in the per-segment fallback a segment's
+results depend on its own rows only, not on the other segments, but a root row's logits depend on its tree's size
+(products of different row counts); with `batch_invariant=False` (planned GEMM paths by total row count) and for
+float64 models (F.linear) a row's logits depend on the batch in the last bits (~1e-7 relative in float32, ~1e-16 in
+float64), so a greedy argmax can change only at such near-ties.
 
 After acceptance, ``commit`` keeps the root and the accepted path and drops the other tree rows, compacting each
 layer's K/V so the cache is again one contiguous prefix. The K/V live in a `GrowableKVCache` (kv_cache.py): rows are
@@ -23,8 +40,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from ray_specdec.models import batch_invariant as invariant
 from ray_specdec.models import cpu_attention, cpu_gemm, lean_forward, native
 from ray_specdec.models.kv_cache import GrowableKVCache
+from ray_specdec.models.lean_forward import Span
 from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path, switched_on
 from ray_specdec.tree import TreeTensors
 
@@ -57,6 +76,35 @@ class TargetCache:
         """Tokens held, uncommitted verify rows included."""
         return self.kv.get_seq_length()
 
+    @property
+    def capacity(self) -> int | None:
+        """Rows the cache was preallocated with and never grows past (None: it grows up to the context)."""
+        return self.kv.fixed_capacity
+
+
+@dataclass
+class Segment:
+    """One request's part of a batched forward: a prefill chunk (tree None: appended causally, no logits) or a
+    verify (`tokens` = [root, *tree nodes], S == 1 + tree.num_nodes)."""
+
+    cache: TargetCache
+    tokens: torch.Tensor  # [S] long: a prefill chunk, or [root, *tree node tokens] (BFS order)
+    tree: TreeTensors | None = None
+
+
+@dataclass
+class _Rows:
+    """A checked segment, ready for the forward: its tokens and positions on the target's device, its mask."""
+
+    segment: Segment
+    tokens: torch.Tensor  # [S] long
+    positions: torch.Tensor | None  # [S] long (a verify's; prefill chunks take theirs from the cache length)
+    mask: torch.Tensor | None  # a verify's additive [1, 1, S, cache + S]
+
+    @property
+    def verify(self) -> bool:
+        return self.segment.tree is not None
+
 
 class TargetModel:
     """Adapter around an HF causal LM (GPTNeoX, Llama, Mistral, ... including grouped-query attention)."""
@@ -71,6 +119,7 @@ class TargetModel:
         planned_gemm: bool | None = None,
         native_attention: bool | None = None,
         lean: bool | None = None,
+        batch_invariant: bool | None = None,
     ) -> "TargetModel":
         """Load from a hub id or a local directory; float32 on CPU unless `dtype` says otherwise."""
         path = resolve_model_path(name_or_path)
@@ -78,7 +127,7 @@ class TargetModel:
             path, dtype=resolve_dtype(dtype, device), attn_implementation=ATTN_IMPLEMENTATION
         )
         return cls(model.to(device).eval(), load_tokenizer(path), planned_gemm=planned_gemm,
-                   native_attention=native_attention, lean=lean)
+                   native_attention=native_attention, lean=lean, batch_invariant=batch_invariant)
 
     def __init__(
         self,
@@ -88,6 +137,7 @@ class TargetModel:
         planned_gemm: bool | None = None,
         native_attention: bool | None = None,
         lean: bool | None = None,
+        batch_invariant: bool | None = None,
     ):
         """planned_gemm: the Linear layers take the fastest measured GEMM path per row count (models/cpu_gemm.py).
         None: on for a float32 model on CPU (not for a DeepSpeed engine's shard), unless the environment sets
@@ -98,7 +148,11 @@ class TargetModel:
         lean: verify forwards run as models/lean_forward.py's loop over the model's modules (the same logits, bit
         for bit, without HF's per-call machinery). None: on where it supports the model (GPTNeoX and Llama on CPU,
         not a shard) unless RAY_SPECDEC_LEAN=0; True insists; False keeps HF's forward. `lean_why` says why it is
-        off."""
+        off.
+        batch_invariant: verify rows take models/batch_invariant.py's operations, so a segment's results do not
+        depend on what shares its forward (the planned GEMM paths still serve prefill chunks). None: on where the lean
+        loop and the native attention are (float32 on CPU) unless RAY_SPECDEC_BATCH_INVARIANT=0; True insists; False
+        keeps the planned paths. `batch_invariant_why` says why it is off."""
         sharded = not isinstance(model, PreTrainedModel)
         # A DeepSpeed InferenceEngine keeps the (AutoTP-sharded) HF model as `.module`; call that one directly.
         self.model = model.module if sharded else model
@@ -115,6 +169,7 @@ class TargetModel:
         self.vocab_size: int = int(config.vocab_size)
         self.max_context: int = int(config.max_position_embeddings)
         self.eos_token_ids: frozenset[int] = _eos_token_ids(self.model)
+        self._config = config
         self._window = _sliding_window(config)
         self._eager = attn == "eager"
         self._logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -128,63 +183,80 @@ class TargetModel:
             self.native_attention_why = "native_attention=False"
         if self.native_attention_why is None:
             cpu_attention.install(self.model)
-        self.lean_why: str | None = (
-            "the model is a DeepSpeed shard" if sharded
-            else "RAY_SPECDEC_LEAN=0" if lean is None and not switched_on("RAY_SPECDEC_LEAN")
-            else "lean=False" if lean is False
-            else lean_forward.why_unsupported(self.model)
+        self.lean_why: str | None = _switch_why("lean", lean, "RAY_SPECDEC_LEAN", lambda: (
+            "the model is a DeepSpeed shard" if sharded else lean_forward.why_unsupported(self.model)))
+        self.batch_invariant_why: str | None = _switch_why(
+            "batch_invariant", batch_invariant, "RAY_SPECDEC_BATCH_INVARIANT", self._batch_invariance_blocker)
+        self._lean = (
+            lean_forward.LeanForward(self.model, batch_invariant=self.batch_invariant_why is None)
+            if self.lean_why is None else None
         )  # fmt: skip
-        if lean and self.lean_why is not None:
-            raise RuntimeError(f"lean=True but {self.lean_why}")
-        self._lean = lean_forward.LeanForward(self.model) if self.lean_why is None else None
 
     @property
     def native_attention(self) -> bool:
         """Whether verify rows attend through the native CPU kernel."""
         return self.native_attention_why is None
 
-    def new_cache(self) -> TargetCache:
-        # Full-attention layers that keep every position (sliding windows are applied by the mask); buffers never
-        # grow past the context, which _check_length enforces.
-        return TargetCache(GrowableKVCache(max_capacity=self.max_context))
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a segment's logits and K/V are the same bits whatever shares its forward."""
+        return self.batch_invariant_why is None
+
+    def _batch_invariance_blocker(self) -> str | None:
+        if self.lean_why is not None:
+            return f"the lean forward is off ({self.lean_why})"
+        if self.native_attention_why is not None:
+            return f"the native attention is off ({self.native_attention_why})"
+        return invariant.why_unsupported(self.model)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K + V bytes one cached token takes over all layers (the whole model's: a tensor-parallel rank holds its
+        share of the heads), for sizing a KV budget."""
+        c = self._config
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 2 * c.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+
+    def new_cache(self, capacity: int | None = None) -> TargetCache:
+        """A request's cache. capacity: rows allocated on its first forward and never grown past (a request's share
+        of a KV budget; a forward that needs more raises before it runs). None: buffers grow as needed, never past
+        the context (full-attention layers that keep every position: sliding windows are applied by the mask)."""
+        if capacity is None:
+            return TargetCache(GrowableKVCache(max_capacity=self.max_context))
+        if capacity < 1:
+            raise ValueError(f"a cache needs a capacity of at least one row, got {capacity}")
+        return TargetCache(GrowableKVCache(max_capacity=capacity, preallocate=True))
 
     @torch.inference_mode()
+    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
+        """One forward for all segments (of distinct caches). A verify segment -> its logits [S, V] (float32; float64
+        for float64 models), its cache grows by S pending rows until `commit`; a prefill segment -> None, its cache
+        grows by S committed rows. Every segment is checked before anything runs."""
+        rows = [self._checked(segment) for segment in segments]
+        if len({id(r.segment.cache) for r in rows}) != len(rows):
+            raise ValueError("two segments of one forward share a cache")
+        verify = [r for r in rows if r.verify]
+        logits = dict(zip(map(id, verify), self._verify_rows(verify))) if verify else {}
+        for r in rows:
+            if r.verify:
+                r.segment.cache.pending_rows = r.tokens.numel()
+            else:
+                self._prefill_rows(r)
+        return [logits[id(r)].to(self._logits_dtype) if r.verify else None for r in rows]
+
     def prefill(self, cache: TargetCache, input_ids: torch.Tensor) -> None:
         """Append input_ids [S] (S >= 0) to the cache."""
-        self._check_committed(cache)
-        input_ids = input_ids.reshape(-1).to(self.device, torch.long)
-        self._check_length(cache.length + input_ids.numel(), f"prefill of {input_ids.numel()} tokens")
-        size = min(PREFILL_CHUNK, EAGER_PREFILL_CHUNK) if self._eager else PREFILL_CHUNK
-        for start in range(0, input_ids.numel(), size):
-            chunk = input_ids[start : start + size]
-            # Default mask and positions: HF derives both from the cache length, which commit keeps exact.
-            with self._sdpa_backends():
-                self.model(input_ids=chunk[None], past_key_values=cache.kv, use_cache=True, logits_to_keep=1)
+        self.forward_batch([Segment(cache, input_ids)])
 
-    @torch.inference_mode()
     def verify(self, cache: TargetCache, root_token: int, tree: TreeTensors, tree_tokens: torch.Tensor) -> torch.Tensor:
         """Logits [1 + n, V] at the root and every tree node; the cache grows by 1 + n rows until commit.
 
         tree_tokens: [n] token of every tree node, BFS order (row i + 1 of the forward).
         """
-        self._check_committed(cache)
         tree_tokens = tree_tokens.reshape(-1).to(self.device, torch.long)
-        if tree_tokens.numel() != tree.num_nodes:
-            raise ValueError(f"tree has {tree.num_nodes} nodes but {tree_tokens.numel()} tokens were given")
-        cache_len = cache.length
-        self._check_length(cache_len + tree.depth + 1, f"verify of a depth-{tree.depth} tree")
         root = torch.tensor([root_token], dtype=torch.long, device=self.device)
-        input_ids = torch.cat([root, tree_tokens])[None]
-        mask = tree_attention_mask(cache_len, tree, self.dtype, self.device, self._window)
-        position_ids = tree.position_ids(cache_len).to(self.device)[None]
-        if self._lean is not None and self._lean.available:
-            logits = self._lean.forward(input_ids, position_ids, mask, cache.kv)
-        else:
-            with self._sdpa_backends():
-                logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                                    past_key_values=cache.kv, use_cache=True).logits
-        cache.pending_rows = 1 + tree.num_nodes
-        return logits[0].to(self._logits_dtype)
+        return self.forward_batch([Segment(cache, torch.cat([root, tree_tokens]), tree)])[0]
 
     @torch.inference_mode()
     def commit(self, cache: TargetCache, keep_rows: Sequence[int]) -> None:
@@ -197,6 +269,65 @@ class TargetModel:
         base = cache.length - cache.pending_rows
         cache.kv.compact(base, keep)
         cache.pending_rows = 0
+
+    def _checked(self, segment: Segment) -> _Rows:
+        """The segment's rows, after checking that it fits (context, capacity) and that its cache is committed."""
+        cache, tree = segment.cache, segment.tree
+        self._check_committed(cache)
+        tokens = segment.tokens.reshape(-1).to(self.device, torch.long)
+        cache_len = cache.length
+        if tree is None:
+            what = f"prefill of {tokens.numel()} tokens"
+            self._check_length(cache_len + tokens.numel(), what)
+            positions = mask = None
+        else:
+            if tokens.numel() != 1 + tree.num_nodes:
+                raise ValueError(f"tree has {tree.num_nodes} nodes but {tokens.numel() - 1} tokens were given")
+            what = f"verify of a depth-{tree.depth} tree"
+            self._check_length(cache_len + tree.depth + 1, what)
+            positions = tree.position_ids(cache_len).to(self.device)
+            mask = tree_attention_mask(cache_len, tree, self.dtype, self.device, self._window)
+        if cache.capacity is not None and cache_len + tokens.numel() > cache.capacity:
+            raise ValueError(f"{what} needs {cache_len + tokens.numel()} cache rows but the cache holds "
+                             f"{cache.capacity} (new_cache(capacity=...))")  # fmt: skip
+        return _Rows(segment, tokens, positions, mask)
+
+    def _verify_rows(self, verify: list[_Rows]) -> list[torch.Tensor]:
+        """Logits [S_i, V] of every verify segment: one lean forward over all their rows, or HF's per segment."""
+        if self._lean is None or not self._lean.available:
+            return [self._hf_forward(r.tokens, r.positions, r.mask, r.segment.cache).logits[0] for r in verify]
+        spans, start = [], 0
+        for r in verify:
+            spans.append(Span(start, start + r.tokens.numel(), r.segment.cache.kv, r.mask, tree=True))
+            start = spans[-1].end
+        input_ids = torch.cat([r.tokens for r in verify])[None]
+        positions = torch.cat([r.positions for r in verify])[None]
+        logits = self._lean.forward(input_ids, positions, spans)[0]
+        return [logits[span.start : span.end] for span in spans]
+
+    def _prefill_rows(self, rows: _Rows) -> None:
+        """Append a prefill segment's tokens in chunks of PREFILL_CHUNK (EAGER_PREFILL_CHUNK for eager attention),
+        each its own forward: its products and attention depend on its own rows only."""
+        cache = rows.segment.cache
+        size = min(PREFILL_CHUNK, EAGER_PREFILL_CHUNK) if self._eager else PREFILL_CHUNK
+        for start in range(0, rows.tokens.numel(), size):
+            chunk = rows.tokens[start : start + size]
+            if self._lean is None or not self._lean.available:
+                # Default mask and positions: HF derives both from the cache length, which commit keeps exact.
+                self._hf_forward(chunk, None, None, cache, logits_to_keep=1)
+                continue
+            cache_len = cache.length
+            positions = torch.arange(cache_len, cache_len + chunk.numel(), device=self.device)
+            mask = _prefill_mask(cache_len, chunk.numel(), self._window, self.dtype if self._eager else None)
+            span = Span(0, chunk.numel(), cache.kv, mask, tree=False)
+            self._lean.forward(chunk[None], positions[None], [span], logits=False)
+
+    def _hf_forward(self, tokens, positions, mask, cache: TargetCache, **kwargs):
+        """The model's own forward over one segment: tokens / positions [S], mask [1, 1, S, cache + S] or None."""
+        with self._sdpa_backends():
+            return self.model(input_ids=tokens[None], attention_mask=mask,
+                              position_ids=None if positions is None else positions[None],
+                              past_key_values=cache.kv, use_cache=True, **kwargs)  # fmt: skip
 
     def _sdpa_backends(self):
         """The sdpa backends our forwards may take (CUDA_SDPA_BACKENDS on CUDA; torch's choice elsewhere)."""
@@ -212,6 +343,35 @@ class TargetModel:
                 f"{what} needs {needed} positions but the target's context is {self.max_context} "
                 "(max_position_embeddings); shorten the prompt or max_tokens"
             )
+
+
+def _switch_why(name: str, requested: bool | None, variable: str, blocker) -> str | None:
+    """Why an on/off/auto feature is off (None: on). requested None: on unless `variable` switches it off or
+    `blocker()` names a reason; True: on, or a RuntimeError with the reason; False: off."""
+    if requested is False:
+        return f"{name}=False"
+    if requested is None and not switched_on(variable):
+        return f"{variable}=0"
+    why = blocker()
+    if requested and why is not None:
+        raise RuntimeError(f"{name}=True but {why}")
+    return why
+
+
+def _prefill_mask(cache_len: int, rows: int, window: int | None, additive: torch.dtype | None) -> torch.Tensor | None:
+    """The mask HF builds for a prefill chunk of `rows` after `cache_len` cached tokens: None where attention needs
+    none (one row, or sdpa's causal flag without a cache; full attention); else [1, 1, rows, cache_len + rows], bool
+    (True: attend) or, for eager attention (additive = the model's dtype), 0 / the dtype's min."""
+    if window is None and (rows == 1 or (cache_len == 0 and additive is None)):
+        return None
+    q_pos = torch.arange(cache_len, cache_len + rows)[:, None]
+    k_pos = torch.arange(cache_len + rows)[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= (q_pos - k_pos) < window
+    if additive is not None:
+        return torch.zeros(visible.shape, dtype=additive).masked_fill_(~visible, torch.finfo(additive).min)[None, None]
+    return visible[None, None]
 
 
 def tree_attention_mask(

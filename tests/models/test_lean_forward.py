@@ -34,9 +34,10 @@ TREES = [[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], [(0,), (0, 0)], []]  #
 
 
 def pair(build, dtype=torch.float32, native_attention=None, **kwargs):
-    """Two targets over one model: the lean forward and HF's."""
+    """Two targets over one model: the lean forward (with the model's own products: batch invariance takes others,
+    tests/models/test_forward_batch.py) and HF's."""
     model = build(dtype, seed=3, **kwargs)
-    lean = TargetModel(model, lean=True, native_attention=native_attention)
+    lean = TargetModel(model, lean=True, native_attention=native_attention, batch_invariant=False)
     hf = TargetModel(model, lean=False, native_attention=native_attention)
     assert lean._lean is not None and hf._lean is None and hf.lean_why == "lean=False"
     return lean, hf
@@ -74,11 +75,13 @@ def test_a_model_put_in_training_mode_goes_back_to_hf_forward(monkeypatch):
     lean, hf = pair(tiny_gpt_neox)
     calls = []
     original = lean_forward.LeanForward.forward
-    monkeypatch.setattr(lean_forward.LeanForward, "forward", lambda self, *a: calls.append(1) or original(self, *a))
+    monkeypatch.setattr(lean_forward.LeanForward, "forward",
+                        lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
     tree, tokens = build_tree([(0,), (1,)]), torch.tensor([4, 9])
     caches = [t.new_cache() for t in (lean, hf)]
     for target, cache in zip((lean, hf), caches):
         target.prefill(cache, torch.arange(1, 20))
+    calls.clear()  # the prefill's
     for training in (True, False):
         lean.model.train(training)
         assert lean._lean.available is not training

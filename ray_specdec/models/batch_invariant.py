@@ -1,0 +1,110 @@
+"""Batch-invariant operations for the lean forward on CPU: a row's result does not depend on the other rows.
+
+A step of the continuous-batching scheduler runs one forward over the verify rows of every request in flight, so the
+rows a request shares its products with change from step to step (other requests, other tree sizes). Greedy output
+must not: in float32, each row's logits and K/V must be the bits it gets alone. Per operation of the forward:
+
+- Products: cpu_gemm's planned paths pick F.linear / oneDNN / weight-left / native by row count, and those round
+  differently. The native GEMM (native/gemm_cpu.c) accumulates every output over the inputs in one fixed order,
+  whatever the row count, row block or thread split (threads take output blocks, never parts of a sum), so every
+  verify row's product goes through it, one row included (`product`).
+- Attention: the native kernel (native/attention_cpu.c) computes each query row in its own vector lane with the same
+  operations whatever the number of rows, and a masked key contributes an exact zero (its weight underflows to 0 and
+  the running maximum never rises to it), so a root row gives the same bits alone or under a tree of any size. sdpa,
+  which cpu_attention keeps for fewer than MIN_ROWS rows, is not used here (`tree_attention`).
+- Activations: torch's elementwise kernels run vectors over the flattened tensor and a scalar loop over the tail; the
+  two round GELU / SiLU differently (tens of thousands of a million values differ), and which elements fall in a
+  tail depends on the row count and on how torch splits the elements over threads. With one thread and a width that
+  is a multiple of VECTOR_MULTIPLE, every element takes the vector path (`activate`).
+- Rotary cos / sin come from a table per position (`RotaryTable`), computed in fixed blocks, so a row's values depend
+  on its position only.
+- LayerNorm / RMSNorm reduce each row on its own, embeddings gather, residual sums and products are exact per element:
+  the same in any batch (tests/models/test_forward_batch.py checks the whole forward).
+
+`why_unsupported(model)` names what keeps a model out (see TargetModel for the rest: float32 on CPU, the lean loop,
+the native kernels). Prefill chunks do not go through these operations: each chunk runs its own products, so its K/V
+depend on its own rows only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from ray_specdec.models import cpu_attention, cpu_gemm
+
+# Elements per vector step of torch's elementwise loops: two vectors of 16 floats (AVX-512); AVX2 / NEON take fewer.
+VECTOR_MULTIPLE = 32
+# Positions per block of the rotary table (a block's values come from one call of the model's rotary embedding).
+ROTARY_BLOCK = 256
+# Rotary embeddings whose frequencies change with the sequence length: a position's cos / sin depend on the batch.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def why_unsupported(model) -> str | None:
+    """Why a (lean-supported) model's forward cannot be made batch-invariant here, or None when it can."""
+    width = int(model.config.intermediate_size)
+    if width % VECTOR_MULTIPLE:
+        return f"its MLP width {width} is not a multiple of {VECTOR_MULTIPLE} (activations would take scalar tails)"
+    rope = getattr(model.base_model.rotary_emb, "rope_type", "default")
+    if rope in _LENGTH_DEPENDENT_ROPE:
+        return f"its rotary embedding ({rope!r}) depends on the sequence length"
+    return None
+
+
+def product(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """linear(x) through the native GEMM, for x [..., in] (float32 on CPU) -> [..., out]."""
+    rows = x.numel() // x.shape[-1]
+    out = cpu_gemm.PATHS[cpu_gemm.NATIVE](x.reshape(rows, x.shape[-1]), linear.weight, linear.bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+@contextlib.contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def activate(fn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for x [..., width] (width a multiple of VECTOR_MULTIPLE, contiguous) on one thread: no element falls in
+    a scalar tail. (An activation is a small share of a verify forward; one thread is no slower at these sizes.)"""
+    with _one_thread():
+        return fn(x)
+
+
+def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """The native kernel for any number of rows: query [1, H, S, D], key / value [1, Hkv, L, D], mask additive
+    [1, 1, S, L] (finite) -> [1, S, H, D]."""
+    return cpu_attention.tree_attention(query, key, value, mask[0], scale)
+
+
+class RotaryTable:
+    """cos / sin of the model's rotary embedding per position, filled on demand in blocks of ROTARY_BLOCK positions
+    (each block one call of the embedding, so a position's values never depend on which rows asked for it)."""
+
+    def __init__(self, rotary: nn.Module, max_positions: int, dtype: torch.dtype):
+        self._rotary, self._dtype = rotary, dtype
+        self._filled = 0
+        dims = rotary.inv_freq.numel() * 2
+        # Untouched rows of torch.empty cost no memory: a long context fills only what it reaches.
+        self._cos = torch.empty(max_positions, dims, dtype=dtype)
+        self._sin = torch.empty(max_positions, dims, dtype=dtype)
+
+    def __call__(self, position_ids: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [1, R], all below `end` -> cos, sin [1, R, dims]."""
+        while self._filled < end:
+            start = self._filled
+            stop = min(start + ROTARY_BLOCK, self._cos.shape[0])
+            positions = torch.arange(start, stop)[None]
+            cos, sin = self._rotary(self._cos[:1], position_ids=positions)
+            self._cos[start:stop], self._sin[start:stop] = cos[0], sin[0]
+            self._filled = stop
+        flat = position_ids.reshape(-1)
+        return self._cos[flat][None], self._sin[flat][None]

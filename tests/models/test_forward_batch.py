@@ -1,0 +1,274 @@
+"""TargetModel.forward_batch: one forward over many requests' verify and prefill segments. Batch invariance in float32
+on CPU (a segment's logits and K/V are the same bits alone or in any batch; a root row's logits under any tree size),
+the kernels it rests on (row invariance of the native GEMM and attention), agreement with `verify` / `prefill` and HF's
+forward, and fixed-capacity caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_specdec.config import TreeConfig
+from ray_specdec.defaults import DEFAULT_TARGET
+from ray_specdec.models import batch_invariant, cpu_attention, native
+from ray_specdec.models.kv_cache import CacheFull
+from ray_specdec.models.target import Segment, TargetModel
+from ray_specdec.tree import build_tree
+from tests.tiny_models import tiny_gpt_neox, tiny_llama, tiny_mistral
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
+
+TREES = {"3,2,1": (3, 2, 1), "2,2,1": (2, 2, 1), "chain4": (1, 1, 1, 1), "one": (1,), "empty": ()}
+
+
+@pytest.fixture
+def threads(request):
+    """torch's thread count for one test (the native kernels follow it), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return TargetModel.from_pretrained(str(DEFAULT_TARGET))
+
+
+@pytest.fixture(scope="module", params=["neox", "llama_gqa", "shipped"])
+def target(request, shipped):
+    if request.param == "shipped":
+        return shipped
+    build = tiny_gpt_neox if request.param == "neox" else tiny_llama
+    return TargetModel(build(torch.float32, seed=3))
+
+
+def tokens(n: int, seed: int, vocab: int = 128) -> torch.Tensor:
+    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def tree(name: str):
+    return build_tree(TreeConfig(TREES[name]).index_paths())
+
+
+def verify_segment(target, cache, name: str, seed: int) -> Segment:
+    t = tree(name)
+    return Segment(cache, tokens(1 + t.num_nodes, seed, target.vocab_size), t)
+
+
+def cache_with(target, context: int, seed: int):
+    cache = target.new_cache()
+    target.prefill(cache, tokens(context, seed, target.vocab_size))
+    return cache
+
+
+def kv(cache) -> list[torch.Tensor]:
+    return [t.clone() for layer in cache.kv.layers for t in (layer.keys, layer.values)]
+
+
+def run_and_commit(target, segments, keep) -> tuple[list, list[list[torch.Tensor]]]:
+    """forward_batch, then commit every verify (rows `keep` that exist): logits and every segment's K/V after."""
+    logits = target.forward_batch(segments)
+    for s in segments:
+        if s.tree is not None:
+            target.commit(s.cache, [r for r in keep if r <= s.tree.num_nodes])
+    return logits, [kv(s.cache) for s in segments]
+
+
+@pytest.mark.parametrize("mates", [3, 7])
+def test_a_verify_alone_and_in_a_batch_are_bit_identical(target, mates):
+    """One verify (tree 3,2,1 at 40 tokens) alone, then with other requests' trees of other shapes at other context
+    lengths and prefill chunks (first and later ones): the same logits and the same kept K/V, with torch.equal."""
+    assert target.batch_invariant, target.batch_invariant_why
+    keep = [0, 1, 4]
+    alone_logits, alone_kv = run_and_commit(target, [verify_segment(target, cache_with(target, 40, 1), "3,2,1", 2)],
+                                            keep)  # fmt: skip
+    others = []
+    for i in range(mates):
+        if i % 3 == 2:  # a prefill chunk, into an empty cache or after earlier tokens
+            cache = target.new_cache() if i % 2 else cache_with(target, 9 + i, 10 + i)
+            others.append(Segment(cache, tokens(5 + 11 * i, 20 + i, target.vocab_size)))
+        else:
+            name = ["2,2,1", "chain4", "empty", "one"][i % 4]
+            others.append(verify_segment(target, cache_with(target, 3 + 17 * i, 30 + i), name, 40 + i))
+    mine = verify_segment(target, cache_with(target, 40, 1), "3,2,1", 2)
+    batch = others[: mates // 2] + [mine] + others[mates // 2 :]
+    logits, kvs = run_and_commit(target, batch, keep)
+    at = batch.index(mine)
+    assert torch.equal(logits[at], alone_logits[0])
+    assert all(torch.equal(a, b) for a, b in zip(kvs[at], alone_kv[0], strict=True))
+    for segment, out in zip(batch, logits):
+        assert (out is None) == (segment.tree is None)
+
+
+def test_prefill_chunks_alone_and_in_a_batch_are_bit_identical(target):
+    alone = target.new_cache()
+    target.forward_batch([Segment(alone, tokens(37, 5, target.vocab_size))])
+    mine = target.new_cache()
+    batch = [verify_segment(target, cache_with(target, 20, 6), "2,2,1", 7),
+             Segment(mine, tokens(37, 5, target.vocab_size)),
+             Segment(target.new_cache(), tokens(12, 8, target.vocab_size))]
+    target.forward_batch(batch)
+    assert all(torch.equal(a, b) for a, b in zip(kv(mine), kv(alone), strict=True))
+
+
+def test_root_logits_do_not_depend_on_the_tree_size(target):
+    """The root row's logits for plain decoding (no tree node) and under trees of 1 to 15 nodes: the same bits."""
+    cache = cache_with(target, 150, 3)
+    roots = []
+    for name in TREES:
+        t = tree(name)
+        rows = torch.cat([torch.tensor([7]), tokens(t.num_nodes, 4, target.vocab_size)])
+        roots.append(target.forward_batch([Segment(cache, rows, t)])[0][0])
+        target.commit(cache, [])
+    assert all(torch.equal(root, roots[0]) for root in roots[1:])
+
+
+@pytest.mark.parametrize("family", [tiny_gpt_neox, tiny_llama])
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_forward_batch_is_verify_and_close_to_hf(family, batch_invariant):
+    """forward_batch's logits are verify's (one path) for each segment of a batch, and close to HF's own forward
+    over the whole history with the tree mask."""
+    model = family(torch.float32, seed=3)
+    target = TargetModel(model, batch_invariant=batch_invariant)
+    contexts, names = [30, 7, 61], ["2,2,1", "empty", "chain4"]
+    batch = [verify_segment(target, cache_with(target, n, i), name, 10 + i)
+             for i, (n, name) in enumerate(zip(contexts, names))]  # fmt: skip
+    logits = target.forward_batch(batch)
+    for i, (segment, out) in enumerate(zip(batch, logits)):
+        cache = cache_with(target, contexts[i], i)
+        one = target.verify(cache, int(segment.tokens[0]), segment.tree, segment.tokens[1:])
+        if batch_invariant:
+            assert torch.equal(out, one)
+        else:
+            torch.testing.assert_close(out, one, atol=2e-5, rtol=0)
+        history = torch.cat([tokens(contexts[i], i), segment.tokens])
+        mask = torch.ones(len(history), len(history)).tril()
+        n = contexts[i]
+        mask[n:, n:] = segment.tree.attn_mask.float()
+        additive = (1 - mask) * torch.finfo(torch.float32).min
+        positions = torch.cat([torch.arange(n), segment.tree.position_ids(n)])
+        with torch.no_grad():
+            hf = model(history[None], attention_mask=additive[None, None], position_ids=positions[None]).logits[0, n:]
+        torch.testing.assert_close(out, hf, atol=2e-5, rtol=0)
+
+
+def test_prefill_through_forward_batch_is_prefill():
+    target = TargetModel(tiny_llama(torch.float32, seed=3))
+    a, b = target.new_cache(), target.new_cache()
+    target.prefill(a, tokens(30, 1))
+    target.prefill(a, tokens(9, 2))
+    target.forward_batch([Segment(b, tokens(30, 1))])
+    target.forward_batch([Segment(b, tokens(9, 2)), verify_segment(target, cache_with(target, 5, 3), "one", 4)])
+    assert a.length == b.length == 39 and b.pending_rows == 0
+    assert all(torch.equal(x, y) for x, y in zip(kv(a), kv(b), strict=True))
+
+
+def test_commit_after_a_batched_verify_equals_prefilling_the_kept_tokens():
+    target = TargetModel(tiny_gpt_neox(torch.float32, seed=3), batch_invariant=False)
+    history = tokens(20, 1)
+    caches = [cache_with(target, 20, 1), cache_with(target, 8, 2)]
+    seg = verify_segment(target, caches[0], "2,2,1", 3)
+    target.forward_batch([seg, verify_segment(target, caches[1], "chain4", 4)])
+    keep = list(seg.tree.leaf_paths[-1])
+    target.commit(caches[0], keep)
+    fresh = target.new_cache()
+    target.prefill(fresh, torch.cat([history, seg.tokens[keep]]))
+    assert caches[0].length == fresh.length == 20 + len(keep)
+    for x, y in zip(kv(caches[0]), kv(fresh), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="uncommitted verify rows"):
+        target.forward_batch([Segment(caches[1], tokens(2, 5))])
+
+
+def test_misuse_raises_before_anything_runs():
+    target = TargetModel(tiny_gpt_neox(torch.float32))
+    cache, other = cache_with(target, 10, 1), cache_with(target, 10, 2)
+    with pytest.raises(ValueError, match="share a cache"):
+        target.forward_batch([Segment(cache, tokens(3, 1)), verify_segment(target, cache, "one", 2)])
+    with pytest.raises(ValueError, match="tree has 10 nodes but 1 tokens"):
+        target.forward_batch([Segment(other, tokens(4, 1)), Segment(cache, tokens(2, 3), tree("2,2,1"))])
+    assert cache.length == other.length == 10
+
+
+def test_a_fixed_capacity_cache_never_reallocates_and_refuses_to_overflow():
+    target = TargetModel(tiny_llama(torch.float32))
+    cache = target.new_cache(capacity=40)
+    target.prefill(cache, tokens(29, 1))
+    pointers = [layer._keys.data_ptr() for layer in cache.kv.layers]
+    assert cache.capacity == 40 and all(layer.capacity == 40 for layer in cache.kv.layers)
+    target.forward_batch([verify_segment(target, cache, "2,2,1", 2)])  # 29 + 11 rows: full
+    target.commit(cache, [0, 1])
+    target.prefill(cache, tokens(9, 3))
+    assert cache.length == 40 and [layer._keys.data_ptr() for layer in cache.kv.layers] == pointers
+    with pytest.raises(ValueError, match="needs 41 cache rows but the cache holds 40"):
+        target.forward_batch([Segment(cache, tokens(1, 4))])
+    with pytest.raises(CacheFull, match="fixed capacity of 40 rows"):
+        cache.kv.layers[0].reserve(41)
+    assert cache.length == 40
+    with pytest.raises(ValueError, match="at least one row"):
+        target.new_cache(capacity=0)
+
+
+def test_kv_bytes_per_token():
+    assert TargetModel(tiny_llama(torch.float32)).kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers, K+V, kv heads
+    assert TargetModel(tiny_gpt_neox(torch.float64)).kv_bytes_per_token == 2 * 2 * 64 * 8
+
+
+def test_when_the_target_is_batch_invariant(monkeypatch):
+    assert TargetModel(tiny_gpt_neox()).batch_invariant_why is None
+    assert "lean forward is off" in TargetModel(tiny_mistral()).batch_invariant_why
+    assert "native attention is off" in TargetModel(tiny_gpt_neox(torch.float64)).batch_invariant_why
+    assert TargetModel(tiny_llama(), batch_invariant=False).batch_invariant_why == "batch_invariant=False"
+    with pytest.raises(RuntimeError, match="batch_invariant=True but the lean forward is off"):
+        TargetModel(tiny_llama(), lean=False, batch_invariant=True)
+    odd = tiny_llama()
+    odd.config.intermediate_size = 100
+    assert "MLP width 100" in batch_invariant.why_unsupported(odd)
+    monkeypatch.setenv("RAY_SPECDEC_BATCH_INVARIANT", "0")
+    assert TargetModel(tiny_gpt_neox()).batch_invariant_why == "RAY_SPECDEC_BATCH_INVARIANT=0"
+    assert TargetModel(tiny_gpt_neox(), batch_invariant=True).batch_invariant  # an explicit True overrides it
+
+
+def test_fallback_forward_batch_runs_each_segment_through_hf():
+    """A model the lean loop does not run (Mistral) batches nothing but gives each segment verify's logits."""
+    target = TargetModel(tiny_mistral(torch.float64))
+    batch = [verify_segment(target, cache_with(target, 12, 1), "2,2,1", 2), Segment(target.new_cache(), tokens(5, 3))]
+    logits = target.forward_batch(batch)
+    one = target.verify(cache_with(target, 12, 1), int(batch[0].tokens[0]), batch[0].tree, batch[0].tokens[1:])
+    assert torch.equal(logits[0], one) and logits[1] is None and batch[1].cache.length == 5
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("n_out, n_in", [(1152, 384), (100, 64), (37, 50)])
+def test_native_gemm_rows_do_not_depend_on_the_row_count(threads, n_out, n_in):
+    """Each row of a product is the same bits in a product of 1 to 70 rows, across row blocks (6 or 4 rows), thread
+    splits and panel formats (float32, and the half panels of a weight that half precision holds exactly)."""
+    g = torch.Generator().manual_seed(n_out)
+    weight, bias = torch.randn(n_out, n_in, generator=g), torch.randn(n_out, generator=g)
+    x = torch.randn(70, n_in, generator=g)
+    for w in (weight, weight.half().float()):
+        panels = native.pack_panels(w, native.exact_panel_dtype(w))
+        full = native.linear(x, panels, bias, n_out)
+        for start, rows in [(0, 1), (3, 1), (0, 2), (1, 5), (0, 6), (2, 7), (5, 13), (0, 64)]:
+            assert torch.equal(native.linear(x[start : start + rows], panels, bias, n_out), full[start : start + rows])
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(6, 6, 64), (4, 2, 16), (4, 4, 20)])
+def test_native_attention_rows_do_not_depend_on_the_row_count_or_masked_keys(threads, heads, kv_heads, dim):
+    """A query row gives the same bits in any group of rows (8- and 16-lane groups included), and keys masked away
+    change nothing: one row over L keys equals that row among 5 over L + 40 keys, the extra 40 masked."""
+    g = torch.Generator().manual_seed(dim)
+    length = 300
+    q = torch.randn(1, heads, 40, dim, generator=g)
+    k, v = torch.randn(1, kv_heads, length, dim, generator=g), torch.randn(1, kv_heads, length, dim, generator=g)
+    mask = torch.randn(1, 40, length, generator=g)
+    full = cpu_attention.tree_attention(q, k, v, mask, dim**-0.5)
+    for start, rows in [(0, 1), (0, 2), (3, 9), (0, 16), (0, 17), (20, 20)]:
+        part = slice(start, start + rows)
+        assert torch.equal(cpu_attention.tree_attention(q[:, :, part], k, v, mask[:, part], dim**-0.5), full[:, part])
+    alone = cpu_attention.tree_attention(q[:, :, :1], k[:, :, :260], v[:, :, :260], mask[:, :1, :260], dim**-0.5)
+    masked = mask[:, :5].clone()
+    masked[:, :, 260:] = torch.finfo(torch.float32).min
+    assert torch.equal(cpu_attention.tree_attention(q[:, :, :5], k, v, masked, dim**-0.5)[:, :1], alone)
