@@ -12,6 +12,11 @@ Sampled rounds hang it from the root as a chain of its own whose nodes are deter
 acceptance tries such a child first, with probability p(x), and on rejection removes x from p before the drafter's
 children are tried against what is left, so the emitted token still has exactly the distribution p
 (`accept_sampled`). The draft then carries its own index paths (`Draft.paths`): rows are the tree's BFS order.
+
+A scheduler step drafts all its requests in one batch (`draft_many`): at each depth the rows of every request that
+reaches it are copied from their parents' rows (by request and parent) and stepped together, which gives each
+request exactly its own draft only because the drafter's step is row-invariant (`MambaDrafter.steps_row_invariant`).
+A single draft is a batch of one.
 """
 
 from __future__ import annotations
@@ -228,8 +233,7 @@ class DrafterSession:
 # Most rows a batched step takes, summed over its requests' widest depths. The native step of the shipped drafter
 # costs the same per row from ~6 to ~96 rows on a 2-core CPU (its products are compute-bound past a few rows),
 # while the states and logits of a few hundred rows leave the caches and fault in fresh pages: a 384-row step and
-# its row copy cost ~2x per row (benchmarks/draft_batch.py: 32 requests of (3,2,2,1,1) in one run were slower than
-# one by one).
+# its row copy cost ~2x per row.
 MAX_BATCH_ROWS = 64
 
 

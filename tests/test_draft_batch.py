@@ -63,8 +63,8 @@ def prompt(index: int, vocab: int) -> list[int]:
 
 
 def sessions(d: MambaDrafter, n: int) -> list[DrafterSession]:
-    # the target's vocabulary is wider than the drafter's for some requests (padded draft distributions)
-    return [DrafterSession(d, prompt(i, d.vocab_size), d.vocab_size + 3 * (i % 2)) for i in range(n)]
+    # the target's vocabulary is the drafter's, wider (padded draft distributions) or narrower (cut ones)
+    return [DrafterSession(d, prompt(i, d.vocab_size), d.vocab_size + (0, 3, -2)[i % 3]) for i in range(n)]
 
 
 def requests(group: list[DrafterSession], seed: int) -> list[DraftRequest]:
@@ -148,6 +148,14 @@ def test_requests_sharing_a_generator_draw_in_one_by_one_order(named_drafter):
     for s, (t, p), g, draft in zip(alone, configs, [copy, None, copy, None], drafts):
         assert_same_draft(draft, s.draft(TreeConfig.parse(t), p, g))
     assert torch.equal(shared.get_state(), copy.get_state())
+
+
+def test_requests_on_two_drafters_in_one_call():
+    mixed = [("tiny", 0), ("shipped", 1), ("tiny", 2), ("tiny", 3), ("shipped", 4)]
+    batched, alone = ([sessions(drafter(name), 5)[i] for name, i in mixed] for _ in range(2))
+    drafts = draft_many(requests(batched, 0))
+    for draft, r in zip(drafts, requests(alone, 0)):
+        assert_same_draft(draft, r.session.draft(r.config, r.params, r.generator))
 
 
 def test_batches_stop_at_the_row_cap(monkeypatch):
