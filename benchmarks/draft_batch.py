@@ -5,7 +5,7 @@ The shipped drafter; n requests over different prompts, each drafting the same t
 median ms of a whole step's drafting each way and their ratio. Both ways give the same drafts (tests/test_draft_batch).
 
 Run from the repository root: python -m benchmarks.draft_batch [--drafter PATH] [--requests 1,8,32]
-    [--trees "1,1,1;3,2,2,1,1"] [--repeats 20]
+    [--trees "1,1,1;3,2,2,1,1"] [--repeats 20] [--threads N]
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", default="1,8,32", help="requests per step, comma-separated")
     parser.add_argument("--trees", default="1,1,1;3,2,2,1,1", help="tree configs, semicolon-separated")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     drafter = MambaDrafter.from_pretrained(args.drafter)
     print(f"torch threads: {torch.get_num_threads()}; native step: {drafter.native is not None}; "
           f"row-invariant steps (batched): {drafter.steps_row_invariant}\n")  # fmt: skip
