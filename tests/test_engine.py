@@ -12,7 +12,8 @@ from transformers import MambaConfig, MambaForCausalLM
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import DrafterSession
-from ray_specdec.engine import SpeculativeEngine, TargetSession, empty_draft, judge
+from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.rounds import empty_draft, judge
 from ray_specdec.models import native as native_kernels
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
@@ -34,6 +35,17 @@ class EchoState:
     def __init__(self, rows):
         self.rows = rows
 
+    def row_slice(self, start, stop):
+        return EchoState(self.rows[start:stop] if isinstance(self.rows, list) else stop - start)
+
+    @staticmethod
+    def cat(states):
+        if len(states) == 1:
+            return states[0]
+        if all(isinstance(s.rows, list) for s in states):
+            return EchoState([row for s in states for row in s.rows])
+        return EchoState(sum(s.rows for s in states))
+
 
 class TargetEchoDrafter:
     """A test drafter with the MambaDrafter interface that proposes the target's own (optionally noised) choices.
@@ -44,7 +56,7 @@ class TargetEchoDrafter:
 
     def __init__(self, hf_model, noise: float):
         self.model, self.noise = hf_model, noise
-        self.device = torch.device("cpu")
+        self.device, self.prefill_window = torch.device("cpu"), None
         self.vocab_size = hf_model.config.vocab_size
 
     def _logits(self, rows: list[list[int]]) -> torch.Tensor:
@@ -267,7 +279,7 @@ class PeakedDrafter:
 
     def __init__(self, probs: list[float]):
         self.logits = torch.tensor(probs, dtype=torch.float64).log()
-        self.device = torch.device("cpu")
+        self.device, self.prefill_window = torch.device("cpu"), None
         self.vocab_size = len(probs)
 
     def prefill(self, ids):
@@ -327,8 +339,10 @@ def test_empty_prompt_and_overlong_requests_are_rejected():
 
 def test_empty_draft_round_is_plain_decoding():
     target = TargetModel(tiny_gpt_neox(torch.float64))
-    session = TargetSession(target, [5, 6, 7])
-    logits = session.forward(empty_draft())
+    cache = target.new_cache()
+    target.prefill(cache, torch.tensor([5, 6]))
+    draft = empty_draft()
+    logits = target.verify(cache, 7, draft.tree, draft.tokens)
     assert logits.shape == (1, target.vocab_size)
     verdict = judge(logits, empty_draft(), SamplingParams(), None)
     assert verdict.accepted_rows == () and verdict.bonus_token == int(logits[0].argmax())
@@ -386,6 +400,10 @@ def test_sampled_generation_with_a_lookup_branch_has_target_distribution(draft_s
 class RecordingPolicy:
     def __init__(self, tree: TreeConfig):
         self.tree, self.records = tree, []
+        self.arms = (tree,)
+
+    def throughput(self, context_len, sampled=False, draw=False):
+        return {}
 
     def select(self, context_len, sampled=False):
         return self.tree

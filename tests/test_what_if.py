@@ -20,7 +20,8 @@ from ray_specdec.bandit import Bandit, BanditConfig, ThroughputReward, UCB1
 from ray_specdec.bandit.policies import ArmStats
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import Draft, DrafterSession, what_if
-from ray_specdec.engine import NO_TREE, SpeculativeEngine
+from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.rounds import NO_TREE
 from tests.test_engine import random_prompt, tiny_mamba
 from tests.test_lookup import repetitive_history
 

@@ -39,9 +39,18 @@ DEFAULT_BUCKET_EDGES = (1024, 2048, 4096, 8192)  # prompt tokens: <1k, 1-2k, 2-4
 
 
 class TreePolicy(Protocol):
-    """Context of a round: the request's context length and whether it samples (temperature > 0) or is greedy."""
+    """Context of a round: the request's context length and whether it samples (temperature > 0) or is greedy.
+
+    `arms`: the trees it picks among (the scheduler's goodput sizing may take a smaller one of them instead of the
+    pick); `throughput`: its estimated tokens per second of round time per arm (empty: none; the start rule then
+    drafts)."""
+
+    @property
+    def arms(self) -> tuple[TreeConfig, ...]: ...
 
     def select(self, context_len: int, sampled: bool = False) -> TreeConfig: ...
+
+    def throughput(self, context_len: int, sampled: bool = False, draw: bool = False) -> dict[TreeConfig, float]: ...
 
     def record(
         self,

@@ -1,0 +1,164 @@
+"""Speculation by goodput: how much each request of a step drafts, from a measured cost model of the step.
+
+SmartSpec's lesson: when requests share the target's forward, every drafted node costs verify time that every other
+request of the step waits for, so acceptance alone cannot decide the tree. Here each step's tree sizes maximise the
+batch's expected tokens per second of step time:
+
+    goodput = sum_r E[tokens of r's round | r's tree] / T(step)
+
+- `StepCostModel` predicts T(step) from what the step runs: a fixed cost, verify rows, drafter rows (all depths'
+  stepped rows) and prefill rows, fitted online by exponentially weighted least squares on every measured step
+  (on this machine, under its real load: nothing is assumed about the hardware).
+- `AcceptanceModel` keeps E[accepted draft tokens] per (tree, context bucket, greedy/sampled): a running mean of what
+  each tree's rounds accepted, fed also by what-if counts (a round of a tree teaches the trees it contains).
+- `size_trees` starts every request at its policy's pick (the bandit's, which explores) and shrinks picks to smaller
+  candidates, one change at a time, while that raises the batch's goodput. At one request in flight that keeps a tree
+  only where it beats plain decoding; under load trees shrink, down to none where that pays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ray_specdec.config import TreeConfig
+
+NO_TREE = TreeConfig(())
+# Features of a step: 1, verify rows, drafter rows, prefill rows.
+N_FEATURES = 4
+# Weight of the past in the cost model's least squares (per step): ~200 steps of memory, so it follows load changes.
+COST_FORGET = 0.995
+# Steps measured before the cost model's predictions are trusted to shrink the policy's picks.
+COST_WARMUP_STEPS = 16
+# Prior acceptance of a tree no round has measured yet, per depth (optimistic: it must be tried to be learned).
+PRIOR_ACCEPT_PER_DEPTH = 0.6
+ACCEPT_BUCKETS = (256, 1024, 4096)  # context tokens
+
+
+@dataclass(frozen=True)
+class StepShape:
+    verify_rows: int = 0
+    draft_rows: int = 0
+    prefill_rows: int = 0
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.verify_rows, self.draft_rows, self.prefill_rows])
+
+
+def drafter_rows(tree: TreeConfig) -> int:
+    """Rows the drafter steps for a tree: every depth but the last is stepped (leaves are never stepped)."""
+    return sum(tree.rows_per_depth[:-1])
+
+
+class StepCostModel:
+    """T(step) = w . [1, verify rows, drafter rows, prefill rows], by exponentially weighted least squares."""
+
+    def __init__(self, forget: float = COST_FORGET):
+        self.forget = forget
+        self._xtx = np.eye(N_FEATURES) * 1e-6
+        self._xty = np.zeros(N_FEATURES)
+        self.steps = 0
+        self._w: np.ndarray | None = None
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        x = shape.features()
+        self._xtx = self.forget * self._xtx + np.outer(x, x)
+        self._xty = self.forget * self._xty + x * seconds
+        self.steps += 1
+        self._w = None
+
+    @property
+    def warm(self) -> bool:
+        return self.steps >= COST_WARMUP_STEPS
+
+    def weights(self) -> np.ndarray:
+        if self._w is None:
+            ridge = np.eye(N_FEATURES) * 1e-9
+            w = np.linalg.solve(self._xtx + ridge, self._xty)
+            # a row never makes a step cheaper; noise with few distinct shapes can say otherwise
+            self._w = np.maximum(w, 0.0)
+        return self._w
+
+    def predict(self, shape: StepShape) -> float:
+        return float(self.weights() @ shape.features())
+
+
+class AcceptanceModel:
+    """Mean accepted draft tokens per round, per (tree, context bucket, sampled)."""
+
+    def __init__(self):
+        self._sum: dict[tuple, float] = {}
+        self._n: dict[tuple, int] = {}
+
+    @staticmethod
+    def _key(tree: TreeConfig, context_len: int, sampled: bool) -> tuple:
+        bucket = int(np.searchsorted(ACCEPT_BUCKETS, context_len, side="right"))
+        return tree, bucket, sampled
+
+    def record(self, tree: TreeConfig, context_len: int, sampled: bool, accepted: int,
+               what_if: Mapping[TreeConfig, int] | None = None) -> None:
+        for arm, kept in {tree: accepted, **(what_if or {})}.items():
+            key = self._key(arm, context_len, sampled)
+            self._sum[key] = self._sum.get(key, 0.0) + kept
+            self._n[key] = self._n.get(key, 0) + 1
+
+    def expected_tokens(self, tree: TreeConfig, context_len: int, sampled: bool) -> float:
+        """Expected tokens a round of `tree` emits (accepted draft tokens + the bonus token)."""
+        if not tree.depth:
+            return 1.0
+        key = self._key(tree, context_len, sampled)
+        n = self._n.get(key, 0)
+        if n == 0:
+            return 1.0 + PRIOR_ACCEPT_PER_DEPTH * tree.max_depth
+        return 1.0 + self._sum[key] / n
+
+
+@dataclass
+class Candidate:
+    """One request's choice for a step: its trees from largest (the policy's pick) to NO_TREE."""
+
+    trees: Sequence[TreeConfig]  # the policy's pick first, then smaller trees
+    tokens: Sequence[float]  # expected tokens of each
+    fixed: bool = False  # a tree the client asked for: honoured as given
+
+
+def size_trees(candidates: Sequence[Candidate], cost: StepCostModel, prefill_rows: int) -> list[int]:
+    """-> the index into each candidate's trees that maximises the step's goodput: coordinate ascent from the
+    policies' picks (each request in turn takes its best tree given the others' until none changes). The cost model
+    is linear, so a change is judged from running totals in O(1)."""
+    choice = [0] * len(candidates)
+    if not cost.warm:
+        return choice
+    w_fixed, w_verify, w_draft, w_prefill = (float(v) for v in cost.weights())
+
+    def rows(tree: TreeConfig) -> tuple[int, int]:
+        return 1 + tree.num_nodes + tree.lookup, drafter_rows(tree)
+
+    tokens = sum(c.tokens[0] for c in candidates)
+    verify = sum(rows(c.trees[0])[0] for c in candidates)
+    draft = sum(rows(c.trees[0])[1] for c in candidates)
+    base = w_fixed + w_prefill * prefill_rows
+    for _ in range(4):  # passes; one or two settle it in practice
+        changed = False
+        for r, c in enumerate(candidates):
+            if c.fixed or len(c.trees) == 1:
+                continue
+            v0, d0 = rows(c.trees[choice[r]])
+            rest_tokens, rest_verify, rest_draft = tokens - c.tokens[choice[r]], verify - v0, draft - d0
+            best, best_value = choice[r], None
+            for i, tree in enumerate(c.trees):
+                v, d = rows(tree)
+                seconds = base + w_verify * (rest_verify + v) + w_draft * (rest_draft + d)
+                value = (rest_tokens + c.tokens[i]) / max(seconds, 1e-9)
+                if best_value is None or value > best_value * (1 + 1e-9):
+                    best, best_value = i, value
+            if best != choice[r]:
+                changed = True
+                choice[r] = best
+                v, d = rows(c.trees[best])
+                tokens, verify, draft = rest_tokens + c.tokens[best], rest_verify + v, rest_draft + d
+        if not changed:
+            break
+    return choice

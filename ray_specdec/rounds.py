@@ -1,0 +1,86 @@
+"""What every driver of the round loop shares: the judge of a round, random streams, output records, a fixed policy.
+
+The loop itself is `scheduler.Scheduler`; the in-process engine, the CLI, the benchmark and the Serve app drive it
+and import these types from here, not from each other.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from ray_specdec.acceptance import Verdict, accept_greedy, accept_sampled
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.drafting import Draft
+from ray_specdec.sampling import logits_to_probs
+from ray_specdec.stats import GenerationStats
+
+NO_TREE = TreeConfig(())
+
+
+def judge(
+    target_logits: torch.Tensor,  # [1 + n, V]
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Acceptance for one round: greedy walk, or multi-draft rejection sampling on processed distributions."""
+    tokens = draft.tokens.to(target_logits.device)
+    if params.greedy:
+        return accept_greedy(target_logits, draft.tree, tokens)
+    p = logits_to_probs(target_logits, params)
+    q = draft.probs.to(p.device) if draft.probs is not None else p[:0]
+    return accept_sampled(p, q, draft.tree, tokens, params.draft_sampling == "without_replacement", generator,
+                          draft.deterministic, draft.q_rows)
+
+
+def empty_draft() -> Draft:
+    return Draft(NO_TREE, torch.empty(0, dtype=torch.long), None)
+
+
+def make_generators(seed: int | None) -> tuple[torch.Generator, torch.Generator]:
+    """Independent (draft, target) random streams; the same seed gives the same output."""
+    seed = secrets.randbits(62) if seed is None else seed
+    draft_gen = torch.Generator(device="cpu").manual_seed(seed)
+    target_gen = torch.Generator(device="cpu").manual_seed(seed ^ 0x5DEECE66D)
+    return draft_gen, target_gen
+
+
+class FixedTree:
+    """A tree policy that always picks one config (the bandit is the adaptive one)."""
+
+    def __init__(self, tree: TreeConfig):
+        self.tree = tree
+
+    @property
+    def arms(self) -> tuple[TreeConfig, ...]:
+        return (self.tree,)
+
+    def select(self, context_len: int, sampled: bool = False, max_nodes: int | None = None) -> TreeConfig:
+        return self.tree
+
+    def throughput(self, context_len: int, sampled: bool = False, draw: bool = False) -> dict[TreeConfig, float]:
+        return {}  # no estimates: the start rule drafts
+
+    def record(self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float,
+               sampled: bool = False, what_if=None) -> None:
+        pass
+
+
+@dataclass
+class StreamChunk:
+    token_ids: list[int]  # tokens kept this round
+    text: str  # text delta
+    finish_reason: str | None
+    stats: GenerationStats
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+    prompt_tokens: int

@@ -1,0 +1,480 @@
+"""The round loop: a step scheduler over every in-flight request (continuous batching of speculative rounds).
+
+One `step()`:
+1. admission: waiting requests join while their KV reservation fits the budget (`SchedulerConfig`);
+2. tree sizes: each decoding request's policy pick, shrunk by goodput for the whole batch (goodput.py);
+3. one batched draft for every request that drafts (`drafting.draft_many`);
+4. one target call (`TargetBackend.run`): last step's commits, then one forward over every request's verify rows
+   and this step's prefill chunks;
+5. per request: acceptance, commit (sent with the next step's target call), stop checks, one output chunk.
+
+Everything that drives generation uses this loop: `engine.SpeculativeEngine` (CLI, benchmark, offline batches) and
+the Serve app's engine replica. It runs without Ray and without threads; callers step it.
+
+Batch invariance. A prompt is prefilled in chunks cut at fixed positions (multiples of `prefill_chunk` from its
+start), never by what else runs in the step, and the target's batched forward computes each segment's rows the same
+whatever shares the forward (`TargetModel.batch_invariant`). So a greedy request's tokens do not depend on the other
+requests in flight, nor on the tree sizes goodput picks for it.
+
+KV budget. Each request reserves, at admission, the KV rows it can ever need (prompt + max_new_tokens + its largest
+verify), and its cache is preallocated to that size: nothing grows past the budget, a request admitted always
+finishes, and one that can never fit is refused at once (`RequestTooLarge`). Beyond `max_waiting` queued requests,
+`add` raises `QueueFull`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ray_specdec.acceptance import Verdict
+from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
+from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, draft_many, what_if
+from ray_specdec.goodput import AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, size_trees
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.rounds import NO_TREE, FixedTree, StreamChunk, empty_draft, judge, make_generators
+from ray_specdec.stats import GenerationStats
+from ray_specdec.stopping import StopChecker
+from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend
+
+# Of the requests that the start rule keeps undrafted, one in this many drafts anyway, so that the drafting arms'
+# estimates in that context keep learning and a wrong "no" does not last.
+START_ANYWAY_EVERY = 8
+# Weight of the newest measurement in the running estimate of the drafter's prefill cost per token.
+PREFILL_RATE_EMA = 0.2
+# The start rule's word on a request: draft as the policy picks; never draft; draft in every round (exploration).
+DRAFT, PLAIN, EXPLORE = "draft", "plain", "explore"
+
+
+class RequestTooLarge(ValueError):
+    """The prompt plus max_new_tokens can never fit the target's context or the KV budget (HTTP 400)."""
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the queue bound allows (HTTP 503, retry later)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    kv_budget_tokens: int = 1 << 17  # KV rows all admitted requests may hold together (reserved at admission)
+    max_running: int = 64  # requests decoding or prefilling at once
+    max_waiting: int = 256  # queued requests beyond which add() raises QueueFull
+    step_tokens: int = 2048  # target rows per step: verify rows first, prefill chunks in what is left (>= 1 chunk)
+    prefill_chunk: int = 512  # a prompt's chunks are cut at multiples of this: its KV never depends on the batch
+    min_path_prob: float = 0.0  # drafts stop at depths the drafter rates below this (DrafterSession.draft)
+    lookup: int = 0  # prompt-lookup tokens added to every drafted tree of greedy requests
+    goodput: bool = True  # shrink the policy's picks when the batch's goodput says so (goodput.py)
+
+    def __post_init__(self) -> None:
+        for name in ("kv_budget_tokens", "max_running", "step_tokens", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not 0.0 <= self.min_path_prob < 1.0:
+            raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
+        if not 0 <= self.lookup <= MAX_LOOKUP_TOKENS:
+            raise ValueError(f"lookup must be in [0, {MAX_LOOKUP_TOKENS}], got {self.lookup}")
+
+
+class LazyDrafter:
+    """One request's drafter, paid for only in rounds that draft.
+
+    The `DrafterSession` is built (a prefill over every token so far) on the request's first drafted round, so a
+    request whose rounds all go undrafted never runs the drafter. Verdicts wait until the next draft and go through
+    the drafter in one `commit_all` (one sequence pass over their tokens).
+    """
+
+    def __init__(self, drafter: MambaDrafter, vocab_size: int):
+        self.drafter, self.vocab_size = drafter, vocab_size
+        self.session: DrafterSession | None = None
+        self.pending: list[Verdict] = []  # verdicts since the last draft, that draft's own first
+
+    def ready(self, tokens: Sequence[int]) -> float:
+        """Bring the session up to date before a draft: -> seconds spent on a first prefill (0 if none)."""
+        if self.session is None:
+            t0 = time.perf_counter()
+            self.session = DrafterSession(self.drafter, tokens, self.vocab_size)
+            self.pending = []
+            return time.perf_counter() - t0
+        self.session.commit_all(self.pending)
+        self.pending = []
+        return 0.0
+
+    def commit(self, verdict: Verdict) -> None:
+        if self.session is not None:
+            self.pending.append(verdict)
+
+
+@dataclass
+class Request:
+    request_id: str
+    tokens: list[int]  # prompt + generated: the KV holds tokens[:prefilled], tokens[-1] is the next root
+    prompt_len: int
+    params: SamplingParams
+    tree: TreeConfig | None  # a tree the client asked for (honoured as given), else the policy decides
+    stop: StopChecker
+    draft_gen: torch.Generator
+    target_gen: torch.Generator
+    reserved: int  # KV rows reserved at admission
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    drafter: LazyDrafter | None = None
+    start: str = DRAFT
+    prefilled: int = 0
+    admitted: bool = False
+    # this step's round
+    arm: TreeConfig = NO_TREE
+    lookup: int = 0
+    draft: Draft | None = None
+    verdict: Verdict | None = None
+    context_len: int = 0  # tokens before this step's round
+    chunk_end: int = 0  # this step's prefill chunk ends here
+    chunk_rows: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.tokens) - 1
+
+    @property
+    def sampled(self) -> bool:
+        return not self.params.greedy
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    chunk: StreamChunk
+
+
+class Scheduler:
+    def __init__(
+        self,
+        target: TargetBackend,
+        drafter: MambaDrafter | None,
+        tokenizer,
+        policy=TreeConfig((3, 2, 2, 1, 1)),
+        config: SchedulerConfig = SchedulerConfig(),
+        max_context: int | None = None,
+    ):
+        """policy: a TreeConfig (every request drafts it) or a tree policy (the bandit); max_context: a cap on prompt
+        + max_new_tokens below the target's own context."""
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.policy = FixedTree(policy) if isinstance(policy, TreeConfig) else policy
+        self.config = config
+        self.max_context = min(target.max_context, max_context or target.max_context)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self.reserved = 0  # KV rows reserved by running requests
+        self.cost = StepCostModel()
+        self.acceptance = AcceptanceModel()
+        self.prefill_s_per_token: float | None = None  # the drafter's, measured (running estimate)
+        self.kept_plain = 0  # requests the start rule kept undrafted
+        self.rounds_unrecorded = 0  # rounds whose tree is none of the policy's arms (cut at the end of a request)
+        self.steps = 0
+        self._work = StepWork()
+
+    # ----- requests in and out -----
+
+    def check(self, prompt_len: int, params: SamplingParams, tree: TreeConfig | None = None) -> int:
+        """-> the KV rows the request reserves; RequestTooLarge if it can never run."""
+        if prompt_len < 1:
+            raise RequestTooLarge("the prompt holds no tokens")
+        if prompt_len + params.max_new_tokens > self.max_context:
+            raise RequestTooLarge(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the target's "
+                f"context length of {self.max_context} tokens"
+            )
+        rows = prompt_len + params.max_new_tokens + self._max_verify_rows(params, tree)
+        if rows > self.config.kv_budget_tokens:
+            raise RequestTooLarge(
+                f"the request needs {rows} KV rows (prompt {prompt_len} + max_new_tokens {params.max_new_tokens} + "
+                f"one verify) but the KV budget is {self.config.kv_budget_tokens} rows"
+            )
+        return rows
+
+    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+            tree: TreeConfig | None = None) -> None:
+        """Queue a request; it runs from the next step that has room for it."""
+        if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
+            raise ValueError(f"request {request_id!r} is already in the scheduler")
+        tokens = [int(t) for t in prompt_ids]
+        if any(not 0 <= t < self.target.vocab_size for t in tokens):
+            raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        reserved = self.check(len(tokens), params, tree)
+        if len(self.waiting) >= self.config.max_waiting and not self._fits_now(reserved):
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting); retry later")
+        draft_gen, target_gen = make_generators(params.seed)
+        self.waiting.append(Request(
+            request_id, tokens, len(tokens), params, tree,
+            StopChecker(self.tokenizer, params, self.target.eos_token_ids), draft_gen, target_gen, reserved,
+        ))  # fmt: skip
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (its KV is freed with the next step's target call). -> whether it was here."""
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                return True
+        request = self.running.pop(request_id, None)
+        if request is None:
+            return False
+        self._free(request)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def reset_target(self) -> None:
+        """The target lost every cache (a restarted rank): each running request is prefilled again from its token
+        ids (prompt + what it generated) and goes on where it was."""
+        self.target.reset()
+        self._work = StepWork()
+        for r in self.running.values():
+            r.prefilled = 0
+            self._work.allocations.append((r.request_id, r.reserved))
+
+    # ----- the step -----
+
+    def step(self) -> list[StepOutput]:
+        """One step over every running request; -> one output chunk per request that decoded a round."""
+        t0 = time.perf_counter()
+        self._admit()
+        decoding = [r for r in self.running.values() if r.decoding]
+        prefilling = [r for r in self.running.values() if not r.decoding]
+        self._choose_trees(decoding)
+        draft_rows, drafter_prefill_s = self._draft(decoding)
+        t0 += drafter_prefill_s  # the rounds' time leaves the drafter's prefills out (request costs, in prefill_s)
+        t1 = time.perf_counter()
+        work, self._work = self._work, StepWork()
+        verify_rows = 0
+        for r in decoding:
+            tokens = torch.cat([torch.tensor([r.tokens[-1]]), r.draft.tokens.reshape(-1).cpu()])
+            work.segments.append(SegmentSpec(r.request_id, tokens, tuple(r.draft.tree.paths)))
+            verify_rows += tokens.numel()
+        prefill_rows = self._plan_prefill(prefilling, work, self.config.step_tokens - verify_rows)
+        logits = self.target.run(work)
+        t2 = time.perf_counter()
+        outputs = [self._finish_round(r, logits[i]) for i, r in enumerate(decoding)]
+        for r in prefilling:
+            r.prefilled = r.chunk_end
+        t3 = time.perf_counter()
+        self._account(decoding, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
+        self.steps += 1
+        if not self.has_work:  # nothing will step again soon: free the caches of the requests that just ended
+            self.target.run(self._work)
+            self._work = StepWork()
+        return outputs
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running and self._fits_now(self.waiting[0].reserved):
+            r = self.waiting.popleft()
+            self.running[r.request_id] = r
+            self.reserved += r.reserved
+            r.admitted = True
+            self._work.allocations.append((r.request_id, r.reserved))
+            if self.drafter is not None:
+                r.drafter = LazyDrafter(self.drafter, self.target.vocab_size)
+                if r.tree is None:
+                    r.start = self._start_rule(len(r.tokens), r.stop.remaining, r.sampled)
+
+    def _fits_now(self, rows: int) -> bool:
+        return self.reserved + rows <= self.config.kv_budget_tokens
+
+    def _plan_prefill(self, prefilling: list[Request], work: StepWork, budget: int) -> int:
+        """Prefill chunks for this step, oldest request first, within the rows left (at least one chunk)."""
+        rows, size = 0, self.config.prefill_chunk
+        for r in prefilling:
+            end = min((r.prefilled // size + 1) * size, len(r.tokens) - 1)
+            n = end - r.prefilled
+            if rows and rows + n > budget:
+                r.chunk_end, r.chunk_rows = r.prefilled, 0
+                continue
+            work.segments.append(SegmentSpec(r.request_id, torch.tensor(r.tokens[r.prefilled:end])))
+            r.chunk_end, r.chunk_rows = end, n
+            rows += n
+        return rows
+
+    # ----- trees and drafts -----
+
+    def _choose_trees(self, decoding: list[Request]) -> None:
+        candidates = [self._candidate(r) for r in decoding]
+        if self.config.goodput and len(decoding):
+            choice = size_trees(candidates, self.cost, prefill_rows=0)
+        else:
+            choice = [0] * len(decoding)
+        for r, c, i in zip(decoding, candidates, choice):
+            lookup = min(self.config.lookup if r.params.greedy else 0, r.stop.remaining - 1)
+            r.arm, r.lookup = _fit(c.trees[i], lookup, room=r.reserved - (len(r.tokens) - 1))
+
+    def _candidate(self, r: Request) -> Candidate:
+        """The request's trees for this step: its policy's pick, then the policy's smaller arms (goodput may take
+        one of those instead; "none" only where it is an arm). A fixed tree or an exploring request keeps its pick."""
+        cut = r.stop.remaining - 1  # the bonus token comes for free: never draft deeper than what is left
+        ctx = len(r.tokens)
+        if self.drafter is None or r.start == PLAIN:
+            return Candidate([NO_TREE], [1.0], fixed=True)
+        if r.tree is not None:
+            return Candidate([r.tree.truncated(cut)], [1.0], fixed=True)
+        pick = self.policy.select(ctx, r.sampled)
+        if r.start == EXPLORE and not pick.depth:
+            pick = self._drafting_arm(ctx, r.sampled)
+        smaller = sorted((a for a in self.policy.arms if a.num_nodes < pick.num_nodes), key=lambda a: -a.num_nodes)
+        trees = list(dict.fromkeys(t.truncated(cut) for t in (pick, *smaller)))
+        tokens = [self.acceptance.expected_tokens(t, ctx, r.sampled) for t in trees]
+        return Candidate(trees, tokens, fixed=r.start == EXPLORE)
+
+    def _draft(self, decoding: list[Request]) -> tuple[int, float]:
+        """Drafts for this step's rounds (one batched draft); -> (drafter rows stepped, seconds of drafter prefills:
+        a per-request cost, kept out of the rounds' time)."""
+        batch, owners, prefills = [], [], 0.0
+        for r in decoding:
+            config = r.arm.with_lookup(r.lookup)
+            if r.drafter is None or not config.depth:
+                r.draft = empty_draft()
+                continue
+            prefill_s = r.drafter.ready(r.tokens)
+            if prefill_s:
+                r.stats.prefill_s += prefill_s
+                prefills += prefill_s
+                self._note_prefill(prefill_s, self._prefilled(len(r.tokens)))
+            batch.append(DraftRequest(r.drafter.session, config, r.params, r.draft_gen))
+            owners.append(r)
+        for r, draft in zip(owners, draft_many(batch, self.config.min_path_prob)):
+            r.draft = draft
+        return sum(drafter_rows(r.draft.config) for r in owners), prefills
+
+    # ----- after the forward -----
+
+    def _finish_round(self, r: Request, logits: torch.Tensor) -> StepOutput:
+        verdict = judge(logits, r.draft, r.params, r.target_gen)
+        self._work.commits.append((r.request_id, verdict.keep_rows))
+        if r.drafter is not None:
+            r.drafter.commit(verdict)
+        context_len = len(r.tokens)
+        r.tokens += verdict.new_tokens
+        r.prefilled = len(r.tokens) - 1  # with the commit, the cache holds the root and the accepted path
+        kept, delta = r.stop.feed(verdict.new_tokens)
+        r.stats.new_tokens += len(kept)
+        r.stats.record_round(r.draft.label, r.draft.tree.depth, len(verdict.accepted_rows))
+        r.verdict, r.context_len = verdict, context_len
+        if r.stop.finished:
+            self.running.pop(r.request_id, None)
+            self._free(r)
+        return StepOutput(r.request_id, StreamChunk(kept, delta, r.stop.finish_reason, r.stats))
+
+    def _account(self, decoding, prefilling, draft_rows, verify_rows, prefill_rows, times) -> None:
+        """Split the step's time among its requests (by rows), teach the policy, the acceptance and cost models."""
+        t0, t1, t2, t3 = times
+        self.cost.observe(StepShape(verify_rows, draft_rows, prefill_rows), t3 - t0)
+        rows = verify_rows + prefill_rows
+        for r in prefilling:
+            r.stats.prefill_s += (t3 - t0) * r.chunk_rows / max(rows, 1)
+        for r in decoding:
+            own = r.draft.tree.num_nodes + 1
+            share = own / max(rows, 1)
+            r.stats.draft_s += (t1 - t0) * (drafter_rows(r.draft.config) / max(draft_rows, 1))
+            r.stats.verify_s += (t2 - t1) * share
+            r.stats.other_s += (t3 - t2) / max(len(decoding), 1)
+            r.stats.last_round_s = (t3 - t0) * share
+            self._teach(r)
+
+    def _teach(self, r: Request) -> None:
+        verdict, draft = r.verdict, r.draft
+        accepted = len(verdict.accepted_rows)
+        arms = self.policy.arms
+        what = what_if(draft, verdict, arms, r.lookup, r.sampled) if self.config.min_path_prob == 0 else None
+        arm = r.arm if draft.arm == r.arm.with_lookup(r.lookup) else draft.arm
+        if arm not in arms:
+            self.rounds_unrecorded += 1
+        self.acceptance.record(arm, r.context_len, r.sampled, accepted, what)
+        self.policy.record(arm, r.context_len, accepted, max(r.stats.last_round_s, 1e-9), r.sampled, what)
+
+    def _free(self, r: Request) -> None:
+        if r.admitted:
+            self.reserved -= r.reserved
+            self._work.releases.append(r.request_id)
+            r.admitted = False
+
+    # ----- the start rule -----
+
+    def _start_rule(self, context_len: int, remaining: int, sampled: bool) -> str:
+        """Whether to start the drafter for a request (DRAFT, PLAIN or EXPLORE), asked at admission.
+
+        The drafter's prefill is paid once per request, so a per-round reward cannot weigh it. Draft unless the
+        policy's estimates say that over the tokens left, drafting's best rate would not make up for the prefill
+        (prefill + remaining / best drafting rate >= remaining / rate without drafting); then the request stays
+        undrafted (PLAIN), but for one in START_ANYWAY_EVERY (EXPLORE), which drafts in every round to keep the
+        estimates in this context learning. The rates are Thompson draws from the policy's posteriors, so that
+        uncertain estimates still get tried. Without estimates of both rates or of the prefill's cost, it drafts.
+        """
+        if self.prefill_s_per_token is None:
+            return DRAFT
+        estimates = self.policy.throughput(context_len, sampled, draw=True)
+        plain, (drafting, _) = estimates.get(NO_TREE), _best_drafting(estimates)
+        if plain is None or drafting is None:
+            return DRAFT
+        if self.prefill_s_per_token * self._prefilled(context_len) + remaining / drafting < remaining / plain:
+            return DRAFT
+        self.kept_plain += 1
+        return EXPLORE if self.kept_plain % START_ANYWAY_EVERY == 0 else PLAIN
+
+    def _drafting_arm(self, context_len: int, sampled: bool) -> TreeConfig:
+        """The drafting arm with the best Thompson draw (a round of an EXPLORE request the policy left undrafted)."""
+        _, arm = _best_drafting(self.policy.throughput(context_len, sampled, draw=True))
+        return arm if arm.depth else max(self.policy.arms, key=lambda a: (a.depth > 0, -a.num_nodes))
+
+    def _prefilled(self, context_len: int) -> int:
+        """Tokens a drafter prefill over this context runs (its prefill window, if it has one)."""
+        window = self.drafter.prefill_window if self.drafter is not None else None
+        return min(context_len, window) if window else context_len
+
+    def _note_prefill(self, seconds: float, tokens: int) -> None:
+        rate = seconds / max(tokens, 1)
+        old = self.prefill_s_per_token
+        self.prefill_s_per_token = rate if old is None else old + PREFILL_RATE_EMA * (rate - old)
+
+    def _max_verify_rows(self, params: SamplingParams, tree: TreeConfig | None) -> int:
+        trees = [tree] if tree is not None else list(self.policy.arms) if self.drafter is not None else []
+        nodes = max((t.num_nodes for t in trees), default=0)
+        lookup = max((t.lookup for t in trees), default=0)
+        if params.greedy and self.drafter is not None:
+            lookup = max(lookup, self.config.lookup)
+        return 1 + nodes + lookup
+
+
+def _fit(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:
+    """The tree (and engine lookup tokens) cut until its verify rows fit the `room` left in the request's KV
+    reservation (a pick larger than the reservation foresaw, e.g. of a policy whose picks are not its arms)."""
+    while arm.depth and 1 + arm.num_nodes + max(arm.lookup, lookup) > room:
+        if lookup:
+            lookup = max(0, room - 1 - arm.num_nodes)
+        else:
+            arm = arm.truncated(arm.depth - 1)
+    return arm, lookup
+
+
+def _best_drafting(estimates: dict[TreeConfig, float]) -> tuple[float | None, TreeConfig]:
+    """(rate, arm) of the drafting arm with the highest estimate; (None, NO_TREE) when no drafting arm has one."""
+    return max(((rate, arm) for arm, rate in estimates.items() if arm.depth), key=lambda pair: pair[0],
+               default=(None, NO_TREE))
+
+
+def kv_budget_rows(budget_gib: float, bytes_per_token: int) -> int:
+    """A KV budget in GiB as rows of the target's cache."""
+    return max(1, math.floor(budget_gib * (1 << 30) / max(bytes_per_token, 1)))
