@@ -1,9 +1,10 @@
 """The application builder: `serve run deployments:app key=value ...` or a Serve config file (serve_config.yaml).
 
-One pydantic model (`AppArgs`, extra="forbid") holds every argument; `app(args)` wires four deployments:
-router (FastAPI ingress) -> target (one replica owning tp_size rank actors), drafter (replicated, autoscaled) and the
-shared bandit hub. Defaults: the embedded default models on CPU, tp_size 1, one drafter replica, the bandit over the
-default tree arms. Errors in the arguments are reported in one line (`serve run` prints "Error: ...").
+One pydantic model (`AppArgs`, extra="forbid") holds every argument; `app(args)` wires three deployments:
+router (FastAPI ingress, `router_replicas`) -> engine (the round loop beside the target and the drafter, one replica
+per data-parallel copy of the target; each owns tp_size rank actors when tp_size > 1) and the shared bandit hub.
+Defaults: the embedded default models on CPU, tp_size 1, one engine replica, the bandit over the default tree arms.
+Errors in the arguments are reported in one line (`serve run` prints "Error: ...").
 """
 
 import os
@@ -14,14 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray.serve import Application
 
 from deployments.bandit import BanditHubDeployment
-from deployments.drafter import DrafterDeployment
+from deployments.engine import EngineDeployment
 from deployments.router import RouterDeployment, RouterSettings
-from deployments.target import TargetDeployment
 from ray_specdec.bandit import DEFAULT_ARMS, BanditConfig
-from ray_specdec.engine import DEFAULT_MIN_PATH_PROB
 from ray_specdec.config import DEFAULT_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
+from ray_specdec.engine import DEFAULT_MIN_PATH_PROB
 from ray_specdec.models.loading import resolve_model_path
-from ray_specdec.serving.router import LoadBackoff
+from ray_specdec.scheduler import SchedulerConfig
+
+_SCHEDULER = SchedulerConfig()
 
 
 class AppError(click.ClickException):
@@ -39,18 +41,17 @@ class AppArgs(BaseModel):
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     device: str = "cpu"  # cpu, cuda or cuda:N (checked where the replicas run, not here)
     max_context: int | None = Field(None, ge=2)  # cap on prompt + max_tokens (default: the target's own)
-    # drafters: a fixed count, or autoscaling when drafter_max_replicas > drafter_min_replicas
-    drafter_replicas: int = Field(1, ge=1)
-    drafter_min_replicas: int | None = Field(None, ge=1)
-    drafter_max_replicas: int | None = Field(None, ge=1)
-    drafter_target_ongoing_requests: float = Field(2.0, gt=0)  # draft calls in flight per replica to aim for
-    drafter_upscale_delay_s: float = Field(30.0, ge=0)
-    drafter_downscale_delay_s: float = Field(600.0, ge=0)
-    drafter_look_back_period_s: float = Field(30.0, gt=0)  # window of the load average autoscaling acts on
-    drafter_num_cpus: float = Field(1.0, ge=0)
-    drafter_num_gpus: float | None = Field(None, ge=0)  # None: 0 on CPU, 1 on CUDA
-    drafter_resources: dict[str, float] = Field(default_factory=dict)  # custom resources, e.g. to pin a node type
-    drafter_max_sessions: int = Field(1024, ge=1)  # request states per replica (least recently used evicted)
+    # engine replicas (each: the loop, a copy of the target and the drafter): a fixed count, or autoscaling when
+    # max_replicas > min_replicas
+    replicas: int = Field(1, ge=1)
+    min_replicas: int | None = Field(None, ge=1)
+    max_replicas: int | None = Field(None, ge=1)
+    target_ongoing_requests: float = Field(16.0, gt=0)  # requests in flight per engine replica to aim for
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0)  # window of the load average autoscaling acts on
+    num_cpus_per_rank: float = Field(1.0, ge=0)  # CPUs of each target rank (tp_size 1: of the engine replica)
+    resources: dict[str, float] = Field(default_factory=dict)  # custom resources of an engine replica
     # a request's drafter state starts from its last this many tokens: "auto" (the window the drafter's config names;
     # the shipped drafter: 512), "all" (or None), or a count >= 1 (see docs/BENCHMARKS.md)
     drafter_prefill_window: Annotated[int, Field(ge=1)] | Literal["auto", "all"] | None = "auto"
@@ -59,21 +60,25 @@ class AppArgs(BaseModel):
     # every drafted tree of a greedy request also verifies up to this many tokens copied from earlier in the context
     # (prompt lookup; 0: off). Trees written with their own "+L<k>" keep theirs.
     lookup: int = Field(DEFAULT_LOOKUP, ge=0, le=MAX_LOOKUP_TOKENS)
-    # target
-    target_num_cpus_per_rank: float = Field(1.0, ge=0)
-    target_resources: dict[str, float] = Field(default_factory=dict)  # of the target replica (ranks: placement group)
     # trees and the bandit
     trees: str | list[str] | None = None  # bandit arms, "1,1,1,1;3,3,2,1;none" or a list; None: the default arms
     tree: str | None = None  # one tree for every request instead of the bandit
     bandit_path: str | None = None  # JSON file the bandit state is loaded from and saved to
+    goodput: bool = True  # shrink trees when the batch's goodput says so (ray_specdec/goodput.py)
+    # the scheduler of each engine replica (ray_specdec/scheduler.py, SchedulerConfig)
+    kv_budget_gib: float | None = Field(2.0, gt=0)  # KV cache of the admitted requests, per replica (per rank)
+    kv_budget_tokens: int | None = Field(None, ge=1)  # the same budget in cached tokens (instead of kv_budget_gib)
+    max_running: int = Field(_SCHEDULER.max_running, ge=1)  # requests batched together per replica
+    max_waiting: int = Field(_SCHEDULER.max_waiting, ge=0)  # queued requests per replica beyond which: 503
+    step_tokens: int = Field(_SCHEDULER.step_tokens, ge=1)  # target rows per step (verify rows + prefill chunks)
+    prefill_chunk: int = Field(_SCHEDULER.prefill_chunk, ge=1)  # prompt tokens per prefill chunk
     # serving limits and timeouts
     router_replicas: int = Field(1, ge=1)
-    max_ongoing_requests: int = Field(32, ge=1)  # per router replica
-    max_queued_requests: int = Field(64, ge=0)  # beyond this Serve answers 503
-    backoff_full_below: int = Field(4, ge=1)  # in-flight requests up to which trees are not cut
-    backoff_off_at: int = Field(32, ge=2)  # in-flight requests from which nothing is drafted
-    target_timeout_s: float = Field(120.0, gt=0)
-    draft_timeout_s: float = Field(30.0, gt=0)
+    max_ongoing_requests: int = Field(256, ge=1)  # per router replica
+    max_queued_requests: int = Field(256, ge=0)  # waiting for a router replica; beyond this Serve answers 503
+    request_timeout_s: float = Field(600.0, gt=0)
+    retry_s: float = Field(60.0, ge=0)  # how long a request whose engine replica died waits for another
+    recover_timeout_s: float = Field(120.0, gt=0)  # how long an engine waits for restarted target ranks
 
     @field_validator("trees")
     @classmethod
@@ -102,16 +107,23 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "AppArgs":
-        lo, hi = self.drafter_min_replicas or 1, self.drafter_max_replicas or self.drafter_replicas
+        lo, hi = self.min_replicas or 1, self.max_replicas or self.replicas
         if hi < lo:
-            raise ValueError(f"drafter_max_replicas ({hi}) < drafter_min_replicas ({lo})")
-        if self.backoff_off_at <= self.backoff_full_below:
-            raise ValueError("backoff_off_at must be greater than backoff_full_below")
+            raise ValueError(f"max_replicas ({hi}) < min_replicas ({lo})")
+        if self.kv_budget_tokens is not None and "kv_budget_gib" in self.model_fields_set:
+            raise ValueError("give kv_budget_gib or kv_budget_tokens, not both")
         return self
 
     @property
     def autoscaling(self) -> bool:
-        return self.drafter_max_replicas is not None and self.drafter_max_replicas > (self.drafter_min_replicas or 1)
+        return self.max_replicas is not None and self.max_replicas > (self.min_replicas or 1)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            kv_budget_tokens=self.kv_budget_tokens or _SCHEDULER.kv_budget_tokens, max_running=self.max_running,
+            max_waiting=self.max_waiting, step_tokens=self.step_tokens, prefill_chunk=self.prefill_chunk,
+            min_path_prob=self.min_path_prob, lookup=self.lookup, goodput=self.goodput,
+        )  # fmt: skip
 
 
 def app(args: AppArgs | dict[str, Any]) -> Application:
@@ -120,28 +132,29 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     args = args if isinstance(args, AppArgs) else parse_app_args(args)
     target_path = _model_path(args.target, "target")
     drafter_path = None if (args.drafter or "").lower() == "none" else _model_path(args.drafter, "drafter")
-    settings = _router_settings(args, target_path, drafter_path is not None)
-    target = TargetDeployment.options(
-        ray_actor_options={"num_cpus": 0, "resources": args.target_resources},
-        max_ongoing_requests=max(256, 2 * args.router_replicas * args.max_ongoing_requests),
-    ).bind(target_path, tp_size=args.tp_size, dtype=args.dtype, device=args.device,
-           num_cpus_per_rank=args.target_num_cpus_per_rank)  # fmt: skip
-    drafter = None
-    if drafter_path is not None:
-        drafter = DrafterDeployment.options(**_drafter_options(args)).bind(
-            drafter_path, _vocab_size(target_path), dtype=args.dtype, device=args.device,
-            max_sessions=args.drafter_max_sessions, min_path_prob=args.min_path_prob,
-            prefill_window=args.drafter_prefill_window,
-        )  # fmt: skip
+    fixed = TreeConfig.parse(args.tree) if args.tree is not None else None
+    arms = tuple(TreeConfig.parse(t) for t in args.trees) if args.trees else DEFAULT_ARMS
+    bandit = BanditConfig(arms=arms) if drafter_path is not None and fixed is None else None
     hub = None
-    if settings.bandit is not None:
+    if bandit is not None:
         path = os.path.abspath(os.path.expanduser(args.bandit_path)) if args.bandit_path else None
-        hub = BanditHubDeployment.bind(settings.bandit, path)
+        hub = BanditHubDeployment.bind(bandit, path)
+    engine = EngineDeployment.options(**_engine_options(args)).bind(
+        target_path, drafter_path, tp_size=args.tp_size, dtype=args.dtype, device=args.device,
+        num_cpus_per_rank=args.num_cpus_per_rank, policy=bandit or fixed or default_tree(args.device),
+        scheduler=args.scheduler_config(), kv_budget_gib=None if args.kv_budget_tokens else args.kv_budget_gib,
+        max_context=args.max_context, drafter_prefill_window=args.drafter_prefill_window,
+        recover_timeout_s=args.recover_timeout_s, bandit_hub=hub,
+    )  # fmt: skip
+    settings = RouterSettings(
+        model_name=args.model_name or os.path.basename(target_path.rstrip("/")), tokenizer=target_path,
+        max_context=args.max_context, request_timeout_s=args.request_timeout_s, retry_s=args.retry_s,
+    )  # fmt: skip
     return RouterDeployment.options(
         num_replicas=args.router_replicas,
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
-    ).bind(target, drafter, hub, settings)
+    ).bind(engine, hub, settings)
 
 
 def parse_app_args(raw: dict[str, Any]) -> AppArgs:
@@ -162,40 +175,26 @@ def parse_app_args(raw: dict[str, Any]) -> AppArgs:
         raise AppError("bad app arguments: " + "; ".join(problems).replace("\n", " ")) from None
 
 
-def _router_settings(args: AppArgs, target_path: str, drafting: bool) -> RouterSettings:
-    fixed = TreeConfig.parse(args.tree) if args.tree is not None else None
-    arms = tuple(TreeConfig.parse(t) for t in args.trees) if args.trees else DEFAULT_ARMS
-    return RouterSettings(
-        model_name=args.model_name or os.path.basename(target_path.rstrip("/")),
-        tokenizer=target_path,
-        bandit=BanditConfig(arms=arms) if drafting and fixed is None else None,
-        tree=fixed or default_tree(args.device),
-        max_context=args.max_context,
-        backoff=LoadBackoff(args.backoff_full_below, args.backoff_off_at),
-        target_timeout_s=args.target_timeout_s,
-        draft_timeout_s=args.draft_timeout_s,
-        lookup=args.lookup,
-    )
-
-
-def _drafter_options(args: AppArgs) -> dict[str, Any]:
-    gpus = args.drafter_num_gpus if args.drafter_num_gpus is not None else float(args.device != "cpu")
+def _engine_options(args: AppArgs) -> dict[str, Any]:
+    local_target = args.tp_size == 1  # the replica holds the target itself; with ranks, they hold the devices
+    gpus = float(args.device != "cpu") if local_target else 0.0
     options: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": args.drafter_num_cpus, "num_gpus": gpus, "resources": args.drafter_resources},
-        # a request has at most one draft call in flight: the router's concurrency bounds the drafters' queue
-        "max_ongoing_requests": max(8, args.router_replicas * args.max_ongoing_requests),
-    }
+        "ray_actor_options": {"num_cpus": args.num_cpus_per_rank if local_target else 0, "num_gpus": gpus,
+                              "resources": args.resources},
+        # every request in flight is one long streaming call; the scheduler queues what does not fit its batch
+        "max_ongoing_requests": args.max_running + args.max_waiting,
+    }  # fmt: skip
     if not args.autoscaling:
-        options["num_replicas"] = args.drafter_replicas
+        options["num_replicas"] = args.replicas
         return options
     options["autoscaling_config"] = {
-        "min_replicas": args.drafter_min_replicas or 1,
-        "max_replicas": args.drafter_max_replicas,
-        "initial_replicas": args.drafter_min_replicas or 1,
-        "target_ongoing_requests": args.drafter_target_ongoing_requests,
-        "upscale_delay_s": args.drafter_upscale_delay_s,
-        "downscale_delay_s": args.drafter_downscale_delay_s,
-        "look_back_period_s": args.drafter_look_back_period_s,
+        "min_replicas": args.min_replicas or 1,
+        "max_replicas": args.max_replicas,
+        "initial_replicas": args.min_replicas or 1,
+        "target_ongoing_requests": args.target_ongoing_requests,
+        "upscale_delay_s": args.upscale_delay_s,
+        "downscale_delay_s": args.downscale_delay_s,
+        "look_back_period_s": args.look_back_period_s,
     }
     return options
 
@@ -216,13 +215,3 @@ def _model_path(name: str | None, kind: str) -> str:
         return resolve_model_path(name)
     except (ValueError, FileNotFoundError) as exc:
         raise AppError(f"{kind}: {exc}") from None
-
-
-def _vocab_size(target_path: str) -> int:
-    """The target's vocabulary size (the drafters draft in it), read from its config without loading weights."""
-    from transformers import AutoConfig
-
-    try:
-        return int(AutoConfig.from_pretrained(target_path).get_text_config(decoder=True).vocab_size)
-    except Exception as exc:
-        raise AppError(f"cannot read the target's config from {target_path!r}: {type(exc).__name__}: {exc}") from None

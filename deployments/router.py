@@ -1,11 +1,11 @@
-"""The ingress: an OpenAI-compatible FastAPI app on Ray Serve that runs `RouterCore` for every request.
+"""The ingress: an OpenAI-compatible FastAPI app on Ray Serve that hands each request to an engine replica.
 
 Routes: POST /v1/completions (stream=true as server-sent events), GET /v1/models, GET /health, GET /v1/bandit,
-GET /v1/stats (replica counts, read by the load test). Errors are OpenAI-shaped JSON: 400 for a body that is not
-JSON and for prompts that do not fit the context, 422 for unknown fields and out-of-range values, 503 when a
-downstream queue is full, 504 when a side does not answer in time. Serve itself answers 503 when this deployment's
-own queue (max_queued_requests) is full. Every remote call has a timeout; every request releases both sides' state
-whatever ends it (see ray_specdec/serving/router.py).
+GET /v1/stats (replica counts and the engines' loop state, read by the load test). The round loop runs in the engine
+replicas (deployments/engine.py); a request is one streaming call to one of them, continued on another if its replica
+is lost (ray_specdec/serving/router.py). Errors are OpenAI-shaped JSON: 400 for a body that is not JSON and for
+requests that can never fit the context or the KV budget, 422 for unknown fields and out-of-range values, 503 with
+Retry-After when the engines' queues are full or the target is down, 504 when a request outlives `request_timeout_s`.
 
 Prometheus metrics (Ray's metrics agent, prefixed `ray_`): specdec_requests{status}, specdec_tokens{kind},
 specdec_rounds, specdec_accepted_tokens, specdec_mean_accepted_length, specdec_depth_offered{depth},
@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import Counter as Tally
 from dataclasses import dataclass
 
@@ -30,18 +31,19 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.util.metrics import Counter, Gauge
 
-from deployments.bandit import BanditSync
-from ray_specdec.bandit import Bandit, BanditConfig
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import FixedTree
 from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.serving import api
-from ray_specdec.serving.router import LoadBackoff, PromptTooLong, RouterCore
+from ray_specdec.serving.router import RequestError, Router
 from ray_specdec.stats import GenerationStats
 
 logger = logging.getLogger("ray.serve")  # Serve shows this logger's records in `serve run` output
 
 fastapi_app = FastAPI(title="ray_specdec", docs_url=None, redoc_url=None)
+
+
+# Seconds a client is asked to wait after a 503.
+RETRY_AFTER_S = 2
 
 
 class ApiError(Exception):
@@ -52,7 +54,8 @@ class ApiError(Exception):
 
 @fastapi_app.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(api.error_body(str(exc), exc.kind, exc.param), status_code=exc.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return JSONResponse(api.error_body(str(exc), exc.kind, exc.param), status_code=exc.status, headers=headers)
 
 
 @fastapi_app.exception_handler(RequestValidationError)
@@ -68,14 +71,9 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
 class RouterSettings:
     model_name: str  # what /v1/models and responses call the target
     tokenizer: str  # directory or hub id holding the target's tokenizer
-    bandit: BanditConfig | None  # None: every request uses `tree`
-    tree: TreeConfig
     max_context: int | None = None  # cap on prompt + max_tokens below the target's own context length
-    backoff: LoadBackoff = LoadBackoff()
-    target_timeout_s: float = 120.0
-    draft_timeout_s: float = 30.0
-    bandit_sync_s: float = 1.0
-    lookup: int = 0  # prompt-lookup tokens added to every drafted tree
+    request_timeout_s: float = 600.0  # a request still running after this gets 504 (streams: an error event)
+    retry_s: float = 60.0  # how long a request whose replica was lost may wait for another one
 
 
 async def _result(response):
@@ -87,34 +85,24 @@ async def _result(response):
         raise
 
 
-class ServeTarget:
-    """TargetClient over the target deployment's handle."""
+class ServeEngine:
+    """EngineClient over the engine deployment's handle: one streaming call per request."""
 
     def __init__(self, handle):
-        self.handle = handle
+        self.handle = handle.options(stream=True)
 
-    def start(self, request_id: str, prompt_ids: list[int], seed: int | None):
-        return _result(self.handle.start.remote(request_id, prompt_ids, seed))
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None):
+        stream = self.handle.generate.remote(prompt_ids, params, tree)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            stream.cancel()
 
-    def verify(self, request_id: str, draft, params: SamplingParams):
-        return _result(self.handle.verify.remote(request_id, draft, params))
 
-    def release(self, request_id: str):
-        return _result(self.handle.release.remote(request_id))
-
-
-class ServeDrafter:
-    """DrafterClient over the drafter deployment's handle; the state key is the session id of sticky routing."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def draft(self, key: str, commits, config: TreeConfig, params: SamplingParams, seed, token_ids=None):
-        handle = self.handle.options(session_id=key)
-        return _result(handle.draft.remote(key, commits, config, params, seed, token_ids))
-
-    def release(self, key: str):
-        return _result(self.handle.options(session_id=key).release.remote(key))
+def replica_lost(exc: BaseException) -> bool:
+    """Whether an engine call failed because its replica (or its process) is gone."""
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
 
 
 class RouterMetrics:
@@ -165,21 +153,14 @@ def _inc(counter: Counter, value: float, tags: dict | None = None) -> None:
 @serve.deployment(name="router", ray_actor_options={"num_cpus": 0})
 @serve.ingress(fastapi_app)
 class RouterDeployment:
-    async def __init__(self, target, drafter, bandit_hub, settings: RouterSettings):
+    async def __init__(self, engine, bandit_hub, settings: RouterSettings):
         self.settings = settings
-        self.info = await target.info.remote()
+        self.engine = engine
+        self.info = await engine.info.remote()
         max_context = min(self.info["max_context"], settings.max_context or self.info["max_context"])
-        if settings.bandit is not None:
-            policy = Bandit(settings.bandit)
-            self.bandit_sync = BanditSync(policy, bandit_hub, settings.bandit_sync_s)
-        else:
-            policy, self.bandit_sync = FixedTree(settings.tree), None
         self.bandit_hub = bandit_hub
-        self.core = RouterCore(
-            ServeTarget(target), ServeDrafter(drafter) if drafter is not None else None,
-            load_tokenizer(settings.tokenizer), frozenset(self.info["eos_token_ids"]), max_context, policy,
-            settings.backoff, settings.target_timeout_s, settings.draft_timeout_s, settings.lookup,
-        )  # fmt: skip
+        self.core = Router(ServeEngine(engine), load_tokenizer(settings.tokenizer), max_context, replica_lost,
+                           settings.retry_s)  # fmt: skip
         self.metrics = RouterMetrics()
         self.app_name = serve.get_replica_context().app_name
         logger.info("ray_specdec is ready. Try:\n%s", await self._curl_example())
@@ -189,15 +170,13 @@ class RouterDeployment:
         if body.model not in (None, self.settings.model_name):
             raise ApiError(404, f"model {body.model!r} does not exist; this server has {self.settings.model_name!r}",
                            param="model")  # fmt: skip
-        if self.bandit_sync is not None:
-            self.bandit_sync.start()
         params, tree = body.sampling_params(), body.tree_config()
         try:
             ids = self.core.encode(body.prompt)
             self.core.check_length(len(ids), params)
-        except PromptTooLong as exc:
+        except RequestError as exc:
             self.metrics.record("rejected", 0, None, self.core.in_flight)
-            raise ApiError(400, str(exc), param="prompt") from None
+            raise ApiError(exc.status, str(exc), param="prompt") from None
         if body.stream:
             return StreamingResponse(self._events(ids, params, tree), media_type="text/event-stream")
         return await self._complete(ids, params, tree)
@@ -206,14 +185,14 @@ class RouterDeployment:
         cid, created = api.new_completion_id()
         self.metrics.in_flight.set(self.core.in_flight + 1)
         try:
-            gen = await self.core.generate(ids, params, tree)
+            gen = await asyncio.wait_for(self.core.generate(ids, params, tree), self.settings.request_timeout_s)
         except asyncio.CancelledError:
             self.metrics.record("cancelled", len(ids), None, self.core.in_flight)
             raise
         except Exception as exc:
             status, message = _downstream_error(exc)
-            self.metrics.record("error", len(ids), None, self.core.in_flight)
-            raise ApiError(status, message, "server_error") from None
+            self.metrics.record("rejected" if status < 500 else "error", len(ids), None, self.core.in_flight)
+            raise ApiError(status, message, "invalid_request_error" if status < 500 else "server_error") from None
         self.metrics.record("ok", len(ids), gen.stats, self.core.in_flight)
         return api.completion_body(cid, created, self.settings.model_name, gen.text, gen.token_ids, gen.finish_reason,
                                    len(ids), gen.stats)  # fmt: skip
@@ -221,10 +200,13 @@ class RouterDeployment:
     async def _events(self, ids: list[int], params: SamplingParams, tree: TreeConfig | None):
         cid, created = api.new_completion_id()
         name, completion, status, stats = self.settings.model_name, 0, "cancelled", None
+        deadline = time.monotonic() + self.settings.request_timeout_s
         self.metrics.in_flight.set(self.core.in_flight + 1)
         try:
             async with contextlib.aclosing(self.core.stream(ids, params, tree)) as chunks:  # released on disconnect
                 async for chunk in chunks:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the request ran past request_timeout_s")
                     completion += len(chunk.token_ids)
                     stats = chunk.stats
                     final = (len(ids), completion, stats) if chunk.finish_reason else None
@@ -246,22 +228,32 @@ class RouterDeployment:
         return {"object": "list", "data": [card]}
 
     @fastapi_app.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok", "in_flight": self.core.in_flight}
+    async def health(self):
+        """200 while some engine replica runs with its target up; 503 otherwise (a target down or restarting)."""
+        status = await asyncio.to_thread(serve.status)
+        engine = status.applications[self.app_name].deployments["engine"]
+        running = engine.replica_states.get("RUNNING", 0)
+        body = {"status": "ok" if running else "unavailable", "in_flight": self.core.in_flight,
+                "engine_replicas": running, "engine_status": str(engine.status)}  # fmt: skip
+        if not running or str(engine.status).endswith("UNHEALTHY"):
+            return JSONResponse(body | {"status": "unavailable"}, status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        return body
 
     @fastapi_app.get("/v1/bandit")
     async def bandit(self) -> dict:
         if self.bandit_hub is None:
-            return {"policy": "fixed", "tree": str(self.settings.tree) if self.core.drafter else "none"}
-        return await asyncio.wait_for(_result(self.bandit_hub.summary.remote()), self.settings.target_timeout_s)
+            return {"policy": "fixed"}
+        return await asyncio.wait_for(_result(self.bandit_hub.summary.remote()), 30.0)
 
     @fastapi_app.get("/v1/stats")
     async def stats(self) -> dict:
         status = await asyncio.to_thread(serve.status)
         deployments = status.applications[self.app_name].deployments
         replicas = {name: d.replica_states.get("RUNNING", 0) for name, d in deployments.items()}
-        return {"replicas": replicas, "in_flight": self.core.in_flight, "draft_failures": self.core.draft_failures,
-                "rounds_unrecorded": self.core.rounds_unrecorded}
+        engine = await asyncio.wait_for(_result(self.engine.stats.remote()), 30.0)
+        return {"replicas": replicas, "in_flight": self.core.in_flight, "continued": self.core.continued,
+                "engine": engine}
 
     async def _curl_example(self) -> str:
         """A ready-to-paste request against this app's HTTP address (read from the Serve controller)."""
@@ -282,7 +274,9 @@ class RouterDeployment:
 
 
 def _downstream_error(exc: BaseException) -> tuple[int, str]:
-    """(HTTP status, message) for a failure of the target or another downstream call."""
+    """(HTTP status, message) for a failure of the engine or another downstream call."""
+    if isinstance(exc, RequestError):
+        return exc.status, str(exc)
     if isinstance(exc, BackPressureError):
         return 503, "the server is overloaded; retry later"
     if isinstance(exc, TimeoutError):

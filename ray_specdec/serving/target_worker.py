@@ -2,8 +2,9 @@
 
 With world_size > 1 a worker joins a torch.distributed group (gloo on CPU, nccl on GPU) and shards the target with
 DeepSpeed AutoTP (`init_inference(..., replace_with_kernel_inject=False)`): Linear layers are split across ranks and
-all-reduced, so every rank runs the same calls on the same inputs and ends up with the same full logits. Callers must
-send every rank the same calls in the same order (prefill and forward are collective); only rank 0 returns logits.
+all-reduced, so every rank runs the same calls on the same inputs and ends up with the same full logits. The
+scheduler's target side reaches the ranks with one call per step (`run(StepWork)`: commits, frees, allocations and
+the batched forward); every rank gets the same work in the same order, and only rank 0 returns logits.
 
 With world_size == 1 DeepSpeed is not used at all: the plain HF module is exactly what the in-process engine runs
 (bit-identical logits, float64 allowed), and there is nothing to shard. `init_inference` with tp_size 1 would only
@@ -14,24 +15,13 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Sequence
-
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from ray_specdec.acceptance import Verdict
-from ray_specdec.drafting import Draft
-from ray_specdec.engine import TargetSession
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path
 from ray_specdec.models.target import ATTN_IMPLEMENTATION, TargetModel
-
-
-class UnknownRequest(KeyError):
-    """The request id was never started here, or was released (finished, cancelled, idle too long)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])  # KeyError would print the message in quotes
+from ray_specdec.target_backend import StepWork, TargetCaches
 
 
 def free_port() -> int:
@@ -103,7 +93,7 @@ def _use_process_group_all_reduce() -> None:
 
 
 class TargetWorker:
-    """One rank: the (sharded) target and a TargetSession per request. Not thread-safe: one call at a time."""
+    """One rank: the (sharded) target and its shard of every request's KV cache, driven one step at a time."""
 
     def __init__(
         self,
@@ -125,7 +115,7 @@ class TargetWorker:
             init_distributed(rank, world_size, master_addr, master_port, device)
         self.target = load_target(model, dtype=dtype, device=device, tp_size=world_size)
         self.model_name = model
-        self.sessions: dict[str, TargetSession] = {}
+        self.caches = TargetCaches(self.target)
 
     def info(self) -> dict:
         t = self.target
@@ -136,33 +126,16 @@ class TargetWorker:
             "eos_token_ids": sorted(t.eos_token_ids),
             "tp_size": self.world_size,
             "dtype": str(t.dtype).removeprefix("torch."),
+            "kv_bytes_per_token": t.kv_bytes_per_token * self.world_size,
         }
 
-    def start(self, request_id: str, prompt_ids: Sequence[int]) -> None:
-        """Prefill the prompt (all but its last token, which is the first verify's root)."""
-        if request_id in self.sessions:
-            raise ValueError(f"request {request_id!r} is already started")
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt_ids must hold at least one token")
-        self.sessions[request_id] = TargetSession(self.target, prompt_ids)
-
-    def forward(self, request_id: str, draft: Draft) -> torch.Tensor | None:
-        """Logits [1 + n, V] at the root and every draft node on rank 0 (on the CPU); None on the other ranks."""
-        logits = self._session(request_id).forward(draft)
-        return logits.cpu() if self.rank == 0 else None
-
-    def commit(self, request_id: str, verdict: Verdict) -> None:
-        self._session(request_id).commit(verdict)
-
-    def release(self, request_id: str) -> bool:
-        """Drop the request's cache; False if there was none (releasing twice is harmless)."""
-        return self.sessions.pop(request_id, None) is not None
+    def run(self, work: StepWork) -> list[torch.Tensor | None] | None:
+        """One step (collective: every rank gets the same work in the same order); rank 0 -> the logits on the
+        CPU, other ranks -> None."""
+        logits = self.caches.run(work)
+        if self.rank != 0:
+            return None
+        return [None if x is None else x.cpu() for x in logits]
 
     def request_ids(self) -> list[str]:
-        return list(self.sessions)
-
-    def _session(self, request_id: str) -> TargetSession:
-        session = self.sessions.get(request_id)
-        if session is None:
-            raise UnknownRequest(f"target rank {self.rank} has no request {request_id!r} (never started or released)")
-        return session
+        return list(self.caches.caches)

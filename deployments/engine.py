@@ -1,0 +1,215 @@
+"""The engine replica: the round loop (scheduler) beside the target, with the drafter in the same process.
+
+One replica serves a request from start to end (data parallel: more replicas serve more requests, and a request
+stays on its replica). Inside it, `EngineLoop` steps the `Scheduler` on a thread of its own:
+- tp_size 1: the target is loaded in this process (`LocalTarget`): a step makes no remote call at all;
+- tp_size > 1: the target's ranks are Ray actors in one placement group (STRICT_PACK), each a `TargetWorker` with
+  DeepSpeed AutoTP over gloo / nccl; a step is one call to every rank (`RankGroup.run`), and rank 0's logits come back.
+The drafter (a Mamba model of a few million parameters on CPU, ~100M on GPU) runs in this process too: a remote call
+per step would cost far more than its step (docs/BENCHMARKS.md, "Serving: where the time goes").
+
+Faults: a rank that dies fails the step; the loop restarts the ranks and prefills every running request again from
+its token ids (`EngineLoop`). A request that outlives its replica (the process itself died) is continued by the
+router on another replica from the tokens it already streamed.
+
+Errors reach the router as items of the stream, not exceptions: `{"error": status, "message": ...}`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import replace
+
+import ray
+from ray import serve
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deployments.bandit import BanditSync
+from ray_specdec.bandit import Bandit, BanditConfig
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.models.loading import load_tokenizer
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.target import TargetModel
+from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig, kv_budget_rows
+from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
+from ray_specdec.serving.target_worker import TargetWorker, free_port
+from ray_specdec.target_backend import LocalTarget, StepWork
+
+logger = logging.getLogger("ray.serve")
+
+# Waiting for the ranks' resources: a GPU node of an autoscaling cluster may take minutes to come up.
+PLACEMENT_TIMEOUT_S = 600.0
+
+
+class RankActor:
+    """Body of one rank's Ray actor: a TargetWorker, built once rank 0's rendezvous address is known."""
+
+    def __init__(self) -> None:
+        self.worker: TargetWorker | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port()
+
+    def load(self, model: str, **kwargs) -> dict:
+        self.worker = TargetWorker(model, **kwargs)
+        return self.worker.info()
+
+    def run(self, work: StepWork):
+        return self.worker.run(work)
+
+    def reset(self) -> None:
+        self.worker.caches.reset()
+
+    def request_ids(self) -> list[str]:
+        return self.worker.request_ids()
+
+
+class RankGroup:
+    """The scheduler's target side over tp_size rank actors: one call to every rank per step."""
+
+    def __init__(self, model: str, *, tp_size: int, dtype: str | None, device: str, num_cpus_per_rank: float):
+        self.model, self.tp_size, self.dtype, self.device = model, tp_size, dtype, device
+        self.num_cpus = num_cpus_per_rank
+        self.gpus = 0 if device == "cpu" else 1
+        self._ranks: list = []
+        self._pg = None
+        self.info = self.start()
+        self.vocab_size = self.info["vocab_size"]
+        self.max_context = self.info["max_context"]
+        self.eos_token_ids = frozenset(self.info["eos_token_ids"])
+
+    def start(self) -> dict:
+        """(Re)start every rank: a fresh placement group, actors and process group. -> rank 0's info."""
+        self.shutdown()
+        self._pg = placement_group([{"CPU": self.num_cpus, "GPU": self.gpus}] * self.tp_size, strategy="STRICT_PACK")
+        ready, _ = ray.wait([self._pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            raise RuntimeError(
+                f"no node could host {self.tp_size} target ranks of {self.num_cpus} CPU and {self.gpus} GPU "
+                f"together within {PLACEMENT_TIMEOUT_S:.0f} s (placement group strategy STRICT_PACK)"
+            )
+        actor = ray.remote(RankActor)
+        for rank in range(self.tp_size):
+            strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
+            self._ranks.append(actor.options(num_cpus=self.num_cpus, num_gpus=self.gpus, max_concurrency=1,
+                                             scheduling_strategy=strategy).remote())  # fmt: skip
+        addr, port = ray.get(self._ranks[0].rendezvous_address.remote())
+        infos = ray.get([
+            rank.load.remote(self.model, dtype=self.dtype, device=self.device, rank=i, world_size=self.tp_size,
+                             master_addr=addr, master_port=port)
+            for i, rank in enumerate(self._ranks)
+        ])  # fmt: skip
+        return infos[0]
+
+    def run(self, work: StepWork):
+        ref = ray.put(work)  # one copy in the object store for every rank
+        return ray.get([rank.run.remote(ref) for rank in self._ranks])[0]
+
+    def reset(self) -> None:
+        ray.get([rank.reset.remote() for rank in self._ranks])
+
+    def request_ids(self) -> list[list[str]]:
+        return ray.get([rank.request_ids.remote() for rank in self._ranks])
+
+    def shutdown(self) -> None:
+        for rank in self._ranks:
+            ray.kill(rank)
+        self._ranks = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+
+
+class EngineReplica:
+    """The loop, the target side and the drafter of one replica (a plain class: tests run it on Ray core)."""
+
+    def __init__(
+        self,
+        target: str,
+        drafter: str | None,
+        *,
+        tp_size: int = 1,
+        dtype: str | None = None,
+        device: str = "cpu",
+        num_cpus_per_rank: float = 1.0,
+        policy: BanditConfig | TreeConfig = TreeConfig((1, 1, 1)),
+        scheduler: SchedulerConfig = SchedulerConfig(),
+        kv_budget_gib: float | None = None,
+        max_context: int | None = None,
+        drafter_prefill_window: int | str | None = "auto",
+        recover_timeout_s: float = 120.0,
+        bandit_hub=None,
+        bandit_sync_s: float = 1.0,
+    ):
+        if tp_size == 1:
+            self.backend = LocalTarget(TargetModel.from_pretrained(target, dtype=dtype, device=device))
+            kv_bytes = self.backend.target.kv_bytes_per_token
+            recover = None
+        else:
+            self.backend = RankGroup(target, tp_size=tp_size, dtype=dtype, device=device,
+                                     num_cpus_per_rank=num_cpus_per_rank)  # fmt: skip
+            kv_bytes = self.backend.info["kv_bytes_per_token"]
+            recover = self.backend.start
+        if kv_budget_gib is not None:
+            scheduler = replace(scheduler, kv_budget_tokens=kv_budget_rows(kv_budget_gib, kv_bytes))
+        self.drafter = None
+        if drafter is not None:
+            self.drafter = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device,
+                                                        prefill_window=drafter_prefill_window)  # fmt: skip
+        self.bandit_sync = None
+        if isinstance(policy, BanditConfig):
+            bandit = Bandit(policy)
+            self.bandit_sync = BanditSync(bandit, bandit_hub, bandit_sync_s) if bandit_hub is not None else None
+            policy = bandit
+        self.tokenizer = load_tokenizer(target)
+        sched = Scheduler(self.backend, self.drafter, self.tokenizer, policy, scheduler, max_context)
+        self.loop = EngineLoop(sched, recover, recover_timeout_s)
+        self.tp_size = tp_size
+
+    def info(self) -> dict:
+        s = self.loop.scheduler
+        return {"max_context": s.max_context, "vocab_size": self.backend.vocab_size, "tp_size": self.tp_size,
+                "eos_token_ids": sorted(self.backend.eos_token_ids), "kv_budget_tokens": s.config.kv_budget_tokens,
+                "drafter": self.drafter is not None}  # fmt: skip
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None = None,
+                       request_id: str | None = None):
+        """Stream a request's chunks (`StreamChunk`, stats on the last one only), or one error item."""
+        if self.bandit_sync is not None:
+            self.bandit_sync.start()
+        request_id = request_id or uuid.uuid4().hex
+        try:
+            async for chunk in self.loop.generate(request_id, prompt_ids, params, tree):
+                if chunk.finish_reason is None:
+                    chunk = type(chunk)(chunk.token_ids, chunk.text, None, None)
+                yield chunk
+        except RequestTooLarge as exc:
+            yield {"error": 400, "message": str(exc)}
+        except (QueueFull, TargetUnavailable) as exc:
+            yield {"error": 503, "message": str(exc)}
+        except ValueError as exc:
+            yield {"error": 400, "message": str(exc)}
+
+    async def stats(self) -> dict:
+        return self.loop.stats() | {"replica": serve.get_replica_context().replica_id.unique_id}
+
+    async def check_health(self) -> None:
+        """Serve restarts a replica whose loop died or whose target did not come back."""
+        if not self.loop.alive:
+            raise RuntimeError("the engine loop thread died")
+        if not self.loop.healthy:
+            raise RuntimeError("the target is down")
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        if isinstance(self.backend, RankGroup):
+            self.backend.shutdown()
+
+
+# No access log: each request is one long streaming call.
+@serve.deployment(name="engine", logging_config={"enable_access_log": False}, health_check_period_s=5)
+class EngineDeployment(EngineReplica):
+    def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        self.shutdown()

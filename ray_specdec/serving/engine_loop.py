@@ -1,0 +1,177 @@
+"""The scheduler behind an asyncio service: one thread steps it, requests stream their chunks back, without Ray.
+
+`EngineLoop.generate(...)` is an async iterator of a request's `StreamChunk`s. One worker thread owns the scheduler:
+it takes new requests and aborts from an inbox between steps, runs `Scheduler.step()` while any request is in flight
+and hands each step's chunks to the requests' asyncio queues, so the event loop never waits for a step. A request whose consumer goes away (client disconnect,
+cancellation, timeout) is aborted: its KV is freed with the next step.
+
+Faults. A step that raises is a target fault (a tensor-parallel rank died, a GPU error). The loop asks `recover`
+(restart the ranks; None when there is nothing to restart) and, once the target is back, moves every running request
+back to prefill over its token ids (`Scheduler.reset_target`): they finish with the tokens they would have produced.
+If recovery fails or takes longer than `recover_timeout_s`, every request in flight fails with `TargetUnavailable`
+(HTTP 503 with Retry-After), and `healthy` stays False until a recovery succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Sequence
+
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.rounds import StreamChunk
+from ray_specdec.scheduler import QueueFull, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class TargetUnavailable(RuntimeError):
+    """The target failed and did not come back in time (HTTP 503, retry later)."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        recover: Callable[[], None] | None = None,
+        recover_timeout_s: float = 120.0,
+        on_step: Callable[[Scheduler, float], None] | None = None,
+    ):
+        """recover: brings a failed target back (raises if it cannot); on_step(scheduler, seconds): after each step
+        (metrics)."""
+        self.scheduler = scheduler
+        self.recover = recover
+        self.recover_timeout_s = recover_timeout_s
+        self.on_step = on_step
+        self.healthy = True
+        self.faults = 0  # steps that raised
+        self.recoveries = 0
+        self._wake = threading.Condition()
+        self._inbox: deque[tuple] = deque()
+        self._streams: dict[str, _Stream] = {}  # read by the loop's thread, written by the event loop's
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, tree: TreeConfig | None = None
+    ) -> AsyncIterator[StreamChunk]:
+        """The request's chunks, one per round; the last has finish_reason set. Raises the scheduler's
+        RequestTooLarge / QueueFull before the first chunk, TargetUnavailable on a lost target."""
+        if not self.healthy:
+            raise TargetUnavailable("the target is recovering from a fault; retry later")
+        self.scheduler.check(len(prompt_ids), params, tree)  # a request that can never run fails here, at once
+        if self.scheduler.num_waiting + len(self._inbox) >= self.scheduler.config.max_waiting > 0:
+            raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting (max_waiting); retry later")
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._send(("add", request_id, list(prompt_ids), params, tree))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            self._send(("abort", request_id))
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def _send(self, command: tuple) -> None:
+        """Requests enter and leave the scheduler on the loop's thread, between steps (the event loop never waits
+        for a step)."""
+        with self._wake:
+            self._inbox.append(command)
+            self._wake.notify()
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"running": s.num_running, "waiting": s.num_waiting, "kv_reserved": s.reserved,
+                "kv_budget": s.config.kv_budget_tokens, "steps": s.steps, "faults": self.faults,
+                "recoveries": self.recoveries, "healthy": self.healthy}  # fmt: skip
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self._inbox and not self.scheduler.has_work:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                commands, self._inbox = self._inbox, deque()
+            for command in commands:
+                self._apply(command)
+            if not self.scheduler.has_work:
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = self.scheduler.step()
+            except Exception as exc:
+                self._fault(exc)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out.chunk)
+            if self.on_step is not None:
+                self.on_step(self.scheduler, time.perf_counter() - t0)
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "abort":
+            self.scheduler.abort(command[1])
+            return
+        _, request_id, prompt_ids, params, tree = command
+        if request_id not in self._streams:  # its consumer left before it was added
+            return
+        try:
+            self.scheduler.add(request_id, prompt_ids, params, tree)
+        except Exception as exc:  # validated before: only a race (a full queue) lands here
+            self._deliver(request_id, exc)
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _fault(self, exc: Exception) -> None:
+        """Recover the target and re-prefill every running request, or fail them all (on the loop's thread)."""
+        self.faults += 1
+        self.healthy = False
+        logger.error("a step failed (%s: %s)", type(exc).__name__, exc)
+        deadline = time.monotonic() + self.recover_timeout_s
+        while self.recover is not None and time.monotonic() < deadline:
+            try:
+                self.recover()
+            except Exception as again:
+                logger.error("target recovery failed (%s: %s)", type(again).__name__, again)
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                continue
+            self.scheduler.reset_target()
+            self.recoveries += 1
+            self.healthy = True
+            logger.warning("the target recovered; %d requests are prefilled again", self.scheduler.num_running)
+            return
+        error = TargetUnavailable(f"the target failed ({type(exc).__name__}: {exc}) and did not recover")
+        for request_id in list(self.scheduler.running) + [r.request_id for r in self.scheduler.waiting]:
+            self.scheduler.abort(request_id)
+            self._deliver(request_id, error)
+        self.scheduler.reset_target()
+        self.healthy = self.recover is None  # nothing to restart: the next request tries again
