@@ -25,7 +25,7 @@ all-reduce and hold a shard of the heads) and devices other than the CPU (CUDA h
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from transformers import GPTNeoXForCausalLM, LlamaForCausalLM, PreTrainedModel
@@ -79,6 +79,19 @@ def _call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+class _Ops(NamedTuple):
+    """How a forward multiplies by a Linear layer's weight and applies an activation (fn(module, x)), and how verify
+    rows attend (None: through the model's attention function)."""
+
+    product: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+    activate: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+    tree_attention: Callable[..., torch.Tensor] | None
+
+
+_MODEL_OPS = _Ops(_call, _call, None)  # the model's own calls (its planned GEMM paths): HF's forward bit for bit
+_INVARIANT_OPS = _Ops(invariant.product, invariant.activate, invariant.tree_attention)
+
+
 class LeanForward:
     """`forward(input_ids, position_ids, spans)` -> logits of every row, as `model(...)` returns them for one span."""
 
@@ -97,17 +110,18 @@ class LeanForward:
         self._step = self._neox_layer if neox else self._llama_layer
         self._eager = (modeling_gpt_neox if neox else modeling_llama).eager_attention_forward
         self._head = model.get_output_embeddings()
-        # What batch invariance changes, resolved once: products, activations, rotary values, tree attention.
+        # What batch invariance changes for verify rows, resolved once: products, activations, rotary values, tree
+        # attention. Prefill chunks keep the model's own products: each chunk runs alone, so its K/V depend on its own
+        # rows anyway, and F.linear beats the native GEMM on hundreds of rows (256 rows: even; 1,024-4,096 rows:
+        # ~10-15% faster on the 2-core development machine, and the native GEMM splits only output blocks over threads).
         self.batch_invariant = batch_invariant
+        self._table = None
         if batch_invariant:
             why = invariant.why_unsupported(model)
             if why is not None:
                 raise ValueError(f"LeanForward cannot be batch-invariant for this model: {why}")
-            self._product, self._activate = invariant.product, invariant.activate
             self._table = invariant.RotaryTable(self._rotary, model.config.max_position_embeddings,
                                                 next(model.parameters()).dtype)  # fmt: skip
-        else:
-            self._product, self._activate, self._table = _call, _call, None
 
     @property
     def available(self) -> bool:
@@ -116,28 +130,32 @@ class LeanForward:
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, spans: Sequence[Span],
                 logits: bool = True) -> torch.Tensor | None:
-        """input_ids / position_ids [1, R], spans covering the R rows in order; each span's cache grows by its rows.
-        -> logits [1, R, V], or None (logits=False: prefill chunks need only their K/V)."""
+        """input_ids / position_ids [1, R], spans covering the R rows in order (all verify spans, batch-invariant
+        where this loop is, or prefill chunks); each span's cache grows by its rows. -> logits [1, R, V], or None
+        (logits=False: prefill chunks need only their K/V)."""
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, self._eager)
+        invariant_rows = self.batch_invariant and all(span.tree for span in spans)
+        ops = _INVARIANT_OPS if invariant_rows else _MODEL_OPS
         hidden = self._embed(input_ids)
-        if self._table is not None:
+        if invariant_rows:
             cos, sin = self._table(position_ids, int(position_ids.max()) + 1)
         else:
             cos, sin = self._rotary(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for layer in self._layers:
-            hidden = self._step(layer, hidden, cos, sin, spans, attention)
-        return self._product(self._head, self._norm(hidden)) if logits else None
+            hidden = self._step(layer, hidden, cos, sin, spans, attention, ops)
+        return ops.product(self._head, self._norm(hidden)) if logits else None
 
-    def _attend(self, module, query, key, value, spans: Sequence[Span], attention) -> torch.Tensor:
+    @staticmethod
+    def _attend(module, query, key, value, spans: Sequence[Span], attention, ops: _Ops) -> torch.Tensor:
         """query [1, H, R, D], key / value [1, Hkv, R, D] of all rows -> [1, R, H * D]: each span writes its K/V to
         its cache and attends over it."""
         outs = []
         for span in spans:
             rows = slice(span.start, span.end)
             keys, values = span.cache.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
-            if span.tree and self.batch_invariant:
-                out = invariant.tree_attention(query[:, :, rows], keys, values, span.mask, module.scaling)
+            if span.tree and ops.tree_attention is not None:
+                out = ops.tree_attention(query[:, :, rows], keys, values, span.mask, module.scaling)
             else:
                 out, _ = attention(module, query[:, :, rows], keys, values, span.mask, dropout=0.0,
                                    scaling=module.scaling)  # fmt: skip
@@ -145,34 +163,34 @@ class LeanForward:
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return out.reshape(*query.shape[:1], query.shape[2], -1).contiguous()
 
-    def _neox_layer(self, layer, hidden, cos, sin, spans, attention) -> torch.Tensor:
+    def _neox_layer(self, layer, hidden, cos, sin, spans, attention, ops: _Ops) -> torch.Tensor:
         """GPTNeoXLayer.forward (eval: its dropouts are identities)."""
         attn, mlp = layer.attention, layer.mlp
         rows = hidden.shape[:-1]
-        qkv = self._product(attn.query_key_value, layer.input_layernorm(hidden))
+        qkv = ops.product(attn.query_key_value, layer.input_layernorm(hidden))
         query, key, value = qkv.view(*rows, -1, 3 * attn.head_size).transpose(1, 2).chunk(3, dim=-1)
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        out = self._product(attn.dense, self._attend(attn, query, key, value, spans, attention))
+        out = ops.product(attn.dense, self._attend(attn, query, key, value, spans, attention, ops))
 
         def feed_forward(x):  # GPTNeoXMLP.forward
-            return self._product(mlp.dense_4h_to_h, self._activate(mlp.act, self._product(mlp.dense_h_to_4h, x)))
+            return ops.product(mlp.dense_4h_to_h, ops.activate(mlp.act, ops.product(mlp.dense_h_to_4h, x)))
 
         if layer.use_parallel_residual:
             return feed_forward(layer.post_attention_layernorm(hidden)) + out + hidden
         out = out + hidden
         return feed_forward(layer.post_attention_layernorm(out)) + out
 
-    def _llama_layer(self, layer, hidden, cos, sin, spans, attention) -> torch.Tensor:
+    def _llama_layer(self, layer, hidden, cos, sin, spans, attention, ops: _Ops) -> torch.Tensor:
         """LlamaDecoderLayer.forward."""
         attn, mlp = layer.self_attn, layer.mlp
         rows = hidden.shape[:-1]
         normed = layer.input_layernorm(hidden)
         shape = (*rows, -1, attn.head_dim)
-        query = self._product(attn.q_proj, normed).view(shape).transpose(1, 2)
-        key = self._product(attn.k_proj, normed).view(shape).transpose(1, 2)
-        value = self._product(attn.v_proj, normed).view(shape).transpose(1, 2)
+        query = ops.product(attn.q_proj, normed).view(shape).transpose(1, 2)
+        key = ops.product(attn.k_proj, normed).view(shape).transpose(1, 2)
+        value = ops.product(attn.v_proj, normed).view(shape).transpose(1, 2)
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        hidden = hidden + self._product(attn.o_proj, self._attend(attn, query, key, value, spans, attention))
+        hidden = hidden + ops.product(attn.o_proj, self._attend(attn, query, key, value, spans, attention, ops))
         normed = layer.post_attention_layernorm(hidden)
-        gate = self._activate(mlp.act_fn, self._product(mlp.gate_proj, normed))
-        return hidden + self._product(mlp.down_proj, gate * self._product(mlp.up_proj, normed))  # LlamaMLP.forward
+        gate = ops.activate(mlp.act_fn, ops.product(mlp.gate_proj, normed))
+        return hidden + ops.product(mlp.down_proj, gate * ops.product(mlp.up_proj, normed))  # LlamaMLP.forward

@@ -153,11 +153,14 @@ def test_forward_batch_is_verify_and_close_to_hf(family, batch_invariant):
         torch.testing.assert_close(out, hf, atol=2e-5, rtol=0)
 
 
-def test_prefill_through_forward_batch_is_prefill():
-    target = TargetModel(tiny_llama(torch.float32, seed=3))
-    a, b = target.new_cache(), target.new_cache()
-    target.prefill(a, tokens(30, 1))
-    target.prefill(a, tokens(9, 2))
+def test_prefill_through_forward_batch_is_hf_prefill():
+    """Prefill chunks keep the model's own products, batch-invariant target or not: HF's forward's K/V bit for bit."""
+    model = tiny_llama(torch.float32, seed=3)
+    target, hf = TargetModel(model), TargetModel(model, lean=False)
+    assert target.batch_invariant and hf.lean_why == "lean=False"
+    a, b = hf.new_cache(), target.new_cache()
+    hf.prefill(a, tokens(30, 1))
+    hf.prefill(a, tokens(9, 2))
     target.forward_batch([Segment(b, tokens(30, 1))])
     target.forward_batch([Segment(b, tokens(9, 2)), verify_segment(target, cache_with(target, 5, 3), "one", 4)])
     assert a.length == b.length == 39 and b.pending_rows == 0
