@@ -10,7 +10,8 @@ each head's keys and values once for all rows (`python -m benchmarks.cpu_attenti
 it, so masks are built exactly as for sdpa) and switches the model to it. The function takes the kernel for float32
 CPU tensors without autograd, batch 1 and `MIN_ROWS` to `MAX_ROWS` query rows that carry a 4D mask (a verify's);
 everything else (decode steps, prefill chunks, other dtypes and devices, training) goes to HF's sdpa function
-unchanged. Results agree with sdpa to float32 rounding (a different summation order, as between any two attention
+unchanged. (A batch-invariant target calls `tree_attention` for verify rows of any count instead, one row included:
+models/batch_invariant.py.) Results agree with sdpa to float32 rounding (a different summation order, as between any two attention
 kernels): greedy output can differ only at near-ties of the target's logits.
 """
 
