@@ -1,0 +1,571 @@
+"""Our Serve app against the servers a user would pick instead, side by side in one run (issue 18's benchmark).
+
+Systems, all on the shipped `target-neox` in float32, with the same prompts:
+- `inproc`, `inproc-none`: our in-process engine (`load_engine` + `generate`), one request at a time, drafting on
+  (the engine's default) and tree "none": what serving costs on top of the loop;
+- `ours`, `ours-none`: the Serve app started as benchmarks/serve_load.py starts it; drafting is the service's own
+  choice, or every request says `"tree": "none"`;
+- `vllm`, `vllm-draft`: vLLM-CPU plain, and with its draft-model speculation using `drafter-neox-small`, started by
+  `../shared/peers/vllm_cpu.sh` (installed once with its `install`);
+- `hf`: `transformers serve --continuous-batching --device cpu --dtype float32` (needs `accelerate` and `openai`
+  beside transformers; benchmark-only, never a project dependency). Its batch manager takes its sampling settings
+  from the first request it sees, so it is restarted per temperature and T=1 requests name `do_sample` themselves.
+Prompts are windows of held-out stdlib code (files the shipped models never trained on), mixed lengths, fixed by a
+seed. Each cell (system, temperature, concurrency) is a closed loop of streaming `/v1/completions` requests for a
+fixed time; tokens/s, p50/p95 latency and p50 time to first token come from the clients' clocks. Greedy texts are
+checked against `ours-none`'s for the same prompt. One server runs at a time (the CPU has 2 cores); a peer that
+does not start or answer is recorded as unavailable with the reason, and the run goes on.
+
+Writes serve_peers.json, serve_peers.md (also printed) and serve_peers.png to --out.
+
+Run: python -m benchmarks.serve_peers [--duration 30] [--servers inproc,ours,vllm,vllm-draft,hf] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "ray_specdec" / "default_models"
+TARGET, PEER_DRAFTER = MODELS / "target-neox", MODELS / "drafter-neox-small"
+SERVERS = ("inproc", "ours", "vllm", "vllm-draft", "hf")
+REFERENCE = "ours-none"  # greedy texts of every system are compared with this one's
+PEERS = ("vllm", "vllm-draft", "hf")
+MAX_REQUESTS_PER_CELL = 4096
+START_TIMEOUT_S = 420.0
+
+
+# ---- prompts -------------------------------------------------------------------------------------------------------
+
+def select_prompts(n: int, seed: int, min_tokens: int = 32, max_tokens: int = 512) -> list[str]:
+    """n held-out code windows of uniform random length; windows crossing a file boundary (EOS inside) are skipped."""
+    from ray_specdec.training.corpus import heldout_prompts
+
+    candidates = heldout_prompts(2 * n, min_tokens, max_tokens, seed=seed)
+    clean = [p.text for p in candidates if 0 not in p.token_ids]  # 0: the shipped tokenizer's EOS
+    if len(clean) < n:
+        raise ValueError(f"only {len(clean)} of {2 * n} held-out windows are free of EOS")
+    return clean[:n]
+
+
+# ---- streaming responses --------------------------------------------------------------------------------------------
+
+@dataclass
+class RequestResult:
+    prompt_index: int
+    latency_s: float = 0.0
+    ttft_s: float | None = None  # first chunk with text
+    text: str = ""
+    usage_tokens: int | None = None  # completion_tokens of the last usage block seen
+    id_tokens: int | None = None  # token ids in the chunks, where every chunk had them (ours)
+    error: str | None = None
+
+
+@dataclass
+class StreamTally:
+    """What one SSE stream said so far: OpenAI completion chunks (`choices[0].text`), `data: [DONE]` at the end."""
+
+    text: list[str] = field(default_factory=list)
+    ttft_s: float | None = None
+    usage_tokens: int | None = None
+    id_tokens: int | None = 0
+    done: bool = False  # "[DONE]" seen
+    finish_reason: str | None = None  # transformers serve ends its stream after this chunk, without "[DONE]"
+    error: str | None = None
+
+    def feed(self, line: str, elapsed_s: float) -> None:
+        if not line.startswith("data:") or self.done or self.error:
+            return  # blank separators, comments (": ping"), "event:" lines
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            self.error = "stream_error"
+            return
+        choice = (chunk.get("choices") or [{}])[0]
+        if text := choice.get("text") or "":
+            self.text.append(text)
+            if self.ttft_s is None:
+                self.ttft_s = elapsed_s
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        ids = choice.get("token_ids")
+        self.id_tokens = None if ids is None or self.id_tokens is None else self.id_tokens + len(ids)
+        if usage := chunk.get("usage"):
+            self.usage_tokens = int(usage["completion_tokens"])
+
+
+def count_tokens(result: RequestResult, tokenize: Callable[[str], int]) -> int:
+    """Usage if the server sent it, else the chunks' token ids, else the text re-tokenized (vLLM without
+    stream_options, whose speculative chunks carry several tokens)."""
+    if result.usage_tokens is not None:
+        return result.usage_tokens
+    return result.id_tokens if result.id_tokens is not None else tokenize(result.text)
+
+
+# ---- summaries ------------------------------------------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
+
+
+def summarize_cell(results: list[RequestResult], wall_s: float, tokenize: Callable[[str], int]) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None]
+    tokens = sum(count_tokens(r, tokenize) for r in ok)
+    latency, ttft = [r.latency_s for r in ok], [r.ttft_s for r in ok if r.ttft_s is not None]
+    return {"requests": len(results), "ok": len(ok), "errors": dict(Counter(r.error for r in results if r.error)),
+            "tokens": tokens, "wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 2) if wall_s else 0.0,
+            "latency_p50_s": percentile(latency, 50), "latency_p95_s": percentile(latency, 95),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95)}
+
+
+def cell_label(system: str, concurrency: int) -> str:
+    return f"{system} c={concurrency}"
+
+
+def greedy_check(texts: dict[str, dict[int, list[str]]], reference: str = REFERENCE) -> dict[str, Any]:
+    """texts: greedy cell label ("vllm c=8") -> prompt index -> texts seen. Every cell's texts against the first text
+    the reference system gave for the same prompt in any of its cells: {"reference", "cells": {label: {"compared",
+    "mismatched", "first": [...]}}}; the reference's own cells are checked too (batch invariance)."""
+    ref: dict[int, str] = {}
+    for label, by_prompt in texts.items():
+        if label.rsplit(" c=", 1)[0] == reference:
+            for i, seen in by_prompt.items():
+                ref.setdefault(i, seen[0])
+    if not ref:
+        return {"reference": reference, "error": f"no greedy texts from {reference}"}
+    cells = {}
+    for label, by_prompt in texts.items():
+        compared, wrong = 0, []
+        for i, seen in sorted(by_prompt.items()):
+            for text in seen if i in ref else ():
+                compared += 1
+                if text != ref[i]:
+                    wrong.append({"prompt": i, "expected": ref[i][:80], "got": text[:80]})
+        cells[label] = {"compared": compared, "mismatched": len(wrong), "first": wrong[:3]}
+    return {"reference": reference, "cells": cells}
+
+
+def ratios(cells: list[dict[str, Any]], ours: tuple[str, ...] = ("ours", "ours-none")) -> list[dict[str, Any]]:
+    """tokens/s of each of ours over each peer, per (temperature, concurrency) both ran."""
+    rate = {(c["system"], c["temperature"], c["concurrency"]): c["tokens_per_s"] for c in cells}
+    out = []
+    for (system, temperature, concurrency), value in sorted(rate.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        if system not in ours:
+            continue
+        for peer in PEERS:
+            base = rate.get((peer, temperature, concurrency))
+            if base:
+                out.append({"ours": system, "peer": peer, "temperature": temperature, "concurrency": concurrency,
+                            "ratio": round(value / base, 3)})
+    return out
+
+
+def served_vs_inproc(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Served concurrency-1 tokens/s over the in-process loop's, drafting on and off."""
+    rate = {(c["system"], c["temperature"], c["concurrency"]): c["tokens_per_s"] for c in cells}
+    out = []
+    for served, loop in (("ours", "inproc"), ("ours-none", "inproc-none")):
+        for temperature in sorted({t for _, t, _ in rate}):
+            s, l = rate.get((served, temperature, 1)), rate.get((loop, temperature, 1))
+            if s is not None and l:
+                out.append({"served": served, "inproc": loop, "temperature": temperature, "served_tokens_per_s": s,
+                            "inproc_tokens_per_s": l, "ratio": round(s / l, 3)})
+    return out
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1000 * value:.0f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    check = (result.get("greedy_check") or {}).get("cells", {})
+    lines = ["| system | T | concurrency | requests | errors | tokens/s | latency p50 (ms) | p95 (ms) | TTFT p50 (ms) "
+             "| greedy mismatches |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in result["cells"]:
+        mismatch = check.get(cell_label(c["system"], c["concurrency"])) if c["temperature"] == 0 else None
+        mismatches = f"{mismatch['mismatched']}/{mismatch['compared']}" if mismatch else "-"
+        lines.append(f"| {c['system']} | {c['temperature']:g} | {c['concurrency']} | {c['requests']} | "
+                     f"{sum(c['errors'].values())} | {c['tokens_per_s']:.1f} | {_ms(c['latency_p50_s'])} | "
+                     f"{_ms(c['latency_p95_s'])} | {_ms(c['ttft_p50_s'])} | "
+                     f"{mismatches} |")
+    if result["ratios"]:
+        lines += ["", "| ours | vs | T | concurrency | tokens/s ratio |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['ours']} | {r['peer']} | {r['temperature']:g} | {r['concurrency']} | {r['ratio']:.2f}x |"
+                  for r in result["ratios"]]
+    if result["served_vs_inproc"]:
+        lines += ["", "| served | in-process loop | T | served tokens/s | in-process tokens/s | ratio |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['served']} (concurrency 1) | {r['inproc']} | {r['temperature']:g} | "
+                  f"{r['served_tokens_per_s']:.1f} | {r['inproc_tokens_per_s']:.1f} | {r['ratio']:.2f}x |"
+                  for r in result["served_vs_inproc"]]
+    lines += ["", f"Greedy mismatches: texts unlike {REFERENCE}'s for the same prompt / texts compared."]
+    down = {k: v for k, v in result["servers"].items() if v["status"] != "ok"}
+    lines += [""] + [f"- {name}: unavailable ({v['reason']})" for name, v in down.items()]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    """tokens/s against concurrency per system, greedy and T=1 panels."""
+    from matplotlib.figure import Figure  # the OO API renders with Agg, whatever pyplot's backend
+    from matplotlib.ticker import NullLocator
+
+    temperatures = sorted({c["temperature"] for c in result["cells"]}) or [0.0]
+    fig = Figure(figsize=(6 * len(temperatures), 4.5))
+    colors = {system: f"C{i}" for i, system in enumerate(dict.fromkeys(c["system"] for c in result["cells"]))}
+    for ax, temperature in zip(np.atleast_1d(fig.subplots(1, len(temperatures))), temperatures):
+        for system, color in colors.items():
+            points = sorted((c["concurrency"], c["tokens_per_s"]) for c in result["cells"]
+                            if c["system"] == system and c["temperature"] == temperature)
+            if points:
+                ax.plot(*zip(*points), marker="o", color=color, label=system)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="concurrency", ylabel="completion tokens/s", ylim=(0, None),
+               title="greedy" if temperature == 0 else f"T={temperature:g}")
+        ax.set_xticks(sorted({c["concurrency"] for c in result["cells"]}))
+        ax.xaxis.set_major_formatter("{x:.0f}")
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+# ---- the load -------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str  # loopback
+    model: str | None  # the "model" field the server wants (None: omitted)
+    extra: Callable[[float], dict[str, Any]] = lambda temperature: {}  # server-specific fields per temperature
+
+
+def request_body(endpoint: Endpoint, prompt: str, max_tokens: int, temperature: float,
+                 fields: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "top_p": 1.0, "stream": True}
+    if endpoint.model is not None:
+        body["model"] = endpoint.model
+    return body | endpoint.extra(temperature) | fields
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], index: int,
+                     timeout_s: float) -> RequestResult:  # fmt: skip
+    result, tally, start = RequestResult(index), StreamTally(), time.perf_counter()
+
+    async def consume() -> None:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                tally.error = f"http_{response.status_code}"
+                return
+            async for line in response.aiter_lines():
+                tally.feed(line, time.perf_counter() - start)
+                if tally.done or tally.error:
+                    return
+
+    try:
+        await asyncio.wait_for(consume(), timeout_s)
+        result.error = tally.error or (None if tally.done or tally.finish_reason else "unfinished")
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        result.error = "timeout"
+    except httpx.HTTPError:
+        result.error = "transport"
+    except (ValueError, KeyError, TypeError, IndexError):  # a malformed chunk
+        result.error = "bad_response"
+    result.latency_s = time.perf_counter() - start
+    result.ttft_s, result.text = tally.ttft_s, "".join(tally.text)
+    result.usage_tokens, result.id_tokens = tally.usage_tokens, tally.id_tokens
+    return result
+
+
+async def closed_loop(endpoint: Endpoint, prompts: list[str], fields: dict[str, Any], concurrency: int,
+                      temperature: float, args: argparse.Namespace,
+                      max_requests: int = MAX_REQUESTS_PER_CELL) -> tuple[list[RequestResult], float]:  # fmt: skip
+    """`concurrency` clients, each sending its next request when the last one ends, starting none after the duration;
+    every cell starts at prompt 0, so systems see the same prompts in the same order."""
+    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
+    results: list[RequestResult] = []
+    issued = 0
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout), trust_env=False) as client:
+        t0 = time.perf_counter()
+        deadline = t0 + args.duration
+
+        async def client_loop() -> None:
+            nonlocal issued
+            while issued < max_requests and time.perf_counter() < deadline:
+                index = issued % len(prompts)
+                issued += 1
+                body = request_body(endpoint, prompts[index], args.max_tokens, temperature, fields)
+                results.append(await stream_one(client, endpoint.url, body, index, args.timeout))
+
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        return results, time.perf_counter() - t0
+
+
+# ---- servers (one at a time) ----------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    from benchmarks.serve_load import free_port as serve_load_free_port
+
+    return serve_load_free_port()
+
+
+@contextlib.contextmanager
+def ours_server(args: argparse.Namespace) -> Iterator[Endpoint]:
+    """The app's defaults (`serve run deployments:app`) on the target in float32, in a local Ray started as
+    benchmarks/serve_load.py starts it (its Ray environment, set for this server only: the peers started after it
+    must not inherit its OMP_NUM_THREADS)."""
+    import ray
+    from ray import serve
+
+    from benchmarks.serve_load import RAY_ENV
+    from deployments import AppArgs, app
+
+    saved = dict(os.environ)
+    os.environ.update(RAY_ENV)
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": RAY_ENV})
+    port = free_port()
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app(AppArgs(target=str(TARGET), dtype="float32")), name="specdec", route_prefix="/")
+        yield Endpoint(f"http://127.0.0.1:{port}", None)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def vllm_server(args: argparse.Namespace, mode: str) -> Iterator[Endpoint]:
+    script = str(args.vllm_script)
+    port = free_port()
+    extra = ["draft", str(PEER_DRAFTER)] if mode == "draft" else ["plain"]
+    env = os.environ | {"PORT": str(port), "TIMEOUT": str(int(START_TIMEOUT_S))}
+    try:
+        started = subprocess.run(["bash", script, "start", str(TARGET), *extra], env=env, capture_output=True,
+                                 text=True, timeout=START_TIMEOUT_S + 60)  # fmt: skip
+        if started.returncode != 0:
+            tail = (started.stdout + started.stderr).strip().splitlines()[-3:]
+            raise RuntimeError(f"{script} start exited {started.returncode}: {' | '.join(tail)}")
+        yield Endpoint(f"http://127.0.0.1:{port}", str(TARGET))
+    finally:
+        subprocess.run(["bash", script, "stop"], env=env, capture_output=True, timeout=120)
+
+
+def hf_sampling(temperature: float) -> dict[str, Any]:
+    """T > 0 names do_sample itself: the shipped generation_config says do_sample=false, which a temperature alone
+    does not override, and top_k=0 turns off GenerationConfig's default top-k of 50."""
+    if temperature == 0:
+        return {}
+    config = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0, "eos_token_id": 0,
+              "pad_token_id": 0}
+    return {"generation_config": json.dumps(config)}
+
+
+@contextlib.contextmanager
+def hf_server(args: argparse.Namespace) -> Iterator[Endpoint]:
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w+", prefix="hf_serve_", suffix=".log") as log:
+        command = [str(Path(sys.executable).with_name("transformers")), "serve", str(TARGET), "--continuous-batching",
+                   "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)  # its own process group, stopped as a whole
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:  # its /v1/models needs an HF cache directory; /health does not
+                if proc.poll() is not None:
+                    log.seek(0)
+                    tail = log.read().strip().splitlines()[-2:]
+                    raise RuntimeError(f"transformers serve exited {proc.returncode}: {' | '.join(tail)}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5, trust_env=False).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"transformers serve did not answer /health in {START_TIMEOUT_S:.0f} s")
+                time.sleep(1)
+            yield Endpoint(f"http://127.0.0.1:{port}", str(TARGET), hf_sampling)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+
+
+# server -> (start, {system: request fields}, restarted per temperature)
+def server_table(args: argparse.Namespace) -> dict[str, tuple[Callable, dict[str, dict[str, Any]], bool]]:
+    return {
+        "ours": (lambda: ours_server(args), {"ours": {}, "ours-none": {"tree": "none"}}, False),
+        "vllm": (lambda: vllm_server(args, "plain"), {"vllm": {}}, False),
+        "vllm-draft": (lambda: vllm_server(args, "draft"), {"vllm-draft": {}}, False),
+        "hf": (lambda: hf_server(args), {"hf": {}}, True),
+    }
+
+
+def warm_up(endpoint: Endpoint, prompts: list[str], temperature: float, args: argparse.Namespace) -> None:
+    """Two requests, one after the other; an error here means the server cannot be measured."""
+    for index in range(2):
+        body = request_body(endpoint, prompts[index], args.max_tokens, temperature, {})
+
+        async def one() -> RequestResult:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), trust_env=False) as client:
+                return await stream_one(client, endpoint.url, body, index, args.timeout)
+
+        if (result := asyncio.run(one())).error:
+            raise RuntimeError(f"warm-up request failed: {result.error}")
+
+
+def one_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def run_server(name: str, args: argparse.Namespace, prompts: list[str], tokenize: Callable[[str], int],
+               cells: list, texts: dict) -> dict[str, Any]:  # fmt: skip
+    """Every cell of one server's systems; -> its status. Cells and greedy texts are appended as they finish."""
+    start, systems, per_temperature = server_table(args)[name]
+    sessions = [[t] for t in args.temperatures] if per_temperature else [args.temperatures]
+    t0 = time.perf_counter()
+    try:
+        for temperatures in sessions:
+            with start() as endpoint:
+                warm_up(endpoint, prompts, temperatures[0], args)
+                for temperature in temperatures:
+                    for concurrency in args.concurrency:
+                        for system, fields in systems.items():  # alternating systems, as serve_load does modes
+                            results, wall_s = asyncio.run(
+                                closed_loop(endpoint, prompts, fields, concurrency, temperature, args))
+                            record_cell(cells, texts, system, temperature, concurrency, results, wall_s, tokenize)
+    except Exception as exc:  # a peer that fails is reported, and the run goes on
+        print(f"{name}: unavailable: {type(exc).__name__}: {exc}", flush=True)
+        return {"status": "unavailable", "reason": one_line(exc)}
+    return {"status": "ok", "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def record_cell(cells: list, texts: dict, system: str, temperature: float, concurrency: int,
+                results: list[RequestResult], wall_s: float, tokenize: Callable[[str], int]) -> None:  # fmt: skip
+    cell = {"system": system, "temperature": temperature, "concurrency": concurrency}
+    cell |= summarize_cell(results, wall_s, tokenize)
+    cells.append(cell)
+    if temperature == 0:
+        for r in results:
+            if r.error is None:
+                texts.setdefault(cell_label(system, concurrency), {}).setdefault(r.prompt_index, []).append(r.text)
+    print(f"{system} T={temperature:g} c={concurrency}: {cell['ok']}/{cell['requests']} ok, "
+          f"{cell['tokens_per_s']:.1f} tok/s, p50 {_ms(cell['latency_p50_s'])} ms, "
+          f"TTFT p50 {_ms(cell['ttft_p50_s'])} ms, errors {cell['errors'] or 0}", flush=True)
+
+
+def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts: dict) -> dict[str, Any]:
+    """The in-process loop, one request at a time for the same duration per cell, drafting on and tree none."""
+    import torch
+
+    from ray_specdec.config import SamplingParams, TreeConfig
+    from ray_specdec.factory import load_engine
+
+    try:
+        engine = load_engine(target=str(TARGET), dtype="float32", device="cpu")
+        for index in range(2):  # warm-up, as for the servers
+            engine.generate(prompts[index], SamplingParams(max_new_tokens=args.max_tokens))
+        for temperature in args.temperatures:
+            for system, tree in (("inproc", None), ("inproc-none", TreeConfig.parse("none"))):
+                params = SamplingParams(temperature=temperature, max_new_tokens=args.max_tokens)
+                results, t0 = [], time.perf_counter()
+                while len(results) < MAX_REQUESTS_PER_CELL and time.perf_counter() - t0 < args.duration:
+                    index, start = len(results) % len(prompts), time.perf_counter()
+                    gen = engine.generate(prompts[index], params, tree)
+                    results.append(RequestResult(index, time.perf_counter() - start, text=gen.text,
+                                                 usage_tokens=len(gen.token_ids)))  # fmt: skip
+                record_cell(cells, texts, system, temperature, 1, results, time.perf_counter() - t0, len)
+    except Exception as exc:
+        print(f"inproc: unavailable: {type(exc).__name__}: {exc}", flush=True)
+        return {"status": "unavailable", "reason": one_line(exc)}
+    return {"status": "ok", "torch_threads": torch.get_num_threads()}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {','.join(SERVERS)}")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of closed loop per cell")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=18)
+    parser.add_argument("--timeout", type=float, default=180.0, help="per request, whole stream included")
+    parser.add_argument("--vllm-script", type=Path, default=REPO.parent / "shared" / "peers" / "vllm_cpu.sh")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 5 s cells, concurrency 1 and 8")
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/serve-peers"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.duration, args.concurrency = 5.0, "1,8"
+    args.servers = [s for s in args.servers.split(",") if s]
+    if unknown := set(args.servers) - set(SERVERS):
+        parser.error(f"unknown servers {sorted(unknown)}; choose from {','.join(SERVERS)}")
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.temperatures = [float(t) for t in args.temperatures.split(",") if t]
+    if not all(1 <= c <= 256 for c in args.concurrency) or not all(0 <= t <= 2 for t in args.temperatures):
+        parser.error("concurrency must be in [1, 256] and temperatures in [0, 2]")
+    if not args.duration > 0 or args.max_tokens < 1 or args.prompts < 2:
+        parser.error("need --duration > 0, --max-tokens >= 1 and --prompts >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    tokenize = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    prompts = select_prompts(args.prompts, args.seed)
+    cells: list[dict[str, Any]] = []
+    texts: dict[str, dict[int, list[str]]] = {}
+    servers: dict[str, dict[str, Any]] = {}
+    for name in sorted(args.servers, key=SERVERS.index):
+        print(f"--- {name}", flush=True)
+        if name == "inproc":
+            servers[name] = run_inproc(args, prompts, cells, texts)
+        else:
+            servers[name] = run_server(name, args, prompts, tokenize, cells, texts)
+    result = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "vllm_script"},
+        "prompts": {"count": len(prompts), "seed": args.seed, "source": "held-out stdlib code windows, 32-512 tokens",
+                    "tokens": [tokenize(p) for p in prompts]},
+        "target": TARGET.name, "peer_drafter": PEER_DRAFTER.name, "dtype": "float32",
+        "servers": servers, "cells": cells, "ratios": ratios(cells), "served_vs_inproc": served_vs_inproc(cells),
+        "greedy_check": greedy_check(texts) if 0 in args.temperatures else None,
+        "hardware": {"platform": platform.platform(), "cpus": os.cpu_count()}, "when": time.strftime("%Y-%m-%d"),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve_peers.json").write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown(result)
+    (args.out / "serve_peers.md").write_text(table)
+    plot(result, args.out / "serve_peers.png")
+    print(table)
+    print(f"wrote {args.out}/serve_peers.json, .md, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The pure parts of benchmarks/serve_peers.py: SSE parsing of each server's chunks, token counts, summaries, ratios,
+the greedy text check, the table and the prompt choice. No servers, no network."""
+
+import json
+
+import pytest
+
+from benchmarks.serve_peers import (RequestResult, StreamTally, count_tokens, greedy_check, markdown, percentile,
+                                    ratios, select_prompts, served_vs_inproc, summarize_cell)  # fmt: skip
+
+
+def sse(body) -> list[str]:
+    return [f"data: {body if isinstance(body, str) else json.dumps(body)}", ""]
+
+
+def chunk(text, finish=None, **extra):
+    return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, **extra.pop("choice", {})}], **extra}
+
+
+def feed(lines) -> StreamTally:
+    tally = StreamTally()
+    for t, line in enumerate(lines):
+        tally.feed(line, elapsed_s=0.1 * t)
+    return tally
+
+
+# ours: token_ids in every chunk, usage (and a speculative block) on the last one, then [DONE]
+OURS = (sse(chunk("", choice={"token_ids": []})) + sse(chunk("def", choice={"token_ids": [316]}))
+        + sse(chunk(" f(x)", "length", choice={"token_ids": [269, 9, 89, 10]},
+                    usage={"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+                    speculative={"rounds": 2})) + sse("[DONE]"))  # fmt: skip
+# vLLM without stream_options: text only (several tokens per chunk when it speculates), no usage, then [DONE]
+VLLM = sse(chunk("def")) + sse(chunk(" f(x)")) + sse(chunk("", "length")) + sse("[DONE]")
+# transformers serve: one token per chunk, usage on the finish chunk, no [DONE]
+HF = sse(chunk("def")) + sse(chunk(" f(x)")) + sse(chunk("", "length", usage={"completion_tokens": 5}))
+
+
+def test_ours_stream():
+    tally = feed(OURS)
+    assert ("".join(tally.text), tally.usage_tokens, tally.id_tokens, tally.done) == ("def f(x)", 5, 5, True)
+    assert tally.ttft_s == pytest.approx(0.2)  # the first chunk with text (line 2), not the empty one
+
+
+def test_vllm_stream_counts_tokens_from_text():
+    tally = feed(VLLM)
+    assert ("".join(tally.text), tally.usage_tokens, tally.id_tokens, tally.done) == ("def f(x)", None, None, True)
+    assert tally.ttft_s == pytest.approx(0.0)
+    result = RequestResult(0, text="".join(tally.text), usage_tokens=tally.usage_tokens, id_tokens=tally.id_tokens)
+    assert count_tokens(result, lambda text: len(text.split())) == 2
+
+
+def test_hf_stream_ends_on_finish_reason():
+    tally = feed(HF + [": ping", "event: message"])
+    assert ("".join(tally.text), tally.usage_tokens, tally.done, tally.finish_reason) == ("def f(x)", 5, False, "length")
+
+
+def test_stream_error_and_lines_after_done():
+    assert feed(sse(chunk("a")) + sse({"error": {"message": "boom"}})).error == "stream_error"
+    assert "".join(feed(sse("[DONE]") + sse(chunk("late"))).text) == ""
+    with pytest.raises(ValueError):
+        feed(["data: {not json"])
+
+
+def test_percentile_and_summary():
+    assert percentile([], 50) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([float(i) for i in range(101)], 95) == 95.0
+    results = [RequestResult(0, 1.0, 0.1, "a b", usage_tokens=4), RequestResult(1, 3.0, 0.3, "c d e"),
+               RequestResult(2, 9.0, error="timeout")]  # fmt: skip
+    cell = summarize_cell(results, 2.0, lambda text: len(text.split()))
+    assert (cell["requests"], cell["ok"], cell["errors"], cell["tokens"], cell["tokens_per_s"]) == (
+        3, 2, {"timeout": 1}, 7, 3.5)
+    assert (cell["latency_p50_s"], cell["ttft_p50_s"]) == (2.0, pytest.approx(0.2))
+
+
+def cell(system, concurrency, tokens_per_s, temperature=0.0):
+    return {"system": system, "temperature": temperature, "concurrency": concurrency, "tokens_per_s": tokens_per_s,
+            "requests": 3, "errors": {}, "latency_p50_s": 0.5, "latency_p95_s": 0.9, "ttft_p50_s": None}
+
+
+CELLS = [cell("inproc", 1, 400.0), cell("ours", 1, 200.0), cell("ours", 8, 300.0), cell("ours-none", 1, 100.0),
+         cell("vllm", 1, 400.0), cell("vllm", 8, 150.0), cell("hf", 1, 50.0, temperature=1.0)]
+
+
+def test_ratios_pair_same_temperature_and_concurrency():
+    got = {(r["ours"], r["peer"], r["temperature"], r["concurrency"]): r["ratio"] for r in ratios(CELLS)}
+    assert got == {("ours", "vllm", 0.0, 1): 0.5, ("ours", "vllm", 0.0, 8): 2.0, ("ours-none", "vllm", 0.0, 1): 0.25}
+    assert served_vs_inproc(CELLS) == [{"served": "ours", "inproc": "inproc", "temperature": 0.0,
+                                        "served_tokens_per_s": 200.0, "inproc_tokens_per_s": 400.0, "ratio": 0.5}]
+
+
+def test_greedy_check_per_cell_against_ours_none():
+    texts = {"ours-none c=1": {0: ["a"]}, "ours-none c=8": {0: ["a"], 1: ["b"]},
+             "vllm c=1": {0: ["a"], 1: ["x"], 2: ["only vllm ran it"]}, "ours c=8": {1: ["b", "b"]}}
+    cells = greedy_check(texts)["cells"]
+    assert (cells["vllm c=1"]["compared"], cells["vllm c=1"]["mismatched"]) == (2, 1)
+    assert cells["vllm c=1"]["first"] == [{"prompt": 1, "expected": "b", "got": "x"}]
+    assert [cells[k]["mismatched"] for k in ("ours c=8", "ours-none c=1", "ours-none c=8")] == [0, 0, 0]
+    assert "error" in greedy_check({"vllm c=1": {0: ["a"]}})
+
+
+def test_markdown_table():
+    result = {"cells": CELLS, "ratios": ratios(CELLS), "served_vs_inproc": served_vs_inproc(CELLS),
+              "greedy_check": greedy_check({"ours-none c=1": {0: ["a"]}, "vllm c=1": {0: ["b"]}}),
+              "servers": {"vllm": {"status": "ok"}, "hf": {"status": "unavailable", "reason": "did not start"}}}
+    table = markdown(result)
+    assert "| vllm | 0 | 1 | 3 | 0 | 400.0 | 500 | 900 | - | 1/1 |" in table
+    assert "| hf | 1 | 1 | 3 | 0 | 50.0 | 500 | 900 | - | - |" in table
+    assert "| ours | vllm | 0 | 8 | 2.00x |" in table
+    assert "| ours (concurrency 1) | inproc | 0 | 200.0 | 400.0 | 0.50x |" in table
+    assert "- hf: unavailable (did not start)" in table
+
+
+def test_prompts_are_deterministic_held_out_code():
+    first, again, other = select_prompts(8, seed=3), select_prompts(8, seed=3), select_prompts(8, seed=4)
+    assert first == again and first != other
+    assert len(first) == 8 and len(set(first)) == 8 and all("<|endoftext|>" not in p for p in first)
