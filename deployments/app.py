@@ -21,6 +21,7 @@ from ray_specdec.bandit import DEFAULT_ARMS, BanditConfig
 from ray_specdec.config import DEFAULT_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
 from ray_specdec.engine import DEFAULT_MIN_PATH_PROB
 from ray_specdec.models.loading import resolve_model_path
+from ray_specdec.models.tokenizer_check import TokenizerMismatch, check_model_pair
 from ray_specdec.scheduler import SchedulerConfig
 
 _SCHEDULER = SchedulerConfig()
@@ -51,7 +52,9 @@ class AppArgs(BaseModel):
     downscale_delay_s: float = Field(600.0, ge=0)
     look_back_period_s: float = Field(30.0, gt=0)  # window of the load average autoscaling acts on
     num_cpus_per_rank: float = Field(1.0, ge=0)  # CPUs of each target rank (tp_size 1: of the engine replica)
-    resources: dict[str, float] = Field(default_factory=dict)  # custom resources of an engine replica
+    # custom resources of an engine replica; with tp_size > 1 on GPUs, name one that only the ranks' nodes have: the
+    # replica's drafter uses a GPU of the node it lands on (cluster.yaml: engine_slot)
+    resources: dict[str, float] = Field(default_factory=dict)
     # a request's drafter state starts from its last this many tokens: "auto" (the window the drafter's config names;
     # the shipped drafter: 512), "all" (or None), or a count >= 1 (see docs/BENCHMARKS.md)
     drafter_prefill_window: Annotated[int, Field(ge=1)] | Literal["auto", "all"] | None = "auto"
@@ -66,7 +69,7 @@ class AppArgs(BaseModel):
     bandit_path: str | None = None  # JSON file the bandit state is loaded from and saved to
     goodput: bool = True  # shrink trees when the batch's goodput says so (ray_specdec/goodput.py)
     # the scheduler of each engine replica (ray_specdec/scheduler.py, SchedulerConfig)
-    kv_budget_gib: float | None = Field(2.0, gt=0)  # KV cache of the admitted requests, per replica (per rank)
+    kv_budget_gib: float | None = Field(2.0, gt=0)  # KV of the admitted requests per replica (all its ranks)
     kv_budget_tokens: int | None = Field(None, ge=1)  # the same budget in cached tokens (instead of kv_budget_gib)
     max_running: int = Field(_SCHEDULER.max_running, ge=1)  # requests batched together per replica
     max_waiting: int = Field(_SCHEDULER.max_waiting, ge=0)  # queued requests per replica beyond which: 503
@@ -132,6 +135,11 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     args = args if isinstance(args, AppArgs) else parse_app_args(args)
     target_path = _model_path(args.target, "target")
     drafter_path = None if (args.drafter or "").lower() == "none" else _model_path(args.drafter, "drafter")
+    if drafter_path is not None:
+        try:  # here, before any replica loads weights: a mismatched pair would draft garbage, silently
+            check_model_pair(target_path, drafter_path)
+        except TokenizerMismatch as exc:
+            raise AppError(str(exc)) from None
     fixed = TreeConfig.parse(args.tree) if args.tree is not None else None
     arms = tuple(TreeConfig.parse(t) for t in args.trees) if args.trees else DEFAULT_ARMS
     bandit = BanditConfig(arms=arms) if drafter_path is not None and fixed is None else None

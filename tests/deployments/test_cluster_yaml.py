@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -18,8 +19,9 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from deployments import AppArgs, app
-from deployments.app import AppError, _drafter_options
+from deployments.app import AppError, _engine_options
 from ray_specdec.models.loading import resolve_model_path
+from tests.tiny_models import tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CONFIGS = ["serve_config.yaml", "serve_config.gpu.yaml"]
@@ -64,7 +66,7 @@ def test_cluster_yaml_shape(cluster):
     head = types[cluster["head_node_type"]]
     workers = {name: t for name, t in types.items() if name != cluster["head_node_type"]}
     assert head["resources"]["GPU"] == 0
-    assert set(workers) == {"target_gpu", "drafter_gpu"}
+    assert set(workers) == {"target_gpu"}  # drafters run inside the engine replicas: no node type of their own
     for worker in workers.values():
         assert worker["resources"]["GPU"] >= 1 and worker["node_config"]["InstanceType"].startswith(("g", "p"))
         assert 1 <= worker["min_workers"] <= worker["max_workers"] <= cluster["max_workers"]
@@ -123,18 +125,22 @@ def test_gpu_serve_config_serves_the_paper_pairing():
 def test_gpu_serve_config_fits_the_cluster(cluster):
     args = AppArgs(**gpu_args())
     types = cluster["available_node_types"]
+    node = types["target_gpu"]["resources"]
     # the target's ranks, one GPU each, in one STRICT_PACK placement group: exactly one node's GPUs
-    assert args.tp_size == types["target_gpu"]["resources"]["GPU"]
+    assert args.tp_size == node["GPU"]
     assert PAPER_MODELS[args.target]["num_attention_heads"] % args.tp_size == 0
-    # drafters go only where their custom resource is, and every drafter replica the autoscaler may ask for fits
-    (resource, per_replica), = args.drafter_resources.items()
-    hosts = [t for t in types.values() if resource in t["resources"]]
-    assert [t["resources"].get("GPU", 0) for t in hosts] == [types["drafter_gpu"]["resources"]["GPU"]]
-    (host,) = hosts
-    per_node = int(host["resources"][resource] // per_replica)
-    assert per_node * args.drafter_num_gpus <= host["resources"]["GPU"]
-    assert per_node * args.drafter_num_cpus <= host["resources"]["CPU"]
-    assert args.drafter_max_replicas <= per_node * host["max_workers"]
+    # engine replicas go only where their custom resource is (their drafter needs that node's GPU), and every replica
+    # the autoscaler may ask for fits there with its ranks' GPUs and CPUs
+    (resource, per_replica), = args.resources.items()
+    assert [name for name, t in types.items() if resource in t["resources"]] == ["target_gpu"]
+    per_node = int(node[resource] // per_replica)
+    assert per_node >= 1 and per_node * args.tp_size <= node["GPU"]
+    assert per_node * args.tp_size * args.num_cpus_per_rank <= node["CPU"]
+    assert args.autoscaling and args.max_replicas <= per_node * types["target_gpu"]["max_workers"]
+    assert args.min_replicas <= per_node * types["target_gpu"]["min_workers"]  # what `ray up` starts serves at once
+    options = _engine_options(args)
+    assert options["ray_actor_options"]["resources"] == args.resources
+    assert options["ray_actor_options"]["num_gpus"] == 0  # the ranks hold the GPUs
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_MODELS))
@@ -159,9 +165,12 @@ def test_paper_models_exist_on_the_hub(name):
         ({"device": "tpu"}, "device must be cpu, cuda or cuda:N"),
         ({"trees": "3,2;x"}, "tree must be comma-separated"),
         ({"trees": "3,2;3,2"}, "distinct"),
-        ({"drafter_min_replicas": 3, "drafter_max_replicas": 2}, "drafter_max_replicas (2) < drafter_min_replicas (3)"),
-        ({"backoff_full_below": 8, "backoff_off_at": 8}, "backoff_off_at"),
-        ({"replicas": 2}, "Extra inputs are not permitted"),
+        ({"min_replicas": 3, "max_replicas": 2}, "max_replicas (2) < min_replicas (3)"),
+        ({"replicas": 0}, "replicas"),
+        ({"kv_budget_gib": 1.0, "kv_budget_tokens": 4096}, "not both"),
+        ({"kv_budget_gib": 0}, "kv_budget_gib"),
+        ({"max_running": 0}, "max_running"),
+        ({"drafter_replicas": 2}, "Extra inputs are not permitted"),
         ({"lookup": 33}, "lookup"),
         ({"tree": "1,1+L"}, "lookup must be written like"),
         ({"drafter_prefill_window": 0}, "drafter_prefill_window"),
@@ -176,11 +185,11 @@ def test_app_args_refuse_bad_values(args, message):
     "raw, message",
     [
         ({"tree": "bogus"}, "bad app arguments: tree: tree must be comma-separated integers like 3,2,2,1,1, got 'bogus'"),
-        ({"replicas": "2"}, "bad app arguments: replicas: unknown argument (see AppArgs in deployments/app.py)"),
+        ({"drafter_replicas": "2"},
+         "bad app arguments: drafter_replicas: unknown argument (see AppArgs in deployments/app.py)"),
         ({"tp_size": "0", "lookup": "40"}, "bad app arguments: tp_size: Input should be greater than or equal to 1 "
                                            "(got '0'); lookup: Input should be less than or equal to 32 (got '40')"),
-        ({"drafter_min_replicas": "3", "drafter_max_replicas": "2"},
-         "bad app arguments: drafter_max_replicas (2) < drafter_min_replicas (3)"),
+        ({"min_replicas": "3", "max_replicas": "2"}, "bad app arguments: max_replicas (2) < min_replicas (3)"),
     ],
 )
 def test_serve_run_arguments_fail_in_one_line(raw, message):
@@ -193,16 +202,23 @@ def test_serve_run_arguments_fail_in_one_line(raw, message):
     assert info.value.format_message() == message
 
 
-def test_autoscaling_options():
-    fixed = _drafter_options(AppArgs(drafter_replicas=3))
+def test_engine_replica_options():
+    fixed = _engine_options(AppArgs(replicas=3))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
-    args = AppArgs(drafter_min_replicas=1, drafter_max_replicas=4, drafter_target_ongoing_requests=3)
-    scaled = _drafter_options(args)
-    assert scaled["autoscaling_config"] == {
+    # each request is one streaming call for its whole life: a replica takes what its scheduler runs and queues
+    assert fixed["max_ongoing_requests"] == 64 + 256
+    args = AppArgs(min_replicas=1, max_replicas=4, target_ongoing_requests=3)
+    scaled = _engine_options(args)
+    assert "num_replicas" not in scaled and scaled["autoscaling_config"] == {
         "min_replicas": 1, "max_replicas": 4, "initial_replicas": 1, "target_ongoing_requests": 3,
         "upscale_delay_s": 30.0, "downscale_delay_s": 600.0, "look_back_period_s": 30.0,
     }  # fmt: skip
-    assert _drafter_options(AppArgs(device="cuda"))["ray_actor_options"]["num_gpus"] == 1
+    assert "autoscaling_config" not in _engine_options(AppArgs(min_replicas=2, max_replicas=2))
+    # tp_size 1: the replica holds the target (and its GPU); tp_size > 1: its ranks hold the devices
+    local = _engine_options(AppArgs(device="cuda", num_cpus_per_rank=2))["ray_actor_options"]
+    assert (local["num_cpus"], local["num_gpus"]) == (2, 1)
+    ranked = _engine_options(AppArgs(device="cuda", tp_size=2, resources={"engine_slot": 2}))["ray_actor_options"]
+    assert (ranked["num_cpus"], ranked["num_gpus"], ranked["resources"]) == (0, 0, {"engine_slot": 2})
 
 
 def test_missing_default_models_is_one_clear_line(monkeypatch, tmp_path):
@@ -223,18 +239,36 @@ def bound(application) -> tuple[str, tuple, dict]:
 
 def test_builder_wires_the_app(model_dirs):
     target, drafter = model_dirs
-    built = app(AppArgs(target=str(target), drafter=str(drafter), trees="1,1;3,2,1", tp_size=2))
-    name, (target_app, drafter_app, hub_app, settings), _ = bound(built)
-    assert name == "router" and [bound(a)[0] for a in (target_app, drafter_app, hub_app)] == ["target", "drafter",
-                                                                                              "bandit"]  # fmt: skip
-    assert bound(target_app)[1:] == ((str(target),), {"tp_size": 2, "dtype": "auto", "device": "cpu",
-                                                       "num_cpus_per_rank": 1.0})  # fmt: skip
-    assert bound(drafter_app)[1] == (str(drafter), 128)  # the target's vocabulary, read from its config
-    assert bound(drafter_app)[2]["prefill_window"] == "auto"
-    windowed = app(AppArgs(target=str(target), drafter=str(drafter), drafter_prefill_window=512))
-    assert bound(bound(windowed)[1][1])[2]["prefill_window"] == 512
-    assert [str(t) for t in settings.bandit.arms] == ["1,1", "3,2,1"] and settings.model_name == "target"
-    _, (_, no_drafter, no_hub, plain), _ = bound(app(AppArgs(target=str(target), drafter="none")))
-    assert no_drafter is None and no_hub is None and plain.bandit is None
+    built = app(AppArgs(target=str(target), drafter=str(drafter), trees="1,1;3,2,1", tp_size=2, kv_budget_tokens=4096,
+                        max_waiting=3, retry_s=5))  # fmt: skip
+    name, (engine_app, hub_app, settings), _ = bound(built)
+    assert (name, bound(engine_app)[0], bound(hub_app)[0]) == ("router", "engine", "bandit")
+    _, (target_path, drafter_path), kwargs = bound(engine_app)
+    assert (target_path, drafter_path) == (str(target), str(drafter))
+    assert (kwargs["tp_size"], kwargs["dtype"], kwargs["device"], kwargs["num_cpus_per_rank"]) == (2, "auto", "cpu", 1.0)
+    assert [str(t) for t in kwargs["policy"].arms] == ["1,1", "3,2,1"] and kwargs["bandit_hub"] is hub_app
+    scheduler = kwargs["scheduler"]
+    assert (scheduler.kv_budget_tokens, scheduler.max_waiting, kwargs["kv_budget_gib"]) == (4096, 3, None)
+    assert kwargs["drafter_prefill_window"] == "auto"
+    assert (settings.model_name, settings.tokenizer, settings.retry_s) == ("target", str(target), 5)
+    windowed = app(AppArgs(target=str(target), drafter=str(drafter), drafter_prefill_window=512, tree="2,1"))
+    engine_app, no_hub, _ = bound(windowed)[1]
+    assert bound(engine_app)[2]["drafter_prefill_window"] == 512 and no_hub is None
+    assert str(bound(engine_app)[2]["policy"]) == "2,1" and bound(engine_app)[2]["kv_budget_gib"] == 2.0
+    engine_app, no_hub, _ = bound(app(AppArgs(target=str(target), drafter="none")))[1]
+    assert bound(engine_app)[1][1] is None and no_hub is None
     with pytest.raises(AppError, match="drafter: model directory"):
         app(AppArgs(target=str(target), drafter=str(target / "missing")))
+
+
+def test_builder_refuses_a_drafter_with_another_tokenizer(model_dirs, tmp_path):
+    """Checked before any replica loads weights: the pair would draft garbage (every round wasted, silently)."""
+    target, drafter = model_dirs
+    other = tmp_path / "drafter"
+    shutil.copytree(drafter, other)
+    tiny_tokenizer().save_pretrained(other)  # other words at the ids the target's tokenizer uses
+    with pytest.raises(AppError) as info:
+        app(AppArgs(target=str(target), drafter=str(other)))
+    message = info.value.format_message()
+    assert "\n" not in message and message.startswith("the drafter's tokenizer does not match the target's")
+    assert "id 2: target " in message
