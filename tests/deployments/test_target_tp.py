@@ -1,41 +1,41 @@
-"""The target side of serving: TargetWorker without Ray, and TargetReplica over real Ray rank actors.
+"""The target side of serving: TargetWorker without Ray, and RankGroup over real Ray rank actors under the scheduler.
 
-TP=2 runs two rank actors in one STRICT_PACK placement group on a local Ray (gloo, DeepSpeed AutoTP) and must give
-exactly the greedy tokens of TP=1 and of HF generate, with concurrent requests interleaved on the ranks. Release and
-the idle reaper must free the caches on every rank.
+A worker gets a step's work in one call (`run(StepWork)`: commits, releases, allocations, one batched forward) and
+must give exactly the logits of the in-process `TargetModel.forward_batch`. TP=2 runs two rank actors in one
+STRICT_PACK placement group on a local Ray (gloo, DeepSpeed AutoTP) stepped by the same `Scheduler` the engine runs:
+a batch of concurrent requests of mixed lengths and trees must give exactly the greedy tokens of TP=1.
 """
 
 from __future__ import annotations
-
-import asyncio
-import gc
-import weakref
 
 import pytest
 import ray
 import torch
 from ray.util.placement_group import placement_group_table
 
-from deployments.target import TargetReplica
+from deployments.engine import RankGroup
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafting import Draft
-from ray_specdec.engine import TargetSession, empty_draft, judge, make_generators
-from ray_specdec.models.target import TargetModel
-from ray_specdec.serving.target_worker import TargetWorker, UnknownRequest, check_tp_dtype
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.target import Segment, TargetModel
+from ray_specdec.scheduler import Scheduler, SchedulerConfig
+from ray_specdec.serving.target_worker import TargetWorker, check_tp_dtype
+from ray_specdec.target_backend import LocalTarget, SegmentSpec, StepWork
+from ray_specdec.tree import build_tree
+from tests.deployments.conftest import greedy_margin, word_tokenizer
 from tests.tiny_models import tiny_gpt_neox, tiny_llama
 
 # 4 query heads each (the Llama has 2 KV heads): both split evenly over 2 ranks.
 FAMILIES = {"gpt_neox": tiny_gpt_neox, "llama_gqa": tiny_llama}
-PROMPTS = [[5, 17, 33, 12, 9, 40], [71, 4], [100, 101, 102, 103, 104, 105, 106, 107, 108, 109]]
-NEW_TOKENS = 12
 VOCAB = 128
-GREEDY = SamplingParams()
-# DeepSpeed refuses float64 on CPU, so TP runs in float32, where splitting the matmuls reorders sums (logits move by
-# ~1e-6). Greedy ids are compared only where the reference's top-2 logits are further apart than this.
-MARGIN = 1e-3
 # Two branches at depth 1, a chain below each: rows 1 -> 3 -> 5 and 2 -> 4 -> 6 (BFS order).
-ORACLE_TREE = TreeConfig((2, 1, 1))
-IDLE_TIMEOUT_S = 1.0
+TREE_PATHS = ((0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0))
+# Mixed prompt lengths (two of them span several prefill chunks of PREFILL_CHUNK), max_new_tokens and trees
+# (None: the scheduler's policy picks).
+BATCH = [(3, 24, None), (40, 30, "3,2,1"), (1, 16, "none"), (90, 20, "1,1,1,1"), (17, 28, "2,2,1"), (8, 24, None)]
+PREFILL_CHUNK = 32
+# DeepSpeed refuses float64 on CPU, so TP runs in float32, where splitting the matmuls reorders sums (logits move by
+# ~1e-6). Greedy ids are compared only where the TP=1 path's top-2 logits are further apart than this.
+MARGIN = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -57,163 +57,86 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def loop():
-    """One event loop for every replica call: a replica's lock and reaper belong to the loop that first used them."""
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
+def step_works(prompts: list[list[int]]) -> list[StepWork]:
+    """Three steps for two requests: allocate and prefill both; verify a tree and a bare root; commit a non-prefix
+    path (the cache compacts), release one, verify again."""
+    (a, b), tokens = prompts, torch.tensor([9, 11, 13, 15, 17, 19])
+    return [
+        StepWork(allocations=[("a", 64), ("b", 64)],
+                 segments=[SegmentSpec("a", torch.tensor(a[:-1])), SegmentSpec("b", torch.tensor(b[:-1]))]),
+        StepWork(segments=[SegmentSpec("a", torch.cat([torch.tensor(a[-1:]), tokens]), TREE_PATHS),
+                           SegmentSpec("b", torch.tensor(b[-1:]), ())]),
+        StepWork(commits=[("a", (0, 2, 4)), ("b", (0,))], releases=["b"],
+                 segments=[SegmentSpec("a", torch.tensor([21, 23, 25, 27, 29, 31, 33]), TREE_PATHS)]),
+    ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tp1_replica(ray_cluster, loop, tiny_dirs):
-    # Half a CPU per rank: this replica and a TP=2 one (2 x 0.5) fit the 2-CPU test cluster side by side.
-    replica = TargetReplica(
-        tiny_dirs["llama_gqa", torch.float64], dtype="float64", num_cpus_per_rank=0.5, idle_timeout_s=IDLE_TIMEOUT_S
-    )
-    yield replica
-    replica.shutdown()
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """HF generate, EOS ignored (the drivers below do not stop at EOS either)."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                         pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))  # fmt: skip
-    return out[0, len(prompt) :].tolist()
-
-
-def min_margin(model, prompt: list[int], continuation: list[int]) -> float:
-    """Smallest top-1 minus top-2 logit over the positions that predict `continuation`."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + continuation])).logits[0, len(prompt) - 1 : -1]
-    top2 = logits.topk(2, dim=-1).values
-    return float((top2[:, 0] - top2[:, 1]).min())
-
-
-def oracle_draft(reference: list[int], done: int) -> Draft:
-    """A (2, 1, 1) tree whose second branch holds the next two reference tokens, then a wrong one.
-
-    Greedy acceptance must take rows 2 and 4 (not a prefix of the rows: the commit compacts the cache) and emit
-    reference[done + 2] as the bonus token. The first branch repeats the right tokens under a wrong parent.
-    """
-    r0, r1, r2 = reference[done : done + 3]
-    tokens = [(r0 + 1) % VOCAB, r0, r1, r1, r2, (r2 + 1) % VOCAB]
-    return Draft(ORACLE_TREE, torch.tensor(tokens), None)
-
-
-async def drive_greedy(verify, reference: list[int], oracle: bool) -> list[int]:
-    """Greedy decoding of NEW_TOKENS through `verify(draft) -> Verdict`, with oracle trees or empty drafts."""
-    out: list[int] = []
-    while len(out) < NEW_TOKENS:
-        draft = oracle_draft(reference, len(out)) if oracle else empty_draft()
-        verdict = await verify(draft)
-        if oracle:
-            assert verdict.accepted_rows == (2, 4)
-        out += verdict.new_tokens
-    return out[:NEW_TOKENS]
-
-
-def worker_verify(worker: TargetWorker, request_id: str):
-    """The replica's round (forward, judge rank 0's logits, commit) on an in-process worker."""
-
-    async def verify(draft: Draft):
-        verdict = judge(worker.forward(request_id, draft), draft, GREEDY, None)
-        worker.commit(request_id, verdict)
-        return verdict
-
-    return verify
+def forward_batch_reference(model, works: list[StepWork]) -> list[list[torch.Tensor | None]]:
+    """The same steps on TargetModel's own API: new_cache, commit, forward_batch."""
+    target, caches, out = TargetModel(model), {}, []
+    for work in works:
+        for request_id, keep in work.commits:
+            target.commit(caches[request_id], keep)
+        for request_id in work.releases:
+            del caches[request_id]
+        for request_id, capacity in work.allocations:
+            caches[request_id] = target.new_cache(capacity)
+        out.append(target.forward_batch([
+            Segment(caches[s.request_id], s.tokens, None if s.paths is None else build_tree(s.paths))
+            for s in work.segments
+        ]))  # fmt: skip
+    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_worker_gives_the_logits_of_a_target_session(tiny_dirs, family):
-    """tp_size 1, no Ray: the worker loaded from disk runs exactly the in-process engine's TargetSession."""
-    model = FAMILIES[family](torch.float64)
-    prompt = PROMPTS[0]
-    reference = hf_greedy(model, prompt, NEW_TOKENS + 3)
+def test_worker_runs_the_steps_of_forward_batch(tiny_dirs, family):
+    """tp_size 1, no Ray: the worker loaded from disk gives exactly the in-process forward_batch's logits."""
+    works = step_works([[5, 17, 33, 12, 9, 40], [71, 4]])
+    want = forward_batch_reference(FAMILIES[family](torch.float64), works)
     worker = TargetWorker(tiny_dirs[family, torch.float64], dtype="float64")
-    session = TargetSession(TargetModel(model), prompt)
-    worker.start("r", prompt)
-    produced: list[int] = []
-    for round_ in range(6):
-        draft = oracle_draft(reference, len(produced)) if round_ % 2 else empty_draft()
-        logits = worker.forward("r", draft)
-        assert torch.equal(logits, session.forward(draft))
-        verdict = judge(logits, draft, GREEDY, None)
-        worker.commit("r", verdict)
-        session.commit(verdict)
-        produced += verdict.new_tokens
-    assert produced == reference[: len(produced)] and len(produced) == 3 * 1 + 3 * 3
+    for work, expected in zip(works, want, strict=True):
+        got = worker.run(work)
+        assert [g is None for g in got] == [e is None for e in expected]
+        assert all(g is None or torch.equal(g, e) for g, e in zip(got, expected))
+    assert [x.shape for x in want[1]] == [(7, VOCAB), (1, VOCAB)] and worker.request_ids() == ["a"]
     info = worker.info()
     assert (info["tp_size"], info["vocab_size"], info["dtype"]) == (1, VOCAB, "float64")
+    with pytest.raises(KeyError, match="no cache for request 'b'"):
+        worker.run(StepWork(segments=[SegmentSpec("b", torch.tensor([1]), ())]))
 
 
-def test_worker_release_frees_the_cache(tiny_dirs):
-    worker = TargetWorker(tiny_dirs["llama_gqa", torch.float64], dtype="float64")
-    worker.start("a", PROMPTS[0])
-    worker.forward("a", empty_draft())
-    cache = weakref.ref(worker.sessions["a"].cache)
-    assert worker.release("a") is True
-    gc.collect()
-    assert cache() is None
-    assert worker.release("a") is False  # twice is harmless
-    with pytest.raises(UnknownRequest, match="no request 'a'"):
-        worker.forward("a", empty_draft())
-    with pytest.raises(KeyError):
-        worker.commit("never-started", judge(torch.zeros(1, VOCAB), empty_draft(), GREEDY, None))
-    worker.start("b", PROMPTS[1])
-    with pytest.raises(ValueError, match="already started"):
-        worker.start("b", PROMPTS[1])
-    with pytest.raises(ValueError, match="at least one token"):
-        worker.start("c", [])
-    assert worker.request_ids() == ["b"]
-
-
-def test_tensor_parallel_refuses_float64_on_cpu():
+def test_tensor_parallel_refuses_float64_on_cpu(tiny_dirs):
     """DeepSpeed's CPU accelerator cannot shard float64; the worker says so before any rendezvous."""
     check_tp_dtype(torch.float32)
     with pytest.raises(ValueError, match="use tp_size=1 for torch.float64"):
         check_tp_dtype(torch.float64)
+    with pytest.raises(ValueError, match="use tp_size=1 for torch.float64"):  # no peer ever joins: it must not wait
+        TargetWorker(tiny_dirs["gpt_neox", torch.float64], dtype="float64", rank=0, world_size=2)
 
 
-CASES = [(i, oracle) for i in range(len(PROMPTS)) for oracle in (False, True)]  # (prompt index, oracle drafts?)
+def batch_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(4)  # a seed whose greedy paths hold no near-tie (MARGIN) in either family
+    return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n, _, _ in BATCH]
 
 
-def greedy_references(model) -> list[list[int]]:
-    """HF generate for every prompt (3 tokens more: oracle drafts look ahead), checked to hold no near-tie."""
-    references = [hf_greedy(model, p, NEW_TOKENS + 3) for p in PROMPTS]
-    for prompt, reference in zip(PROMPTS, references):
-        assert min_margin(model, prompt, reference) > MARGIN, "pick prompts whose greedy argmax is not a near-tie"
-    assert len({t for r in references for t in r}) > 10  # not one token over and over
-    return references
+def run_batch(backend, drafter: MambaDrafter) -> dict[str, list[int]]:
+    """Every request of BATCH added at once, the scheduler stepped until all finish -> tokens per request."""
+    config = SchedulerConfig(prefill_chunk=PREFILL_CHUNK, step_tokens=64)
+    scheduler = Scheduler(backend, drafter, word_tokenizer(), TreeConfig((2, 1, 1)), config)
+    out: dict[str, list[int]] = {}
+    for i, (prompt, (_, max_new, tree)) in enumerate(zip(batch_prompts(), BATCH)):
+        params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        scheduler.add(str(i), prompt, params, None if tree is None else TreeConfig.parse(tree))
+        out[str(i)] = []
+    while scheduler.has_work:
+        for step_out in scheduler.step():
+            out[step_out.request_id] += step_out.chunk.token_ids
+    return out
 
 
-def worker_greedy(path: str, references: list[list[int]], loop) -> list[list[int]]:
-    """Every case through one in-process TargetWorker (tp_size 1)."""
-    worker = TargetWorker(path)
-    outs = []
-    for i, oracle in CASES:
-        request_id = f"{i}-{oracle}"
-        worker.start(request_id, PROMPTS[i])
-        outs.append(loop.run_until_complete(drive_greedy(worker_verify(worker, request_id), references[i], oracle)))
-    return outs
-
-
-async def replica_greedy(replica: TargetReplica, references: list[list[int]]) -> list[list[int]]:
-    """Every case at once: the ranks see the requests' collectives interleaved (and must see them in one order)."""
-
-    async def generate(i: int, oracle: bool) -> list[int]:
-        request_id = f"{i}-{oracle}"
-        await replica.start(request_id, PROMPTS[i], None)
-        out = await drive_greedy(lambda d: replica.verify(request_id, d, GREEDY), references[i], oracle)
-        await replica.release(request_id)
-        return out
-
-    return await asyncio.gather(*(generate(i, oracle) for i, oracle in CASES))
-
-
-def assert_auto_tp_sharded(replica: TargetReplica, model) -> None:
+def assert_auto_tp_sharded(group: RankGroup, model) -> None:
     """Two ranks in one STRICT_PACK placement group, each holding a part of the model, not all of it."""
-    table = placement_group_table(replica._pg)
+    table = placement_group_table(group._pg)
     assert table["strategy"] == "STRICT_PACK" and len(table["bundles"]) == 2
 
     def shard_summary(rank) -> tuple[set[str], int]:  # nested: pickled by value into the rank actor
@@ -221,85 +144,28 @@ def assert_auto_tp_sharded(replica: TargetReplica, model) -> None:
         return {type(m).__name__ for m in module.modules()}, sum(p.numel() for p in module.parameters())
 
     full = sum(p.numel() for p in model.parameters())
-    for layer_kinds, params in ray.get([rank.__ray_call__.remote(shard_summary) for rank in replica._ranks]):
+    for layer_kinds, params in ray.get([rank.__ray_call__.remote(shard_summary) for rank in group._ranks]):
         assert "LinearAllreduce" in layer_kinds and params < full
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tp2_gives_the_greedy_tokens_of_tp1_and_hf_generate(tiny_dirs, family, ray_cluster, loop):
+def test_tp2_batch_gives_the_greedy_tokens_of_tp1(tiny_dirs, model_dirs, family, ray_cluster):
     model = FAMILIES[family](torch.float32)
     path = tiny_dirs[family, torch.float32]
-    references = greedy_references(model)
-    tp1_out = worker_greedy(path, references, loop)
+    drafter = MambaDrafter.from_pretrained(str(model_dirs[1]))
+    target = TargetModel(model)
+    tp1 = run_batch(LocalTarget(target), drafter)
+    for prompt, (i, tokens) in zip(batch_prompts(), tp1.items()):
+        assert len(tokens) == BATCH[int(i)][1]
+        assert greedy_margin(target, prompt, tokens) > MARGIN, "pick prompts whose greedy argmax is not a near-tie"
+    assert len({t for tokens in tp1.values() for t in tokens}) > 10  # not one token over and over
 
-    replica = TargetReplica(path, tp_size=2, num_cpus_per_rank=0.5)
+    group = RankGroup(path, tp_size=2, dtype=None, device="cpu", num_cpus_per_rank=0.5)
     try:
-        assert_auto_tp_sharded(replica, model)
-        tp2_out = loop.run_until_complete(replica_greedy(replica, references))
-        info = loop.run_until_complete(replica.info())
-        assert loop.run_until_complete(replica.rank_request_ids()) == [[], []]  # released on both ranks
+        assert_auto_tp_sharded(group, model)
+        tp2 = run_batch(group, drafter)
+        assert group.request_ids() == [[], []]  # every request's cache released on both ranks
     finally:
-        replica.shutdown()
-    assert info["tp_size"] == 2 and info["vocab_size"] == VOCAB
-    for (i, _), tp2, tp1 in zip(CASES, tp2_out, tp1_out, strict=True):
-        assert tp2 == tp1 == references[i][:NEW_TOKENS]
-
-
-def test_release_frees_every_rank_and_unknown_ids_raise(tp1_replica, loop):
-    run = loop.run_until_complete
-    run(tp1_replica.start("a", PROMPTS[0], None))
-    run(tp1_replica.start("b", PROMPTS[1], None))
-    run(tp1_replica.verify("a", empty_draft(), GREEDY))
-    assert sorted(run(tp1_replica.rank_request_ids())[0]) == ["a", "b"]
-
-    run(tp1_replica.release("a"))
-    assert run(tp1_replica.rank_request_ids()) == [["b"]]
-    with pytest.raises(UnknownRequest, match="no request 'a'"):
-        run(tp1_replica.verify("a", empty_draft(), GREEDY))
-    run(tp1_replica.release("a"))  # twice, and never started: no error
-    run(tp1_replica.release("never-started"))
-    with pytest.raises(ValueError, match="already started"):
-        run(tp1_replica.start("b", PROMPTS[1], None))
-    for bad in ([], [VOCAB]):
-        with pytest.raises(ValueError, match="token"):
-            run(tp1_replica.start("c", bad, None))
-    run(tp1_replica.release("b"))
-    assert run(tp1_replica.rank_request_ids()) == [[]] and tp1_replica.num_requests == 0
-
-
-def test_idle_requests_are_freed(tp1_replica, loop):
-    run = loop.run_until_complete
-    before = tp1_replica.timed_out
-    run(tp1_replica.start("idle", PROMPTS[0], None))
-    run(tp1_replica.verify("idle", empty_draft(), GREEDY))
-    run(asyncio.sleep(3 * IDLE_TIMEOUT_S))  # the reaper runs every IDLE_TIMEOUT_S / 2 while the loop does
-    assert tp1_replica.timed_out == before + 1
-    assert run(tp1_replica.rank_request_ids()) == [[]]
-    with pytest.raises(UnknownRequest):
-        run(tp1_replica.verify("idle", empty_draft(), GREEDY))
-
-
-def test_sampled_verdicts_follow_the_request_seed(tp1_replica, loop, tiny_dirs):
-    """The replica judges with the request's target stream from make_generators(seed), like the engine."""
-    run = loop.run_until_complete
-    params = SamplingParams(temperature=1.0, top_k=20)
-    target = TargetModel(tiny_llama(torch.float64))
-
-    def engine_tokens(seed: int) -> list[int]:
-        session, (_, target_gen) = TargetSession(target, PROMPTS[0]), make_generators(seed)
-        tokens = []
-        for _ in range(10):
-            verdict = judge(session.forward(empty_draft()), empty_draft(), params, target_gen)
-            session.commit(verdict)
-            tokens.append(verdict.bonus_token)
-        return tokens
-
-    def replica_tokens(seed: int) -> list[int]:
-        request_id = f"seed-{seed}"
-        run(tp1_replica.start(request_id, PROMPTS[0], seed))
-        tokens = [run(tp1_replica.verify(request_id, empty_draft(), params)).bonus_token for _ in range(10)]
-        run(tp1_replica.release(request_id))
-        return tokens
-
-    assert replica_tokens(7) == engine_tokens(7)
-    assert replica_tokens(8) == engine_tokens(8) != engine_tokens(7)
+        group.shutdown()
+    assert (group.info["tp_size"], group.vocab_size, group.info["dtype"]) == (2, VOCAB, "float32")
+    assert tp2 == tp1
