@@ -245,7 +245,8 @@ def test_builder_wires_the_app(model_dirs):
     assert (name, bound(engine_app)[0], bound(hub_app)[0]) == ("router", "engine", "bandit")
     _, (target_path, drafter_path), kwargs = bound(engine_app)
     assert (target_path, drafter_path) == (str(target), str(drafter))
-    assert (kwargs["tp_size"], kwargs["dtype"], kwargs["device"], kwargs["num_cpus_per_rank"]) == (2, "auto", "cpu", 1.0)
+    placement = (kwargs["tp_size"], kwargs["dtype"], kwargs["device"], kwargs["num_cpus_per_rank"])
+    assert placement == (2, "auto", "cpu", 1.0)
     assert [str(t) for t in kwargs["policy"].arms] == ["1,1", "3,2,1"] and kwargs["bandit_hub"] is hub_app
     scheduler = kwargs["scheduler"]
     assert (scheduler.kv_budget_tokens, scheduler.max_waiting, kwargs["kv_budget_gib"]) == (4096, 3, None)
