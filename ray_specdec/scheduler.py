@@ -226,6 +226,8 @@ class Scheduler:
         if request is None:
             return False
         self._free(request)
+        if not self.has_work:  # no step will carry the release soon: free the cache now
+            self._send_pending()
         return True
 
     @property
@@ -277,9 +279,12 @@ class Scheduler:
         self._account(decoding, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
         self.steps += 1
         if not self.has_work:  # nothing will step again soon: free the caches of the requests that just ended
-            self.target.run(self._work)
-            self._work = StepWork()
+            self._send_pending()
         return outputs
+
+    def _send_pending(self) -> None:
+        self.target.run(self._work)
+        self._work = StepWork()
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running and self._fits_now(self.waiting[0].reserved):
@@ -408,6 +413,9 @@ class Scheduler:
     def _free(self, r: Request) -> None:
         if r.admitted:
             self.reserved -= r.reserved
+            # an allocation not sent yet (after reset_target) must not follow the release: the target runs releases
+            # before allocations
+            self._work.allocations = [a for a in self._work.allocations if a[0] != r.request_id]
             self._work.releases.append(r.request_id)
             r.admitted = False
 
