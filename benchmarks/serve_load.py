@@ -1,11 +1,11 @@
 """Drafting on vs off through the Serve app, side by side in one run: throughput at concurrency 1 and 8.
 
-Starts Ray and the app (embedded default models, drafters autoscaling 1 -> 2) on a loopback port, then runs the
-closed-loop load test of `ray_specdec.loadtest` once per (concurrency, mode), alternating modes:
-- `off`: every request says tree "none" (plain target decoding through the same router and target);
-- `on`: the service's own choice: the shared bandit (default arms, no drafting among them) and the load back-off;
-- `chain`: every request asks for the chain 1,1,1,1 (speculation forced on, no back-off; the app's default lookup
-  branch rides on it, as on every drafted tree).
+Starts Ray and the app (embedded default models, one engine replica given every CPU) on a loopback port, then runs
+the closed-loop load test of `ray_specdec.loadtest` once per (concurrency, mode), alternating modes:
+- `off`: every request says tree "none" (plain target decoding through the same router and engine);
+- `on`: the service's own choice: the shared bandit (default arms, no drafting among them) with goodput sizing;
+- `chain`: every request asks for the chain 1,1,1,1 (speculation forced on, no goodput sizing; the app's default
+  lookup branch rides on it, as on every drafted tree).
 Prompts are held-out corpus windows (the domain the default models were trained on). The report gives tokens/s,
 latency and mean accepted length per run and each mode's throughput as a ratio of `off` at the same concurrency.
 
@@ -80,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app(AppArgs(drafter_min_replicas=1, drafter_max_replicas=2, drafter_upscale_delay_s=5)),
-                  name="specdec", route_prefix="/")  # fmt: skip
+        serve.run(app(AppArgs(num_cpus_per_rank=args.num_cpus)), name="specdec", route_prefix="/")
         # warm-up: first calls pay one-time costs, and the bandit starts learning (as on a live service)
         asyncio.run(run_loadtest(LoadTestConfig(url, 2, args.warmup, None, prompts, args.max_tokens,
                                                 temperature=args.temperature)))
@@ -93,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"concurrency {concurrency}, drafting {mode}: {describe(report)}", flush=True)
                 # what the shared bandit believes after the run (its per-cell estimates), to read its choices by
                 bandit = httpx.get(f"{url}/v1/bandit", timeout=30, trust_env=False).json() if mode == "on" else None
-                # the router's counters so far (draft failures, rounds no arm learned from), cumulative over runs
-                router = httpx.get(f"{url}/v1/stats", timeout=30, trust_env=False).json()
+                # an engine replica's loop state so far (steps, faults, KV reserved), cumulative over runs
+                stats = httpx.get(f"{url}/v1/stats", timeout=30, trust_env=False).json()
                 runs.append({"concurrency": concurrency, "mode": mode, "report": report, "bandit": bandit,
-                             "router": {k: router.get(k) for k in ("draft_failures", "rounds_unrecorded")}})
+                             "engine": stats.get("engine")})
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -26,7 +26,8 @@ import torch
 from tqdm import tqdm
 
 from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
-from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, NO_TREE, SpeculativeEngine
+from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, SpeculativeEngine
+from ray_specdec.rounds import NO_TREE
 from ray_specdec.models.loading import prefill_window_arg
 
 

@@ -17,6 +17,8 @@ kernels): greedy output can differ only at near-ties of the target's logits.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -116,6 +118,44 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         rows, heads, kv_heads, length, dim, scale,
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1), m_ptr, m_sh, m_ss, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("native attention could not allocate its scratch memory")
+    return out
+
+
+# Columns of tree_attention_ragged's segment table (SEG_* in native/attention_cpu.c).
+_SEGMENT_FIELDS = 11
+
+
+def tree_attention_ragged(
+    query: torch.Tensor,  # [1, H, R, D]: the verify rows of every segment, in order
+    key: torch.Tensor,  # [1, Hkv, R, D]: their new keys
+    value: torch.Tensor,  # [1, Hkv, R, D]
+    segments: Sequence[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]],
+    scale: float,
+) -> torch.Tensor:
+    """Every segment's rows written to its cache and attending over it, in one native call -> [1, R, H, D].
+
+    segments: (first row, rows S, keys, values, mask) per segment; keys / values [1, Hkv, capacity, D] are the
+    cache's buffers whose rows [L - S, L) receive the new K/V (L = the mask's width), mask additive [S, L] (finite).
+    Each row gets the bits `tree_attention` gives its segment alone (the same per-head routine, same operands)."""
+    lib = native.load()
+    if lib is None:
+        raise RuntimeError(f"native attention unavailable: {native.why_unavailable()}")
+    _, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    q, kn, vn = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (query, key, value))
+    table = torch.tensor([
+        (size, mask.shape[-1], row, keys.data_ptr(), keys.stride(1), keys.stride(2), values.data_ptr(),
+         values.stride(1), values.stride(2), mask.data_ptr(), mask.stride(-2))
+        for row, size, keys, values, mask in segments
+    ], dtype=torch.int64).reshape(-1, _SEGMENT_FIELDS)  # fmt: skip
+    out = torch.empty(1, rows, heads, dim, dtype=torch.float32)
+    failed = lib.tree_attention_ragged(
+        len(segments), table.data_ptr(), heads, kv_heads, dim, scale, q.data_ptr(), q.stride(0), q.stride(1),
+        kn.data_ptr(), kn.stride(0), kn.stride(1), vn.data_ptr(), vn.stride(0), vn.stride(1), out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("native attention could not allocate its scratch memory")

@@ -62,6 +62,12 @@ class GrowableLayer(CacheLayerMixin):
         return None if self._values is None else self._values[:, :, : self.length]
 
     @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole K and V buffers [B, H, capacity, D] (rows past `length` unspecified): for kernels that write new
+        rows in place (then advance `length` themselves)."""
+        return self._keys, self._values
+
+    @property
     def capacity(self) -> int:
         return 0 if self._keys is None else self._keys.shape[-2]
 

@@ -34,6 +34,7 @@ from transformers.models.gpt_neox import modeling_gpt_neox
 from transformers.models.llama import modeling_llama
 
 from ray_specdec.models import batch_invariant as invariant
+from ray_specdec.models import cpu_attention
 from ray_specdec.models.kv_cache import GrowableKVCache
 
 # Exactly these classes: a subclass may change what a layer does.
@@ -90,6 +91,23 @@ class _Ops(NamedTuple):
 
 _MODEL_OPS = _Ops(_call, _call, None)  # the model's own calls (its planned GEMM paths): HF's forward bit for bit
 _INVARIANT_OPS = _Ops(invariant.product, invariant.activate, invariant.tree_attention)
+
+
+def _attend_ragged(module, query, key, value, spans: Sequence[Span]) -> torch.Tensor:
+    """Verify spans through `cpu_attention.tree_attention_ragged`: the same bits as one native call per span (which
+    `invariant.tree_attention` makes), without a Python round trip per span and layer. -> [1, R, H, D]."""
+    index, segments = module.layer_idx, []
+    for span in spans:
+        rows = span.end - span.start
+        if len(span.cache.layers) <= index:  # a cache's first write: let it create its layer and buffers
+            span.cache.update(key[:, :, :0], value[:, :, :0], index)
+        layer = span.cache.layers[index]
+        layer.reserve(layer.length + rows)
+        segments.append((span.start, rows, *layer.buffers, span.mask[0, 0]))
+    out = cpu_attention.tree_attention_ragged(query, key, value, segments, module.scaling)
+    for span in spans:
+        span.cache.layers[index].length += span.end - span.start
+    return out
 
 
 class LeanForward:
@@ -149,7 +167,10 @@ class LeanForward:
     @staticmethod
     def _attend(module, query, key, value, spans: Sequence[Span], attention, ops: _Ops) -> torch.Tensor:
         """query [1, H, R, D], key / value [1, Hkv, R, D] of all rows -> [1, R, H * D]: each span writes its K/V to
-        its cache and attends over it."""
+        its cache and attends over it (verify spans of the batch-invariant path: all in one native call)."""
+        if ops.tree_attention is not None and all(span.tree for span in spans):
+            out = _attend_ragged(module, query, key, value, spans)
+            return out.reshape(*query.shape[:1], query.shape[2], -1)
         outs = []
         for span in spans:
             rows = slice(span.start, span.end)

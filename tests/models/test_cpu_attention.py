@@ -150,3 +150,34 @@ def test_when_the_target_takes_native_attention(monkeypatch):
         assert off.model.config._attn_implementation == "sdpa"
     finally:
         native.load.cache_clear()
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ragged_call_is_each_segments_own_call_bit_for_bit(heads, kv_heads, threads):
+    """One ragged call over segments of 1-40 rows and 0-300 cached keys writes each segment's new K/V into its cache
+    buffer and gives every row exactly what `tree_attention` gives its segment alone."""
+    g = torch.Generator().manual_seed(3)
+    dim, sizes, cached = 16, [1, 5, 17, 40, 3], [0, 300, 12, 129, 64]
+    rows = sum(sizes)
+    qkv = torch.randn(1, rows, heads + 2 * kv_heads, dim, generator=g).transpose(1, 2)
+    query, key, value = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    segments, expected, start = [], [], 0
+    for size, length in zip(sizes, cached):
+        buffers = torch.randn(2, 1, kv_heads, length + size + 7, dim, generator=g)
+        mask = torch.where(torch.rand(size, length + size, generator=g) < 0.3, LOWEST, 0.0)
+        keys = torch.cat([buffers[0, :, :, :length], key[:, :, start : start + size]], dim=2)
+        values = torch.cat([buffers[1, :, :, :length], value[:, :, start : start + size]], dim=2)
+        expected.append((cpu_attention.tree_attention(query[:, :, start : start + size], keys, values, mask[None],
+                                                      0.25), keys, values))  # fmt: skip
+        segments.append((start, size, buffers[0], buffers[1], mask))
+        start += size
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_attention.tree_attention_ragged(query, key, value, segments, 0.25)
+    finally:
+        torch.set_num_threads(before)
+    for (row, size, k_buf, v_buf, _), (alone, keys, values) in zip(segments, expected):
+        assert torch.equal(out[:, row : row + size], alone)
+        assert torch.equal(k_buf[:, :, : keys.shape[2]], keys) and torch.equal(v_buf[:, :, : values.shape[2]], values)

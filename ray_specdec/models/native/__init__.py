@@ -138,6 +138,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, f = ctypes.c_int64, ctypes.c_float
     lib.tree_attention.argtypes = [i, i, i, i, i, f, p, i64, i64, p, i64, i64, p, i64, i64, p, i64, i64, p, i]
     lib.tree_attention.restype = i
+    lib.tree_attention_ragged.argtypes = [i, p, i, i, i, f, p, i64, i64, p, i64, i64, p, i64, i64, p, i]
+    lib.tree_attention_ragged.restype = i
 
 
 # Element formats of panels (PANEL_* of gemm_cpu.h).

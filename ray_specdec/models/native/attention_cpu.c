@@ -107,3 +107,62 @@ int tree_attention(int S, int H, int Hkv, int L, int D, float scale, const float
     }
     return failed ? -1 : 0;
 }
+
+/* Fields of one segment's row in tree_attention_ragged's table (int64 each). */
+enum { SEG_S, SEG_L, SEG_ROW, SEG_K, SEG_K_SH, SEG_K_SS, SEG_V, SEG_V_SH, SEG_V_SS, SEG_M, SEG_M_SS, SEG_FIELDS };
+
+/* Every request's verify rows of one layer in one call: a continuous-batching step has tens of requests, and one
+ * call per request and layer cost more in Python than the attention itself.
+ *
+ * Segment i (table row i) owns query rows [row, row + S) of q [H, R, D] (strides q_sh, q_ss, 1) and a cache of
+ * L keys and values (L includes its S new rows): k, v [Hkv, capacity, D] with strides (k_sh, k_ss, 1), (v_sh, v_ss,
+ * 1) and an additive mask [S, L] (row stride m_ss; 0 pointer: none). First every segment's new keys and values, rows
+ * [row, row + S) of kn / vn [Hkv, R, D], are written to its cache rows [L - S, L); then each (segment, head) runs
+ * exactly what tree_attention runs for that head, so every row gets the bits it gets from a call of its own
+ * segment. out [R, H, D]. Returns 0, or -1 when scratch memory could not be allocated. */
+int tree_attention_ragged(int n, const int64_t *table, int H, int Hkv, int D, float scale, const float *q,
+                          int64_t q_sh, int64_t q_ss, const float *kn, int64_t kn_sh, int64_t kn_ss, const float *vn,
+                          int64_t vn_sh, int64_t vn_ss, float *out, int threads) {
+    const int group = H / Hkv;
+    int failed = 0;
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n * H > 1) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int t = 0; t < n * Hkv; t++) {
+            const int64_t *seg = table + (int64_t)(t / Hkv) * SEG_FIELDS;
+            const int kv = t % Hkv, S = (int)seg[SEG_S], L = (int)seg[SEG_L], row = (int)seg[SEG_ROW];
+            float *k = (float *)(intptr_t)seg[SEG_K] + kv * seg[SEG_K_SH];
+            float *v = (float *)(intptr_t)seg[SEG_V] + kv * seg[SEG_V_SH];
+            for (int s = 0; s < S; s++) {
+                memcpy(k + (int64_t)(L - S + s) * seg[SEG_K_SS], kn + kv * kn_sh + (int64_t)(row + s) * kn_ss,
+                       sizeof(float) * D);
+                memcpy(v + (int64_t)(L - S + s) * seg[SEG_V_SS], vn + kv * vn_sh + (int64_t)(row + s) * vn_ss,
+                       sizeof(float) * D);
+            }
+        }
+        float *buf = aligned_alloc(64, (scratch_floats(D) * sizeof(float) + 63) / 64 * 64);
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < n * H; t++) {
+            if (!buf) {
+                failed = 1;
+                continue;
+            }
+            const int64_t *seg = table + (int64_t)(t / H) * SEG_FIELDS;
+            const int h = t % H, kv = h / group, S = (int)seg[SEG_S], L = (int)seg[SEG_L], row = (int)seg[SEG_ROW];
+            const float *k = (const float *)(intptr_t)seg[SEG_K] + kv * seg[SEG_K_SH];
+            const float *v = (const float *)(intptr_t)seg[SEG_V] + kv * seg[SEG_V_SH];
+            const float *mask = (const float *)(intptr_t)seg[SEG_M];
+            const int64_t m_ss = seg[SEG_M_SS];
+            for (int g = 0; g < S; g += 16) {
+                const int nr = S - g < 16 ? S - g : 16;
+                (nr <= 8 ? head_attention_8 : head_attention_16)(
+                    nr, L, D, scale, q + h * q_sh + (int64_t)(row + g) * q_ss, q_ss, k, seg[SEG_K_SS], v,
+                    seg[SEG_V_SS], mask ? mask + g * m_ss : NULL, m_ss, out + ((int64_t)(row + g) * H + h) * D,
+                    (int64_t)H * D, buf);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
