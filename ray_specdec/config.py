@@ -10,6 +10,7 @@ DraftSampling = Literal["iid", "without_replacement"]
 
 
 MAX_LOOKUP_TOKENS = 32
+MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,9 @@ def default_tree(device: str) -> TreeConfig:
 class SamplingParams:
     """Target-only sampling settings; speculation reproduces exactly this distribution.
 
-    temperature == 0 means greedy. top_k == 0 and top_p == 1.0 disable those filters.
+    temperature == 0 means greedy. top_k == 0 and top_p == 1.0 disable those filters. The target-side options below
+    (logits_processing.py) default to doing nothing; they act on the target's logits before greedy argmax and before
+    temperature / top-k / top-p, row by row as target-only decoding would.
     """
 
     temperature: float = 0.0
@@ -151,6 +154,15 @@ class SamplingParams:
     # How sampled rounds pick children: i.i.d. from q (multi-draft rejection sampling)
     # or without replacement (Gumbel-top-k; recursive rejection sampling).
     draft_sampling: DraftSampling = "without_replacement"
+    # OpenAI penalties over the tokens generated so far: logit -= frequency * count + presence * (count > 0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF / vLLM: over prompt + generated tokens, a positive logit is divided by it, a negative one multiplied
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be generated before this many tokens
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # generation stops after emitting one ("stop")
+    logprobs: int | None = None  # k: the emitted tokens' log-probabilities and the top-k alternatives; None: off
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -164,7 +176,53 @@ class SamplingParams:
         if self.draft_sampling not in ("iid", "without_replacement"):
             raise ValueError(f"draft_sampling must be 'iid' or 'without_replacement', got {self.draft_sampling!r}")
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+        self._check_target_options()
+
+    def _check_target_options(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
+                and self.repetition_penalty > 0):  # fmt: skip
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        items = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple((_token_id(t, "logit_bias"), b) for t, b in items)
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token id twice")
+        for t, b in bias:
+            if not (isinstance(b, (int, float)) and -100.0 <= b <= 100.0):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in bias)))
+        object.__setattr__(self, "stop_token_ids", tuple(_token_id(t, "stop_token_ids") for t in self.stop_token_ids))
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_new_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the processed logits depend on the tokens so far (then every verify row needs its own path)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any target-side option changes the target's logits (logits_processing.py)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError when logit_bias names a token outside the target's vocabulary."""
+        outside = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {outside}")
+
+
+def _token_id(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} token ids must be integers >= 0, got {value!r}")
+    return value

@@ -30,6 +30,7 @@ import torch
 
 from ray_specdec.acceptance import Verdict
 from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.logits_processing import apply_logit_bias
 from ray_specdec.lookup import LookupIndex
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
 from ray_specdec.sampling import gumbel_top_k, logits_to_probs, sample
@@ -83,7 +84,10 @@ def pick_children(
     params: SamplingParams,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> (children [rows, k], q [rows, V] or None). Greedy: top-k distinct tokens; sampled: i.i.d. or Gumbel-top-k."""
+    """-> (children [rows, k], q [rows, V] or None). Greedy: top-k distinct tokens; sampled: i.i.d. or Gumbel-top-k.
+
+    logit_bias applies here as on the target (logits_processing.py); q is what the children were drawn from."""
+    logits = apply_logit_bias(logits, params)
     if params.greedy:
         return torch.topk(logits, k, dim=-1).indices, None
     q = logits_to_probs(logits.float(), params)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Iterator, Sequence
 
 from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.logits_processing import TokenLogprob
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 from ray_specdec.rounds import Generation, StreamChunk
@@ -115,6 +116,9 @@ class SpeculativeEngine:
             self.check_length(len(prompt_ids), p)
         keys = [self._add(prompt_ids, p, tree) for prompt_ids, p in zip(ids, params_list)]
         parts: dict[str, tuple[list[int], list[str]]] = {key: ([], []) for key in keys}
+        logprobs: dict[str, list[TokenLogprob] | None] = {
+            key: None if p.logprobs is None else [] for key, p in zip(keys, params_list)
+        }
         last: dict[str, StreamChunk] = {}
         try:
             while any(key not in last or last[key].finish_reason is None for key in keys):
@@ -123,12 +127,14 @@ class SpeculativeEngine:
                         token_ids, text = parts[out.request_id]
                         token_ids += out.chunk.token_ids
                         text.append(out.chunk.text)
+                        if out.chunk.logprobs is not None:
+                            logprobs[out.request_id] += out.chunk.logprobs
                         last[out.request_id] = out.chunk
         finally:
             for key in keys:
                 self.scheduler.abort(key)
         return [
-            Generation(parts[k][0], "".join(parts[k][1]), last[k].finish_reason, last[k].stats, len(i))
+            Generation(parts[k][0], "".join(parts[k][1]), last[k].finish_reason, last[k].stats, len(i), logprobs[k])
             for k, i in zip(keys, ids)
         ]
 

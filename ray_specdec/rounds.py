@@ -14,6 +14,7 @@ import torch
 from ray_specdec.acceptance import Verdict, accept_greedy, accept_sampled
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import Draft
+from ray_specdec.logits_processing import TokenHistory, TokenLogprob, process_logits, token_logprobs
 from ray_specdec.sampling import logits_to_probs
 from ray_specdec.stats import GenerationStats
 
@@ -21,19 +22,36 @@ NO_TREE = TreeConfig(())
 
 
 def judge(
-    target_logits: torch.Tensor,  # [1 + n, V]
+    target_logits: torch.Tensor,  # [1 + n, V] raw
     draft: Draft,
     params: SamplingParams,
     generator: torch.Generator | None,
+    history: TokenHistory | None = None,
 ) -> Verdict:
-    """Acceptance for one round: greedy walk, or multi-draft rejection sampling on processed distributions."""
+    """Acceptance for one round: greedy walk, or multi-draft rejection sampling on processed distributions.
+
+    history: the request's tokens so far, needed when params process the target's logits (logits_processing.py)."""
     tokens = draft.tokens.to(target_logits.device)
+    if params.processes_logits:
+        if history is None:
+            raise ValueError("penalties, logit_bias and min_tokens need the request's token history")
+        target_logits = process_logits(target_logits, draft.tree, tokens, history, params)
     if params.greedy:
         return accept_greedy(target_logits, draft.tree, tokens)
     p = logits_to_probs(target_logits, params)
     q = draft.probs.to(p.device) if draft.probs is not None else p[:0]
     return accept_sampled(p, q, draft.tree, tokens, params.draft_sampling == "without_replacement", generator,
                           draft.deterministic, draft.q_rows)
+
+
+def round_logprobs(
+    target_logits: torch.Tensor,  # [1 + n, V] raw
+    verdict: Verdict,
+    params: SamplingParams,
+    kept: int,
+) -> list[TokenLogprob] | None:
+    """The logprobs of a round's first `kept` new tokens (those the stop checks kept), when the request asks."""
+    return None if params.logprobs is None else token_logprobs(target_logits, verdict, params.logprobs, kept)
 
 
 def empty_draft() -> Draft:
@@ -75,6 +93,7 @@ class StreamChunk:
     text: str  # text delta
     finish_reason: str | None
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per kept token, when the request asks (params.logprobs)
 
 
 @dataclass
@@ -84,3 +103,4 @@ class Generation:
     finish_reason: str
     stats: GenerationStats
     prompt_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asks (params.logprobs)

@@ -36,8 +36,9 @@ from ray_specdec.acceptance import Verdict
 from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
 from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, draft_many, what_if
 from ray_specdec.goodput import AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, size_trees
+from ray_specdec.logits_processing import TokenHistory
 from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.rounds import NO_TREE, FixedTree, StreamChunk, empty_draft, judge, make_generators
+from ray_specdec.rounds import NO_TREE, FixedTree, StreamChunk, empty_draft, judge, make_generators, round_logprobs
 from ray_specdec.stats import GenerationStats
 from ray_specdec.stopping import StopChecker
 from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend
@@ -207,6 +208,7 @@ class Scheduler:
         tokens = [int(t) for t in prompt_ids]
         if any(not 0 <= t < self.target.vocab_size for t in tokens):
             raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        params.check_vocab(self.target.vocab_size)
         reserved = self.check(len(tokens), params, tree)
         if len(self.waiting) >= self.config.max_waiting and not self._fits_now(reserved):
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting); retry later")
@@ -367,7 +369,7 @@ class Scheduler:
     # ----- after the forward -----
 
     def _finish_round(self, r: Request, logits: torch.Tensor) -> StepOutput:
-        verdict = judge(logits, r.draft, r.params, r.target_gen)
+        verdict = judge(logits, r.draft, r.params, r.target_gen, TokenHistory(r.tokens, r.prompt_len, r.stop.stop_ids))
         self._work.commits.append((r.request_id, verdict.keep_rows))
         if r.drafter is not None:
             r.drafter.commit(verdict)
@@ -381,7 +383,8 @@ class Scheduler:
         if r.stop.finished:
             self.running.pop(r.request_id, None)
             self._free(r)
-        return StepOutput(r.request_id, StreamChunk(kept, delta, r.stop.finish_reason, r.stats))
+        logprobs = round_logprobs(logits, verdict, r.params, len(kept))
+        return StepOutput(r.request_id, StreamChunk(kept, delta, r.stop.finish_reason, r.stats, logprobs))
 
     def _account(self, decoding, prefilling, draft_rows, verify_rows, prefill_rows, times) -> None:
         """Split the step's time among its requests (by rows), teach the policy, the acceptance and cost models."""

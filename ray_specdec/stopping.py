@@ -1,4 +1,7 @@
-"""Stop conditions and incremental text: max_new_tokens, EOS, stop strings, and text deltas for streaming.
+"""Stop conditions and incremental text: max_new_tokens, EOS, stop_token_ids, stop strings, and streamed text deltas.
+
+A token that stops generation by its id (EOS or one of stop_token_ids) is kept in token_ids, but its text is not
+emitted (as vLLM does for both unless include_stop_str_in_output).
 
 A round can emit several tokens at once; they are fed here one by one so that a generation never overshoots
 max_new_tokens or runs past an EOS or a stop string, whatever the tree accepted.
@@ -18,10 +21,12 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.params = params
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)  # ids that end generation ("stop")
         self.token_ids: list[int] = []
         self.text = ""  # text of token_ids, cut before a stop string once one is found
         self.emitted = 0  # characters of text already handed out as deltas
         self.finish_reason: str | None = None
+        self.stopped_on_id = False  # the last token is an EOS or stop token id: its text stays out
 
     @property
     def finished(self) -> bool:
@@ -38,12 +43,12 @@ class StopChecker:
             if self.finished:
                 break
             self.token_ids.append(int(token))
-            if int(token) in self.eos_token_ids:
-                self.finish_reason = "stop"
+            if int(token) in self.stop_ids:
+                self.finish_reason, self.stopped_on_id = "stop", True
             elif len(self.token_ids) >= self.params.max_new_tokens:
                 self.finish_reason = "length"
         if self.tokenizer is not None:
-            self.text = self._decode(self.token_ids)
+            self.text = self._decode(self.token_ids[:-1] if self.stopped_on_id else self.token_ids)
             self._apply_stop_strings(start)
         return self.token_ids[start:], self._delta()
 
