@@ -219,7 +219,7 @@ class SamplingParams:
         """ValueError when logit_bias names a token outside the target's vocabulary."""
         outside = [t for t, _ in self.logit_bias if t >= vocab_size]
         if outside:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {outside}")
+            raise ValueError(f"logit_bias token ids must be in the vocabulary [0, {vocab_size}), got {outside}")
 
 
 def _token_id(value, name: str) -> int:

@@ -1,0 +1,54 @@
+"""StopChecker: stop_token_ids end generation like EOS (kept in token_ids, their text left out)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_specdec.config import SamplingParams
+from ray_specdec.stopping import StopChecker
+from tests.tiny_models import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])  # the round boundary falls before, at and after the stop token
+def test_a_stop_token_id_ends_generation_and_its_text_stays_out(tokenizer, split):
+    the, quick, fox, lazy = ids(tokenizer, "the quick fox lazy")
+    checker = StopChecker(tokenizer, SamplingParams(stop_token_ids=(fox,)), frozenset({0}))
+    tokens = [the, quick, fox, lazy]
+    kept, text = checker.feed(tokens[:split])
+    more, rest = checker.feed(tokens[split:])
+    assert kept + more == [the, quick, fox] and checker.token_ids == [the, quick, fox]
+    assert checker.finish_reason == "stop"
+    assert text + rest == "the quick" == checker.text
+
+
+@pytest.mark.parametrize("stopper", ["eos", "stop id"])
+def test_eos_and_stop_ids_are_treated_alike(tokenizer, stopper):
+    the, quick = ids(tokenizer, "the quick")
+    stop = 0 if stopper == "eos" else quick
+    checker = StopChecker(tokenizer, SamplingParams(stop_token_ids=(quick,)), frozenset({0}))
+    kept, text = checker.feed([the, stop, the])
+    assert (kept, text, checker.finish_reason) == ([the, stop], "the", "stop")
+    assert checker.stop_ids == frozenset({0, quick})
+
+
+def test_ignore_eos_keeps_stop_token_ids(tokenizer):
+    the, quick = ids(tokenizer, "the quick")
+    checker = StopChecker(tokenizer, SamplingParams(ignore_eos=True, stop_token_ids=(quick,)), frozenset({0}))
+    assert checker.stop_ids == frozenset({quick})
+    kept, _ = checker.feed([0, the, quick, the])
+    assert kept == [0, the, quick] and checker.finish_reason == "stop"
+
+
+def test_without_a_tokenizer_stop_ids_still_stop():
+    checker = StopChecker(None, SamplingParams(stop_token_ids=(7,), max_new_tokens=4), frozenset())
+    assert checker.feed([5, 6]) == ([5, 6], "") and not checker.finished
+    assert checker.feed([7, 8]) == ([7], "") and checker.finish_reason == "stop"
