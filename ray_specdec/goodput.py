@@ -6,9 +6,11 @@ batch's expected tokens per second of step time:
 
     goodput = sum_r E[tokens of r's round | r's tree] / T(step)
 
-- `StepCostModel` predicts T(step) from what the step runs: a fixed cost, verify rows, drafter rows (all depths'
-  stepped rows) and prefill rows, fitted online by exponentially weighted least squares on every measured step
-  (on this machine, under its real load: nothing is assumed about the hardware).
+- `StepCostModel` predicts T(step) from what the step runs: a fixed cost, verify rows, requests that draft (their
+  drafter catch-up), drafter rows (all depths' stepped rows) and prefill rows. The scheduler measures a few forwards
+  and drafter steps at start (`Scheduler.calibrate`) for a prior, then every step refines it by exponentially
+  weighted least squares (on this machine, under its real load: nothing is assumed about the hardware). Steps alone
+  cannot tell the terms apart when the batch keeps one shape (8 requests, 8 rows, step after step); the prior can.
 - `AcceptanceModel` keeps E[accepted draft tokens] per (tree, context bucket, greedy/sampled): a running mean of what
   each tree's rounds accepted, fed also by what-if counts (a round of a tree teaches the trees it contains).
 - `size_trees` starts every request at its policy's pick (the bandit's, which explores) and shrinks picks to smaller
@@ -26,8 +28,12 @@ import numpy as np
 from ray_specdec.config import TreeConfig
 
 NO_TREE = TreeConfig(())
-# Features of a step: 1, verify rows, drafter rows, prefill rows.
-N_FEATURES = 4
+# Features of a step: 1, verify rows, requests that draft, drafter rows, prefill rows.
+N_FEATURES = 5
+# Typical size of each feature: the prior's weight per feature is PRIOR_STEPS steps of this size.
+FEATURE_SCALE = np.array([1.0, 32.0, 8.0, 16.0, 512.0])
+# How many steps' worth of evidence the calibrated prior counts as.
+PRIOR_STEPS = 64.0
 # Weight of the past in the cost model's least squares (per step): ~200 steps of memory, so it follows load changes.
 COST_FORGET = 0.995
 # Steps measured before the cost model's predictions are trusted to shrink the policy's picks.
@@ -42,9 +48,10 @@ class StepShape:
     verify_rows: int = 0
     draft_rows: int = 0
     prefill_rows: int = 0
+    drafting: int = 0  # requests that draft
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.verify_rows, self.draft_rows, self.prefill_rows])
+        return np.array([1.0, self.verify_rows, self.drafting, self.draft_rows, self.prefill_rows])
 
 
 def drafter_rows(tree: TreeConfig) -> int:
@@ -53,14 +60,25 @@ def drafter_rows(tree: TreeConfig) -> int:
 
 
 class StepCostModel:
-    """T(step) = w . [1, verify rows, drafter rows, prefill rows], by exponentially weighted least squares."""
+    """T(step) = w . [1, verify rows, drafting requests, drafter rows, prefill rows], by exponentially weighted
+    least squares around a prior (ridge towards it)."""
 
     def __init__(self, forget: float = COST_FORGET):
         self.forget = forget
-        self._xtx = np.eye(N_FEATURES) * 1e-6
+        self._prior_xtx = np.diag(FEATURE_SCALE**2) * 1e-6
+        self._prior_xty = np.zeros(N_FEATURES)
+        self._xtx = np.zeros((N_FEATURES, N_FEATURES))
         self._xty = np.zeros(N_FEATURES)
         self.steps = 0
+        self.calibrated = False
         self._w: np.ndarray | None = None
+
+    def set_prior(self, weights: np.ndarray, steps: float = PRIOR_STEPS) -> None:
+        """Pull the fit towards `weights` with the evidence of `steps` steps of typical size."""
+        self._prior_xtx = np.diag(FEATURE_SCALE**2) * steps
+        self._prior_xty = self._prior_xtx @ np.asarray(weights, dtype=np.float64)
+        self.calibrated = True
+        self._w = None
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         x = shape.features()
@@ -71,12 +89,11 @@ class StepCostModel:
 
     @property
     def warm(self) -> bool:
-        return self.steps >= COST_WARMUP_STEPS
+        return self.calibrated or self.steps >= COST_WARMUP_STEPS
 
     def weights(self) -> np.ndarray:
         if self._w is None:
-            ridge = np.eye(N_FEATURES) * 1e-9
-            w = np.linalg.solve(self._xtx + ridge, self._xty)
+            w = np.linalg.solve(self._xtx + self._prior_xtx, self._xty + self._prior_xty)
             # a row never makes a step cheaper; noise with few distinct shapes can say otherwise
             self._w = np.maximum(w, 0.0)
         return self._w
@@ -131,34 +148,30 @@ def size_trees(candidates: Sequence[Candidate], cost: StepCostModel, prefill_row
     choice = [0] * len(candidates)
     if not cost.warm:
         return choice
-    w_fixed, w_verify, w_draft, w_prefill = (float(v) for v in cost.weights())
+    w_fixed, w_verify, w_drafting, w_draft, w_prefill = (float(v) for v in cost.weights())
 
-    def rows(tree: TreeConfig) -> tuple[int, int]:
-        return 1 + tree.num_nodes + tree.lookup, drafter_rows(tree)
+    def seconds_of(tree: TreeConfig) -> float:
+        """What a request's tree adds to the step: its verify rows, and its drafting (catch-up and stepped rows)."""
+        drafting = w_drafting + w_draft * drafter_rows(tree) if tree.depth else 0.0
+        return w_verify * (1 + tree.num_nodes + tree.lookup) + drafting
 
     tokens = sum(c.tokens[0] for c in candidates)
-    verify = sum(rows(c.trees[0])[0] for c in candidates)
-    draft = sum(rows(c.trees[0])[1] for c in candidates)
-    base = w_fixed + w_prefill * prefill_rows
+    total = w_fixed + w_prefill * prefill_rows + sum(seconds_of(c.trees[0]) for c in candidates)
     for _ in range(4):  # passes; one or two settle it in practice
         changed = False
         for r, c in enumerate(candidates):
             if c.fixed or len(c.trees) == 1:
                 continue
-            v0, d0 = rows(c.trees[choice[r]])
-            rest_tokens, rest_verify, rest_draft = tokens - c.tokens[choice[r]], verify - v0, draft - d0
+            rest_tokens, rest_seconds = tokens - c.tokens[choice[r]], total - seconds_of(c.trees[choice[r]])
             best, best_value = choice[r], None
             for i, tree in enumerate(c.trees):
-                v, d = rows(tree)
-                seconds = base + w_verify * (rest_verify + v) + w_draft * (rest_draft + d)
-                value = (rest_tokens + c.tokens[i]) / max(seconds, 1e-9)
+                value = (rest_tokens + c.tokens[i]) / max(rest_seconds + seconds_of(tree), 1e-9)
                 if best_value is None or value > best_value * (1 + 1e-9):
                     best, best_value = i, value
             if best != choice[r]:
                 changed = True
                 choice[r] = best
-                v, d = rows(c.trees[best])
-                tokens, verify, draft = rest_tokens + c.tokens[best], rest_verify + v, rest_draft + d
+                tokens, total = rest_tokens + c.tokens[best], rest_seconds + seconds_of(c.trees[best])
         if not changed:
             break
     return choice
