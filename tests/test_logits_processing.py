@@ -94,7 +94,8 @@ def test_path_counts_on_a_three_node_tree():
 
 def test_defaults_leave_the_logits_alone_and_need_no_history():
     logits = torch.randn(1, V)
-    assert process_logits(logits, empty_draft().tree, torch.empty(0, dtype=torch.long), None, SamplingParams()) is logits
+    no_tokens = torch.empty(0, dtype=torch.long)
+    assert process_logits(logits, empty_draft().tree, no_tokens, None, SamplingParams()) is logits
     assert judge(logits, empty_draft(), SamplingParams(), None).bonus_token == int(logits.argmax())
     with pytest.raises(ValueError, match="token history"):
         judge(logits, empty_draft(), SamplingParams(presence_penalty=1.0), None)
