@@ -75,7 +75,9 @@ class EngineLoop:
         if not self.healthy:
             raise TargetUnavailable("the target is recovering from a fault; retry later")
         self.scheduler.check(len(prompt_ids), params, tree)  # a request that can never run fails here, at once
-        if self.scheduler.num_waiting + len(self._inbox) >= self.scheduler.config.max_waiting > 0:
+        # a full queue fails here, at once; a request still in the inbox is not counted (it may be an abort, or an
+        # add that will run at once): scheduler.add, on the loop's thread, has the last word
+        if self.scheduler.num_waiting >= self.scheduler.config.max_waiting > 0:
             raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting (max_waiting); retry later")
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
         self._streams[request_id] = stream
@@ -120,7 +122,10 @@ class EngineLoop:
                     return
                 commands, self._inbox = self._inbox, deque()
             for command in commands:
-                self._apply(command)
+                try:
+                    self._apply(command)
+                except Exception as exc:  # an abort that freed its cache on a failed target
+                    self._fault(exc)
             if not self.scheduler.has_work:
                 continue
             t0 = time.perf_counter()
@@ -170,8 +175,13 @@ class EngineLoop:
             logger.warning("the target recovered; %d requests are prefilled again", self.scheduler.num_running)
             return
         error = TargetUnavailable(f"the target failed ({type(exc).__name__}: {exc}) and did not recover")
-        for request_id in list(self.scheduler.running) + [r.request_id for r in self.scheduler.waiting]:
-            self.scheduler.abort(request_id)
+        doomed = list(self.scheduler.running) + [r.request_id for r in self.scheduler.waiting]
+        for request_id in doomed:
             self._deliver(request_id, error)
-        self.scheduler.reset_target()
+        try:  # every request leaves the scheduler before its caches are released on the failed target, which may fail
+            for request_id in doomed:
+                self.scheduler.abort(request_id)
+            self.scheduler.reset_target()
+        except Exception as again:
+            logger.error("the failed target's caches were not released (%s: %s)", type(again).__name__, again)
         self.healthy = self.recover is None  # nothing to restart: the next request tries again
