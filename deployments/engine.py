@@ -8,9 +8,13 @@ stays on its replica). Inside it, `EngineLoop` steps the `Scheduler` on a thread
 The drafter (a Mamba model of a few million parameters on CPU, ~100M on GPU) runs in this process too: a remote call
 per step would cost far more than its step (docs/BENCHMARKS.md, "Serving: where the time goes").
 
-Faults: a rank that dies fails the step; the loop restarts the ranks and prefills every running request again from
-its token ids (`EngineLoop`). A request that outlives its replica (the process itself died) is continued by the
-router on another replica from the tokens it already streamed.
+Faults: a rank that dies fails the step at once (the first failed rank's error, not its peers' collective timeout);
+a rank that hangs fails it after RANK_STEP_TIMEOUT_S. The loop restarts the ranks and prefills every running request
+again from its token ids (`EngineLoop`). While the target is down the replica is not healthy (`health()`, read by the
+router's /health; new requests get 503), but Serve's health check (`check_health`) passes while a recovery can still
+succeed, so that Serve does not kill the replica, and the requests it is recovering, mid-recovery. A request that
+outlives its replica (the process itself died) is continued by the router on another replica from the tokens it
+already streamed.
 
 Errors reach the router as items of the stream, not exceptions: `{"error": status, "message": ...}`.
 """
@@ -18,6 +22,7 @@ Errors reach the router as items of the stream, not exceptions: `{"error": statu
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import replace
 
@@ -41,6 +46,8 @@ logger = logging.getLogger("ray.serve")
 
 # Waiting for the ranks' resources: a GPU node of an autoscaling cluster may take minutes to come up.
 PLACEMENT_TIMEOUT_S = 600.0
+# A step the ranks have not finished by then is a hung rank (a step is at most step_tokens rows: well under this).
+RANK_STEP_TIMEOUT_S = 300.0
 
 
 class RankActor:
@@ -104,10 +111,27 @@ class RankGroup:
         return infos[0]
 
     def run(self, work: StepWork):
+        """One step on every rank -> rank 0's logits. A failed step shuts every rank down: a surviving peer would
+        otherwise wait in the collective of the dead one (gloo: for half an hour) and hold the group's resources."""
+        if not self._ranks:
+            raise RuntimeError("the target's ranks are down")
         ref = ray.put(work)  # one copy in the object store for every rank
-        return ray.get([rank.run.remote(ref) for rank in self._ranks])[0]
+        refs = [rank.run.remote(ref) for rank in self._ranks]
+        pending, deadline = refs, time.monotonic() + RANK_STEP_TIMEOUT_S
+        try:
+            while pending:  # a dead rank's error at once, not after its peers' collective times out
+                done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not done:
+                    raise TimeoutError(f"{len(pending)} of {self.tp_size} target ranks did not finish a step "
+                                       f"within {RANK_STEP_TIMEOUT_S:.0f} s")  # fmt: skip
+                ray.get(done)
+        except BaseException:
+            self.shutdown()
+            raise
+        return ray.get(refs[0])
 
     def reset(self) -> None:
+        """Fresh caches on every rank (none to reset once a failed step shut them down: start() makes new ones)."""
         ray.get([rank.reset.remote() for rank in self._ranks])
 
     def request_ids(self) -> list[list[str]]:
@@ -151,7 +175,7 @@ class EngineReplica:
             self.backend = RankGroup(target, tp_size=tp_size, dtype=dtype, device=device,
                                      num_cpus_per_rank=num_cpus_per_rank)  # fmt: skip
             kv_bytes = self.backend.info["kv_bytes_per_token"]
-            recover = self.backend.start
+            recover = self._restart_ranks
         if kv_budget_gib is not None:
             scheduler = replace(scheduler, kv_budget_tokens=kv_budget_rows(kv_budget_gib, kv_bytes))
         self.drafter = None
@@ -167,6 +191,22 @@ class EngineReplica:
         sched = Scheduler(self.backend, self.drafter, self.tokenizer, policy, scheduler, max_context)
         self.loop = EngineLoop(sched, recover, recover_timeout_s)
         self.tp_size = tp_size
+        self.recover_timeout_s = recover_timeout_s
+        self._down_since: float | None = None  # first restart of the ranks since the target last ran
+
+    def _restart_ranks(self) -> None:
+        """The loop's `recover` (on its thread): raises while the ranks cannot be started."""
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+        self.backend.start()
+        self._down_since = None
+
+    @property
+    def recovering(self) -> bool:
+        """Whether a restart of the ranks is under way and may still succeed (the loop gives up after
+        recover_timeout_s)."""
+        since = self._down_since
+        return since is not None and time.monotonic() - since < self.recover_timeout_s
 
     def info(self) -> dict:
         s = self.loop.scheduler
@@ -195,11 +235,15 @@ class EngineReplica:
     async def stats(self) -> dict:
         return self.loop.stats() | {"replica": serve.get_replica_context().replica_id.unique_id}
 
+    async def health(self) -> dict:
+        """{"healthy": the loop runs and the target is up (False while it restarts), "recovering"}."""
+        return {"healthy": self.loop.alive and self.loop.healthy, "recovering": self.recovering}
+
     async def check_health(self) -> None:
-        """Serve restarts a replica whose loop died or whose target did not come back."""
+        """Serve restarts a replica whose loop died or whose target did not come back (not one still recovering)."""
         if not self.loop.alive:
             raise RuntimeError("the engine loop thread died")
-        if not self.loop.healthy:
+        if not self.loop.healthy and not self.recovering:
             raise RuntimeError("the target is down")
 
     def shutdown(self) -> None:

@@ -1,0 +1,164 @@
+"""The engine replica on Ray core (no Serve): faults of a tensor-parallel target under load (issue 18, "Faults").
+
+One EngineReplica with tp_size 2 (two rank actors over gloo, the tiny bigram pair of conftest) serves six concurrent
+greedy requests of mixed lengths and trees. A rank actor is SIGKILLed after a fixed step, while every request is in
+flight (the loop's on_step hook runs between steps, so the kill lands at the same point whatever the machine's speed):
+- the ranks restart and every request is prefilled again from its token ids: each finishes with the tokens the
+  in-process engine gives it alone, and the replica reported itself unhealthy while its target was down;
+- when the ranks cannot be restarted within recover_timeout_s, every request in flight ends with a 503 item (the
+  router turns it into 503 with Retry-After), and so does a new one, and Serve's health check fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from deployments.engine import EngineReplica
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.rounds import StreamChunk
+from ray_specdec.scheduler import SchedulerConfig
+from tests.deployments.conftest import PROMPTS, greedy_margin
+
+MAX_TOKENS = 40
+# (prompt, tree) per request; None: the replica's fixed tree
+REQUESTS = [(PROMPTS[0], None), (PROMPTS[1], "2,1"), (PROMPTS[2], "none"), (PROMPTS[3], "1,1,1"),
+            (" ".join(PROMPTS), None), (" ".join(PROMPTS[::-1] * 3), "2,2")]  # fmt: skip
+# Step 1 prefills every prompt; by step KILL_AT_STEP a request has at most 3 x 4 tokens: none has finished.
+KILL_AT_STEP = 4
+
+
+@pytest.fixture(scope="module")
+def replica(model_dirs):
+    target, drafter = model_dirs
+    ray.init(num_cpus=2, include_dashboard=False)
+    replica = EngineReplica(str(target), str(drafter), tp_size=2, num_cpus_per_rank=0.5, policy=TreeConfig((1, 1)),
+                            scheduler=SchedulerConfig(prefill_chunk=16))  # fmt: skip
+    yield replica
+    replica.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(engine) -> list[list[int]]:
+    """Each request alone on the in-process engine (TP=1), on paths without float32 near-ties: TP=2 reorders sums."""
+    out = []
+    for prompt, tree in REQUESTS:
+        ids = engine.encode(prompt)
+        tokens = engine.generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS), tree and TreeConfig.parse(tree))
+        assert greedy_margin(engine.target, ids, tokens.token_ids) > 1e-3
+        out.append(tokens.token_ids)
+    return out
+
+
+def rank_pids(replica: EngineReplica) -> list[int]:
+    return ray.get([rank.__ray_call__.remote(lambda actor: os.getpid()) for rank in replica.backend._ranks])
+
+
+def kill_rank_at(replica: EngineReplica, step: int, rank: int) -> list[int]:
+    """SIGKILL rank `rank`'s process after the loop's `step`-th step from now; -> the requests running then (filled
+    in)."""
+    pid, running, at = rank_pids(replica)[rank], [], replica.loop.scheduler.steps + step
+
+    def on_step(scheduler, seconds: float) -> None:
+        if scheduler.steps != at or running:
+            return
+        running.append(scheduler.num_running)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    replica.loop.on_step = on_step
+    return running
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def generate_all(replica: EngineReplica, engine) -> list[list[int] | dict]:
+    """Every request at once -> its tokens, or the error item that ended its stream."""
+
+    async def one(prompt: str, tree: str | None):
+        tokens, finish = [], None
+        params = SamplingParams(max_new_tokens=MAX_TOKENS)
+        async for item in replica.generate(engine.encode(prompt), params, tree and TreeConfig.parse(tree)):
+            if isinstance(item, dict):
+                return item
+            assert isinstance(item, StreamChunk) and finish is None
+            tokens += item.token_ids
+            finish = item.finish_reason
+        assert finish == "length"
+        return tokens
+
+    return await asyncio.gather(*(one(prompt, tree) for prompt, tree in REQUESTS))
+
+
+def health_check_error(replica: EngineReplica, timeout_s: float) -> str | None:
+    """Serve's health check, polled until it fails (the loop has given up) -> its message, or None."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            asyncio.run(replica.check_health())
+        except RuntimeError as exc:
+            return str(exc)
+        time.sleep(0.2)
+    return None
+
+
+def test_a_killed_rank_is_restarted_and_every_request_finishes_exactly(replica, engine, reference):
+    before = rank_pids(replica)
+    running = kill_rank_at(replica, KILL_AT_STEP, rank=1)
+    seen_while_down = []
+    start = replica.backend.start
+
+    def watched_start():  # the loop's recovery: what the replica says about itself while its target is down
+        seen_while_down.append(asyncio.run(replica.health()))
+        asyncio.run(replica.check_health())  # Serve must not kill a replica that is recovering its requests
+        return start()
+
+    replica.backend.start = watched_start
+    try:
+        outputs = asyncio.run(generate_all(replica, engine))
+    finally:
+        del replica.backend.start
+        replica.loop.on_step = None
+    assert running == [len(REQUESTS)]  # the kill hit with every request in flight
+    assert outputs == reference
+    assert seen_while_down and seen_while_down[0] == {"healthy": False, "recovering": True}
+    assert (replica.loop.faults, replica.loop.recoveries) == (1, 1)
+    assert asyncio.run(replica.health()) == {"healthy": True, "recovering": False}
+    assert set(rank_pids(replica)).isdisjoint(before)  # both ranks are new processes
+    assert replica.backend.request_ids() == [[], []]
+
+
+def test_a_target_that_cannot_come_back_answers_503(replica, engine):
+    running = kill_rank_at(replica, KILL_AT_STEP, rank=0)
+
+    def broken_start():
+        raise RuntimeError("no node can host the ranks")
+
+    replica.backend.start = broken_start
+    replica.recover_timeout_s = replica.loop.recover_timeout_s = 2.0
+    try:
+        outputs = asyncio.run(generate_all(replica, engine))
+        assert running == [len(REQUESTS)]
+        assert [o["error"] for o in outputs] == [503] * len(REQUESTS)
+        assert all("did not recover" in o["message"] for o in outputs)
+        assert asyncio.run(replica.health())["healthy"] is False
+        late = asyncio.run(generate_all(replica, engine))  # a request arriving while the target is down
+        assert [o["error"] for o in late] == [503] * len(REQUESTS)
+        assert health_check_error(replica, timeout_s=10) == "the target is down"  # Serve replaces the replica
+    finally:
+        del replica.backend.start
+        replica.loop.on_step = None
