@@ -1,0 +1,190 @@
+"""EngineLoop: the scheduler stepped by a thread behind asyncio streams. Concurrent requests get the engine's tokens,
+a consumer that leaves frees its request, a target fault is recovered without losing a token or ends every request
+with TargetUnavailable, and requests that cannot run fail before their first chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.models.target import TargetModel
+from ray_specdec.rounds import NO_TREE
+from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
+from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
+from ray_specdec.target_backend import LocalTarget, StepWork
+from tests.test_engine import random_prompt, tiny_mamba
+from tests.tiny_models import tiny_gpt_neox
+
+POLICY = TreeConfig((2, 1))
+# (prompt length, max_new_tokens, tree) per request
+REQUESTS = [(1, 30, None), (40, 12, NO_TREE), (300, 25, TreeConfig((1, 1, 1))), (7, 40, TreeConfig((3, 2))),
+            (120, 1, None), (64, 33, None)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models():
+    return TargetModel(tiny_gpt_neox(torch.float32, max_positions=2300)), tiny_mamba(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def expected(models) -> list[list[int]]:
+    """Each request's tokens on the in-process engine, alone."""
+    target, drafter = models
+    engine = SpeculativeEngine(target, drafter, POLICY)
+    return [engine.generate(prompt, params, tree).token_ids for prompt, params, tree in requests()]
+
+
+def requests() -> list[tuple[list[int], SamplingParams, TreeConfig | None]]:
+    return [(random_prompt(n, seed=i), SamplingParams(max_new_tokens=m, ignore_eos=True), tree)
+            for i, (n, m, tree) in enumerate(REQUESTS)]  # fmt: skip
+
+
+class FailingTarget(LocalTarget):
+    """A LocalTarget whose `run` raises on the calls in `fail_at` (1-based), or on every call from `dead_from` on."""
+
+    def __init__(self, target, fail_at=(), dead_from: int | None = None):
+        super().__init__(target)
+        self.fail_at, self.dead_from, self.calls, self.resets = set(fail_at), dead_from, 0, 0
+
+    def run(self, work: StepWork):
+        self.calls += 1
+        if self.calls in self.fail_at or (self.dead_from is not None and self.calls >= self.dead_from):
+            raise RuntimeError("a target rank died")
+        return super().run(work)
+
+    def reset(self) -> None:
+        self.resets += 1
+        super().reset()
+
+
+@pytest.fixture
+def make_loop(models):
+    """make_loop(backend=None, config=..., **EngineLoop kwargs) -> a running EngineLoop (stopped after the test)."""
+    loops = []
+
+    def make(backend=None, config=SchedulerConfig(), **kwargs) -> EngineLoop:
+        target, drafter = models
+        scheduler = Scheduler(backend or LocalTarget(target), drafter, None, POLICY, config)
+        loops.append(EngineLoop(scheduler, **kwargs))
+        return loops[-1]
+
+    yield make
+    for loop in loops:
+        loop.stop()
+
+
+async def collect(loop: EngineLoop, request_id: str, prompt, params, tree=None) -> list[int]:
+    tokens = []
+    async for chunk in loop.generate(request_id, prompt, params, tree):
+        tokens += chunk.token_ids
+    assert chunk.finish_reason == "length"
+    return tokens
+
+
+async def collect_all(loop: EngineLoop) -> list[list[int] | BaseException]:
+    calls = [collect(loop, f"r{i}", *request) for i, request in enumerate(requests())]
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def run(coro):
+    """asyncio.run with a generous bound, so that a hung stream fails the test instead of hanging it."""
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    """Poll (the loop's thread changes what `condition` reads); fail after a generous timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_concurrent_requests_get_the_engines_tokens(make_loop, expected):
+    loop = make_loop()
+    assert run(collect_all(loop)) == expected
+    wait_until(lambda: not loop.scheduler.has_work)
+    assert not loop.scheduler.target.caches and loop.stats()["kv_reserved"] == 0 and loop.healthy
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "with_others"])
+def test_a_consumer_that_goes_away_aborts_its_request(make_loop, expected, alone):
+    loop = make_loop()
+    prompt = random_prompt(50, seed=3)
+
+    async def leave_after_two_chunks():
+        chunks = 0
+        async for _ in loop.generate("leaver", prompt, SamplingParams(max_new_tokens=2000, ignore_eos=True)):
+            chunks += 1
+            if chunks == 2:
+                raise asyncio.CancelledError  # as when the client disconnects
+
+    async def main():
+        others = [] if alone else [collect(loop, f"r{i}", *r) for i, r in enumerate(requests())]
+        return await asyncio.gather(leave_after_two_chunks(), *others, return_exceptions=True)
+
+    results = run(main())
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert results[1:] == ([] if alone else expected)
+    wait_until(lambda: not loop.scheduler.has_work and not loop.scheduler.target.caches)
+    assert loop.scheduler.reserved == 0
+
+
+@pytest.mark.parametrize("fail_at", [(1,), (3,), (2, 6)])
+def test_a_target_fault_is_recovered_and_every_request_completes_exactly(make_loop, models, expected, fail_at):
+    backend = FailingTarget(models[0], fail_at=fail_at)
+    recoveries = []
+    loop = make_loop(backend, recover=lambda: recoveries.append(backend.calls))
+    assert run(collect_all(loop)) == expected
+    assert loop.faults == loop.recoveries == len(fail_at) == len(recoveries) and backend.resets == len(fail_at)
+    assert loop.healthy
+    wait_until(lambda: not loop.scheduler.has_work and not backend.caches)
+
+
+def test_a_target_that_does_not_come_back_fails_every_request_in_flight(make_loop, models, expected):
+    backend = FailingTarget(models[0], dead_from=3)
+    attempts = []
+
+    def recover():
+        attempts.append(time.monotonic())
+        raise RuntimeError("the ranks did not restart")
+
+    loop = make_loop(backend, recover=recover, recover_timeout_s=0.3)
+    results = run(collect_all(loop))
+    failed = [isinstance(r, TargetUnavailable) for r in results]
+    assert sum(failed) >= len(REQUESTS) - 1  # all but the 1-token request, which may finish in the first steps
+    assert all(ok or r == e for ok, r, e in zip(failed, results, expected)), results
+    assert attempts and not loop.healthy and loop.faults == 1 and loop.recoveries == 0
+    wait_until(lambda: not loop.scheduler.has_work)
+    assert loop.alive
+    with pytest.raises(TargetUnavailable):
+        run(collect(loop, "late", [5, 6], SamplingParams(max_new_tokens=3)))
+
+
+def test_requests_that_cannot_run_fail_before_their_first_chunk(make_loop):
+    long = SamplingParams(max_new_tokens=2000, ignore_eos=True)
+    # the first request's reservation (5 + 2000 + 5 rows) leaves no room for a second (5 + 64 + 5): it waits
+    loop = make_loop(config=SchedulerConfig(kv_budget_tokens=2050, max_waiting=1))
+
+    async def main():
+        with pytest.raises(RequestTooLarge, match="context length"):
+            await collect(loop, "too long", random_prompt(400, seed=1), long)
+        with pytest.raises(RequestTooLarge, match="KV budget"):
+            await collect(loop, "too big", random_prompt(200, seed=1), long)
+        running = asyncio.ensure_future(collect(loop, "running", random_prompt(5, seed=1), long))
+        waiting = asyncio.ensure_future(collect(loop, "waiting", random_prompt(5, seed=2), SamplingParams()))
+        while loop.scheduler.num_waiting == 0:
+            await asyncio.sleep(0.01)
+        with pytest.raises(QueueFull):
+            await collect(loop, "one too many", random_prompt(5, seed=3), SamplingParams())
+        running.cancel()
+        assert len(await waiting) == 64  # it runs once the first request is gone
+        with pytest.raises(asyncio.CancelledError):
+            await running
+
+    run(main())
+    wait_until(lambda: not loop.scheduler.has_work and not loop.scheduler.target.caches)

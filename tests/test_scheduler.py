@@ -1,0 +1,280 @@
+"""The step scheduler: a request's output is the same whatever shares its steps (greedy ids bit for bit; sampled
+distribution), chunked prefills interleave with decoding, the KV budget admits, queues and refuses, a target that
+loses its caches loses no request."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.target import TargetModel
+from ray_specdec.rounds import NO_TREE
+from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
+from ray_specdec.target_backend import LocalTarget
+from tests.deployments.conftest import bigram_pair
+from tests.test_engine import VOCAB, enumerate_target, hf_greedy_ignore_eos, random_prompt, tiny_mamba
+from tests.tiny_models import tiny_gpt_neox
+
+# Trees a request may ask for (None: the engine's policy decides), cycled over a workload.
+TREES = [None, NO_TREE, TreeConfig((1,)), TreeConfig((3, 2, 1)), None, TreeConfig((1, 1, 1, 1)),
+         TreeConfig((2, 2, 1, 1)), TreeConfig((2,), lookup=3)]  # fmt: skip
+# Prompt lengths across prefill-chunk boundaries (512 by default, 32 in the small config), up to ~2k tokens.
+LONG_PROMPTS = [1, 2000, 7, 31, 32, 33, 64, 100, 511, 512, 513, 700, 1, 3, 1100, 250, 40, 1500, 9, 65, 1024, 128,
+                17, 5]  # fmt: skip
+SHIPPED_PROMPTS = [1, 600, 13, 64, 200, 5, 450, 33, 100, 2, 300, 77]
+SMALL = SchedulerConfig(step_tokens=96, prefill_chunk=32)
+
+
+def agreeing_pair(dtype: torch.dtype, max_positions: int) -> tuple[TargetModel, MambaDrafter]:
+    """A tiny target and a Mamba drafter that agree often (tests/deployments/conftest.py), with a long context."""
+    target, drafter = bigram_pair()
+    target.config.max_position_embeddings = max_positions
+    return TargetModel(target.to(dtype)), MambaDrafter(drafter.to(dtype).eval())
+
+
+def workload(lengths: list[int], vocab: int, seed: int = 0) -> list[tuple[str, list[int], SamplingParams, TreeConfig]]:
+    """(id, prompt, greedy params, tree) per prompt length: max_new_tokens 1..~40, trees cycled from TREES."""
+    return [
+        (f"r{i}", random_prompt(n, seed=seed + i, vocab=vocab),
+         SamplingParams(max_new_tokens=1 + (7 * i) % 41, ignore_eos=i % 3 > 0), TREES[i % len(TREES)])
+        for i, n in enumerate(lengths)
+    ]  # fmt: skip
+
+
+def run_together(scheduler: Scheduler, requests) -> tuple[dict[str, list[int]], list[list[str]], dict]:
+    """Add every request, step until all finish: -> token ids per request, per step the requests that got a chunk
+    (in order), and {"peak": the most requests running at once, "trees": rounds per tree label}."""
+    for request_id, prompt, params, tree in requests:
+        scheduler.add(request_id, prompt, params, tree)
+    tokens: dict[str, list[int]] = {r[0]: [] for r in requests}
+    steps, finished, peak, trees = [], set(), 0, {}
+    while scheduler.has_work:
+        outputs = scheduler.step()
+        ended = sum(out.chunk.finish_reason is not None for out in outputs)
+        peak = max(peak, scheduler.num_running + ended)
+        steps.append([out.request_id for out in outputs])
+        for out in outputs:
+            assert out.request_id not in finished
+            tokens[out.request_id] += out.chunk.token_ids
+            if out.chunk.finish_reason is not None:
+                finished.add(out.request_id)
+                for label, n in out.chunk.stats.trees.items():
+                    trees[label] = trees.get(label, 0) + n
+    assert finished == set(tokens)
+    return tokens, steps, {"peak": peak, "trees": trees}
+
+
+def check_batch_invariance(target: TargetModel, drafter: MambaDrafter, requests, config: SchedulerConfig,
+                           hf: bool) -> None:  # fmt: skip
+    engine = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=config)
+    together, _, seen = run_together(engine.scheduler, requests)
+    assert seen["peak"] == len(requests)  # every request shared steps with all others
+    assert {"none", "1", "3,2,1", "1,1,1,1"} <= set(seen["trees"]) and len(seen["trees"]) >= 6  # trees of many shapes
+    assert sum(seen["trees"].values()) < sum(map(len, together.values()))  # rounds that took several tokens
+    plain = SpeculativeEngine(target, None, config=config)
+    for request_id, prompt, params, tree in requests:
+        alone = engine.generate(prompt, params, tree).token_ids
+        expected = plain.generate(prompt, params).token_ids
+        assert together[request_id] == alone == expected, (request_id, len(prompt), tree)
+        if hf:
+            assert expected == hf_greedy_ignore_eos(target, prompt, params.max_new_tokens)[: len(expected)]
+        assert len(expected) == params.max_new_tokens or expected[-1] in target.eos_token_ids
+    # the policy's trees, sized by goodput, in one generate_many: the same tokens
+    many = engine.generate_many([r[1] for r in requests], [r[2] for r in requests])
+    assert [g.token_ids for g in many] == [together[r[0]] for r in requests]
+    assert not engine.scheduler.target.caches and engine.scheduler.reserved == 0
+
+
+@pytest.mark.parametrize("config", [SchedulerConfig(), SMALL], ids=["default", "small_chunks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_greedy_tokens_do_not_depend_on_the_batch(dtype, config):
+    """24 requests of 1 to 2000 prompt tokens, mixed max_new_tokens and trees: each gets exactly its tokens alone,
+    target-only decoding's and (float64) HF generate's."""
+    target, drafter = agreeing_pair(dtype, max_positions=2300)
+    if dtype == torch.float32:
+        assert target.batch_invariant, target.batch_invariant_why
+    check_batch_invariance(target, drafter, workload(LONG_PROMPTS, target.vocab_size), config,
+                           hf=dtype == torch.float64)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shipped() -> tuple[TargetModel, MambaDrafter]:
+    return TargetModel.from_pretrained(str(DEFAULT_TARGET)), MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER))
+
+
+def test_greedy_tokens_do_not_depend_on_the_batch_on_the_shipped_models(shipped):
+    target, drafter = shipped
+    check_batch_invariance(target, drafter, workload(SHIPPED_PROMPTS, target.vocab_size), SMALL, hf=False)
+
+
+# ---- sampled requests in a batch: the emitted distribution is the target's -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tree, draft_sampling",
+    [(TreeConfig((2, 1)), "iid"), (TreeConfig((3, 2)), "without_replacement"), (None, "without_replacement")],
+    ids=["iid", "rsd", "policy"],
+)
+def test_sampled_requests_in_a_batch_have_the_target_distribution(tree, draft_sampling):
+    """2000 copies of one prompt with different seeds, continuously batched (64 at a time) with their trees: the
+    3-token sequences they emit follow the target's enumerated distribution."""
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=VOCAB, seed=5))
+    target.eos_token_ids = frozenset()
+    prompt, n_tokens, n_samples = [1, 4, 2], 3, 2000
+    base = SamplingParams(temperature=0.9, max_new_tokens=n_tokens, draft_sampling=draft_sampling)
+    exact = enumerate_target(target, prompt, base, n_tokens)
+    engine = SpeculativeEngine(target, tiny_mamba(vocab=VOCAB, seed=6), TreeConfig((2, 2, 1)))
+    params = [SamplingParams(**{**base.__dict__, "seed": seed}) for seed in range(n_samples)]
+    results = engine.generate_many([prompt] * n_samples, params, tree)
+    counts = dict.fromkeys(exact, 0)
+    for result in results:
+        counts[tuple(result.token_ids)] += 1
+    assert sum(r.stats.rounds < n_tokens for r in results) > 0  # rounds that accepted drafted tokens
+    assert all(counts[k] == 0 for k in exact if exact[k] == 0), "emitted a sequence the target cannot produce"
+    keys = [k for k in exact if exact[k] * n_samples >= 5]  # chi-square needs enough expected counts: pool the rest
+    observed = [counts[k] for k in keys] + [n_samples - sum(counts[k] for k in keys)]
+    expected = [exact[k] * n_samples for k in keys] + [n_samples * (1 - sum(exact[k] for k in keys))]
+    assert chisquare(observed, expected).pvalue > 1e-3
+    tv = 0.0  # on the first two tokens (36 outcomes: sampling noise alone stays well below the bound)
+    for prefix in itertools.product(range(VOCAB), repeat=2):
+        emitted = sum(counts[k] for k in exact if k[:2] == prefix) / n_samples
+        tv += 0.5 * abs(emitted - sum(exact[k] for k in exact if k[:2] == prefix))
+    assert tv < 0.08
+
+
+# ---- chunked prefill, the KV budget, faults, aborts ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[TargetModel, MambaDrafter]:
+    """A float32 batch-invariant tiny target with a long context and a random (rarely agreeing) drafter."""
+    return TargetModel(tiny_gpt_neox(torch.float32, max_positions=2300)), tiny_mamba(torch.float32)
+
+
+def test_a_long_prefill_does_not_stall_running_streams(tiny):
+    """A 1000-token prompt arriving mid-run is prefilled in 64-token chunks over many steps; each of those steps
+    also decodes a round of every short request."""
+    target, drafter = tiny
+    config = SchedulerConfig(prefill_chunk=64, step_tokens=128)
+    scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((1, 1)), config)
+    short = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    prompts = {f"s{i}": random_prompt(5 + i, seed=i) for i in range(3)}
+    long = random_prompt(1000, seed=9), SamplingParams(max_new_tokens=4, ignore_eos=True)
+    for request_id, prompt in prompts.items():
+        scheduler.add(request_id, prompt, short)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in [*prompts, "long"]}
+    outputs = []
+    while scheduler.has_work:
+        if len(outputs) == 3:
+            assert outputs[-1] == ["s0", "s1", "s2"]
+            scheduler.add("long", *long)
+        out = scheduler.step()
+        outputs.append([o.request_id for o in out])
+        for o in out:
+            tokens[o.request_id] += o.chunk.token_ids
+    first_long = next(i for i, step in enumerate(outputs) if "long" in step)
+    prefill_steps = outputs[3:first_long]
+    assert len(prefill_steps) >= 1000 // 64  # its prefill took many steps...
+    assert all(step == ["s0", "s1", "s2"] for step in prefill_steps)  # ...and every short stream went on in each
+    plain = SpeculativeEngine(target, None, config=config)
+    for request_id, prompt in prompts.items():  # with its own tokens
+        assert tokens[request_id] == plain.generate(prompt, short).token_ids
+    assert tokens["long"] == plain.generate(*long).token_ids
+    assert not scheduler.target.caches
+
+
+def budget_requests(n: int) -> list[tuple[str, list[int], SamplingParams, None]]:
+    return [(f"b{i}", random_prompt(20 + i % 3, seed=40 + i), SamplingParams(max_new_tokens=20, ignore_eos=True), None)
+            for i in range(n)]  # fmt: skip
+
+
+def test_the_kv_budget_queues_what_does_not_fit_and_refuses_what_never_will(tiny):
+    """Each request reserves prompt + 20 + 5 verify rows (~46): a budget of 120 runs two at a time."""
+    target, drafter = tiny
+    config = SchedulerConfig(kv_budget_tokens=120, max_waiting=4)
+    scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((2, 1)), config)
+    requests = budget_requests(8)
+    with pytest.raises(RequestTooLarge, match="KV budget"):
+        scheduler.add("huge", random_prompt(100, seed=1), SamplingParams(max_new_tokens=20))
+    with pytest.raises(RequestTooLarge, match="context length"):
+        scheduler.add("past context", random_prompt(2290, seed=1), SamplingParams(max_new_tokens=20))
+    for request_id, prompt, params, tree in requests[:2]:
+        scheduler.add(request_id, prompt, params, tree)
+    scheduler.step()
+    for request_id, prompt, params, tree in requests[2:6]:
+        scheduler.add(request_id, prompt, params, tree)
+    with pytest.raises(QueueFull):
+        scheduler.add(*requests[6])
+    tokens = {r[0]: [] for r in requests[:6]}
+    waited = running = 0
+    while scheduler.has_work:
+        assert scheduler.reserved <= config.kv_budget_tokens
+        waited = max(waited, scheduler.num_waiting)
+        for out in scheduler.step():
+            tokens[out.request_id] += out.chunk.token_ids
+        running = max(running, scheduler.num_running)
+        assert scheduler.reserved <= config.kv_budget_tokens and len(scheduler.target.caches) <= 2
+    assert waited == 4 and running == 2
+    engine = SpeculativeEngine(target, None)
+    for request_id, prompt, params, _ in requests[:6]:
+        assert tokens[request_id] == engine.generate(prompt, params).token_ids
+    assert not scheduler.target.caches and scheduler.reserved == 0
+
+
+@pytest.mark.parametrize("at_step", [1, 4, 9])
+def test_a_target_that_loses_every_cache_loses_no_request(tiny, at_step):
+    """reset_target() mid-run (a restarted rank): every request is prefilled again and ends with its own tokens."""
+    target, drafter = tiny
+    engine = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=SchedulerConfig(prefill_chunk=32))
+    requests = workload([3, 150, 40, 1, 90, 12], target.vocab_size, seed=60)
+    scheduler = engine.scheduler
+    for request_id, prompt, params, tree in requests:
+        scheduler.add(request_id, prompt, params, tree)
+    tokens = {r[0]: [] for r in requests}
+    for step in itertools.count():
+        if step == at_step:
+            scheduler.reset_target()
+            assert not scheduler.target.caches or set(scheduler.target.caches) <= set(tokens)
+        for out in scheduler.step():
+            tokens[out.request_id] += out.chunk.token_ids
+        if not scheduler.has_work:
+            break
+    for request_id, prompt, params, tree in requests:
+        assert tokens[request_id] == engine.generate(prompt, params, tree).token_ids, request_id
+    assert not scheduler.target.caches
+
+
+@pytest.mark.parametrize("after_reset", [False, True])
+def test_aborts_of_waiting_and_running_requests(tiny, after_reset):
+    target, drafter = tiny
+    scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((2, 1)),
+                          SchedulerConfig(kv_budget_tokens=120))  # fmt: skip
+    requests = budget_requests(4)
+    for request in requests:
+        scheduler.add(*request)
+    scheduler.step()
+    assert scheduler.num_running == 2 and scheduler.num_waiting == 2
+    if after_reset:
+        scheduler.reset_target()
+    assert scheduler.abort("b3") and scheduler.abort("b0")  # waiting, running
+    assert not scheduler.abort("b0") and not scheduler.abort("nobody")
+    assert scheduler.num_running == 1 and scheduler.num_waiting == 1
+    tokens = {"b1": [], "b2": []}
+    while scheduler.has_work:
+        for out in scheduler.step():
+            tokens[out.request_id] += out.chunk.token_ids
+    engine = SpeculativeEngine(target, None)
+    for request_id, prompt, params, _ in requests[1:3]:
+        assert tokens[request_id] == engine.generate(prompt, params).token_ids
+    assert not scheduler.target.caches and scheduler.reserved == 0
+    scheduler.add(*requests[0])  # an aborted request's id may be used again
+    scheduler.step()
+    assert scheduler.abort("b0") and not scheduler.has_work
+    assert not scheduler.target.caches  # an abort that leaves nothing to step frees its cache at once
