@@ -105,16 +105,18 @@ class SpeculativeEngine:
         self,
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
-        tree: TreeConfig | None = None,
+        tree: TreeConfig | Sequence[TreeConfig | None] | None = None,
     ) -> list[Generation]:
-        """Every prompt as one continuously batched workload; -> generations in the prompts' order."""
+        """Every prompt as one continuously batched workload; -> generations in the prompts' order. params and tree:
+        one for every prompt, or one per prompt (a tree None: the policy decides)."""
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        trees = [tree] * len(prompts) if tree is None or isinstance(tree, TreeConfig) else list(tree)
+        if not len(params_list) == len(trees) == len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params and {len(trees)} trees")
         ids = [self.encode(p) for p in prompts]
-        for prompt_ids, p in zip(ids, params_list):
-            self.check_length(len(prompt_ids), p)
-        keys = [self._add(prompt_ids, p, tree) for prompt_ids, p in zip(ids, params_list)]
+        for prompt_ids, p, t in zip(ids, params_list, trees):
+            self.scheduler.check(len(prompt_ids), p, t)
+        keys = [self._add(prompt_ids, p, t) for prompt_ids, p, t in zip(ids, params_list, trees)]
         parts: dict[str, tuple[list[int], list[str]]] = {key: ([], []) for key in keys}
         logprobs: dict[str, list[TokenLogprob] | None] = {
             key: None if p.logprobs is None else [] for key, p in zip(keys, params_list)
