@@ -34,6 +34,7 @@ from ray.util.metrics import Counter, Gauge
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.serving import api
+from ray_specdec.rounds import StreamChunk
 from ray_specdec.serving.router import RequestError, Router
 from ray_specdec.stats import GenerationStats
 
@@ -44,6 +45,8 @@ fastapi_app = FastAPI(title="ray_specdec", docs_url=None, redoc_url=None)
 
 # Seconds a client is asked to wait after a 503.
 RETRY_AFTER_S = 2
+# /health's wait for an engine replica's answer.
+HEALTH_TIMEOUT_S = 5.0
 
 
 class ApiError(Exception):
@@ -150,6 +153,25 @@ def _inc(counter: Counter, value: float, tags: dict | None = None) -> None:
         counter.inc(value, tags)
 
 
+# Module-level helpers of RouterDeployment stay above it: Serve rebuilds the class in the replica from a pickle whose
+# functions see only the module's names defined before the class (a name below it is a NameError there, at run time).
+async def _prepend(first, rest):
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _downstream_error(exc: BaseException) -> tuple[int, str]:
+    """(HTTP status, message) for a failure of the engine or another downstream call."""
+    if isinstance(exc, RequestError):
+        return exc.status, str(exc)
+    if isinstance(exc, BackPressureError):
+        return 503, "the server is overloaded; retry later"
+    if isinstance(exc, TimeoutError):
+        return 504, "the model did not answer in time"
+    return 500, f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 @serve.deployment(name="router", ray_actor_options={"num_cpus": 0})
 @serve.ingress(fastapi_app)
 class RouterDeployment:
@@ -178,8 +200,21 @@ class RouterDeployment:
             self.metrics.record("rejected", 0, None, self.core.in_flight)
             raise ApiError(exc.status, str(exc), param="prompt") from None
         if body.stream:
-            return StreamingResponse(self._events(ids, params, tree), media_type="text/event-stream")
+            return await self._stream(ids, params, tree)
         return await self._complete(ids, params, tree)
+
+    async def _stream(self, ids: list[int], params: SamplingParams, tree: TreeConfig | None):
+        """A refusal before the first chunk (queue full, target down, KV budget) is still an HTTP status: the first
+        chunk is awaited before the status line goes out."""
+        chunks = self.core.stream(ids, params, tree)
+        try:
+            first = await asyncio.wait_for(anext(chunks), self.settings.request_timeout_s)
+        except Exception as exc:
+            await chunks.aclose()
+            status, message = _downstream_error(exc)
+            self.metrics.record("rejected" if status < 500 else "error", len(ids), None, self.core.in_flight)
+            raise ApiError(status, message, "invalid_request_error" if status < 500 else "server_error") from None
+        return StreamingResponse(self._events(ids, chunks, first), media_type="text/event-stream")
 
     async def _complete(self, ids: list[int], params: SamplingParams, tree: TreeConfig | None) -> dict:
         cid, created = api.new_completion_id()
@@ -197,14 +232,15 @@ class RouterDeployment:
         return api.completion_body(cid, created, self.settings.model_name, gen.text, gen.token_ids, gen.finish_reason,
                                    len(ids), gen.stats)  # fmt: skip
 
-    async def _events(self, ids: list[int], params: SamplingParams, tree: TreeConfig | None):
+    async def _events(self, ids: list[int], chunks, first: StreamChunk):
+        """Server-sent events of a stream whose first chunk has come."""
         cid, created = api.new_completion_id()
         name, completion, status, stats = self.settings.model_name, 0, "cancelled", None
         deadline = time.monotonic() + self.settings.request_timeout_s
-        self.metrics.in_flight.set(self.core.in_flight + 1)
+        self.metrics.in_flight.set(self.core.in_flight)
         try:
-            async with contextlib.aclosing(self.core.stream(ids, params, tree)) as chunks:  # released on disconnect
-                async for chunk in chunks:
+            async with contextlib.aclosing(chunks):  # released on disconnect
+                async for chunk in _prepend(first, chunks):
                     if time.monotonic() > deadline:
                         raise TimeoutError("the request ran past request_timeout_s")
                     completion += len(chunk.token_ids)
@@ -229,13 +265,20 @@ class RouterDeployment:
 
     @fastapi_app.get("/health")
     async def health(self):
-        """200 while some engine replica runs with its target up; 503 otherwise (a target down or restarting)."""
+        """200 while an engine replica runs with its target up; 503 otherwise (no replica, or the replica asked has
+        its target down or restarting: where new requests get 503 too)."""
         status = await asyncio.to_thread(serve.status)
         engine = status.applications[self.app_name].deployments["engine"]
         running = engine.replica_states.get("RUNNING", 0)
-        body = {"status": "ok" if running else "unavailable", "in_flight": self.core.in_flight,
-                "engine_replicas": running, "engine_status": str(engine.status)}  # fmt: skip
-        if not running or str(engine.status).endswith("UNHEALTHY"):
+        target = {"healthy": False, "recovering": False}
+        if running:
+            with contextlib.suppress(Exception):  # no answer in time is not healthy either
+                target = await asyncio.wait_for(_result(self.engine.health.remote()), HEALTH_TIMEOUT_S)
+        healthy = running and target["healthy"] and not str(engine.status).endswith("UNHEALTHY")
+        body = {"status": "ok" if healthy else "unavailable", "in_flight": self.core.in_flight,
+                "engine_replicas": running, "engine_status": str(engine.status),
+                "target_recovering": target["recovering"]}  # fmt: skip
+        if not healthy:
             return JSONResponse(body | {"status": "unavailable"}, status_code=503,
                                 headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
         return body
@@ -271,14 +314,3 @@ class RouterDeployment:
         body = json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
         url = f"http://{host}:{port}{prefix.rstrip('/')}/v1/completions"
         return f"curl -s {url} -H 'Content-Type: application/json' -d '{body}'"
-
-
-def _downstream_error(exc: BaseException) -> tuple[int, str]:
-    """(HTTP status, message) for a failure of the engine or another downstream call."""
-    if isinstance(exc, RequestError):
-        return exc.status, str(exc)
-    if isinstance(exc, BackPressureError):
-        return 503, "the server is overloaded; retry later"
-    if isinstance(exc, TimeoutError):
-        return 504, "the model did not answer in time"
-    return 500, f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
