@@ -121,8 +121,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(args, address: str | None = None, num_cpus: int = 2):
-    """Start Ray (or join `address`), Serve on a free loopback port and the app; yield its base URL."""
+def serve_app(args, address: str | None = None, num_cpus: int = 2, more: dict[str, object] | None = None):
+    """Start Ray (or join `address`), Serve on a free loopback port and the app; yield its base URL. `more`: other
+    apps, by name, served beside it at /<name>."""
     import ray
     from ray import serve
 
@@ -138,6 +139,8 @@ def serve_app(args, address: str | None = None, num_cpus: int = 2):
     try:
         # one HTTP proxy, on the head: simulated nodes share this machine's ports
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        for name, more_args in (more or {}).items():
+            serve.run(app(more_args), name=name, route_prefix=f"/{name}")
         serve.run(app(args), name="specdec", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:

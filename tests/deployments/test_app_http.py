@@ -1,14 +1,18 @@
-"""The Serve app over real HTTP: one local Ray (2 CPUs) and one app for the whole module, tiny float32 models.
+"""The Serve app over real HTTP: one local Ray (2 CPUs), tiny float32 models, two apps for the whole module.
 
-The drafters autoscale between 1 and 2 replicas (target 0.5 draft calls in flight, 1 s upscale / 5 s downscale
-delays): the load test first waits for one replica, then shows the second one coming under load. Greedy outputs do
-not depend on which replica drafts; the seeded-sampling test runs first, while only one replica can exist.
+- "specdec" at /: engine replicas (the round loop beside the target and its drafter) autoscale between 1 and 2 (target
+  2 requests in flight per replica, 1 s upscale delay). Engine replicas are what scales now: each is a data-parallel
+  copy of the whole pipeline, and drafters no longer exist apart from them. The load test shows the second replica
+  coming under closed-loop load, with every answer exact. Greedy outputs do not depend on the replica, nor on what
+  else shares a step (batch invariance); seeded sampling does not either (same models, the request's own streams).
+- "kv" at /kv: a KV budget that holds two requests and a queue of two: admission control over HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import httpx
@@ -19,9 +23,14 @@ from ray_specdec.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.loadtest import LoadTestConfig, run_loadtest
-from tests.deployments.conftest import PROMPTS, greedy_margin, post, serve_app, sse_chunks
+from tests.deployments.conftest import PROMPTS, WORDS, greedy_margin, post, serve_app, sse_chunks
 
 MAX_TOKENS = 40
+# The /kv app: greedy requests of KV_PROMPT (5 tokens), without drafting, reserve prompt + KV_TOKENS + 1 rows: two fit
+# the budget, which is below the context (256), so that a request within the context can still never fit.
+KV_PROMPT, KV_TOKENS = PROMPTS[0], 110
+KV_BUDGET = 2 * (5 + KV_TOKENS + 1) + 8
+KV_MAX_WAITING = 2
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +42,13 @@ def bandit_path(tmp_path_factory):
 def url(model_dirs, bandit_path):
     target, drafter = model_dirs
     args = AppArgs(
-        target=str(target), drafter=str(drafter), drafter_num_cpus=0, target_num_cpus_per_rank=1,
-        drafter_min_replicas=1, drafter_max_replicas=2, drafter_target_ongoing_requests=0.5,
-        drafter_upscale_delay_s=1, drafter_downscale_delay_s=5, drafter_look_back_period_s=2,
-        max_ongoing_requests=8, max_queued_requests=8, bandit_path=str(bandit_path),
+        target=str(target), drafter=str(drafter), num_cpus_per_rank=0.5, min_replicas=1, max_replicas=2,
+        target_ongoing_requests=2, upscale_delay_s=1, downscale_delay_s=600, look_back_period_s=2,
+        bandit_path=str(bandit_path),
     )  # fmt: skip
-    with serve_app(args) as base:
+    kv = AppArgs(target=str(target), drafter=str(drafter), num_cpus_per_rank=0.5, tree="none", lookup=0,
+                 kv_budget_tokens=KV_BUDGET, max_waiting=KV_MAX_WAITING)  # fmt: skip
+    with serve_app(args, more={"kv": kv}) as base:
         yield base
 
 
@@ -129,10 +139,12 @@ def test_bad_input_gets_a_clear_error(url, reference, content, status, needle):
 def test_info_endpoints(url):
     models = httpx.get(f"{url}/v1/models", trust_env=False).json()
     assert models["data"][0]["id"] == "target" and models["data"][0]["max_context"] == 256
-    assert httpx.get(f"{url}/health", trust_env=False).json()["status"] == "ok"
+    health = httpx.get(f"{url}/health", trust_env=False)
+    assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["engine_replicas"] >= 1
     stats = httpx.get(f"{url}/v1/stats", trust_env=False).json()
     replicas = stats["replicas"]
-    assert replicas.pop("drafter") in (1, 2) and replicas == {"router": 1, "target": 1, "bandit": 1}
+    assert replicas.pop("engine") in (1, 2) and replicas == {"router": 1, "bandit": 1}
+    assert stats["engine"]["healthy"] is True and stats["engine"]["kv_budget"] > 0
     rounds = poll(lambda: sum(b["rounds"] for b in httpx.get(f"{url}/v1/bandit", trust_env=False).json()["buckets"]))
     assert rounds > 20  # the routers' records reached the shared hub
 
@@ -145,56 +157,98 @@ def poll(read, timeout_s: float = 10.0):
     return value
 
 
-def drafter_replicas(url: str) -> int:
-    return httpx.get(f"{url}/v1/stats", trust_env=False).json()["replicas"]["drafter"]
+def engine_replicas(url: str) -> int:
+    return httpx.get(f"{url}/v1/stats", trust_env=False).json()["replicas"]["engine"]
 
 
-@pytest.mark.slow  # a new replica process takes tens of seconds to start on a busy 2-core machine
-def test_load_scales_drafters_up(url):
-    """Closed-loop load in 15 s phases until the second drafter replica is running (at most 2 minutes)."""
-    assert poll(lambda: drafter_replicas(url) == 1, timeout_s=60)
-    # every request drafts (a bandit free to choose may learn that no drafting pays best on a loaded CPU, and then
-    # the drafters see little load)
-    config = LoadTestConfig(url, concurrency=6, duration_s=15, prompts=tuple(PROMPTS), max_tokens=32, timeout_s=60,
-                            tree="2,2,1,1")
+def test_load_scales_engine_replicas_up(url):
+    """Closed-loop load in 10 s phases until the second engine replica is running (at most 80 s)."""
+    assert engine_replicas(url) == 1  # the tests before sent one request at a time
+    config = LoadTestConfig(url, concurrency=6, duration_s=10, prompts=tuple(PROMPTS), max_tokens=32, timeout_s=60,
+                            tree="2,2,1,1")  # fmt: skip
     reports = []
-    while len(reports) < 8 and (not reports or reports[-1]["replicas"][-1]["replicas"]["drafter"] < 2):
+    while len(reports) < 8 and (not reports or reports[-1]["replicas"][-1]["replicas"]["engine"] < 2):
         reports.append(asyncio.run(run_loadtest(config)))
-    drafters = [s["replicas"]["drafter"] for r in reports for s in r["replicas"]]
-    assert drafters[0] == 1 and drafters[-1] == 2, drafters
+    engines = [s["replicas"]["engine"] for r in reports for s in r["replicas"]]
+    assert engines[0] == 1 and engines[-1] == 2, engines
     assert [r["errors"] for r in reports] == [{}] * len(reports)
     assert all(r["requests"]["ok"] >= 6 and r["mean_accepted_length"] > 1.5 for r in reports)
 
 
-def test_eight_concurrent_requests(url, reference):
-    async def go():
-        async with httpx.AsyncClient(trust_env=False, timeout=120) as client:
-            bodies = [{"prompt": p, "max_tokens": MAX_TOKENS, "stream": i % 2 == 1} for i, p in enumerate(PROMPTS * 2)]
-            return await asyncio.gather(*(client.post(f"{url}/v1/completions", json=b) for b in bodies))
+def mixed_requests(n: int = 24) -> list[dict]:
+    """Greedy bodies of mixed prompt lengths (1 to 200 tokens), max_tokens, trees and streaming; seeded."""
+    rng = random.Random(5)
+    lengths, trees = [1, 2, 5, 9, 17, 33, 64, 120, 200], [None, "none", "3,2,1", "1,1,1,1", "2,2,1", "1,1+L6"]
+    bodies = []
+    for i in range(n):
+        length = lengths[i % len(lengths)]
+        body = {"prompt": " ".join(rng.choice(WORDS) for _ in range(length)),
+                "max_tokens": rng.choice([8, 16, 24, 40]) if length < 200 else 16, "stream": i % 3 == 2}  # fmt: skip
+        if trees[i % len(trees)] is not None:
+            body["tree"] = trees[i % len(trees)]
+        bodies.append(body)
+    return bodies
 
-    responses = asyncio.run(go())
-    for i, (prompt, response) in enumerate(zip(PROMPTS * 2, responses)):
-        chunks = sse_chunks(response) if i % 2 else [completion(response)]
-        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == reference[prompt]
 
-
-def test_overload_is_503_and_the_rest_complete(url, reference):
-    """max_ongoing_requests=8 + max_queued_requests=8: a burst of 32 long requests gets 503s for what does not fit,
-    never a wrong or hung answer."""
+def test_concurrent_mixed_requests_give_exactly_what_each_gets_alone(url, engine):
+    """24 greedy requests at once over both engine replicas, sharing steps with each other's prefills and trees:
+    each gets exactly the tokens the in-process engine gives it alone (issue 18, Proof)."""
+    bodies = mixed_requests()
+    alone = []
+    for body in bodies:
+        tree = TreeConfig.parse(body["tree"]) if "tree" in body else None
+        want = engine.generate(body["prompt"], SamplingParams(max_new_tokens=body["max_tokens"]), tree).token_ids
+        assert greedy_margin(engine.target, engine.encode(body["prompt"]), want) > 1e-3
+        alone.append(want)
 
     async def go():
         async with httpx.AsyncClient(trust_env=False, timeout=300) as client:
-            body = {"prompt": PROMPTS[0], "max_tokens": 150}
-            return await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body) for _ in range(32)))
+            return await asyncio.gather(*(client.post(f"{url}/v1/completions", json=b) for b in bodies))
+
+    for body, want, response in zip(bodies, alone, asyncio.run(go()), strict=True):
+        chunks = sse_chunks(response) if body["stream"] else [completion(response)]
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def kv_stats(url: str) -> dict:
+    return httpx.get(f"{url}/kv/v1/stats", trust_env=False, timeout=30).json()["engine"]
+
+
+def test_kv_budget_queues_then_answers_503(url, engine):
+    """Two requests fill the KV budget; of a burst of 14 more, those beyond the queue bound get 503 with Retry-After
+    (streams too: before their first token, so as an HTTP status); none gets a 500; every admitted one is exact."""
+    want = engine.generate(KV_PROMPT, SamplingParams(max_new_tokens=KV_TOKENS), TreeConfig(())).token_ids
+    assert greedy_margin(engine.target, engine.encode(KV_PROMPT), want) > 1e-3
+    body = {"prompt": KV_PROMPT, "max_tokens": KV_TOKENS}
+
+    async def go():
+        async with httpx.AsyncClient(trust_env=False, timeout=300) as client:
+            first = [asyncio.create_task(client.post(f"{url}/kv/v1/completions", json=body)) for _ in range(2)]
+            while (await asyncio.to_thread(kv_stats, url))["running"] < 2:  # the budget is full
+                await asyncio.sleep(0.02)
+            burst = [client.post(f"{url}/kv/v1/completions", json=body | {"stream": i % 2 == 1}) for i in range(14)]
+            return await asyncio.gather(*first, *burst)
 
     responses = asyncio.run(go())
     codes = [r.status_code for r in responses]
-    assert set(codes) == {200, 503} and codes.count(200) >= 8, codes
-    for r in responses:
-        if r.status_code == 200:
-            assert r.json()["choices"][0]["token_ids"][:MAX_TOKENS] == reference[PROMPTS[0]]
-    ok = completion(post(url, {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS}))
-    assert ok["choices"][0]["token_ids"] == reference[PROMPTS[0]]
+    assert codes[:2] == [200, 200] and set(codes) == {200, 503}, codes
+    assert codes.count(200) >= 2 + KV_MAX_WAITING  # the queue took some while the budget was full
+    for i, response in enumerate(responses):
+        if response.status_code == 503:
+            assert response.headers["retry-after"] and "retry later" in response.json()["error"]["message"]
+            continue
+        chunks = sse_chunks(response) if i >= 2 and (i - 2) % 2 == 1 else [completion(response)]
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want
+    stats = kv_stats(url)
+    assert (stats["running"], stats["waiting"], stats["kv_reserved"]) == (0, 0, 0)  # everything was freed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_that_can_never_fit_the_kv_budget_gets_400(url, stream):
+    response = post(f"{url}/kv", {"prompt": KV_PROMPT, "max_tokens": KV_BUDGET, "stream": stream})
+    assert response.status_code == 400, response.text
+    assert f"the KV budget is {KV_BUDGET} rows" in response.json()["error"]["message"]
 
 
 def test_prometheus_metrics(url):
