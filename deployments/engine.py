@@ -27,6 +27,7 @@ import uuid
 from dataclasses import replace
 
 import ray
+import torch
 from ray import serve
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -168,6 +169,9 @@ class EngineReplica:
         bandit_sync_s: float = 1.0,
     ):
         if tp_size == 1:
+            # the CPUs the replica reserved are its threads (Ray sets OMP_NUM_THREADS from them only when unset,
+            # and a runtime environment may have set it to 1)
+            torch.set_num_threads(max(1, round(num_cpus_per_rank)))
             self.backend = LocalTarget(TargetModel.from_pretrained(target, dtype=dtype, device=device))
             kv_bytes = self.backend.target.kv_bytes_per_token
             recover = None
@@ -222,9 +226,7 @@ class EngineReplica:
         request_id = request_id or uuid.uuid4().hex
         try:
             async for chunk in self.loop.generate(request_id, prompt_ids, params, tree):
-                if chunk.finish_reason is None:
-                    chunk = type(chunk)(chunk.token_ids, chunk.text, None, None)
-                yield chunk
+                yield chunk if chunk.finish_reason is not None else replace(chunk, stats=None)
         except RequestTooLarge as exc:
             yield {"error": 400, "message": str(exc)}
         except (QueueFull, TargetUnavailable) as exc:

@@ -155,12 +155,6 @@ def _inc(counter: Counter, value: float, tags: dict | None = None) -> None:
 
 # Module-level helpers of RouterDeployment stay above it: Serve rebuilds the class in the replica from a pickle whose
 # functions see only the module's names defined before the class (a name below it is a NameError there, at run time).
-async def _prepend(first, rest):
-    yield first
-    async for item in rest:
-        yield item
-
-
 def _downstream_error(exc: BaseException) -> tuple[int, str]:
     """(HTTP status, message) for a failure of the engine or another downstream call."""
     if isinstance(exc, RequestError):
@@ -240,14 +234,17 @@ class RouterDeployment:
         self.metrics.in_flight.set(self.core.in_flight)
         try:
             async with contextlib.aclosing(chunks):  # released on disconnect
-                async for chunk in _prepend(first, chunks):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("the request ran past request_timeout_s")
+                chunk = first
+                while True:
                     completion += len(chunk.token_ids)
                     stats = chunk.stats
                     final = (len(ids), completion, stats) if chunk.finish_reason else None
                     yield api.sse(api.chunk_body(cid, created, name, chunk.text, chunk.token_ids, chunk.finish_reason,
                                                  final))  # fmt: skip
+                    if chunk.finish_reason is not None:
+                        break
+                    # a stalled engine must not hold the stream past its deadline either
+                    chunk = await asyncio.wait_for(anext(chunks), max(deadline - time.monotonic(), 0.0))
             status = "ok"
             yield api.sse("[DONE]")
         except Exception as exc:  # the status line is sent: report in the stream, as OpenAI does

@@ -116,7 +116,8 @@ class SpeculativeEngine:
         ids = [self.encode(p) for p in prompts]
         for prompt_ids, p, t in zip(ids, params_list, trees):
             self.scheduler.check(len(prompt_ids), p, t)
-        keys = [self._add(prompt_ids, p, t) for prompt_ids, p, t in zip(ids, params_list, trees)]
+        keys = [uuid.uuid4().hex for _ in ids]
+        unsent = list(zip(keys, ids, params_list, trees))[::-1]  # added as the scheduler's queue has room
         parts: dict[str, tuple[list[int], list[str]]] = {key: ([], []) for key in keys}
         logprobs: dict[str, list[TokenLogprob] | None] = {
             key: None if p.logprobs is None else [] for key, p in zip(keys, params_list)
@@ -124,6 +125,9 @@ class SpeculativeEngine:
         last: dict[str, StreamChunk] = {}
         try:
             while any(key not in last or last[key].finish_reason is None for key in keys):
+                while unsent and self.scheduler.num_waiting < max(self.scheduler.config.max_waiting, 1):
+                    key, prompt_ids, p, t = unsent.pop()
+                    self.scheduler.add(key, prompt_ids, p, t)
                 for out in self.scheduler.step():
                     if out.request_id in parts:
                         token_ids, text = parts[out.request_id]

@@ -210,13 +210,16 @@ class Scheduler:
             raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
         params.check_vocab(self.target.vocab_size)
         reserved = self.check(len(tokens), params, tree)
-        if len(self.waiting) >= self.config.max_waiting and not self._fits_now(reserved):
+        self._admit()  # the queue's length is then what really waits
+        admissible = not self.waiting and len(self.running) < self.config.max_running and self._fits_now(reserved)
+        if len(self.waiting) >= self.config.max_waiting and not admissible:  # FIFO: nothing overtakes the queue
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting); retry later")
         draft_gen, target_gen = make_generators(params.seed)
         self.waiting.append(Request(
             request_id, tokens, len(tokens), params, tree,
             StopChecker(self.tokenizer, params, self.target.eos_token_ids), draft_gen, target_gen, reserved,
         ))  # fmt: skip
+        self._admit()
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is (its KV is freed with the next step's target call). -> whether it was here."""

@@ -87,6 +87,11 @@ class EngineLoop:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                while item.finish_reason is None and not stream.queue.empty():  # a consumer that fell behind gets
+                    later = stream.queue.get_nowait()  # the rounds waiting for it as one chunk
+                    if isinstance(later, BaseException):
+                        raise later
+                    item = _merged(item, later)
                 yield item
                 if item.finish_reason is not None:
                     return
@@ -185,3 +190,10 @@ class EngineLoop:
         except Exception as again:
             logger.error("the failed target's caches were not released (%s: %s)", type(again).__name__, again)
         self.healthy = self.recover is None  # nothing to restart: the next request tries again
+
+
+def _merged(first: StreamChunk, then: StreamChunk) -> StreamChunk:
+    """Two consecutive chunks of a request as one."""
+    logprobs = None if first.logprobs is None else [*first.logprobs, *then.logprobs]
+    return StreamChunk(first.token_ids + then.token_ids, first.text + then.text, then.finish_reason, then.stats,
+                       logprobs)
