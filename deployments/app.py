@@ -25,6 +25,7 @@ from ray_specdec.models.tokenizer_check import TokenizerMismatch, check_model_pa
 from ray_specdec.scheduler import SchedulerConfig
 
 _SCHEDULER = SchedulerConfig()
+API_KEY_ENV = "RAY_SPECDEC_API_KEY"
 
 
 class AppError(click.ClickException):
@@ -82,6 +83,8 @@ class AppArgs(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0)
     retry_s: float = Field(60.0, ge=0)  # how long a request whose engine replica died waits for another
     recover_timeout_s: float = Field(120.0, gt=0)  # how long an engine waits for restarted target ranks
+    # when set (or RAY_SPECDEC_API_KEY is), /v1/* needs "Authorization: Bearer <api_key>"; /health stays open
+    api_key: str | None = None
 
     @field_validator("trees")
     @classmethod
@@ -157,6 +160,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     settings = RouterSettings(
         model_name=args.model_name or os.path.basename(target_path.rstrip("/")), tokenizer=target_path,
         max_context=args.max_context, request_timeout_s=args.request_timeout_s, retry_s=args.retry_s,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
     )  # fmt: skip
     return RouterDeployment.options(
         num_replicas=args.router_replicas,

@@ -13,15 +13,15 @@ specdec_depth_accepted{depth}, specdec_acceptance_rate{depth}, specdec_seconds{p
 specdec_requests_in_flight; the bandit's gauges come from deployments/bandit.py.
 """
 
-from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections import Counter as Tally
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 from fastapi import FastAPI, Request
@@ -30,11 +30,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.util.metrics import Counter, Gauge
+from transformers.utils import cached_file
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.loading import load_tokenizer
-from ray_specdec.serving import api
-from ray_specdec.rounds import StreamChunk
+from ray_specdec.serving import api, openai_chat
 from ray_specdec.serving.router import RequestError, Router
 from ray_specdec.stats import GenerationStats
 
@@ -50,24 +50,23 @@ HEALTH_TIMEOUT_S = 5.0
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
+        self.status, self.kind, self.param, self.code = status, kind, param, code
 
 
 @fastapi_app.exception_handler(ApiError)
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
-    return JSONResponse(api.error_body(str(exc), exc.kind, exc.param), status_code=exc.status, headers=headers)
+    return JSONResponse(api.error_body(str(exc), exc.kind, exc.param, exc.code), status_code=exc.status,
+                        headers=headers)  # fmt: skip
 
 
 @fastapi_app.exception_handler(RequestValidationError)
 async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    if any(e.get("type") == "json_invalid" for e in errors):
-        return JSONResponse(api.error_body(f"request body is not valid JSON: {errors[0].get('msg', '')}"), 400)
-    message, param = api.validation_message(errors)
-    return JSONResponse(api.error_body(message, param=param), status_code=422)
+    status, body = api.validation_error(exc.errors())
+    return JSONResponse(body, status_code=status)
 
 
 @dataclass(frozen=True)
@@ -77,6 +76,7 @@ class RouterSettings:
     max_context: int | None = None  # cap on prompt + max_tokens below the target's own context length
     request_timeout_s: float = 600.0  # a request still running after this gets 504 (streams: an error event)
     retry_s: float = 60.0  # how long a request whose replica was lost may wait for another one
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>" (401 otherwise)
 
 
 async def _result(response):
@@ -155,6 +155,20 @@ def _inc(counter: Counter, value: float, tags: dict | None = None) -> None:
 
 # Module-level helpers of RouterDeployment stay above it: Serve rebuilds the class in the replica from a pickle whose
 # functions see only the module's names defined before the class (a name below it is a NameError there, at run time).
+def _nth_sample(params: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of n independent samples of one prompt: its own seed when the request gave one."""
+    return params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
+
+
+def _generation_config(model: str) -> dict:
+    """The target's generation_config.json as written (its defaults for sampling), {} where it has none."""
+    try:
+        with open(cached_file(model, "generation_config.json")) as f:
+            return json.load(f)
+    except Exception:  # none: OpenAI's defaults
+        return {}
+
+
 def _downstream_error(exc: BaseException) -> tuple[int, str]:
     """(HTTP status, message) for a failure of the engine or another downstream call."""
     if isinstance(exc, RequestError):
@@ -177,74 +191,127 @@ class RouterDeployment:
         self.bandit_hub = bandit_hub
         self.core = Router(ServeEngine(engine), load_tokenizer(settings.tokenizer), max_context, replica_lost,
                            settings.retry_s)  # fmt: skip
+        self.defaults = api.generation_defaults(_generation_config(settings.tokenizer))
         self.metrics = RouterMetrics()
         self.app_name = serve.get_replica_context().app_name
         logger.info("ray_specdec is ready. Try:\n%s", await self._curl_example())
 
     @fastapi_app.post("/v1/completions")
-    async def completions(self, body: api.CompletionRequest):
-        if body.model not in (None, self.settings.model_name):
-            raise ApiError(404, f"model {body.model!r} does not exist; this server has {self.settings.model_name!r}",
-                           param="model")  # fmt: skip
-        params, tree = body.sampling_params(), body.tree_config()
+    async def completions(self, body: api.CompletionRequest, request: Request):
+        self._authorize(request)
+        self._check_model(body.model)
+        tokenizer = self.core.tokenizer
         try:
-            ids = self.core.encode(body.prompt)
-            self.core.check_length(len(ids), params)
-        except RequestError as exc:
+            prompts = body.prompts(tokenizer)
+            params = body.sampling_params(self.defaults)
+            params.check_vocab(self.info["vocab_size"])
+            for prompt in prompts:
+                self.core.check_length(len(prompt), params)
+        except (ValueError, RequestError) as exc:
             self.metrics.record("rejected", 0, None, self.core.in_flight)
-            raise ApiError(exc.status, str(exc), param="prompt") from None
+            raise ApiError(400, str(exc), param="prompt" if isinstance(exc, RequestError) else None) from None
+        choices = [(prompt, _nth_sample(params, j)) for prompt in prompts for j in range(body.n)]
+        name = self.settings.model_name
         if body.stream:
-            return await self._stream(ids, params, tree)
-        return await self._complete(ids, params, tree)
+            stream = api.CompletionStream(body, tokenizer, name, sum(map(len, prompts)))
+            return await self._stream(choices, body.tree_config(), stream)
+        return api.completion_body(body, tokenizer, name, await self._generate(choices, body.tree_config()))
 
-    async def _stream(self, ids: list[int], params: SamplingParams, tree: TreeConfig | None):
-        """A refusal before the first chunk (queue full, target down, KV budget) is still an HTTP status: the first
-        chunk is awaited before the status line goes out."""
-        chunks = self.core.stream(ids, params, tree)
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, body: openai_chat.ChatCompletionRequest, request: Request):
+        self._authorize(request)
+        self._check_model(body.model)
+        tokenizer = self.core.tokenizer
         try:
-            first = await asyncio.wait_for(anext(chunks), self.settings.request_timeout_s)
-        except Exception as exc:
-            await chunks.aclose()
-            status, message = _downstream_error(exc)
-            self.metrics.record("rejected" if status < 500 else "error", len(ids), None, self.core.in_flight)
-            raise ApiError(status, message, "invalid_request_error" if status < 500 else "server_error") from None
-        return StreamingResponse(self._events(ids, chunks, first), media_type="text/event-stream")
+            ids = body.render(tokenizer)
+            params = body.sampling_params(self.core.max_context - len(ids), self.defaults)
+            params.check_vocab(self.info["vocab_size"])
+            self.core.check_length(len(ids), params)
+        except (ValueError, RequestError) as exc:
+            self.metrics.record("rejected", 0, None, self.core.in_flight)
+            raise ApiError(400, str(exc), param="messages") from None
+        choices = [(ids, _nth_sample(params, j)) for j in range(body.n)]
+        name = self.settings.model_name
+        if body.stream:
+            return await self._stream(choices, body.tree_config(), openai_chat.ChatStream(body, tokenizer, name,
+                                                                                          len(ids)))  # fmt: skip
+        return openai_chat.chat_body(body, tokenizer, name, await self._generate(choices, body.tree_config()))
 
-    async def _complete(self, ids: list[int], params: SamplingParams, tree: TreeConfig | None) -> dict:
-        cid, created = api.new_completion_id()
-        self.metrics.in_flight.set(self.core.in_flight + 1)
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is not None and not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {key}"):
+            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")  # fmt: skip
+
+    def _check_model(self, model: str | None) -> None:
+        if model not in (None, self.settings.model_name):
+            raise ApiError(404, f"The model {model!r} does not exist; this server has {self.settings.model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+
+    async def _generate(self, choices: list[tuple[list[int], SamplingParams]], tree: TreeConfig | None) -> list:
+        """Every choice (prompt, params) as one engine request, concurrently -> their Generations in order."""
+        self.metrics.in_flight.set(self.core.in_flight + len(choices))
         try:
-            gen = await asyncio.wait_for(self.core.generate(ids, params, tree), self.settings.request_timeout_s)
+            gens = await asyncio.wait_for(
+                asyncio.gather(*(self.core.generate(ids, params, tree) for ids, params in choices)),
+                self.settings.request_timeout_s,
+            )
         except asyncio.CancelledError:
-            self.metrics.record("cancelled", len(ids), None, self.core.in_flight)
+            self.metrics.record("cancelled", 0, None, self.core.in_flight)
             raise
         except Exception as exc:
             status, message = _downstream_error(exc)
-            self.metrics.record("rejected" if status < 500 else "error", len(ids), None, self.core.in_flight)
+            self.metrics.record("rejected" if status < 500 else "error", 0, None, self.core.in_flight)
             raise ApiError(status, message, "invalid_request_error" if status < 500 else "server_error") from None
-        self.metrics.record("ok", len(ids), gen.stats, self.core.in_flight)
-        return api.completion_body(cid, created, self.settings.model_name, gen.text, gen.token_ids, gen.finish_reason,
-                                   len(ids), gen.stats)  # fmt: skip
+        for (ids, _), gen in zip(choices, gens):
+            self.metrics.record("ok", len(ids), gen.stats, self.core.in_flight)
+        return gens
 
-    async def _events(self, ids: list[int], chunks, first: StreamChunk):
-        """Server-sent events of a stream whose first chunk has come."""
-        cid, created = api.new_completion_id()
-        name, completion, status, stats = self.settings.model_name, 0, "cancelled", None
-        deadline = time.monotonic() + self.settings.request_timeout_s
-        self.metrics.in_flight.set(self.core.in_flight)
+    async def _stream(self, choices: list[tuple[list[int], SamplingParams]], tree: TreeConfig | None, bodies):
+        """A refusal before the first chunks (queue full, target down, KV budget) is still an HTTP status: every
+        choice's first chunk is awaited before the status line goes out."""
+        streams = [self.core.stream(ids, params, tree) for ids, params in choices]
         try:
-            async with contextlib.aclosing(chunks):  # released on disconnect
-                chunk = first
-                while True:
-                    completion += len(chunk.token_ids)
-                    stats = chunk.stats
-                    final = (len(ids), completion, stats) if chunk.finish_reason else None
-                    yield api.sse(api.chunk_body(cid, created, name, chunk.text, chunk.token_ids, chunk.finish_reason,
-                                                 final))  # fmt: skip
-                    if chunk.finish_reason is not None:
-                        break
-                    # a stalled engine must not hold the stream past its deadline either
-                    chunk = await asyncio.wait_for(anext(chunks), max(deadline - time.monotonic(), 0.0))
+            firsts = await asyncio.wait_for(asyncio.gather(*(anext(s) for s in streams)),
+                                            self.settings.request_timeout_s)  # fmt: skip
+        except Exception as exc:
+            for stream in streams:
+                await stream.aclose()
+            status, message = _downstream_error(exc)
+            self.metrics.record("rejected" if status < 500 else "error", 0, None, self.core.in_flight)
+            raise ApiError(status, message, "invalid_request_error" if status < 500 else "server_error") from None
+        return StreamingResponse(self._events(choices, streams, firsts, bodies), media_type="text/event-stream")
+
+    async def _events(self, choices, streams, firsts, bodies):
+        """Server-sent events of the choices' streams, interleaved as their chunks come."""
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        queue: asyncio.Queue = asyncio.Queue()
+        for index, first in enumerate(firsts):
+            queue.put_nowait((index, first))
+
+        async def pump(index: int, stream) -> None:
+            try:
+                async for chunk in stream:
+                    queue.put_nowait((index, chunk))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+
+        pumps = [asyncio.create_task(pump(i, s)) for i, (s, f) in enumerate(zip(streams, firsts))
+                 if f.finish_reason is None]  # fmt: skip
+        status, open_choices = "cancelled", len(choices)
+        try:
+            while open_choices:
+                # a stalled engine must not hold the stream past its deadline either
+                index, chunk = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.0))
+                if isinstance(chunk, Exception):
+                    raise chunk
+                for body in bodies.chunks(index, chunk):
+                    yield api.sse(body)
+                if chunk.finish_reason is not None:
+                    open_choices -= 1
+                    self.metrics.record("ok", len(choices[index][0]), chunk.stats, self.core.in_flight)
+            for body in bodies.end():
+                yield api.sse(body)
             status = "ok"
             yield api.sse("[DONE]")
         except Exception as exc:  # the status line is sent: report in the stream, as OpenAI does
@@ -252,13 +319,27 @@ class RouterDeployment:
             yield api.sse(api.error_body(message, "server_error") | {"status": code})
             yield api.sse("[DONE]")
         finally:
-            self.metrics.record(status, len(ids), stats if status == "ok" else None, self.core.in_flight)
+            for task in pumps:
+                task.cancel()
+            for stream in streams:
+                await stream.aclose()
+            if status != "ok":
+                self.metrics.record(status, 0, None, self.core.in_flight)
 
     @fastapi_app.get("/v1/models")
-    async def models(self) -> dict:
-        card = {"id": self.settings.model_name, "object": "model", "owned_by": "ray_specdec",
-                "max_context": self.core.max_context, "tp_size": self.info["tp_size"]}  # fmt: skip
-        return {"object": "list", "data": [card]}
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        return api.model_list([self._card()])
+
+    @fastapi_app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> dict:
+        self._authorize(request)
+        self._check_model(model_id)
+        return self._card()
+
+    def _card(self) -> dict:
+        return api.model_card(self.settings.model_name, max_context=self.core.max_context,
+                              tp_size=self.info["tp_size"])  # fmt: skip
 
     @fastapi_app.get("/health")
     async def health(self):

@@ -10,7 +10,7 @@ same on its shard (serving/target_worker.py), so a whole step crosses to the ran
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 

@@ -159,7 +159,10 @@ def generation_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     takes them: only the keys it names; everything else keeps OpenAI's default."""
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}  # fmt: skip
-    return {names[k]: v for k, v in config.items() if k in names and v is not None}
+    defaults = {names[k]: v for k, v in config.items() if k in names and v is not None}
+    if config.get("do_sample") is False:  # a model whose config decodes greedily (the shipped ones) stays greedy
+        defaults["temperature"] = 0.0
+    return defaults
 
 
 class CompletionRequest(SamplingRequest):

@@ -73,10 +73,13 @@ class Router:
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        tree: TreeConfig | None = None) -> Generation:
         token_ids, text, chunk = [], [], None
+        logprobs = None if params.logprobs is None else []
         async for chunk in self.stream(prompt_ids, params, tree):
             token_ids += chunk.token_ids
             text.append(chunk.text)
-        return Generation(token_ids, "".join(text), chunk.finish_reason, chunk.stats, len(prompt_ids))
+            if logprobs is not None:
+                logprobs += chunk.logprobs or []
+        return Generation(token_ids, "".join(text), chunk.finish_reason, chunk.stats, len(prompt_ids), logprobs)
 
     async def stream(self, prompt_ids: Sequence[int], params: SamplingParams,
                      tree: TreeConfig | None = None) -> AsyncIterator[StreamChunk]:

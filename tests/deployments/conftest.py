@@ -21,6 +21,7 @@ import pytest
 import torch
 from transformers import MambaConfig, MambaForCausalLM, PreTrainedModel
 
+from ray_specdec.defaults import CHAT_TEMPLATE
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
@@ -64,7 +65,9 @@ def bigram_pair(seed: int = 0) -> tuple[PreTrainedModel, MambaForCausalLM]:
 
 
 def word_tokenizer():
-    return tiny_tokenizer([" ".join(WORDS)])
+    tokenizer = tiny_tokenizer([" ".join(WORDS)])
+    tokenizer.chat_template = CHAT_TEMPLATE  # the shipped models' (their role markers encode to <unk> words here)
+    return tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +79,8 @@ def model_dirs(tmp_path_factory) -> tuple[Path, Path]:
     assert len(tokenizer) == VOCAB
     target.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
+    # as the shipped models' config says: decode greedily unless a request sets a temperature (the app's default)
+    (root / "target" / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 0}))
     drafter.save_pretrained(root / "drafter")
     return root / "target", root / "drafter"
 

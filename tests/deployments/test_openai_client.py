@@ -1,0 +1,116 @@
+"""The app as an OpenAI server, driven by the official `openai` client: completions and chat, streaming and not, n,
+logprobs, stream_options, penalties, the model endpoints, and API-key auth. One local app with `api_key` set."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from deployments import AppArgs
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.engine import SpeculativeEngine
+from tests.deployments.conftest import PROMPTS, serve_app
+
+KEY = "sk-test-key"
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def url(model_dirs):
+    target, drafter = model_dirs
+    args = AppArgs(target=str(target), drafter=str(drafter), model_name="tiny", api_key=KEY, kv_budget_tokens=8192)
+    with serve_app(args) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, http_client=httpx.Client(trust_env=False, timeout=120))
+
+
+def test_a_missing_or_wrong_key_is_401_in_openais_shape(url):
+    for headers in ({}, {"Authorization": "Bearer nope"}):
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "w1"}, headers=headers, trust_env=False)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/health", trust_env=False).status_code == 200  # health stays open
+    bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", http_client=httpx.Client(trust_env=False))
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="w1", max_tokens=2)
+
+
+def test_completions_greedy_and_streamed_equal_the_engine(client, engine):
+    expected = engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=MAX_TOKENS))
+    done = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    assert done.choices[0].text == expected.text and done.usage.completion_tokens == MAX_TOKENS
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_n_samples_with_a_seed_are_the_engines_seeds(client, engine):
+    """A seeded sampled request's tokens depend on the trees its rounds drafted: both sides fix one."""
+    done = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=1.0, n=3, seed=5,
+                                     extra_body={"tree": "2,1"})  # fmt: skip
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert len({c.text for c in done.choices}) > 1
+    for j, choice in enumerate(done.choices):
+        alone = engine.generate(PROMPTS[1], SamplingParams(temperature=1.0, seed=5 + j, max_new_tokens=12),
+                                TreeConfig((2, 1)))  # fmt: skip
+        assert choice.text == alone.text
+    assert done.usage.completion_tokens == 3 * 12
+
+
+def test_logprobs_are_the_targets_with_drafting_on_or_off(client, url):
+    def logprobs(tree):
+        body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0, "logprobs": 2}
+        if tree:
+            body["tree"] = tree
+        response = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                              trust_env=False, timeout=120)  # fmt: skip
+        return response.json()["choices"][0]["logprobs"]
+
+    drafted, plain = logprobs("2,2,1"), logprobs("none")
+    assert drafted["tokens"] == plain["tokens"] and len(drafted["token_logprobs"]) == 12
+    assert drafted["token_logprobs"] == pytest.approx(plain["token_logprobs"], abs=1e-5)
+    assert all(len(top) == 2 for top in drafted["top_logprobs"])
+    done = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0, logprobs=2)
+    assert done.choices[0].logprobs.tokens == plain["tokens"]
+
+
+def test_penalties_through_http_equal_the_engine(client, engine):
+    params = SamplingParams(max_new_tokens=MAX_TOKENS, presence_penalty=1.5, frequency_penalty=0.5)
+    expected = engine.generate(PROMPTS[3], params).text
+    done = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0,
+                                     presence_penalty=1.5, frequency_penalty=0.5)  # fmt: skip
+    assert done.choices[0].text == expected
+    plain = SpeculativeEngine(engine.target, None).generate(PROMPTS[3], params).text
+    assert expected == plain
+
+
+def test_chat_renders_the_template_and_streams_deltas(client, engine):
+    messages = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": PROMPTS[0]}]
+    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = engine.generate(engine.tokenizer(ids, add_special_tokens=False)["input_ids"],
+                               SamplingParams(max_new_tokens=MAX_TOKENS)).text  # fmt: skip
+    done = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    assert done.choices[0].message.role == "assistant" and done.choices[0].message.content == expected
+    assert done.choices[0].finish_reason == "length"
+    stream = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True))  # fmt: skip
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
+
+
+def test_unsupported_fields_and_other_models_get_clear_errors(client):
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])  # fmt: skip
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="w1", max_tokens=2)
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    assert [m.id for m in client.models.list()] == ["tiny"]
