@@ -1,8 +1,8 @@
 """Our Serve app against the servers a user would pick instead, side by side in one run (issue 18's benchmark).
 
 Systems, all on the shipped `target-neox` in float32, with the same prompts:
-- `inproc`, `inproc-none`: our in-process engine (`load_engine` + `generate`), one request at a time, drafting on
-  (the engine's default) and tree "none": what serving costs on top of the loop;
+- `inproc`, `inproc-none`: our in-process engine (the app's policy: the bandit, goodput sizing, lookup branch), one
+  request at a time, drafting on and tree "none": what serving costs on top of the loop;
 - `ours`, `ours-none`: the Serve app started as benchmarks/serve_load.py starts it; drafting is the service's own
   choice, or every request says `"tree": "none"`;
 - `vllm`, `vllm-draft`: vLLM-CPU plain, and with its draft-model speculation using `drafter-neox-small`, started by
@@ -345,7 +345,9 @@ def ours_server(args: argparse.Namespace) -> Iterator[Endpoint]:
     port = free_port()
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app(AppArgs(target=str(TARGET), dtype="float32")), name="specdec", route_prefix="/")
+        # the engine replica gets both cores (its torch threads follow the CPUs it reserves), as vLLM's worker does
+        serve.run(app(AppArgs(target=str(TARGET), dtype="float32", num_cpus_per_rank=2)), name="specdec",
+                  route_prefix="/")  # fmt: skip
         yield Endpoint(f"http://127.0.0.1:{port}", None)
     finally:
         serve.shutdown()
@@ -481,11 +483,15 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
     """The in-process loop, one request at a time for the same duration per cell, drafting on and tree none."""
     import torch
 
-    from ray_specdec.config import SamplingParams, TreeConfig
-    from ray_specdec.factory import load_engine
+    from ray_specdec.bandit import Bandit
+    from ray_specdec.config import DEFAULT_LOOKUP, SamplingParams, TreeConfig
+    from ray_specdec.engine import SpeculativeEngine
+    from ray_specdec.factory import load_drafter, load_target
 
     try:
-        engine = load_engine(target=str(TARGET), dtype="float32", device="cpu")
+        # the app's own policy: the bandit over the default arms, goodput sizing, the default lookup branch
+        target = load_target(str(TARGET), dtype="float32", device="cpu")
+        engine = SpeculativeEngine(target, load_drafter(None, dtype="float32"), Bandit(), lookup=DEFAULT_LOOKUP)
         for index in range(2):  # warm-up, as for the servers
             engine.generate(prompts[index], SamplingParams(max_new_tokens=args.max_tokens))
         for temperature in args.temperatures:

@@ -60,7 +60,7 @@ def test_the_start_rule_prices_the_windowed_prefill(target):
         assert result.token_ids == hf_greedy(target, prompt, 6)
     # the measured cost per token divides by the tokens the prefill ran, not by the context
     engine = SpeculativeEngine(target, windowed(5), RatedPolicy([(1, 1)], {(1, 1): 200.0}))
-    engine._note_prefill(0.05, engine._prefilled(37))
+    engine.scheduler._note_prefill(0.05, engine.scheduler._prefilled(37))
     assert engine.prefill_s_per_token == pytest.approx(0.01)
 
 
