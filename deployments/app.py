@@ -85,6 +85,9 @@ class AppArgs(BaseModel):
     recover_timeout_s: float = Field(120.0, gt=0)  # how long an engine waits for restarted target ranks
     # when set (or RAY_SPECDEC_API_KEY is), /v1/* needs "Authorization: Bearer <api_key>"; /health stays open
     api_key: str | None = None
+    # streamed responses send a chunk at most this often after the first token (the rounds in between are merged):
+    # each chunk costs CPU in the engine, router and HTTP proxy processes (docs/BENCHMARKS.md); 0: one per round
+    stream_interval_s: float = Field(0.2, ge=0)
 
     @field_validator("trees")
     @classmethod
@@ -161,6 +164,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
         model_name=args.model_name or os.path.basename(target_path.rstrip("/")), tokenizer=target_path,
         max_context=args.max_context, request_timeout_s=args.request_timeout_s, retry_s=args.retry_s,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        stream_interval_s=args.stream_interval_s,
     )  # fmt: skip
     return RouterDeployment.options(
         num_replicas=args.router_replicas,

@@ -77,6 +77,7 @@ class RouterSettings:
     request_timeout_s: float = 600.0  # a request still running after this gets 504 (streams: an error event)
     retry_s: float = 60.0  # how long a request whose replica was lost may wait for another one
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>" (401 otherwise)
+    stream_interval_s: float = 0.0  # a stream's chunks come at most this often after its first (rounds merged)
 
 
 async def _result(response):
@@ -94,8 +95,9 @@ class ServeEngine:
     def __init__(self, handle):
         self.handle = handle.options(stream=True)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None):
-        stream = self.handle.generate.remote(prompt_ids, params, tree)
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None,
+                       interval_s: float):
+        stream = self.handle.generate.remote(prompt_ids, params, tree, None, interval_s)
         try:
             async for item in stream:
                 yield item
@@ -190,7 +192,7 @@ class RouterDeployment:
         max_context = min(self.info["max_context"], settings.max_context or self.info["max_context"])
         self.bandit_hub = bandit_hub
         self.core = Router(ServeEngine(engine), load_tokenizer(settings.tokenizer), max_context, replica_lost,
-                           settings.retry_s)  # fmt: skip
+                           settings.retry_s, settings.stream_interval_s)  # fmt: skip
         self.defaults = api.generation_defaults(_generation_config(settings.tokenizer))
         self.metrics = RouterMetrics()
         self.app_name = serve.get_replica_context().app_name

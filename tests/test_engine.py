@@ -257,6 +257,13 @@ def test_sampled_generation_has_target_distribution(branching, draft_sampling, t
     assert accepted > 0, "some generations must take several tokens in one round, or drafting was not tested"
     if min_path_prob:  # first rounds of both kinds happened: drafts cut to depth 1, and whole depth-2 drafts
         assert 0 < full < n_samples, full
+    assert_emitted_distribution(counts, exact, n_samples, VOCAB)
+
+
+def assert_emitted_distribution(counts: dict, exact: dict, n_samples: int, vocab: int) -> None:
+    """Sequences emitted `counts` times over n_samples generations follow the enumerated distribution `exact`:
+    nothing impossible, a chi-square test (rare outcomes pooled), and total variation on the first two tokens
+    (vocab^2 outcomes: sampling noise alone stays well below the bound)."""
     keys = [k for k in exact if exact[k] > 0]
     assert all(counts[k] == 0 for k in exact if exact[k] == 0), "emitted a sequence the target cannot produce"
     observed = np.array([counts[k] for k in keys], dtype=float)
@@ -266,9 +273,8 @@ def test_sampled_generation_has_target_distribution(branching, draft_sampling, t
     if (~big).any():
         obs, exp = np.append(obs, observed[~big].sum()), np.append(exp, expected[~big].sum())
     assert chisquare(obs, exp).pvalue > 1e-3
-    # total variation on the first two tokens (36 outcomes: sampling noise alone stays well below the bound)
     tv = 0.0
-    for prefix in itertools.product(range(VOCAB), repeat=2):
+    for prefix in itertools.product(range(vocab), repeat=2):
         emitted = sum(counts[k] for k in exact if k[:2] == prefix) / n_samples
         tv += 0.5 * abs(emitted - sum(exact[k] for k in exact if k[:2] == prefix))
     assert tv < 0.08

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -68,10 +69,15 @@ class EngineLoop:
         return self._thread.is_alive()
 
     async def generate(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, tree: TreeConfig | None = None
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, tree: TreeConfig | None = None,
+        interval_s: float = 0.0,
     ) -> AsyncIterator[StreamChunk]:
-        """The request's chunks, one per round; the last has finish_reason set. Raises the scheduler's
-        RequestTooLarge / QueueFull before the first chunk, TargetUnavailable on a lost target."""
+        """The request's chunks; the last has finish_reason set. Raises the scheduler's RequestTooLarge / QueueFull
+        before the first chunk, TargetUnavailable on a lost target.
+
+        interval_s: after the first chunk, rounds are merged into one chunk per this many seconds (math.inf: only
+        the last). Every chunk a server relays costs CPU in each process it crosses (here: engine, router, HTTP
+        proxy), which on a small machine the target's forward would otherwise have; the first token is never held."""
         if not self.healthy:
             raise TargetUnavailable("the target is recovering from a fault; retry later")
         self.scheduler.check(len(prompt_ids), params, tree)  # a request that can never run fails here, at once
@@ -79,22 +85,23 @@ class EngineLoop:
         # add that will run at once): scheduler.add, on the loop's thread, has the last word
         if self.scheduler.num_waiting >= self.scheduler.config.max_waiting > 0:
             raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting (max_waiting); retry later")
-        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        stream = _Stream(asyncio.Queue(), loop)
         self._streams[request_id] = stream
         self._send(("add", request_id, list(prompt_ids), params, tree))
+        due = -math.inf  # when the next chunk may go out
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                while item.finish_reason is None and not stream.queue.empty():  # a consumer that fell behind gets
-                    later = stream.queue.get_nowait()  # the rounds waiting for it as one chunk
-                    if isinstance(later, BaseException):
-                        raise later
+                item = await _next(stream.queue, None)
+                while item.finish_reason is None:  # merge the rounds that come before the chunk is due
+                    later = await _next(stream.queue, due - loop.time())
+                    if later is None:
+                        break
                     item = _merged(item, later)
                 yield item
                 if item.finish_reason is not None:
                     return
+                due = loop.time() + interval_s
         finally:
             self._streams.pop(request_id, None)
             self._send(("abort", request_id))
@@ -197,3 +204,22 @@ def _merged(first: StreamChunk, then: StreamChunk) -> StreamChunk:
     logprobs = None if first.logprobs is None else [*first.logprobs, *then.logprobs]
     return StreamChunk(first.token_ids + then.token_ids, first.text + then.text, then.finish_reason, then.stats,
                        logprobs)
+
+
+async def _next(queue: asyncio.Queue, timeout: float | None) -> StreamChunk | None:
+    """The next chunk (raising what the loop delivered instead), waiting at most `timeout` seconds (None: as long
+    as it takes; a timeout that has passed: only what is already there) -> None when none came in time."""
+    if timeout is not None and timeout <= 0:
+        if queue.empty():
+            return None
+        item = queue.get_nowait()
+    elif timeout is None:
+        item = await queue.get()
+    else:
+        try:
+            item = await asyncio.wait_for(queue.get(), timeout)
+        except TimeoutError:
+            return None
+    if isinstance(item, BaseException):
+        raise item
+    return item

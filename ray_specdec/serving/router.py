@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
@@ -42,15 +43,17 @@ class ServiceUnavailable(RequestError):
 
 class EngineClient(Protocol):
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None
+        self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None, interval_s: float
     ) -> AsyncIterator[StreamChunk | dict]: ...
 
 
 class Router:
     def __init__(self, engine: EngineClient, tokenizer, max_context: int,
-                 lost: Callable[[BaseException], bool], retry_s: float = 60.0):
+                 lost: Callable[[BaseException], bool], retry_s: float = 60.0, stream_interval_s: float = 0.0):
         """lost(exc): whether an exception of the engine call means its replica is gone (then the request is
-        continued elsewhere)."""
+        continued elsewhere). stream_interval_s: streams get a chunk at most this often after the first (rounds
+        in between are merged: every chunk costs CPU in each process it crosses); whole generations only one."""
+        self.stream_interval_s = stream_interval_s
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_context = max_context
@@ -74,16 +77,18 @@ class Router:
                        tree: TreeConfig | None = None) -> Generation:
         token_ids, text, chunk = [], [], None
         logprobs = None if params.logprobs is None else []
-        async for chunk in self.stream(prompt_ids, params, tree):
+        async for chunk in self.stream(prompt_ids, params, tree, interval_s=math.inf):
             token_ids += chunk.token_ids
             text.append(chunk.text)
             if logprobs is not None:
                 logprobs += chunk.logprobs or []
         return Generation(token_ids, "".join(text), chunk.finish_reason, chunk.stats, len(prompt_ids), logprobs)
 
-    async def stream(self, prompt_ids: Sequence[int], params: SamplingParams,
-                     tree: TreeConfig | None = None) -> AsyncIterator[StreamChunk]:
-        """The request's chunks; the last has finish_reason and the whole request's stats."""
+    async def stream(self, prompt_ids: Sequence[int], params: SamplingParams, tree: TreeConfig | None = None,
+                     interval_s: float | None = None) -> AsyncIterator[StreamChunk]:
+        """The request's chunks (at most one per interval_s after the first; None: stream_interval_s); the last has
+        finish_reason and the whole request's stats."""
+        interval_s = self.stream_interval_s if interval_s is None else interval_s
         prompt = [int(t) for t in prompt_ids]
         self.check_length(len(prompt), params)
         generated: list[int] = []
@@ -94,7 +99,7 @@ class Router:
                 before = len(generated)  # tokens streamed by replicas lost earlier
                 left = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - before)
                 try:
-                    async for item in self.engine.generate(prompt + generated, left, tree):
+                    async for item in self.engine.generate(prompt + generated, left, tree, interval_s):
                         if isinstance(item, dict):
                             raise (ServiceUnavailable(item["message"]) if item["error"] == 503
                                    else RequestError(item["error"], item["message"]))  # fmt: skip

@@ -111,6 +111,20 @@ def test_concurrent_requests_get_the_engines_tokens(make_loop, expected):
     assert not loop.scheduler.target.caches and loop.stats()["kv_reserved"] == 0 and loop.healthy
 
 
+def test_rounds_are_merged_into_one_chunk_per_interval(make_loop, expected):
+    """interval_s: after the first chunk, the rounds of each interval come as one chunk (inf: the first and the
+    last); the tokens are the same as with a chunk per round."""
+    loop = make_loop()
+    prompt, params, tree = requests()[0]
+
+    async def chunks(interval_s):
+        return [c.token_ids async for c in loop.generate(f"i{interval_s}", prompt, params, tree, interval_s)]
+
+    every, merged = run(chunks(0.0)), run(chunks(float("inf")))
+    assert sum(every, []) == sum(merged, []) == expected[0]
+    assert len(every) > 2 and len(merged) == 2  # the first chunk is never held
+
+
 @pytest.mark.parametrize("alone", [True, False], ids=["alone", "with_others"])
 def test_a_consumer_that_goes_away_aborts_its_request(make_loop, expected, alone):
     loop = make_loop()

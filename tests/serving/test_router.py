@@ -42,7 +42,7 @@ class LosingClient:
         self.loop, self.lose_after, self.items = loop, list(lose_after), list(items)
         self.calls: list[tuple[list[int], SamplingParams]] = []
 
-    async def generate(self, prompt_ids, params, tree):
+    async def generate(self, prompt_ids, params, tree, interval_s=0.0):  # streams every round whatever asked
         call = len(self.calls)
         self.calls.append((list(prompt_ids), params))
         for item in self.items:
@@ -123,7 +123,7 @@ def test_other_engine_errors_are_not_retried(loop):
     class Broken:
         calls = 0
 
-        async def generate(self, prompt_ids, params, tree):
+        async def generate(self, prompt_ids, params, tree, interval_s=0.0):  # streams every round whatever asked
             Broken.calls += 1
             raise ValueError("a bug, not a lost replica")
             yield
