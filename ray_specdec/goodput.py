@@ -20,12 +20,16 @@ batch's expected tokens per second of step time:
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
+import torch
 
 from ray_specdec.config import TreeConfig
+from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend
 
 NO_TREE = TreeConfig(())
 # Features of a step: 1, verify rows, requests that draft, drafter rows, prefill rows.
@@ -175,3 +179,46 @@ def size_trees(candidates: Sequence[Candidate], cost: StepCostModel, prefill_row
         if not changed:
             break
     return choice
+
+
+def measure_prior(target: TargetBackend, drafter) -> list[float]:
+    """StepCostModel weights measured on a target side and a drafter: the target's forward at a few batch shapes
+    (requests x rows per request, over 64 tokens of context, through `target.run` like any step), the drafter's step
+    at 1 and 16 rows and its catch-up over two tokens. Each shape is timed three times, the fastest kept (the
+    machine's noise only ever adds). ~20 forwards."""
+    ids = [f"calibrate-{i}" for i in range(8)]
+    context = 64
+    t0 = time.perf_counter()
+    target.run(StepWork(allocations=[(i, 2 * context) for i in ids],
+                        segments=[SegmentSpec(i, torch.zeros(context - 1, dtype=torch.long)) for i in ids]))
+    prefill_s = (time.perf_counter() - t0) / (len(ids) * (context - 1))
+    fastest: dict[int, float] = {}  # verify rows -> seconds
+    pending: list[str] = []
+    for requests, per_request in [(1, 1), (1, 16), (8, 1), (8, 4)] * 3:
+        chain = tuple((0,) * d for d in range(1, per_request))
+        work = StepWork(commits=[(i, (0,)) for i in pending],
+                        segments=[SegmentSpec(i, torch.zeros(per_request, dtype=torch.long), chain)
+                                  for i in ids[:requests]])  # fmt: skip
+        t0 = time.perf_counter()
+        target.run(work)
+        rows = requests * per_request
+        fastest[rows] = min(time.perf_counter() - t0, fastest.get(rows, math.inf))
+        pending = ids[:requests]
+    target.run(StepWork(commits=[(i, (0,)) for i in pending], releases=ids))
+    x = torch.tensor([[1.0, n] for n in fastest], dtype=torch.float64)
+    y = torch.tensor(list(fastest.values()), dtype=torch.float64)[:, None]
+    fixed, per_row = torch.linalg.lstsq(x, y).solution[:, 0].tolist()
+    step_1, step_16, catch_up = (min(_time_drafter(drafter, kind) for _ in range(3)) for kind in (1, 16, "extend"))
+    per_drafter_row = max(step_16 - step_1, 0.0) / 15
+    return [max(fixed, 0.0), max(per_row, 0.0), catch_up + max(step_1 - per_drafter_row, 0.0), per_drafter_row,
+            prefill_s]  # fmt: skip
+
+
+def _time_drafter(drafter, kind: int | str) -> float:
+    """Seconds of one drafter step of `kind` rows, or (kind "extend") of a catch-up over two tokens."""
+    t0 = time.perf_counter()
+    if kind == "extend":
+        drafter.extend(drafter.new_state(1), torch.zeros(2, dtype=torch.long))
+    else:
+        drafter.step(drafter.new_state(kind), torch.zeros(kind, dtype=torch.long))
+    return time.perf_counter() - t0

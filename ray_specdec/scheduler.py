@@ -35,7 +35,8 @@ import torch
 from ray_specdec.acceptance import Verdict
 from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
 from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, draft_many, what_if
-from ray_specdec.goodput import AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, size_trees
+from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, measure_prior,
+                                 size_trees)
 from ray_specdec.logits_processing import TokenHistory
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.rounds import NO_TREE, FixedTree, StreamChunk, empty_draft, judge, make_generators, round_logprobs
@@ -294,48 +295,8 @@ class Scheduler:
         self._work = StepWork()
 
     def calibrate(self) -> None:
-        """The step cost model's prior (goodput.py), measured: the target's forward at a few batch shapes (requests x
-        rows per request, over 64 tokens of context), the drafter's step at 1 and 16 rows and its catch-up over two
-        tokens. Each shape is timed three times, the fastest kept (the machine's noise only ever adds). ~20 forwards."""
-        ids = [f"calibrate-{i}" for i in range(8)]
-        context = 64
-        work = StepWork(allocations=[(i, 2 * context) for i in ids],
-                        segments=[SegmentSpec(i, torch.zeros(context - 1, dtype=torch.long)) for i in ids])
-        t0 = time.perf_counter()
-        self.target.run(work)
-        prefill_s = (time.perf_counter() - t0) / (len(ids) * (context - 1))
-        rows, seconds, pending = [], [], []
-        for requests, per_request in [(1, 1), (1, 16), (8, 1), (8, 4)] * 3:
-            chain = tuple((0,) * d for d in range(1, per_request))
-            work = StepWork(commits=[(i, (0,)) for i in pending],
-                            segments=[SegmentSpec(i, torch.zeros(per_request, dtype=torch.long), chain)
-                                      for i in ids[:requests]])  # fmt: skip
-            t0 = time.perf_counter()
-            self.target.run(work)
-            rows.append(requests * per_request)
-            seconds.append(time.perf_counter() - t0)
-            pending = ids[:requests]
-        self.target.run(StepWork(commits=[(i, (0,)) for i in pending], releases=ids))
-        fastest: dict[int, float] = {}
-        for n, t in zip(rows, seconds):
-            fastest[n] = min(t, fastest.get(n, math.inf))
-        x = torch.tensor([[1.0, n] for n in fastest], dtype=torch.float64)
-        fixed, per_row = torch.linalg.lstsq(x, torch.tensor(list(fastest.values()), dtype=torch.float64)[:, None]
-                                            ).solution[:, 0].tolist()  # fmt: skip
-        step_1, step_16, catch_up = (min(self._time_drafter(kind) for _ in range(3)) for kind in (1, 16, "extend"))
-        per_drafter_row = max(step_16 - step_1, 0.0) / 15
-        prior = [max(fixed, 0.0), max(per_row, 0.0), catch_up + max(step_1 - per_drafter_row, 0.0), per_drafter_row,
-                 prefill_s]  # fmt: skip
-        self.cost.set_prior(prior)
-
-    def _time_drafter(self, kind: int | str) -> float:
-        """Seconds of one drafter step of `kind` rows, or (kind "extend") of a catch-up over two tokens."""
-        t0 = time.perf_counter()
-        if kind == "extend":
-            self.drafter.extend(self.drafter.new_state(1), torch.zeros(2, dtype=torch.long))
-        else:
-            self.drafter.step(self.drafter.new_state(kind), torch.zeros(kind, dtype=torch.long))
-        return time.perf_counter() - t0
+        """The step cost model's prior, measured on this target and drafter (goodput.measure_prior)."""
+        self.cost.set_prior(measure_prior(self.target, self.drafter))
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running and self._fits_now(self.waiting[0].reserved):

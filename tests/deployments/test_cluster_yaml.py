@@ -25,8 +25,8 @@ from tests.tiny_models import tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CONFIGS = ["serve_config.yaml", "serve_config.gpu.yaml"]
-# The paper's pairing, as the hub has it (checked against the hub below when it can be reached): the target's
-# attention heads bound tp_size; both models pad the GPT-NeoX tokenizer's 50,277 tokens to these vocabulary sizes.
+# The paper's pairing, as the hub has it (tests never reach the hub: CI's network is package registries only): the
+# target's attention heads bound tp_size; both models pad the GPT-NeoX tokenizer's 50,277 tokens to these sizes.
 PAPER_MODELS = {
     "EleutherAI/pythia-6.9b": {"model_type": "gpt_neox", "vocab_size": 50432, "num_attention_heads": 32},
     "state-spaces/mamba-130m-hf": {"model_type": "mamba", "vocab_size": 50280},
@@ -141,21 +141,6 @@ def test_gpu_serve_config_fits_the_cluster(cluster):
     options = _engine_options(args)
     assert options["ray_actor_options"]["resources"] == args.resources
     assert options["ray_actor_options"]["num_gpus"] == 0  # the ranks hold the GPUs
-
-
-@pytest.mark.parametrize("name", sorted(PAPER_MODELS))
-def test_paper_models_exist_on_the_hub(name):
-    """Skipped where the hub cannot be reached (CI machines without network); otherwise the ids and the facts the
-    configs rely on are checked against the hub's own config.json."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        path = hf_hub_download(name, "config.json", etag_timeout=5)
-    except LocalEntryNotFoundError:  # the hub was not reached and nothing is cached; a missing repo still fails
-        pytest.skip("the Hugging Face hub is not reachable")
-    config = json.loads(Path(path).read_text())
-    assert {key: config.get(key) for key in PAPER_MODELS[name]} == PAPER_MODELS[name]
 
 
 @pytest.mark.parametrize(
