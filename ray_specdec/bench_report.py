@@ -48,6 +48,11 @@ def markdown(report: dict) -> str:
         lines.append(f"Our engine's attention for {low}-{high} verify rows: " + (
             "native C kernel (models/cpu_attention.py)" if hardware["target_native_attention"]
             else f"sdpa ({hardware.get('target_native_attention_why')})"))
+    if "target_batch_invariant" in hardware:
+        lines.append("Our engine's verify rows: " + (
+            "batch-invariant (native GEMM and attention for every row count, models/batch_invariant.py; the GEMM "
+            "plan serves prefill chunks)" if hardware["target_batch_invariant"]
+            else f"the GEMM plan ({hardware.get('target_batch_invariant_why')})"))
     if "target_lean_forward" in hardware:
         lines.append("Our engine's verify forward: " + (
             "lean loop over the model's modules (models/lean_forward.py)" if hardware["target_lean_forward"]
