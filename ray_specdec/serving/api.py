@@ -294,9 +294,16 @@ def completion_body(request: CompletionRequest, tokenizer, model: str, generatio
             choice["logprobs"] = completion_logprobs(tokenizer, gen.token_ids, gen.logprobs or [])
         choices.append(choice)
     prompt_tokens = sum(g.prompt_tokens for g in generations[:: request.n])
+    return response_body(cid, created, "text_completion", model, choices, prompt_tokens, generations)
+
+
+def response_body(cid: str, created: int, kind: str, model: str, choices: list[dict], prompt_tokens: int,
+                  generations: Sequence[Generation]) -> dict:
+    """A whole (non-streamed) response of `kind` ("text_completion", "chat.completion"): choices, usage and the
+    `speculative` block over every generation."""
     return {
         "id": cid,
-        "object": "text_completion",
+        "object": kind,
         "created": created,
         "model": model,
         "choices": choices,

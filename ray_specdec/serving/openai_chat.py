@@ -18,6 +18,7 @@ from ray_specdec.serving.api import (
     SamplingRequest,
     finite,
     new_completion_id,
+    response_body,
     speculative_block,
     unsupported,
     usage_block,
@@ -151,15 +152,7 @@ def chat_body(request: ChatCompletionRequest, tokenizer, model: str, generations
                 "finish_reason": gen.finish_reason, "token_ids": gen.token_ids}
                for i, gen in enumerate(generations)]  # fmt: skip
     prompt_tokens = generations[0].prompt_tokens if generations else 0
-    return {
-        "id": cid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_block(prompt_tokens, sum(len(g.token_ids) for g in generations)),
-        "speculative": speculative_block([g.stats for g in generations]),
-    }
+    return response_body(cid, created, "chat.completion", model, choices, prompt_tokens, generations)
 
 
 class ChatStream:
