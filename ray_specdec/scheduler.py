@@ -388,7 +388,7 @@ class Scheduler:
         r.prefilled = len(r.tokens) - 1  # with the commit, the cache holds the root and the accepted path
         kept, delta = r.stop.feed(verdict.new_tokens)
         r.stats.new_tokens += len(kept)
-        r.stats.record_round(r.draft.label, r.draft.tree.depth, len(verdict.accepted_rows))
+        r.stats.record_round(r.draft.label, r.draft.tree.depth, len(verdict.accepted_rows), len(r.draft.tokens))
         r.verdict, r.context_len = verdict, context_len
         if r.stop.finished:
             self.running.pop(r.request_id, None)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 @dataclass
 class GenerationStats:
     rounds: int = 0
+    drafts: int = 0  # rounds that verified a drafted tree
+    draft_tokens: int = 0  # drafted nodes the target verified (lookup nodes included)
     accepted_lengths: list[int] = field(default_factory=list)  # accepted + 1 per round
     reached_depth: list[int] = field(default_factory=list)  # rounds whose walk got to depth d (index d - 1)
     offered_depth: list[int] = field(default_factory=list)  # rounds whose tree had depth >= d
@@ -20,8 +22,10 @@ class GenerationStats:
     other_s: float = 0.0
     last_round_s: float = 0.0  # for the tree policy's reward
 
-    def record_round(self, tree_name: str, tree_depth: int, num_accepted: int) -> None:
+    def record_round(self, tree_name: str, tree_depth: int, num_accepted: int, num_draft_tokens: int) -> None:
         self.rounds += 1
+        self.drafts += num_draft_tokens > 0
+        self.draft_tokens += num_draft_tokens
         self.accepted_lengths.append(num_accepted + 1)
         self.trees[tree_name] += 1
         _bump(self.offered_depth, tree_depth)

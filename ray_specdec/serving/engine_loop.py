@@ -10,6 +10,9 @@ Faults. A step that raises is a target fault (a tensor-parallel rank died, a GPU
 back to prefill over its token ids (`Scheduler.reset_target`): they finish with the tokens they would have produced.
 If recovery fails or takes longer than `recover_timeout_s`, every request in flight fails with `TargetUnavailable`
 (HTTP 503 with Retry-After), and `healthy` stays False until a recovery succeeds.
+
+Metrics. `metrics` (serving/metrics.py) records every request's arrival, admission, rounds and end, and the
+scheduler's state after each step, on the loop's thread.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import AsyncIterator, Callable, Sequence
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.rounds import StreamChunk
 from ray_specdec.scheduler import QueueFull, Scheduler
+from ray_specdec.serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class EngineLoop:
         self.recover_timeout_s = recover_timeout_s
         self.on_step = on_step
         self.healthy = True
+        self.metrics = EngineMetrics()
         self.faults = 0  # steps that raised
         self.recoveries = 0
         self._wake = threading.Condition()
@@ -78,6 +83,7 @@ class EngineLoop:
         interval_s: after the first chunk, rounds are merged into one chunk per this many seconds (math.inf: only
         the last). Every chunk a server relays costs CPU in each process it crosses (here: engine, router, HTTP
         proxy), which on a small machine the target's forward would otherwise have; the first token is never held."""
+        arrival = time.monotonic()
         if not self.healthy:
             raise TargetUnavailable("the target is recovering from a fault; retry later")
         self.scheduler.check(len(prompt_ids), params, tree)  # a request that can never run fails here, at once
@@ -88,7 +94,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         stream = _Stream(asyncio.Queue(), loop)
         self._streams[request_id] = stream
-        self._send(("add", request_id, list(prompt_ids), params, tree))
+        self._send(("add", request_id, list(prompt_ids), params, tree, arrival))
         due = -math.inf  # when the next chunk may go out
         try:
             while True:
@@ -138,30 +144,44 @@ class EngineLoop:
                     self._apply(command)
                 except Exception as exc:  # an abort that freed its cache on a failed target
                     self._fault(exc)
+            self._observe(time.monotonic())
             if not self.scheduler.has_work:
                 continue
-            t0 = time.perf_counter()
+            t0, start = time.perf_counter(), time.monotonic()
             try:
                 outputs = self.scheduler.step()
             except Exception as exc:
                 self._fault(exc)
                 continue
+            end = time.monotonic()
+            self._observe(start)  # a step admits first
             for out in outputs:
-                self._deliver(out.request_id, out.chunk)
+                chunk = out.chunk
+                self.metrics.produced(out.request_id, len(chunk.token_ids), chunk.finish_reason, chunk.stats, end)
+                self._deliver(out.request_id, chunk)
             if self.on_step is not None:
                 self.on_step(self.scheduler, time.perf_counter() - t0)
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
-            self.scheduler.abort(command[1])
+            if self.scheduler.abort(command[1]):
+                self.metrics.ended(command[1], "abort", time.monotonic())
             return
-        _, request_id, prompt_ids, params, tree = command
+        _, request_id, prompt_ids, params, tree, arrival = command
         if request_id not in self._streams:  # its consumer left before it was added
             return
         try:
             self.scheduler.add(request_id, prompt_ids, params, tree)
         except Exception as exc:  # validated before: only a race (a full queue) lands here
             self._deliver(request_id, exc)
+            return
+        self.metrics.arrived(request_id, len(prompt_ids), arrival)
+
+    def _observe(self, admitted_at: float) -> None:
+        """The scheduler's state, and the requests admitted since the last look (at `admitted_at`)."""
+        s = self.scheduler
+        self.metrics.admissions({r.request_id for r in s.waiting}, admitted_at)
+        self.metrics.scheduler_state(s.num_running, s.num_waiting, s.reserved, s.config.kv_budget_tokens)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -190,6 +210,7 @@ class EngineLoop:
         doomed = list(self.scheduler.running) + [r.request_id for r in self.scheduler.waiting]
         for request_id in doomed:
             self._deliver(request_id, error)
+            self.metrics.ended(request_id, "error", time.monotonic())
         try:  # every request leaves the scheduler before its caches are released on the failed target, which may fail
             for request_id in doomed:
                 self.scheduler.abort(request_id)

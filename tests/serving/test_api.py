@@ -28,7 +28,7 @@ def tokenizer():
 def stats(rounds: int, accepted: int) -> GenerationStats:
     s = GenerationStats()
     for _ in range(rounds):
-        s.record_round("2,1", 2, accepted)
+        s.record_round("2,1", 2, accepted, 3)
     return s
 
 

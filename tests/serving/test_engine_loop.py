@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 import pytest
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 from ray_specdec.rounds import NO_TREE
 from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
+from ray_specdec.serving import metrics as m
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
 from ray_specdec.target_backend import LocalTarget, StepWork
+from tests.deployments.conftest import bigram_pair
 from tests.test_engine import random_prompt, tiny_mamba
 from tests.tiny_models import tiny_gpt_neox
 
@@ -146,6 +150,7 @@ def test_a_consumer_that_goes_away_aborts_its_request(make_loop, expected, alone
     assert results[1:] == ([] if alone else expected)
     wait_until(lambda: not loop.scheduler.has_work and not loop.scheduler.target.caches)
     assert loop.scheduler.reserved == 0
+    assert loop.metrics.snapshot()[m.REQUEST_SUCCESS] == {("abort",): 1} | ({} if alone else {("length",): 6})
 
 
 @pytest.mark.parametrize("fail_at", [(1,), (3,), (2, 6)])
@@ -174,6 +179,8 @@ def test_a_target_that_does_not_come_back_fails_every_request_in_flight(make_loo
     assert all(ok or r == e for ok, r, e in zip(failed, results, expected)), results
     assert attempts and not loop.healthy and loop.faults == 1 and loop.recoveries == 0
     wait_until(lambda: not loop.scheduler.has_work)
+    outcomes = loop.metrics.snapshot()[m.REQUEST_SUCCESS]
+    assert outcomes[("error",)] == sum(failed) and sum(outcomes.values()) == len(REQUESTS)
     assert loop.alive
     with pytest.raises(TargetUnavailable):
         run(collect(loop, "late", [5, 6], SamplingParams(max_new_tokens=3)))
@@ -202,3 +209,45 @@ def test_requests_that_cannot_run_fail_before_their_first_chunk(make_loop):
 
     run(main())
     wait_until(lambda: not loop.scheduler.has_work and not loop.scheduler.target.caches)
+
+
+
+def test_metrics_count_what_the_requests_did():
+    """The engine's counters equal the sums of its requests' statistics (models that agree often, so that rounds
+    accept at several depths); one TTFT, queue time and e2e latency per request, one inter-token latency per later
+    round; the gauges go back to zero."""
+    target, drafter = bigram_pair()
+    scheduler = Scheduler(LocalTarget(TargetModel(target)), MambaDrafter(drafter), None, POLICY, SchedulerConfig())
+    loop = EngineLoop(scheduler)
+    # (prompt length, max_new_tokens, tree)
+    shapes = [(5, 24, None), (20, 30, TreeConfig((3, 2, 1))), (60, 12, NO_TREE), (1, 8, None)]
+
+    async def last_chunk(i, length, max_new_tokens, tree):
+        params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+        async for chunk in loop.generate(f"r{i}", random_prompt(length, seed=i), params, tree):
+            pass
+        return chunk
+
+    async def main():
+        return await asyncio.gather(*(last_chunk(i, *shape) for i, shape in enumerate(shapes)))
+
+    try:
+        stats = [chunk.stats for chunk in run(main())]
+        wait_until(lambda: not loop.scheduler.has_work)
+    finally:
+        loop.stop()
+    snap = loop.metrics.snapshot()
+    n = len(shapes)
+    trees = sum((s.trees for s in stats), Counter())
+    assert snap[m.PROMPT_TOKENS] == {(): sum(length for length, _, _ in shapes)}
+    assert snap[m.GENERATION_TOKENS] == {(): sum(s.new_tokens for s in stats)} == {(): sum(k for _, k, _ in shapes)}
+    assert snap[m.REQUEST_SUCCESS] == {("length",): n}
+    assert snap[m.DRAFTS] == {(): sum(s.drafts for s in stats)} == {(): trees.total() - trees["none"]}
+    assert snap[m.DRAFT_TOKENS] == {(): sum(s.draft_tokens for s in stats)}
+    assert snap[m.ACCEPTED] == {(): sum(sum(s.accepted_lengths) - s.rounds for s in stats)}
+    assert snap[m.ROUNDS] == {(tree,): count for tree, count in trees.items()}
+    per_pos = [sum(s.reached_depth[p] for s in stats if p < len(s.reached_depth)) for p in range(3)]
+    assert [snap[m.ACCEPTED_PER_POS].get((str(p),), 0) for p in range(3)] == per_pos and per_pos[1] > 0
+    for name, count in ((m.TTFT, n), (m.QUEUE, n), (m.E2E, n), (m.ITL, sum(s.rounds for s in stats) - n)):
+        assert sum(snap[name][()][:-1]) == count, name
+    assert snap[m.RUNNING] == snap[m.WAITING] == snap[m.KV_USAGE] == {(): 0}
