@@ -23,6 +23,7 @@ from ray_specdec.engine import DEFAULT_MIN_PATH_PROB
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.tokenizer_check import TokenizerMismatch, check_model_pair
 from ray_specdec.scheduler import SchedulerConfig
+from ray_specdec.scheduler_args import scheduler_config_from_args
 
 _SCHEDULER = SchedulerConfig()
 API_KEY_ENV = "RAY_SPECDEC_API_KEY"
@@ -121,6 +122,7 @@ class AppArgs(BaseModel):
             raise ValueError(f"max_replicas ({hi}) < min_replicas ({lo})")
         if self.kv_budget_tokens is not None and "kv_budget_gib" in self.model_fields_set:
             raise ValueError("give kv_budget_gib or kv_budget_tokens, not both")
+        self.scheduler_config()  # SchedulerConfig's own checks as well
         return self
 
     @property
@@ -128,11 +130,8 @@ class AppArgs(BaseModel):
         return self.max_replicas is not None and self.max_replicas > (self.min_replicas or 1)
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            kv_budget_tokens=self.kv_budget_tokens or _SCHEDULER.kv_budget_tokens, max_running=self.max_running,
-            max_waiting=self.max_waiting, step_tokens=self.step_tokens, prefill_chunk=self.prefill_chunk,
-            min_path_prob=self.min_path_prob, lookup=self.lookup, goodput=self.goodput,
-        )  # fmt: skip
+        """The fields named as SchedulerConfig's, read as the CLI's flags are (kv_budget_tokens None: the default)."""
+        return scheduler_config_from_args(self)
 
 
 def app(args: AppArgs | dict[str, Any]) -> Application:

@@ -14,21 +14,23 @@ JSON (`--json`): {"methods": [{"name", "temperature", "tokens_per_s", "speedup_v
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
-from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, SpeculativeEngine
+from ray_specdec.cli import OneLineParser, UsageError
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
 from ray_specdec.rounds import NO_TREE
 from ray_specdec.models.loading import prefill_window_arg
+from ray_specdec.scheduler import kv_budget_rows
+from ray_specdec.scheduler_args import add_scheduler_arguments, scheduler_config_from_args
 
 
 @dataclass
@@ -231,10 +233,9 @@ def context_sweep(drafter, tf_drafter, stream: list[int], lengths, steps: int) -
 
 
 def parse_args(argv):
-    from ray_specdec.config import DEFAULT_LOOKUP
     from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET, DEFAULT_TF_DRAFTER
 
-    p = argparse.ArgumentParser(prog="python -m ray_specdec bench", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m ray_specdec bench", description=__doc__.splitlines()[0])
     p.add_argument("--target", default=str(DEFAULT_TARGET))
     p.add_argument("--drafter", default=str(DEFAULT_DRAFTER), help="Mamba drafter")
     p.add_argument("--tf-drafter", default=str(DEFAULT_TF_DRAFTER), help="Transformer drafter for HF assisted")
@@ -250,14 +251,9 @@ def parse_args(argv):
     p.add_argument("--contexts", default="1024,2048,4096,8192", help="context sweep lengths")
     p.add_argument("--cut-trees", default="",
                    help="extra methods: trees with their own draft cut, 'TREE@CUT;...' e.g. '3,2,2,1,1@0.06'")
-    p.add_argument("--min-path-prob", type=float, default=None,
-                   help="our engine's draft cut (default: the engine's DEFAULT_MIN_PATH_PROB)")
     p.add_argument("--drafter-prefill-window", type=prefill_window_arg, default="auto", metavar="N|auto|all",
                    help="our Mamba drafter's state starts from a request's last N tokens; auto (default): the window "
                         "the drafter's config names (the shipped drafter: 512), else all; all: every token")
-    p.add_argument("--lookup", type=int, default=DEFAULT_LOOKUP,
-                   help="lookup tokens the bandit's engine adds to every drafted tree in greedy runs (its arms are "
-                        "the trees without their own lookup, plus no drafting)")
     p.add_argument("--bandit-warmup", type=int, default=8,
                    help="held-out prompts (not the measured ones; short, long and QA in the measured run's mix) the "
                         "bandit learns from before it is measured, as a served bandit has learned from earlier "
@@ -273,6 +269,8 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="small run for CI (under 5 minutes on 2 cores)")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="Markdown table and PNG plots go here")
+    add_scheduler_arguments(p, DEFAULT_SCHEDULER, notes={
+        "lookup": "the bandit's engine only (its arms are the trees without their own lookup, plus no drafting)"})
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.long_prompts, args.qa_prompts, args.max_new_tokens, args.bandit_warmup = 2, 0, 1, 24, 1
@@ -305,8 +303,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args = parse_args(argv)
-    except SystemExit as e:  # --help (code 0) or argparse's own usage error (code 2, already printed)
+    except SystemExit as e:  # --help
         return int(e.code or 0)
+    except UsageError as e:
+        print(f"error: bad bench arguments: {e}", file=sys.stderr)
+        return 2
     try:
         cut_trees = [parse_tree_and_cut(t) for t in (args.cut_trees or "").split(";") if t.strip()]
         trees = [TreeConfig.parse(t) for t in args.trees.split(";")]
@@ -315,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         qa_buckets = [int(b) for b in args.qa_buckets.split(",")]
         if min(qa_buckets) < 64:
             raise ValueError(f"--qa-buckets must be >= 64 tokens, got {args.qa_buckets}")
-        if not 0 <= args.lookup <= MAX_LOOKUP_TOKENS:
-            raise ValueError(f"--lookup must be in [0, {MAX_LOOKUP_TOKENS}], got {args.lookup}")
+        scheduler = scheduler_config_from_args(args, DEFAULT_SCHEDULER)
     except ValueError as e:
         print(f"error: bad bench arguments: {e}", file=sys.stderr)
         return 2
@@ -344,9 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     qa = qa_prompts(tok, args.qa_prompts, qa_buckets, args.seed)
     groups = ["short"] * len(short) + ["long"] * len(long) + ["qa"] * len(qa)  # the group of each prompt
     prompts = short + long + qa
-    cut = DEFAULT_MIN_PATH_PROB if args.min_path_prob is None else args.min_path_prob
-    ours = SpeculativeEngine(target, drafter, trees[0], min_path_prob=cut)
-    plain = SpeculativeEngine(target, None)
+    if args.kv_budget_gib is not None:
+        scheduler = replace(scheduler, kv_budget_tokens=kv_budget_rows(args.kv_budget_gib, target.kv_bytes_per_token))
+    fixed = replace(scheduler, lookup=0)  # the engines of fixed trees: each tree names its own lookup branch
+    ours = SpeculativeEngine(target, drafter, trees[0], config=fixed)
+    plain = SpeculativeEngine(target, None, config=fixed)
 
     # Every method is a function (temperature, prompts, seed) -> MethodResult.
     methods = [("hf_generate", lambda t, ps, sd: run_hf("hf_generate", hf, ps, args.max_new_tokens, t, sd)),
@@ -363,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for tree, tree_cut in cut_trees:  # the same trees with a draft cut of their own (not bandit arms)
         name = f"ours_mamba_{'chain' if set(tree.branching) == {1} else 'tree'}_{tree}_cut{tree_cut:g}"
-        engine = SpeculativeEngine(target, drafter, tree, min_path_prob=tree_cut)
+        engine = SpeculativeEngine(target, drafter, tree, config=replace(fixed, min_path_prob=tree_cut))
         methods.append((name, lambda t, ps, sd, tree=tree, name=name, engine=engine: run_ours(
             name, engine, ps, args.max_new_tokens, t, sd, tree)))
 
@@ -371,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     # during the measured run, after a warm-up on other held-out prompts (a served bandit has seen earlier traffic).
     arms = tuple(dict.fromkeys(t.without_lookup() for t in trees))
     bandit = Bandit(BanditConfig(arms=(*arms, NO_TREE)), seed=args.seed)
-    bandit_engine = SpeculativeEngine(target, drafter, bandit, min_path_prob=cut, lookup=args.lookup)
+    bandit_engine = SpeculativeEngine(target, drafter, bandit, config=scheduler)
     n_short, n_long, n_qa = split_like(args.bandit_warmup, (len(short), len(long), len(qa)))
     warmup = ([p.token_ids for p in heldout_prompts(n_short, 64, 256, seed=args.seed + 3, tokenizer=tok)]
               + [p.token_ids for p in heldout_prompts(n_long, 1024, 2048, seed=args.seed + 4, tokenizer=tok)]
@@ -425,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                      "device": str(target.device), "dtype": str(dtype).removeprefix("torch.")},
         "settings": {"prompts": len(short), "long_prompts": len(long), "qa_prompts": len(qa),
                      "qa_buckets": qa_buckets, "max_new_tokens": args.max_new_tokens,
-                     "trees": [str(t) for t in trees], "min_path_prob": cut, "bandit_lookup": args.lookup,
+                     "trees": [str(t) for t in trees], "min_path_prob": scheduler.min_path_prob,
+                     "bandit_lookup": scheduler.lookup, "scheduler": asdict(bandit_engine.scheduler.config),
                      "drafter_prefill_window": drafter.prefill_window,
                      "cut_trees": [f"{t}@{c:g}" for t, c in cut_trees],
                      "bandit_warmup_prompts": args.bandit_warmup,

@@ -10,7 +10,6 @@ import importlib
 import json
 import sys
 
-from ray_specdec.config import DEFAULT_LOOKUP, MAX_LOOKUP_TOKENS
 from ray_specdec.factory import LoadError
 from ray_specdec.models.loading import prefill_window_arg
 
@@ -39,6 +38,9 @@ def positive_int(text: str) -> int:
 
 
 def generate_parser() -> OneLineParser:
+    from ray_specdec.engine import DEFAULT_SCHEDULER
+    from ray_specdec.scheduler_args import add_scheduler_arguments
+
     p = OneLineParser(prog="python -m ray_specdec generate", description="Generate with tree speculative decoding.")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--target", default=None, help="HF id or local dir of the target (default: embedded target-neox)")
@@ -48,11 +50,6 @@ def generate_parser() -> OneLineParser:
     p.add_argument("--drafter-prefill-window", type=prefill_window_arg, default="auto", metavar="N|auto|all",
                    help="the drafter's state starts from a request's last N tokens; auto (default): the window the "
                         "drafter's config names (the shipped drafter: 512), else all; all: every token")
-    p.add_argument("--lookup", type=int, default=None,
-                   help="prompt-lookup tokens added to every drafted tree of a greedy run; 0 turns them off "
-                        "(default: %d)" % DEFAULT_LOOKUP)
-    p.add_argument("--min-path-prob", type=float, default=None,
-                   help="cut drafts at depths the drafter rates below this path probability (default: the engine's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -63,12 +60,15 @@ def generate_parser() -> OneLineParser:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, float64 or auto")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_scheduler_arguments(p, DEFAULT_SCHEDULER)
     return p
 
 
 def run_generate(argv: list[str]) -> int:
     from ray_specdec.config import SamplingParams, TreeConfig
+    from ray_specdec.engine import DEFAULT_SCHEDULER
     from ray_specdec.factory import load_engine
+    from ray_specdec.scheduler_args import scheduler_config_from_args
 
     from transformers.utils import logging as hf_logging
 
@@ -87,15 +87,11 @@ def run_generate(argv: list[str]) -> int:
             draft_sampling=args.draft_sampling,
         )
         tree = TreeConfig.parse(args.tree) if args.tree is not None else None  # None: the device's default
-        if args.min_path_prob is not None and not 0 <= args.min_path_prob < 1:
-            raise ValueError(f"--min-path-prob must be in [0, 1), got {args.min_path_prob}")
-        lookup = DEFAULT_LOOKUP if args.lookup is None else args.lookup
-        if not 0 <= lookup <= MAX_LOOKUP_TOKENS:
-            raise ValueError(f"--lookup must be in [0, {MAX_LOOKUP_TOKENS}], got {lookup}")
+        scheduler = scheduler_config_from_args(args, DEFAULT_SCHEDULER)
     except ValueError as e:
         raise UsageError(str(e)) from None
     engine = load_engine(args.target, args.drafter, tree=tree, dtype=args.dtype, device=args.device,
-                         min_path_prob=args.min_path_prob, lookup=lookup,
+                         scheduler=scheduler, kv_budget_gib=args.kv_budget_gib,
                          drafter_prefill_window=args.drafter_prefill_window)
     try:
         result = engine.generate(args.prompt, params)

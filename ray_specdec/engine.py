@@ -12,7 +12,7 @@ import uuid
 from dataclasses import replace
 from typing import Iterator, Sequence
 
-from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.config import DEFAULT_LOOKUP, SamplingParams, TreeConfig
 from ray_specdec.logits_processing import TokenLogprob
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
@@ -22,6 +22,9 @@ from ray_specdec.target_backend import LocalTarget
 
 # Default cut of drafts by the drafter's own path probabilities (DrafterSession.draft); see docs/BENCHMARKS.md.
 DEFAULT_MIN_PATH_PROB = 0.0
+# What the CLI and the bench run with unless told otherwise, as the app does (whose KV budget is in GiB);
+# SpeculativeEngine's own default is the plain SchedulerConfig(): no lookup tokens.
+DEFAULT_SCHEDULER = SchedulerConfig(min_path_prob=DEFAULT_MIN_PATH_PROB, lookup=DEFAULT_LOOKUP)
 
 
 class SpeculativeEngine:
@@ -31,15 +34,16 @@ class SpeculativeEngine:
         drafter: MambaDrafter | None,
         tree_policy=TreeConfig((3, 2, 2, 1, 1)),
         tokenizer=None,
-        min_path_prob: float = 0.0,
-        lookup: int = 0,
+        min_path_prob: float | None = None,
+        lookup: int | None = None,
         config: SchedulerConfig | None = None,
     ):
-        """tree_policy: a TreeConfig or a tree policy (the bandit). min_path_prob: drafts stop at depths whose nodes
-        the drafter rates below this. lookup: every drafted tree of a greedy request also verifies up to this many
-        prompt-lookup tokens (lookup.py). config: the scheduler's settings (KV budget, batch and step sizes);
-        min_path_prob and lookup override its fields."""
-        config = replace(config or SchedulerConfig(), min_path_prob=min_path_prob, lookup=lookup)
+        """tree_policy: a TreeConfig or a tree policy (the bandit). config: the scheduler's settings (KV budget, batch
+        and step sizes, draft cut, lookup; default SchedulerConfig()). min_path_prob (drafts stop at depths whose
+        nodes the drafter rates below this) and lookup (every drafted tree of a greedy request also verifies up to
+        this many prompt-lookup tokens, lookup.py), when given, override config's."""
+        overrides = {"min_path_prob": min_path_prob, "lookup": lookup}
+        config = replace(config or SchedulerConfig(), **{k: v for k, v in overrides.items() if v is not None})
         self.target = target
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
         self.scheduler = Scheduler(LocalTarget(target), drafter, self.tokenizer, tree_policy, config)
@@ -167,4 +171,5 @@ class SpeculativeEngine:
         return key
 
 
-__all__ = ["DEFAULT_MIN_PATH_PROB", "Generation", "RequestTooLarge", "SpeculativeEngine", "StreamChunk"]
+__all__ = ["DEFAULT_MIN_PATH_PROB", "DEFAULT_SCHEDULER", "Generation", "RequestTooLarge", "SpeculativeEngine",
+           "StreamChunk"]

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from ray_specdec.config import DEFAULT_LOOKUP, TreeConfig, default_tree
+from ray_specdec.config import TreeConfig, default_tree
+
+if TYPE_CHECKING:
+    from ray_specdec.scheduler import SchedulerConfig
 
 
 class LoadError(Exception):
@@ -79,16 +84,17 @@ def load_engine(
     tree: TreeConfig | None = None,
     dtype: str = "auto",
     device: str | None = "auto",
-    min_path_prob: float | None = None,
-    lookup: int = DEFAULT_LOOKUP,
+    scheduler: SchedulerConfig | None = None,
+    kv_budget_gib: float | None = None,
     drafter_prefill_window: int | str | None = "auto",
 ):
-    """tree None: the device's default tree (config.default_tree); min_path_prob None: the engine's default;
-    lookup: prompt-lookup tokens added to every drafted tree of greedy requests (0: none);
-    drafter_prefill_window: the drafter's state starts from this many last tokens of a request ("auto": the window
-    the drafter's config names, else all; None or "all": all)."""
-    from ray_specdec.engine import DEFAULT_MIN_PATH_PROB, SpeculativeEngine
+    """tree None: the device's default tree (config.default_tree); scheduler: the SchedulerConfig (None: the engine's
+    DEFAULT_SCHEDULER, draft cut and lookup tokens included); kv_budget_gib: its KV budget in GiB of the target's cache
+    instead of rows; drafter_prefill_window: the drafter's state starts from this many last tokens of a request
+    ("auto": the window the drafter's config names, else all; None or "all": all)."""
+    from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
     from ray_specdec.models.loading import resolve_dtype, resolve_prefill_window
+    from ray_specdec.scheduler import kv_budget_rows
 
     from ray_specdec.models.loading import resolve_model_path
 
@@ -113,6 +119,8 @@ def load_engine(
             f"drafter_prefill_window must be >= 1, 'auto', 'all' or None, got {drafter_prefill_window!r}"
         ) from None
     drafter_model = load_drafter(drafter, dtype, device, drafter_prefill_window)
-    cut = DEFAULT_MIN_PATH_PROB if min_path_prob is None else min_path_prob
+    scheduler = scheduler or DEFAULT_SCHEDULER
+    if kv_budget_gib is not None:
+        scheduler = replace(scheduler, kv_budget_tokens=kv_budget_rows(kv_budget_gib, target_model.kv_bytes_per_token))
     tree = tree if tree is not None else default_tree(str(device))
-    return SpeculativeEngine(target_model, drafter_model, tree, min_path_prob=cut, lookup=lookup)
+    return SpeculativeEngine(target_model, drafter_model, tree, config=scheduler)

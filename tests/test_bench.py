@@ -1,12 +1,16 @@
 """The benchmark's contract on tiny models: JSON fields, greedy identity check, Markdown and PNG outputs."""
 
 import json
+from dataclasses import asdict, fields, replace
 
 import pytest
 import torch
 from transformers import MambaConfig, MambaForCausalLM
 
 from ray_specdec.bench import main
+from ray_specdec.engine import DEFAULT_SCHEDULER
+from ray_specdec.scheduler import SchedulerConfig
+from ray_specdec.scheduler_args import flag
 from tests.tiny_models import tiny_gpt_neox, tiny_tokenizer
 
 
@@ -32,9 +36,12 @@ def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
                  "--tf-drafter", str(model_dirs / "tf"), "--prompts", "2", "--long-prompts", "0",
                  "--qa-prompts", "1", "--qa-buckets", "200",
                  "--max-new-tokens", "12", "--trees", "1,1,1;2,1+L4", "--temperatures", "0,1",
-                 "--contexts", "64,256", "--json", str(tmp_path / "bench.json"), "--out", str(out)])
+                 "--contexts", "64,256", "--json", str(tmp_path / "bench.json"), "--out", str(out),
+                 "--max-running", "4", "--step-tokens", "256", "--prefill-chunk", "64", "--lookup", "4"])
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["settings"]["scheduler"] == asdict(replace(DEFAULT_SCHEDULER, max_running=4, step_tokens=256,
+                                                             prefill_chunk=64, lookup=4))  # what the bandit ran
     names = {m["name"] for m in report["methods"]}
     assert {"hf_generate", "hf_assisted", "hf_prompt_lookup", "ours_target_only",
             "ours_mamba_chain_1,1,1", "ours_mamba_tree_2,1+L4", "ours_mamba_bandit"} <= names
@@ -93,11 +100,28 @@ def test_bench_bad_device_and_dtype_exit_2(capsys):
     assert "unknown device 'tpu'" in capsys.readouterr().err
 
 
-def test_bench_help_and_bad_lookup(capsys):
+def test_bench_help_has_every_scheduler_flag(capsys):
     assert main(["--help"]) == 0
-    assert "--lookup" in capsys.readouterr().out
-    assert main(["--lookup", "99"]) == 2
-    assert "--lookup must be in" in capsys.readouterr().err
+    text = capsys.readouterr().out
+    for f in fields(SchedulerConfig):
+        assert flag(f.name) in text
+    assert "--kv-budget-gib" in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lookup", "99"], "argument --lookup: must be in [0, 32], got 99"),
+        (["--max-running", "0"], "argument --max-running: must be >= 1, got 0"),
+        (["--prefill-chunk", "1.5"], "argument --prefill-chunk: expected an integer, got '1.5'"),
+        (["--kv-budget-gib", "1", "--kv-budget-tokens", "64"],
+         "argument --kv-budget-tokens: not allowed with argument --kv-budget-gib"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bench_bad_flags_are_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"error: bad bench arguments: {message}\n"
 
 
 def test_bandit_vs_best_fixed_line():

@@ -1,17 +1,23 @@
-"""The CLI contract: `generate --json` prints one JSON object; bad input is one line on stderr and exit code 2."""
+"""The CLI contract: `generate --json` prints one JSON object; every scheduler setting is a flag that reaches the
+engine; bad input is one line on stderr and exit code 2."""
 
 import json
 import subprocess
 import sys
+from dataclasses import fields, replace
 
 import pytest
 import torch
 from transformers import MambaConfig, MambaForCausalLM
 
-from ray_specdec.cli import main
+from ray_specdec import factory
+from ray_specdec.cli import generate_parser, main
 from ray_specdec.config import SamplingParams
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
+from ray_specdec.factory import load_engine
 from ray_specdec.models.target import TargetModel
+from ray_specdec.scheduler import SchedulerConfig, kv_budget_rows
+from ray_specdec.scheduler_args import flag
 from tests.tiny_models import tiny_gpt_neox, tiny_tokenizer
 
 WORDS = "the quick brown fox jumps over the lazy dog a tree of tokens is verified in one pass".split()
@@ -74,6 +80,12 @@ def test_drafter_none_is_plain_decoding(model_dirs, capsys):
         ["generate", "--prompt", "x", "--target", "T", "--drafter", "/nonexistent/drafter"],
         ["generate", "--prompt", "x", "--target", "T", "--device", "tpu"],
         ["generate", "--prompt", "x", "--target", "T", "--dtype", "float7"],
+        ["generate", "--prompt", "x", "--target", "T", "--max-running", "0"],
+        ["generate", "--prompt", "x", "--target", "T", "--step-tokens", "many"],
+        ["generate", "--prompt", "x", "--target", "T", "--lookup", "99"],
+        ["generate", "--prompt", "x", "--target", "T", "--min-path-prob", "1.5"],
+        ["generate", "--prompt", "x", "--target", "T", "--kv-budget-gib", "-1"],
+        ["generate", "--prompt", "x", "--target", "T", "--kv-budget-gib", "1", "--kv-budget-tokens", "64"],
         ["generate", "--bogus"],
         ["frobnicate"],
     ],
@@ -84,6 +96,51 @@ def test_bad_input_is_one_line_and_exit_2(argv, model_dirs, capsys):
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err
+
+
+def test_every_scheduler_setting_is_a_generate_flag():
+    text = generate_parser().format_help()
+    for f in fields(SchedulerConfig):
+        assert flag(f.name) in text
+    assert "--no-goodput" in text and "--kv-budget-gib" in text
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    """The engines `generate` builds, as built."""
+    built = []
+
+    def load_and_keep(*args, **kwargs):
+        built.append(load_engine(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(factory, "load_engine", load_and_keep)
+    return built
+
+
+def test_scheduler_flags_reach_the_engine(model_dirs, engines, capsys):
+    target_dir, drafter_dir = model_dirs
+    code, out, err = run(["generate", "--prompt", "the quick brown", "--target", str(target_dir), "--drafter",
+                          str(drafter_dir), "--tree", "2,1", "--max-new-tokens", "9", "--json", "--max-running", "8",
+                          "--max-waiting", "2", "--step-tokens", "1024", "--prefill-chunk", "4", "--kv-budget-tokens",
+                          "4096", "--min-path-prob", "0.05", "--lookup", "3", "--no-goodput"], capsys)
+    assert code == 0, err
+    assert engines[0].scheduler.config == SchedulerConfig(
+        kv_budget_tokens=4096, max_running=8, max_waiting=2, step_tokens=1024, prefill_chunk=4, min_path_prob=0.05,
+        lookup=3, goodput=False)  # fmt: skip
+    target = TargetModel.from_pretrained(str(target_dir))
+    expected = SpeculativeEngine(target, None).generate("the quick brown", SamplingParams(max_new_tokens=9))
+    assert json.loads(out)["token_ids"] == expected.token_ids  # greedy: the settings change the speed, not the text
+
+
+def test_kv_budget_in_gib_becomes_rows_of_the_targets_cache(model_dirs, engines, capsys):
+    target_dir, _ = model_dirs
+    code, _, err = run(["generate", "--prompt", "a tree", "--target", str(target_dir), "--drafter", "none",
+                        "--max-new-tokens", "3", "--kv-budget-gib", "0.001"], capsys)
+    assert code == 0, err
+    config = engines[0].scheduler.config
+    assert config.kv_budget_tokens == kv_budget_rows(0.001, engines[0].target.kv_bytes_per_token)
+    assert config == replace(DEFAULT_SCHEDULER, kv_budget_tokens=config.kv_budget_tokens)
 
 
 def test_module_entry_point_exit_code(model_dirs):

@@ -1,0 +1,98 @@
+"""SchedulerConfig's fields as command-line flags: one settings object that `generate`, `bench` and the app parse.
+
+`add_scheduler_arguments` adds a flag per field (`kv_budget_tokens` -> `--kv-budget-tokens`; booleans as
+`--goodput / --no-goodput`), typed, defaulted and described from the dataclass itself (the comment on each field is
+its help), every value checked by SchedulerConfig's own validation as it is parsed, so a bad one is argparse's
+one-line error. `--kv-budget-gib` gives the budget in GiB instead of rows (the app's `kv_budget_gib`): it becomes
+rows once the target's bytes per token are known (`scheduler.kv_budget_rows`). `scheduler_config_from_args` reads the
+fields back from anything that has them as attributes: argparse's namespace or the app's `AppArgs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import re
+from dataclasses import fields, replace
+from typing import get_type_hints
+
+from ray_specdec.scheduler import SchedulerConfig
+
+# `name: type = default  # comment` in the dataclass's source
+_FIELD_COMMENT = re.compile(r"^\s+(\w+): [^=#\n]+=[^#\n]*#\s*(.*?)\s*$", re.MULTILINE)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def field_comments(cls) -> dict[str, str]:
+    """Field name -> the comment on the line that declares it ({} where the source is not shipped)."""
+    try:
+        return dict(_FIELD_COMMENT.findall(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+
+
+def add_scheduler_arguments(
+    parser: argparse.ArgumentParser, defaults: SchedulerConfig = SchedulerConfig(), notes: dict[str, str] | None = None
+) -> None:
+    """A flag for every SchedulerConfig field, defaulting to `defaults`' value, plus `--kv-budget-gib`. notes: field
+    name -> what the command adds to that flag's help."""
+    group = parser.add_argument_group("scheduler", "the step scheduler's settings (SchedulerConfig)")
+    budget = group.add_mutually_exclusive_group()
+    comments, types = field_comments(SchedulerConfig), get_type_hints(SchedulerConfig)
+    for name, note in (notes or {}).items():
+        comments[name] = f"{comments.get(name, '')}; {note}"
+    for f in fields(SchedulerConfig):
+        default = getattr(defaults, f.name)
+        where = budget if f.name == "kv_budget_tokens" else group
+        if types[f.name] is bool:
+            where.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=default,
+                               help=_help(comments.get(f.name), "on" if default else "off"))
+        else:
+            where.add_argument(flag(f.name), type=_checked(f.name, types[f.name], defaults), default=default,
+                               metavar="N" if types[f.name] is int else "X",
+                               help=_help(comments.get(f.name), default))
+    budget.add_argument("--kv-budget-gib", type=_gib, default=None, metavar="GIB",
+                        help="the KV budget in GiB of the target's cache instead of rows (the app's kv_budget_gib)")
+
+
+def scheduler_config_from_args(args, defaults: SchedulerConfig = SchedulerConfig()) -> SchedulerConfig:
+    """SchedulerConfig from the attributes of `args` named as its fields; one missing or None keeps `defaults`'.
+    ValueError on a bad value (flags were checked as they were parsed)."""
+    given = {f.name: getattr(args, f.name, None) for f in fields(SchedulerConfig)}
+    return replace(defaults, **{name: value for name, value in given.items() if value is not None})
+
+
+def _help(comment: str | None, default) -> str:
+    return f"{comment or ''} (default: {default})".replace("%", "%%").strip()
+
+
+def _checked(name: str, kind: type, defaults: SchedulerConfig):
+    """argparse type for one field: converts the text, then SchedulerConfig's own checks judge the value."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        try:
+            replace(defaults, **{name: value})
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{name} ")) from None
+        return value
+
+    return parse
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
