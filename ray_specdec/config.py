@@ -160,7 +160,9 @@ class SamplingParams:
     # HF / vLLM: over prompt + generated tokens, a positive logit is divided by it, a negative one multiplied
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias added to its logit)
-    min_tokens: int = 0  # EOS and stop_token_ids cannot be generated before this many tokens
+    # EOS and stop_token_ids cannot be generated before this many tokens, nor can a stop string end generation
+    # before a token after them completes it (stopping.py)
+    min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # generation stops after emitting one ("stop")
     logprobs: int | None = None  # k: the emitted tokens' log-probabilities and the top-k alternatives; None: off
 

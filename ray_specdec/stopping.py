@@ -5,6 +5,11 @@ emitted (as vLLM does for both unless include_stop_str_in_output).
 
 A round can emit several tokens at once; they are fed here one by one so that a generation never overshoots
 max_new_tokens or runs past an EOS or a stop string, whatever the tree accepted.
+
+min_tokens holds back stop strings as it holds back EOS and stop_token_ids (logits_processing.py): a stop string
+counts only where it completes in a token after the first min_tokens, i.e. where it ends past the text of those
+tokens (vLLM's rule). One that completes earlier stays in the text and generation goes on. Which occurrence ends the
+request depends on the tokens alone, not on how rounds grouped them, so speculation stays lossless.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class StopChecker:
         self.emitted = 0  # characters of text already handed out as deltas
         self.finish_reason: str | None = None
         self.stopped_on_id = False  # the last token is an EOS or stop token id: its text stays out
+        self.held_chars: int | None = None  # length of the first min_tokens tokens' text, once they are all here
 
     @property
     def finished(self) -> bool:
@@ -56,14 +62,22 @@ class StopChecker:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def _apply_stop_strings(self, round_start: int) -> None:
-        hits = [(self.text.find(s), s) for s in self.params.stop]
+        min_tokens = self.params.min_tokens
+        if not self.params.stop or len(self.token_ids) <= min_tokens:
+            return
+        if self.held_chars is None:
+            # an incomplete character at the end may still change: count only what is settled
+            self.held_chars = len(self._decode(self.token_ids[:min_tokens]).rstrip("\ufffd")) if min_tokens else 0
+        # where each stop string may start so that it ends past the held text
+        starts = {s: max(0, self.held_chars - len(s) + 1) for s in self.params.stop}
+        hits = [(self.text.find(s, starts[s]), s) for s in self.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return
         cut, stop = min(hits)
-        # keep the shortest token prefix whose text contains the stop string
-        for n in range(max(round_start, 1), len(self.token_ids) + 1):
-            if stop in self._decode(self.token_ids[:n]):
+        # keep the shortest token prefix whose text contains the stop string where it may end generation
+        for n in range(max(round_start, min_tokens + 1), len(self.token_ids) + 1):
+            if self._decode(self.token_ids[:n]).find(stop, starts[stop]) >= 0:
                 del self.token_ids[n:]
                 break
         self.text = self.text[:cut]

@@ -1,4 +1,5 @@
-"""StopChecker: stop_token_ids end generation like EOS (kept in token_ids, their text left out)."""
+"""StopChecker: stop_token_ids end generation like EOS (kept in token_ids, their text left out); min_tokens holds back
+stop strings, whatever the rounds."""
 
 from __future__ import annotations
 
@@ -52,3 +53,45 @@ def test_without_a_tokenizer_stop_ids_still_stop():
     checker = StopChecker(None, SamplingParams(stop_token_ids=(7,), max_new_tokens=4), frozenset())
     assert checker.feed([5, 6]) == ([5, 6], "") and not checker.finished
     assert checker.feed([7, 8]) == ([7], "") and checker.finish_reason == "stop"
+
+
+# ---- min_tokens holds back stop strings ------------------------------------------------------------------------------
+
+WORDS = "the quick the lazy the dog"
+
+
+@pytest.mark.parametrize("rounds", [(6,), (1,) * 6, (2, 4), (3, 3), (1, 4, 1)])  # how rounds group the tokens
+@pytest.mark.parametrize(
+    "min_tokens, stop, kept, text, reason",
+    [
+        (0, ("the",), 1, "", "stop"),
+        (2, ("the",), 3, "the quick ", "stop"),  # "the" completes at tokens 1 and 3: only 3 is past min_tokens
+        (3, ("the",), 5, "the quick the lazy ", "stop"),  # completing at token 3 = min_tokens is not enough
+        (2, ("quick the",), 3, "the ", "stop"),  # begins in the first min_tokens tokens' text, ends after it
+        (4, ("quick",), 6, WORDS, "length"),  # only ever completes early: the text keeps it and goes on
+        (4, ("quick", "lazy the"), 5, "the quick the ", "stop"),
+        (6, ("the",), 6, WORDS, "length"),  # min_tokens = max_new_tokens: no stop string can end it
+    ],
+)
+def test_min_tokens_holds_back_stop_strings(tokenizer, rounds, min_tokens, stop, kept, text, reason):
+    tokens = ids(tokenizer, WORDS)
+    checker = StopChecker(tokenizer, SamplingParams(max_new_tokens=6, min_tokens=min_tokens, stop=stop), frozenset())
+    emitted, deltas, start = [], [], 0
+    for size in rounds:
+        if checker.finished:
+            break
+        new, delta = checker.feed(tokens[start : start + size])
+        emitted += new
+        deltas.append(delta)
+        start += size
+    assert (emitted, checker.token_ids) == (tokens[:kept], tokens[:kept])
+    assert "".join(deltas) == checker.text == text
+    assert checker.finish_reason == reason
+
+
+def test_a_stop_string_held_back_leaves_the_stop_id_to_end_generation(tokenizer):
+    the, quick, lazy = ids(tokenizer, "the quick lazy")
+    params = SamplingParams(max_new_tokens=6, min_tokens=1, stop=("the",), stop_token_ids=(lazy,))
+    checker = StopChecker(tokenizer, params, frozenset({0}))
+    assert checker.feed([the, quick, lazy]) == ([the, quick, lazy], "the quick")
+    assert checker.finish_reason == "stop" and checker.stopped_on_id

@@ -1,5 +1,5 @@
-"""End to end: penalties, logit_bias, min_tokens and stop_token_ids keep speculation lossless; logprobs do not depend
-on drafting."""
+"""End to end: penalties, logit_bias, min_tokens (on stop ids and stop strings) and stop_token_ids keep speculation
+lossless; logprobs do not depend on drafting."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ray_specdec.models.target import TargetModel
 from ray_specdec.sampling import logits_to_probs
 from tests.test_engine import TargetEchoDrafter, assert_emitted_distribution, random_prompt, tiny_mamba
 from tests.test_logits_processing import reference_row
-from tests.tiny_models import tiny_gpt_neox, tiny_llama
+from tests.tiny_models import tiny_gpt_neox, tiny_llama, tiny_tokenizer
 
 TREES = ["1,1,1", "3,2,1", "2,2,1,1", "1,1,1+L4", "2,2,1+L8"]
 TARGETS = {"neox": tiny_gpt_neox, "llama": tiny_llama}
@@ -86,6 +86,40 @@ def test_stop_token_ids_stop_speculative_generation_where_plain_decoding_stops(t
             prompt, params
         )
         assert result.token_ids == free.token_ids[: first + 1] and result.finish_reason == "stop", text
+
+
+def first_stop(tokenizer, token_ids: list[int], stop: str, min_tokens: int) -> int | None:
+    """Slow reference: how many tokens a generation keeps when `stop` may end it only where it completes in a token
+    after the first min_tokens (None: never)."""
+    held = len(tokenizer.decode(token_ids[:min_tokens], skip_special_tokens=True))
+    for n in range(min_tokens + 1, len(token_ids) + 1):
+        text = tokenizer.decode(token_ids[:n], skip_special_tokens=True)
+        if any(text.startswith(stop, p) and p + len(stop) > held for p in range(len(text))):
+            return n
+    return None
+
+
+@pytest.mark.parametrize("min_tokens, kept", [(0, 4), (3, 4), (4, 7), (6, 7), (7, None)])
+def test_min_tokens_runs_past_an_early_stop_string_with_drafting_on_and_off(min_tokens, kept):
+    tok = tiny_tokenizer()
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=len(tok)), tok)
+    prompt = "the quick brown"
+    free = SpeculativeEngine(target, None).generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    # "jumps" completes at tokens 4 and 7 (token 6 is an EOS, ignored; its text is empty), never again
+    assert free.text.startswith("of is is jumps verified jumps verified of the") and free.token_ids[5] == 0
+    assert first_stop(tok, free.token_ids, "jumps", min_tokens) == kept
+    expected = free.token_ids[:kept]
+    expected_text = free.text if kept is None else tok.decode(expected, skip_special_tokens=True)[: -len("jumps")]
+    assert expected_text.count("jumps") == (min_tokens >= 4) + (kept is None)  # the early ones stay in the text
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, stop=("jumps",), min_tokens=min_tokens)
+    deep = 0
+    for text, drafter in [("none", None), *itertools.product(["1,1,1", "3,2,1", "2,2,1+L4"], [
+            TargetEchoDrafter(target.model, noise=0.0), tiny_mamba(vocab=len(tok))])]:  # fmt: skip
+        result = SpeculativeEngine(target, drafter, TreeConfig.parse(text)).generate(prompt, params)
+        assert result.token_ids == expected, (text, type(drafter).__name__)
+        assert (result.text, result.finish_reason) == (expected_text, "length" if kept is None else "stop")
+        deep += sum(a >= 3 for a in result.stats.accepted_lengths)
+    assert deep > 0, "no round accepted several tokens: the stop never fell inside a round"
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(target):
