@@ -16,6 +16,7 @@ from ray.serve import Application
 
 from deployments.bandit import BanditHubDeployment
 from deployments.engine import EngineDeployment
+from deployments.metrics import MetricsHubDeployment
 from deployments.router import RouterDeployment, RouterSettings
 from ray_specdec.bandit import DEFAULT_ARMS, BanditConfig
 from ray_specdec.config import DEFAULT_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
@@ -152,12 +153,13 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     if bandit is not None:
         path = os.path.abspath(os.path.expanduser(args.bandit_path)) if args.bandit_path else None
         hub = BanditHubDeployment.bind(bandit, path)
+    metrics = MetricsHubDeployment.bind()  # every replica's metrics, for GET /metrics (deployments/metrics.py)
     engine = EngineDeployment.options(**_engine_options(args)).bind(
         target_path, drafter_path, tp_size=args.tp_size, dtype=args.dtype, device=args.device,
         num_cpus_per_rank=args.num_cpus_per_rank, policy=bandit or fixed or default_tree(args.device),
         scheduler=args.scheduler_config(), kv_budget_gib=None if args.kv_budget_tokens else args.kv_budget_gib,
         max_context=args.max_context, drafter_prefill_window=args.drafter_prefill_window,
-        recover_timeout_s=args.recover_timeout_s, bandit_hub=hub,
+        recover_timeout_s=args.recover_timeout_s, bandit_hub=hub, metrics_hub=metrics,
     )  # fmt: skip
     settings = RouterSettings(
         model_name=args.model_name or os.path.basename(target_path.rstrip("/")), tokenizer=target_path,
@@ -169,7 +171,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
         num_replicas=args.router_replicas,
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
-    ).bind(engine, hub, settings)
+    ).bind(engine, hub, settings, metrics)
 
 
 def parse_app_args(raw: dict[str, Any]) -> AppArgs:

@@ -3,7 +3,8 @@
 Every router holds a local `Bandit` (the engine's TreePolicy: `select` and `record` never leave the process). About
 once a second `BanditSync` pushes the router's batched records (`drain_updates`) to the hub and adopts the hub's
 snapshot, so no round waits on a remote call. A push that fails is kept and sent with the next one. The hub persists
-its state to `path` (every `save_interval_s` and on shutdown), so a restarted app keeps what it learned.
+its state to `path` (every `save_interval_s` and on shutdown), so a restarted app keeps what it learned. Its summary
+is also in the app's GET /metrics (ray_specdec:bandit_* gauges, deployments/metrics.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 import logging
 
 from ray import serve
-from ray.util.metrics import Gauge
 
 from ray_specdec.bandit import Bandit, BanditConfig, BanditHub, BanditState
 
@@ -25,31 +25,15 @@ logger = logging.getLogger(__name__)
 class BanditHubDeployment:
     def __init__(self, config: BanditConfig, path: str | None = None, save_interval_s: float = 10.0):
         self.hub = BanditHub(config, path, save_interval_s)
-        self._pulls = Gauge("specdec_bandit_arm_pulls", "rounds per tree config and context bucket",
-                            tag_keys=("bucket", "tree"))  # fmt: skip
-        self._reward = Gauge("specdec_bandit_arm_mean_reward", "mean reward per tree config and context bucket",
-                             tag_keys=("bucket", "tree"))  # fmt: skip
-        self._best = Gauge("specdec_bandit_best_arm", "1 for the current best tree of each bucket",
-                           tag_keys=("bucket", "tree"))  # fmt: skip
 
     async def push(self, update: dict) -> None:
         self.hub.push(update)
-        self._export(self.hub.summary())
 
     async def snapshot(self) -> dict:
         return self.hub.snapshot()
 
     async def summary(self) -> dict:
         return self.hub.summary()
-
-    def _export(self, summary: dict) -> None:
-        for bucket in summary["buckets"]:
-            for arm in bucket["arms"]:
-                tags = {"bucket": bucket["bucket"], "tree": arm["tree"]}
-                self._pulls.set(arm["pulls"], tags)
-                if arm["mean_reward"] is not None:
-                    self._reward.set(arm["mean_reward"], tags)
-                self._best.set(float(arm["tree"] == bucket["best"]), tags)
 
     def __del__(self) -> None:  # Serve calls it when the replica shuts down
         if self.hub.path is not None:

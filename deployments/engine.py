@@ -33,6 +33,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.bandit import BanditSync
+from deployments.metrics import MetricsPush, replica_name
 from ray_specdec.bandit import Bandit, BanditConfig
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.loading import load_tokenizer
@@ -167,7 +168,10 @@ class EngineReplica:
         recover_timeout_s: float = 120.0,
         bandit_hub=None,
         bandit_sync_s: float = 1.0,
+        metrics_hub=None,
     ):
+        """metrics_hub: where this replica pushes its metrics (deployments/metrics.py); None: nowhere (an engine
+        replica inside the HTTP server: the server pushes them with its own)."""
         if tp_size == 1:
             # the CPUs the replica reserved are its threads (Ray sets OMP_NUM_THREADS from them only when unset,
             # and a runtime environment may have set it to 1)
@@ -197,6 +201,9 @@ class EngineReplica:
         self.tp_size = tp_size
         self.recover_timeout_s = recover_timeout_s
         self._down_since: float | None = None  # first restart of the ranks since the target last ran
+        self.metrics_push = None
+        if metrics_hub is not None:
+            self.metrics_push = MetricsPush(metrics_hub, replica_name("engine"), self.loop.metrics.snapshot)
 
     def _restart_ranks(self) -> None:
         """The loop's `recover` (on its thread): raises while the ranks cannot be started."""
@@ -249,6 +256,8 @@ class EngineReplica:
             raise RuntimeError("the target is down")
 
     def shutdown(self) -> None:
+        if self.metrics_push is not None:
+            self.metrics_push.stop()
         self.loop.stop()
         if isinstance(self.backend, RankGroup):
             self.backend.shutdown()

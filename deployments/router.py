@@ -7,10 +7,9 @@ is lost (ray_specdec/serving/router.py). Errors are OpenAI-shaped JSON: 400 for 
 requests that can never fit the context or the KV budget, 422 for unknown fields and out-of-range values, 503 with
 Retry-After when the engines' queues are full or the target is down, 504 when a request outlives `request_timeout_s`.
 
-Prometheus metrics (Ray's metrics agent, prefixed `ray_`): specdec_requests{status}, specdec_tokens{kind},
-specdec_rounds, specdec_accepted_tokens, specdec_mean_accepted_length, specdec_depth_offered{depth},
-specdec_depth_accepted{depth}, specdec_acceptance_rate{depth}, specdec_seconds{phase} (prefill / draft / verify),
-specdec_requests_in_flight; the bandit's gauges come from deployments/bandit.py.
+Metrics: GET /metrics, open without the API key (Prometheus scrapes it), answers the whole app's metrics in
+Prometheus' text format from any replica: every replica's numbers as last pushed to the metrics hub
+(deployments/metrics.py; this replica's own, fresh) and the bandit hub's summary. docs/METRICS.md lists them.
 """
 
 
@@ -20,23 +19,22 @@ import json
 import logging
 import secrets
 import time
-from collections import Counter as Tally
 from dataclasses import dataclass, replace
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
-from ray.util.metrics import Counter, Gauge
 from transformers.utils import cached_file
 
+from deployments.metrics import MetricsPush, replica_name
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.serving import api, openai_chat
+from ray_specdec.serving.metrics import CONTENT_TYPE, RouterMetrics, Snapshot, bandit_gauges, render
 from ray_specdec.serving.router import RequestError, Router
-from ray_specdec.stats import GenerationStats
 
 logger = logging.getLogger("ray.serve")  # Serve shows this logger's records in `serve run` output
 
@@ -110,51 +108,6 @@ def replica_lost(exc: BaseException) -> bool:
     return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
 
 
-class RouterMetrics:
-    def __init__(self):
-        self.requests = Counter("specdec_requests", "completion requests by outcome", tag_keys=("status",))
-        self.tokens = Counter("specdec_tokens", "prompt and completion tokens", tag_keys=("kind",))
-        self.rounds = Counter("specdec_rounds", "draft + verify rounds")
-        self.accepted = Counter("specdec_accepted_tokens", "draft tokens accepted (bonus tokens excluded)")
-        self.mean_accepted = Gauge("specdec_mean_accepted_length", "accepted + 1 per round, since start")
-        self.offered = Counter("specdec_depth_offered", "rounds whose tree reached depth d", tag_keys=("depth",))
-        self.reached = Counter("specdec_depth_accepted", "rounds that accepted a token at depth d", tag_keys=("depth",))
-        self.acceptance = Gauge("specdec_acceptance_rate", "accepted / offered at depth d", tag_keys=("depth",))
-        self.seconds = Counter("specdec_seconds", "time per phase of requests", tag_keys=("phase",))
-        self.in_flight = Gauge("specdec_requests_in_flight", "requests running on this router")
-        self._totals: Tally = Tally()
-
-    def record(self, status: str, prompt_tokens: int, stats: GenerationStats | None, in_flight: int) -> None:
-        self.requests.inc(1, {"status": status})
-        self.in_flight.set(in_flight)
-        _inc(self.tokens, prompt_tokens, {"kind": "prompt"})
-        if stats is None:
-            return
-        _inc(self.tokens, stats.new_tokens, {"kind": "completion"})
-        accepted = sum(stats.accepted_lengths) - stats.rounds
-        _inc(self.rounds, stats.rounds)
-        _inc(self.accepted, accepted)
-        for phase in ("prefill", "draft", "verify"):
-            _inc(self.seconds, getattr(stats, f"{phase}_s"), {"phase": phase})
-        t = self._totals
-        t["rounds"] += stats.rounds
-        t["accepted"] += accepted
-        self.mean_accepted.set((t["accepted"] + t["rounds"]) / max(1, t["rounds"]))
-        for d, offered in enumerate(stats.offered_depth, start=1):
-            reached = stats.reached_depth[d - 1] if d <= len(stats.reached_depth) else 0
-            tags = {"depth": str(d)}
-            _inc(self.offered, offered, tags)
-            _inc(self.reached, reached, tags)
-            t[f"offered{d}"] += offered
-            t[f"reached{d}"] += reached
-            self.acceptance.set(t[f"reached{d}"] / t[f"offered{d}"], tags)
-
-
-def _inc(counter: Counter, value: float, tags: dict | None = None) -> None:
-    if value > 0:  # Ray counters refuse increments of zero
-        counter.inc(value, tags)
-
-
 # Module-level helpers of RouterDeployment stay above it: Serve rebuilds the class in the replica from a pickle whose
 # functions see only the module's names defined before the class (a name below it is a NameError there, at run time).
 def _nth_sample(params: SamplingParams, j: int) -> SamplingParams:
@@ -185,7 +138,7 @@ def _downstream_error(exc: BaseException) -> tuple[int, str]:
 @serve.deployment(name="router", ray_actor_options={"num_cpus": 0})
 @serve.ingress(fastapi_app)
 class RouterDeployment:
-    async def __init__(self, engine, bandit_hub, settings: RouterSettings):
+    async def __init__(self, engine, bandit_hub, settings: RouterSettings, metrics_hub=None):
         self.settings = settings
         self.engine = engine
         self.info = await engine.info.remote()
@@ -194,7 +147,12 @@ class RouterDeployment:
         self.core = Router(ServeEngine(engine), load_tokenizer(settings.tokenizer), max_context, replica_lost,
                            settings.retry_s, settings.stream_interval_s)  # fmt: skip
         self.defaults = api.generation_defaults(_generation_config(settings.tokenizer))
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(lambda: self.core.in_flight)
+        self.metrics_hub = metrics_hub
+        self.replica_name = replica_name("router")
+        self.metrics_push = None
+        if metrics_hub is not None:
+            self.metrics_push = MetricsPush(metrics_hub, self.replica_name, self._metrics_snapshot)
         self.app_name = serve.get_replica_context().app_name
         logger.info("ray_specdec is ready. Try:\n%s", await self._curl_example())
 
@@ -210,7 +168,7 @@ class RouterDeployment:
             for prompt in prompts:
                 self.core.check_length(len(prompt), params)
         except (ValueError, RequestError) as exc:
-            self.metrics.record("rejected", 0, None, self.core.in_flight)
+            self.metrics.record("rejected")
             raise ApiError(400, str(exc), param="prompt" if isinstance(exc, RequestError) else None) from None
         choices = [(prompt, _nth_sample(params, j)) for prompt in prompts for j in range(body.n)]
         name = self.settings.model_name
@@ -230,7 +188,7 @@ class RouterDeployment:
             params.check_vocab(self.info["vocab_size"])
             self.core.check_length(len(ids), params)
         except (ValueError, RequestError) as exc:
-            self.metrics.record("rejected", 0, None, self.core.in_flight)
+            self.metrics.record("rejected")
             raise ApiError(400, str(exc), param="messages") from None
         choices = [(ids, _nth_sample(params, j)) for j in range(body.n)]
         name = self.settings.model_name
@@ -252,21 +210,20 @@ class RouterDeployment:
 
     async def _generate(self, choices: list[tuple[list[int], SamplingParams]], tree: TreeConfig | None) -> list:
         """Every choice (prompt, params) as one engine request, concurrently -> their Generations in order."""
-        self.metrics.in_flight.set(self.core.in_flight + len(choices))
         try:
             gens = await asyncio.wait_for(
                 asyncio.gather(*(self.core.generate(ids, params, tree) for ids, params in choices)),
                 self.settings.request_timeout_s,
             )
         except asyncio.CancelledError:
-            self.metrics.record("cancelled", 0, None, self.core.in_flight)
+            self.metrics.record("cancelled")
             raise
         except Exception as exc:
             status, message = _downstream_error(exc)
-            self.metrics.record("rejected" if status < 500 else "error", 0, None, self.core.in_flight)
+            self.metrics.record("rejected" if status < 500 else "error")
             raise ApiError(status, message, "invalid_request_error" if status < 500 else "server_error") from None
-        for (ids, _), gen in zip(choices, gens):
-            self.metrics.record("ok", len(ids), gen.stats, self.core.in_flight)
+        for _ in gens:
+            self.metrics.record("ok")
         return gens
 
     async def _stream(self, choices: list[tuple[list[int], SamplingParams]], tree: TreeConfig | None, bodies):
@@ -280,7 +237,7 @@ class RouterDeployment:
             for stream in streams:
                 await stream.aclose()
             status, message = _downstream_error(exc)
-            self.metrics.record("rejected" if status < 500 else "error", 0, None, self.core.in_flight)
+            self.metrics.record("rejected" if status < 500 else "error")
             raise ApiError(status, message, "invalid_request_error" if status < 500 else "server_error") from None
         return StreamingResponse(self._events(choices, streams, firsts, bodies), media_type="text/event-stream")
 
@@ -311,7 +268,7 @@ class RouterDeployment:
                     yield api.sse(body)
                 if chunk.finish_reason is not None:
                     open_choices -= 1
-                    self.metrics.record("ok", len(choices[index][0]), chunk.stats, self.core.in_flight)
+                    self.metrics.record("ok")
             for body in bodies.end():
                 yield api.sse(body)
             status = "ok"
@@ -326,7 +283,7 @@ class RouterDeployment:
             for stream in streams:
                 await stream.aclose()
             if status != "ok":
-                self.metrics.record(status, 0, None, self.core.in_flight)
+                self.metrics.record(status)
 
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -368,6 +325,21 @@ class RouterDeployment:
         if self.bandit_hub is None:
             return {"policy": "fixed"}
         return await asyncio.wait_for(_result(self.bandit_hub.summary.remote()), 30.0)
+
+    @fastapi_app.get("/metrics")
+    async def prometheus(self) -> Response:
+        """The whole app's metrics (module docstring); no API key."""
+        snapshots = {}
+        if self.metrics_hub is not None:
+            snapshots = await asyncio.wait_for(_result(self.metrics_hub.snapshots.remote()), 30.0)
+        snapshots[self.replica_name] = self._metrics_snapshot()
+        summary = None
+        if self.bandit_hub is not None:
+            summary = await asyncio.wait_for(_result(self.bandit_hub.summary.remote()), 30.0)
+        return Response(render(snapshots, bandit_gauges(summary)), media_type=CONTENT_TYPE)
+
+    def _metrics_snapshot(self) -> Snapshot:
+        return self.metrics.snapshot()
 
     @fastapi_app.get("/v1/stats")
     async def stats(self) -> dict:

@@ -53,7 +53,7 @@ class EngineLoop:
         on_step: Callable[[Scheduler, float], None] | None = None,
     ):
         """recover: brings a failed target back (raises if it cannot); on_step(scheduler, seconds): after each step
-        (metrics)."""
+        (a hook for tests and tools)."""
         self.scheduler = scheduler
         self.recover = recover
         self.recover_timeout_s = recover_timeout_s
@@ -66,6 +66,7 @@ class EngineLoop:
         self._inbox: deque[tuple] = deque()
         self._streams: dict[str, _Stream] = {}  # read by the loop's thread, written by the event loop's
         self._stopped = False
+        self._observe(time.monotonic())  # gauges from the start
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 

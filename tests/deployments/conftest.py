@@ -157,6 +157,22 @@ def post(url: str, body, timeout: float = 120.0) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, trust_env=False)
 
 
+def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """GET /metrics (no API key), parsed: {(sample name, sorted label pairs): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{url}/metrics", timeout=60, trust_env=False)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}  # fmt: skip
+
+
+def metric_sum(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """The sum of a scrape's samples named `name` whose labels include `labels`."""
+    return sum(v for (n, pairs), v in samples.items() if n == name and labels.items() <= dict(pairs).items())
+
+
 def sse_chunks(response: httpx.Response) -> list:
     """The JSON chunks of a server-sent event stream, checking it ends with [DONE]."""
     data = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]

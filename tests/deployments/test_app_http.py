@@ -23,7 +23,8 @@ from ray_specdec.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.loadtest import LoadTestConfig, run_loadtest
-from tests.deployments.conftest import PROMPTS, WORDS, greedy_margin, post, serve_app, sse_chunks
+from tests.deployments.conftest import (PROMPTS, WORDS, greedy_margin, metric_sum, post, scrape_metrics, serve_app,
+                                       sse_chunks)
 
 MAX_TOKENS = 40
 # The /kv app: greedy requests of KV_PROMPT (5 tokens), without drafting, reserve prompt + KV_TOKENS + 1 rows: two fit
@@ -253,19 +254,22 @@ def test_a_request_that_can_never_fit_the_kv_budget_gets_400(url, stream):
     assert f"the KV budget is {KV_BUDGET} rows" in response.json()["error"]["message"]
 
 
-def test_prometheus_metrics(url):
-    import ray
+def test_metrics_of_every_replica_come_from_any_replica(url):
+    """GET /metrics (whichever replica answers) holds every engine replica's numbers, pushed to the metrics hub:
+    the engines' finished requests add up to the choices the routes served, and each replica has its gauges."""
+    served = "ray_specdec:router_requests_total"
 
-    port = ray._private.worker.global_worker.node.metrics_export_port
+    def read():
+        s = scrape_metrics(url)
+        replicas = {dict(labels)["replica"] for name, labels in s if name == "ray_specdec:num_requests_running"}
+        ended = sum(metric_sum(s, "ray_specdec:request_success_total", finished_reason=r) for r in ("stop", "length"))
+        return s if len(replicas) == engine_replicas(url) > 1 and ended == metric_sum(s, served, status="ok") else None
 
-    def scrape() -> str:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False, timeout=10).text
-        return text if "ray_specdec_rounds_total" in text and "ray_specdec_bandit_arm_pulls" in text else ""
-
-    text = poll(scrape, timeout_s=30)
-    for name in ("specdec_requests_total", "specdec_tokens_total", "specdec_mean_accepted_length",
-                 "specdec_acceptance_rate", "specdec_seconds_total", "specdec_bandit_best_arm"):  # fmt: skip
-        assert f"ray_{name}" in text
+    samples = poll(read, timeout_s=30)
+    assert samples, "no scrape with every replica's numbers"
+    assert metric_sum(samples, "ray_specdec:spec_decode_num_accepted_tokens_total") > 0
+    assert metric_sum(samples, "ray_specdec:time_to_first_token_seconds_count") > 0
+    assert metric_sum(samples, "ray_specdec:bandit_best_arm") >= 1
 
 
 def test_bandit_state_is_persisted(url, bandit_path):

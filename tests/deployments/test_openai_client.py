@@ -3,6 +3,9 @@ logprobs, stream_options, penalties, the model endpoints, and API-key auth. One 
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 import httpx
 import openai
 import pytest
@@ -10,7 +13,7 @@ import pytest
 from deployments import AppArgs
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine import SpeculativeEngine
-from tests.deployments.conftest import PROMPTS, serve_app
+from tests.deployments.conftest import PROMPTS, metric_sum, scrape_metrics, serve_app
 
 KEY = "sk-test-key"
 MAX_TOKENS = 24
@@ -114,3 +117,54 @@ def test_unsupported_fields_and_other_models_get_clear_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-9")
     assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_metrics_are_open_and_move_by_what_the_requests_did(url):
+    """GET /metrics needs no key; after three completions (one tree each: fixed, none, the bandit's), the counters
+    and histograms moved by exactly what the responses report. Engines push about once a second: poll."""
+    served = "ray_specdec:router_requests_total"
+
+    def settled() -> dict | None:
+        """A scrape in which every choice the routes served is in the engines' numbers too."""
+        s = scrape_metrics(url)
+        ended = sum(metric_sum(s, "ray_specdec:request_success_total", finished_reason=r) for r in ("stop", "length"))
+        return s if ended == metric_sum(s, served, status="ok") else None
+
+    def poll(read, timeout_s: float = 30.0):
+        deadline = time.monotonic() + timeout_s
+        while not (value := read()):
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.2)
+        return value
+
+    before = poll(settled)
+    bodies = []
+    for prompt, tree in zip(PROMPTS, ("2,1", "none", None)):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        body |= {"tree": tree} if tree else {}
+        response = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                              trust_env=False, timeout=120)  # fmt: skip
+        bodies.append(response.json())
+    served_before = metric_sum(before, served, status="ok")
+    after = poll(lambda: (s := settled()) and metric_sum(s, served, status="ok") == served_before + 3
+                 and metric_sum(s, "ray_specdec:bandit_arm_pulls") > 0 and s)  # the bandit hub syncs every second
+
+    def moved(name: str, **labels) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    trees = Counter()
+    for b in bodies:
+        trees.update(b["speculative"]["trees"])
+    accepted = sum(round((b["speculative"]["mean_accepted_length"] - 1) * b["speculative"]["rounds"]) for b in bodies)
+    assert moved("ray_specdec:request_success_total", finished_reason="length") == 3
+    assert moved("ray_specdec:prompt_tokens_total") == sum(b["usage"]["prompt_tokens"] for b in bodies)
+    assert moved("ray_specdec:generation_tokens_total") == sum(b["usage"]["completion_tokens"] for b in bodies) == 48
+    for tree, rounds in trees.items():
+        assert moved("ray_specdec:rounds_total", tree=tree) == rounds
+    assert moved("ray_specdec:spec_decode_num_drafts_total") == trees.total() - trees["none"] > 0
+    assert moved("ray_specdec:spec_decode_num_accepted_tokens_total") == accepted > 0
+    assert moved("ray_specdec:spec_decode_num_draft_tokens_total") >= accepted
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert moved(f"ray_specdec:{name}_count") == 3 and moved(f"ray_specdec:{name}_bucket", le="+Inf") == 3
+    assert moved("ray_specdec:inter_token_latency_seconds_count") == trees.total() - 3
+    assert metric_sum(after, "ray_specdec:num_requests_running") == 0
