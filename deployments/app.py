@@ -1,8 +1,10 @@
 """The application builder: `serve run deployments:app key=value ...` or a Serve config file (serve_config.yaml).
 
 One pydantic model (`AppArgs`, extra="forbid") holds every argument; `app(args)` wires three deployments:
-router (FastAPI ingress, `router_replicas`) -> engine (the round loop beside the target and the drafter, one replica
-per data-parallel copy of the target; each owns tp_size rank actors when tp_size > 1) and the shared bandit hub.
+engine replicas (the OpenAI routes and the round loop beside the target and the drafter, one replica per
+data-parallel copy of the target; each owns tp_size rank actors when tp_size > 1) and the shared bandit hub. With
+ingress=router, router replicas (the routes alone) answer HTTP and forward each request to an engine replica, and a
+request whose engine replica dies continues on another.
 Defaults: the embedded default models on CPU, tp_size 1, one engine replica, the bandit over the default tree arms.
 Errors in the arguments are reported in one line (`serve run` prints "Error: ...").
 """
@@ -17,7 +19,7 @@ from ray.serve import Application
 from deployments.bandit import BanditHubDeployment
 from deployments.engine import EngineDeployment
 from deployments.metrics import MetricsHubDeployment
-from deployments.router import RouterDeployment, RouterSettings
+from deployments.router import RouterDeployment, RouterSettings, ServerDeployment
 from ray_specdec.bandit import DEFAULT_ARMS, BanditConfig
 from ray_specdec.config import DEFAULT_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
 from ray_specdec.engine import DEFAULT_MIN_PATH_PROB
@@ -78,10 +80,13 @@ class AppArgs(BaseModel):
     max_waiting: int = Field(_SCHEDULER.max_waiting, ge=0)  # queued requests per replica beyond which: 503
     step_tokens: int = Field(_SCHEDULER.step_tokens, ge=1)  # target rows per step (verify rows + prefill chunks)
     prefill_chunk: int = Field(_SCHEDULER.prefill_chunk, ge=1)  # prompt tokens per prefill chunk
-    # serving limits and timeouts
-    router_replicas: int = Field(1, ge=1)
-    max_ongoing_requests: int = Field(256, ge=1)  # per router replica
-    max_queued_requests: int = Field(256, ge=0)  # waiting for a router replica; beyond this Serve answers 503
+    # serving shape. "engine": each engine replica answers HTTP itself (the proxy hands it the request; no hop in
+    # between). "router": router replicas answer HTTP and forward to the engine replicas, one hop further, and a
+    # request whose engine replica dies mid-stream continues on another (docs/INTERFACES.md, "Serving")
+    ingress: Literal["engine", "router"] = "engine"
+    router_replicas: int = Field(1, ge=1)  # router mode only
+    max_ongoing_requests: int = Field(256, ge=1)  # per router replica (router mode only)
+    max_queued_requests: int = Field(256, ge=0)  # waiting for a replica; beyond this Serve answers 503
     request_timeout_s: float = Field(600.0, gt=0)
     retry_s: float = Field(60.0, ge=0)  # how long a request whose engine replica died waits for another
     recover_timeout_s: float = Field(120.0, gt=0)  # how long an engine waits for restarted target ranks
@@ -154,12 +159,12 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
         path = os.path.abspath(os.path.expanduser(args.bandit_path)) if args.bandit_path else None
         hub = BanditHubDeployment.bind(bandit, path)
     metrics = MetricsHubDeployment.bind()  # every replica's metrics, for GET /metrics (deployments/metrics.py)
-    engine = EngineDeployment.options(**_engine_options(args)).bind(
-        target_path, drafter_path, tp_size=args.tp_size, dtype=args.dtype, device=args.device,
+    replica = dict(
+        target=target_path, drafter=drafter_path, tp_size=args.tp_size, dtype=args.dtype, device=args.device,
         num_cpus_per_rank=args.num_cpus_per_rank, policy=bandit or fixed or default_tree(args.device),
         scheduler=args.scheduler_config(), kv_budget_gib=None if args.kv_budget_tokens else args.kv_budget_gib,
         max_context=args.max_context, drafter_prefill_window=args.drafter_prefill_window,
-        recover_timeout_s=args.recover_timeout_s, bandit_hub=hub, metrics_hub=metrics,
+        recover_timeout_s=args.recover_timeout_s,
     )  # fmt: skip
     settings = RouterSettings(
         model_name=args.model_name or os.path.basename(target_path.rstrip("/")), tokenizer=target_path,
@@ -167,11 +172,16 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         stream_interval_s=args.stream_interval_s,
     )  # fmt: skip
+    if args.ingress == "engine":
+        options = _engine_options(args) | {"max_queued_requests": args.max_queued_requests}
+        return ServerDeployment.options(**options).bind(settings, bandit_hub=hub, replica_kwargs=replica,
+                                                        metrics_hub=metrics)  # fmt: skip
+    engine = EngineDeployment.options(**_engine_options(args)).bind(**replica, bandit_hub=hub, metrics_hub=metrics)
     return RouterDeployment.options(
         num_replicas=args.router_replicas,
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
-    ).bind(engine, hub, settings, metrics)
+    ).bind(settings, engine_handle=engine, bandit_hub=hub, metrics_hub=metrics)
 
 
 def parse_app_args(raw: dict[str, Any]) -> AppArgs:

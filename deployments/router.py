@@ -29,6 +29,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from transformers.utils import cached_file
 
+from deployments.engine import EngineReplica
 from deployments.metrics import MetricsPush, replica_name
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.loading import load_tokenizer
@@ -103,6 +104,20 @@ class ServeEngine:
             stream.cancel()
 
 
+class LocalEngine:
+    """EngineClient over the engine replica in this process (engine mode): no remote call at all."""
+
+    def __init__(self, replica: EngineReplica):
+        self.replica = replica
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None, interval_s: float):
+        return self.replica.generate(prompt_ids, params, tree, None, interval_s)
+
+
+def _never(exc: BaseException) -> bool:
+    return False  # the engine is this process: nothing to continue elsewhere
+
+
 def replica_lost(exc: BaseException) -> bool:
     """Whether an engine call failed because its replica (or its process) is gone."""
     return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
@@ -135,21 +150,30 @@ def _downstream_error(exc: BaseException) -> tuple[int, str]:
     return 500, f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-@serve.deployment(name="router", ray_actor_options={"num_cpus": 0})
 @serve.ingress(fastapi_app)
-class RouterDeployment:
-    async def __init__(self, engine, bandit_hub, settings: RouterSettings, metrics_hub=None):
+class OpenAIServer:
+    """The routes, over either engine: `engine_handle` (router mode: the engine deployment's replicas, a hop away) or
+    `replica_kwargs` (engine mode: an `EngineReplica` built in this process, the loop beside the routes)."""
+
+    async def __init__(self, settings: RouterSettings, engine_handle=None, bandit_hub=None,
+                       replica_kwargs: dict | None = None, metrics_hub=None):
         self.settings = settings
-        self.engine = engine
-        self.info = await engine.info.remote()
+        self.engine = engine_handle
+        self.replica = None
+        if replica_kwargs is not None:
+            # the weights load on a thread: the replica's event loop keeps answering Serve's health checks
+            self.replica = await asyncio.to_thread(EngineReplica, **replica_kwargs, bandit_hub=bandit_hub)
+            self.info, client, lost = self.replica.info(), LocalEngine(self.replica), _never
+        else:
+            self.info, client, lost = await engine_handle.info.remote(), ServeEngine(engine_handle), replica_lost
         max_context = min(self.info["max_context"], settings.max_context or self.info["max_context"])
         self.bandit_hub = bandit_hub
-        self.core = Router(ServeEngine(engine), load_tokenizer(settings.tokenizer), max_context, replica_lost,
-                           settings.retry_s, settings.stream_interval_s)  # fmt: skip
+        self.core = Router(client, load_tokenizer(settings.tokenizer), max_context, lost, settings.retry_s,
+                           settings.stream_interval_s)  # fmt: skip
         self.defaults = api.generation_defaults(_generation_config(settings.tokenizer))
         self.metrics = RouterMetrics(lambda: self.core.in_flight)
         self.metrics_hub = metrics_hub
-        self.replica_name = replica_name("router")
+        self.replica_name = replica_name("router" if self.replica is None else "engine")
         self.metrics_push = None
         if metrics_hub is not None:
             self.metrics_push = MetricsPush(metrics_hub, self.replica_name, self._metrics_snapshot)
@@ -308,7 +332,9 @@ class RouterDeployment:
         engine = status.applications[self.app_name].deployments["engine"]
         running = engine.replica_states.get("RUNNING", 0)
         target = {"healthy": False, "recovering": False}
-        if running:
+        if self.replica is not None:
+            target = await self.replica.health()
+        elif running:
             with contextlib.suppress(Exception):  # no answer in time is not healthy either
                 target = await asyncio.wait_for(_result(self.engine.health.remote()), HEALTH_TIMEOUT_S)
         healthy = running and target["healthy"] and not str(engine.status).endswith("UNHEALTHY")
@@ -339,14 +365,19 @@ class RouterDeployment:
         return Response(render(snapshots, bandit_gauges(summary)), media_type=CONTENT_TYPE)
 
     def _metrics_snapshot(self) -> Snapshot:
-        return self.metrics.snapshot()
+        """The routes' numbers, with the engine replica's in engine mode (one process, one push)."""
+        snapshot = self.metrics.snapshot()
+        return snapshot if self.replica is None else snapshot | self.replica.loop.metrics.snapshot()
 
     @fastapi_app.get("/v1/stats")
     async def stats(self) -> dict:
         status = await asyncio.to_thread(serve.status)
         deployments = status.applications[self.app_name].deployments
         replicas = {name: d.replica_states.get("RUNNING", 0) for name, d in deployments.items()}
-        engine = await asyncio.wait_for(_result(self.engine.stats.remote()), 30.0)
+        if self.replica is not None:
+            engine = await self.replica.stats()
+        else:
+            engine = await asyncio.wait_for(_result(self.engine.stats.remote()), 30.0)
         return {"replicas": replicas, "in_flight": self.core.in_flight, "continued": self.core.continued,
                 "engine": engine}
 
@@ -366,3 +397,21 @@ class RouterDeployment:
         body = json.dumps({"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0})
         url = f"http://{host}:{port}{prefix.rstrip('/')}/v1/completions"
         return f"curl -s {url} -H 'Content-Type: application/json' -d '{body}'"
+
+    async def check_health(self) -> None:
+        """Serve's health check: in engine mode, the engine replica's (a dead loop or a target that did not come
+        back restarts the replica)."""
+        if self.replica is not None:
+            await self.replica.check_health()
+
+    def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        if getattr(self, "replica", None) is not None:
+            self.replica.shutdown()
+
+
+# Router mode: the routes alone (no CPU of their own), a hop before the engine deployment's replicas.
+RouterDeployment = serve.deployment(name="router", ray_actor_options={"num_cpus": 0})(OpenAIServer)
+# Engine mode: the routes and an engine replica in one process; the HTTP proxy hands each request to one of them.
+# No access log: each request is one long streaming call.
+ServerDeployment = serve.deployment(name="engine", logging_config={"enable_access_log": False},
+                                    health_check_period_s=5)(OpenAIServer)  # fmt: skip

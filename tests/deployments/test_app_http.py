@@ -146,10 +146,10 @@ def test_info_endpoints(url):
     assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["engine_replicas"] >= 1
     stats = httpx.get(f"{url}/v1/stats", trust_env=False).json()
     replicas = stats["replicas"]
-    assert replicas.pop("engine") in (1, 2) and replicas == {"router": 1, "bandit": 1}
+    assert replicas.pop("engine") in (1, 2) and replicas == {"bandit": 1, "metrics": 1}  # engine mode: no router
     assert stats["engine"]["healthy"] is True and stats["engine"]["kv_budget"] > 0
     rounds = poll(lambda: sum(b["rounds"] for b in httpx.get(f"{url}/v1/bandit", trust_env=False).json()["buckets"]))
-    assert rounds > 20  # the routers' records reached the shared hub
+    assert rounds > 20  # the engines' records reached the shared hub
 
 
 def poll(read, timeout_s: float = 10.0):

@@ -226,23 +226,33 @@ def test_builder_wires_the_app(model_dirs):
     target, drafter = model_dirs
     built = app(AppArgs(target=str(target), drafter=str(drafter), trees="1,1;3,2,1", tp_size=2, kv_budget_tokens=4096,
                         max_waiting=3, retry_s=5))  # fmt: skip
-    name, (engine_app, hub_app, settings), _ = bound(built)
-    assert (name, bound(engine_app)[0], bound(hub_app)[0]) == ("router", "engine", "bandit")
-    _, (target_path, drafter_path), kwargs = bound(engine_app)
-    assert (target_path, drafter_path) == (str(target), str(drafter))
+    # engine mode (the default): one deployment, the routes and an engine replica in each of its processes
+    name, (settings,), server = bound(built)
+    assert (name, bound(server["bandit_hub"])[0]) == ("engine", "bandit")
+    kwargs = server["replica_kwargs"]
+    assert (kwargs["target"], kwargs["drafter"]) == (str(target), str(drafter))
     placement = (kwargs["tp_size"], kwargs["dtype"], kwargs["device"], kwargs["num_cpus_per_rank"])
     assert placement == (2, "auto", "cpu", 1.0)
-    assert [str(t) for t in kwargs["policy"].arms] == ["1,1", "3,2,1"] and kwargs["bandit_hub"] is hub_app
+    assert [str(t) for t in kwargs["policy"].arms] == ["1,1", "3,2,1"]
     scheduler = kwargs["scheduler"]
     assert (scheduler.kv_budget_tokens, scheduler.max_waiting, kwargs["kv_budget_gib"]) == (4096, 3, None)
     assert kwargs["drafter_prefill_window"] == "auto"
     assert (settings.model_name, settings.tokenizer, settings.retry_s) == ("target", str(target), 5)
-    windowed = app(AppArgs(target=str(target), drafter=str(drafter), drafter_prefill_window=512, tree="2,1"))
-    engine_app, no_hub, _ = bound(windowed)[1]
-    assert bound(engine_app)[2]["drafter_prefill_window"] == 512 and no_hub is None
-    assert str(bound(engine_app)[2]["policy"]) == "2,1" and bound(engine_app)[2]["kv_budget_gib"] == 2.0
-    engine_app, no_hub, _ = bound(app(AppArgs(target=str(target), drafter="none")))[1]
-    assert bound(engine_app)[1][1] is None and no_hub is None
+    assert built._bound_deployment._deployment_config.max_ongoing_requests == 64 + 3  # max_running + max_waiting
+    # router mode: router -> engine deployment, the same replica arguments and hub
+    routed = app(AppArgs(target=str(target), drafter=str(drafter), trees="1,1;3,2,1", tp_size=2,
+                         kv_budget_tokens=4096, max_waiting=3, retry_s=5, ingress="router"))  # fmt: skip
+    name, (routed_settings,), router = bound(routed)
+    assert (name, bound(router["engine_handle"])[0], bound(router["bandit_hub"])[0]) == ("router", "engine", "bandit")
+    engine_name, (), engine_kwargs = bound(router["engine_handle"])
+    assert engine_kwargs["bandit_hub"] is router["bandit_hub"] and routed_settings == settings
+    assert {k: v for k, v in engine_kwargs.items() if k not in ("bandit_hub", "metrics_hub", "policy")} == \
+        {k: v for k, v in kwargs.items() if k != "policy"}
+    windowed = bound(app(AppArgs(target=str(target), drafter=str(drafter), drafter_prefill_window=512, tree="2,1")))[2]
+    assert windowed["replica_kwargs"]["drafter_prefill_window"] == 512 and windowed["bandit_hub"] is None
+    assert str(windowed["replica_kwargs"]["policy"]) == "2,1" and windowed["replica_kwargs"]["kv_budget_gib"] == 2.0
+    plain = bound(app(AppArgs(target=str(target), drafter="none")))[2]
+    assert plain["replica_kwargs"]["drafter"] is None and plain["bandit_hub"] is None
     with pytest.raises(AppError, match="drafter: model directory"):
         app(AppArgs(target=str(target), drafter=str(target / "missing")))
 

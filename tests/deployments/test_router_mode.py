@@ -1,0 +1,99 @@
+"""ingress=router over real HTTP: router replicas in front of two engine replicas (one local Ray, tiny float32 models).
+
+The default shape (ingress=engine, tests/deployments/test_app_http.py) answers HTTP in the engine replicas, so a
+replica that dies takes its requests with it. Router mode pays a hop per chunk for the opposite: a request whose engine
+replica dies mid-stream continues on the other from the tokens it has streamed (ray_specdec/serving/router.py), and
+greedy output is still exactly the target's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+
+from deployments import AppArgs
+from ray_specdec.config import SamplingParams
+from ray_specdec.engine import SpeculativeEngine
+from tests.deployments.conftest import PROMPTS, greedy_margin, post, serve_app
+
+MAX_TOKENS = 150  # long enough that the requests are still running when a replica is killed
+
+
+@pytest.fixture(scope="module")
+def url(model_dirs):
+    target, drafter = model_dirs
+    args = AppArgs(target=str(target), drafter=str(drafter), ingress="router", replicas=2, num_cpus_per_rank=0.5,
+                   stream_interval_s=0, retry_s=60)  # fmt: skip
+    with serve_app(args) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def reference(engine) -> dict[str, list[int]]:
+    """Target-alone greedy ids per prompt, on paths without float32 near-ties."""
+    alone = SpeculativeEngine(engine.target, None)
+    out = {}
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt)
+        out[prompt] = alone.generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS)).token_ids
+        assert greedy_margin(engine.target, ids, out[prompt]) > 1e-3
+    return out
+
+
+def test_router_mode_answers_like_the_target(url, reference):
+    response = post(url, {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == reference[PROMPTS[0]]
+    stats = httpx.get(f"{url}/v1/stats", trust_env=False).json()
+    assert (stats["replicas"]["router"], stats["replicas"]["engine"]) == (1, 2)
+
+
+def engine_replica_names() -> list[str]:
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA::specdec#engine#"))  # fmt: skip
+
+
+def test_a_killed_engine_replica_loses_no_request(url, reference):
+    """Eight greedy streams over both engine replicas; one replica is killed once every stream has its first
+    tokens: every stream still ends with exactly the target's tokens, some of them continued on the other replica."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    finish: list[str | None] = [None] * len(prompts)
+    started = threading.Barrier(len(prompts) + 1, timeout=120)
+
+    def stream(index: int) -> None:
+        body = {"prompt": prompts[index], "max_tokens": MAX_TOKENS, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120, trust_env=False) as response:
+            first = True
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                tokens[index] += choice["token_ids"]
+                finish[index] = choice["finish_reason"]
+                if first:
+                    first = False
+                    started.wait()
+
+    before = httpx.get(f"{url}/v1/stats", trust_env=False).json()["continued"]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    started.wait()  # every stream has its first chunk: all are running on some replica
+    victim = engine_replica_names()[0]
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    for thread in threads:
+        thread.join(timeout=180)
+    assert finish == ["length"] * len(prompts)
+    assert tokens == [reference[p] for p in prompts]
+    continued = httpx.get(f"{url}/v1/stats", trust_env=False).json()["continued"] - before
+    assert continued >= 1  # the power of two choices spread the eight streams over both replicas
+    deadline = time.monotonic() + 120  # Serve replaces the killed replica
+    while len(engine_replica_names()) < 2 or victim in engine_replica_names():
+        assert time.monotonic() < deadline, engine_replica_names()
+        time.sleep(1)
