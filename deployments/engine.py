@@ -172,32 +172,36 @@ class EngineReplica:
     ):
         """metrics_hub: where this replica pushes its metrics (deployments/metrics.py); None: nowhere (an engine
         replica inside the HTTP server: the server pushes them with its own)."""
-        if tp_size == 1:
-            # the CPUs the replica reserved are its threads (Ray sets OMP_NUM_THREADS from them only when unset,
-            # and a runtime environment may have set it to 1)
-            torch.set_num_threads(max(1, round(num_cpus_per_rank)))
-            self.backend = LocalTarget(TargetModel.from_pretrained(target, dtype=dtype, device=device))
-            kv_bytes = self.backend.target.kv_bytes_per_token
-            recover = None
-        else:
-            self.backend = RankGroup(target, tp_size=tp_size, dtype=dtype, device=device,
-                                     num_cpus_per_rank=num_cpus_per_rank)  # fmt: skip
-            kv_bytes = self.backend.info["kv_bytes_per_token"]
-            recover = self._restart_ranks
-        if kv_budget_gib is not None:
-            scheduler = replace(scheduler, kv_budget_tokens=kv_budget_rows(kv_budget_gib, kv_bytes))
-        self.drafter = None
-        if drafter is not None:
-            self.drafter = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device,
-                                                        prefill_window=drafter_prefill_window)  # fmt: skip
         self.bandit_sync = None
         if isinstance(policy, BanditConfig):
             bandit = Bandit(policy)
             self.bandit_sync = BanditSync(bandit, bandit_hub, bandit_sync_s) if bandit_hub is not None else None
             policy = bandit
         self.tokenizer = load_tokenizer(target)
-        sched = Scheduler(self.backend, self.drafter, self.tokenizer, policy, scheduler, max_context)
-        self.loop = EngineLoop(sched, recover, recover_timeout_s)
+        self.backend = self.drafter = None
+
+        def build() -> Scheduler:
+            """The models and the scheduler, on the loop's thread: the one thread of this process that runs torch's
+            parallel work (EngineLoop says why)."""
+            config = scheduler
+            if tp_size == 1:
+                # the CPUs the replica reserved are its threads (Ray sets OMP_NUM_THREADS from them only when
+                # unset, and a runtime environment may have set it to 1)
+                torch.set_num_threads(max(1, round(num_cpus_per_rank)))
+                self.backend = LocalTarget(TargetModel.from_pretrained(target, dtype=dtype, device=device))
+                kv_bytes = self.backend.target.kv_bytes_per_token
+            else:
+                self.backend = RankGroup(target, tp_size=tp_size, dtype=dtype, device=device,
+                                         num_cpus_per_rank=num_cpus_per_rank)  # fmt: skip
+                kv_bytes = self.backend.info["kv_bytes_per_token"]
+            if kv_budget_gib is not None:
+                config = replace(config, kv_budget_tokens=kv_budget_rows(kv_budget_gib, kv_bytes))
+            if drafter is not None:
+                self.drafter = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device,
+                                                            prefill_window=drafter_prefill_window)  # fmt: skip
+            return Scheduler(self.backend, self.drafter, self.tokenizer, policy, config, max_context)
+
+        self.loop = EngineLoop(build, self._restart_ranks if tp_size > 1 else None, recover_timeout_s)
         self.tp_size = tp_size
         self.recover_timeout_s = recover_timeout_s
         self._down_since: float | None = None  # first restart of the ranks since the target last ran

@@ -5,6 +5,7 @@ with TargetUnavailable, and requests that cannot run fail before their first chu
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 
@@ -113,6 +114,30 @@ def test_concurrent_requests_get_the_engines_tokens(make_loop, expected):
     assert run(collect_all(loop)) == expected
     wait_until(lambda: not loop.scheduler.has_work)
     assert not loop.scheduler.target.caches and loop.stats()["kv_reserved"] == 0 and loop.healthy
+
+
+def test_a_scheduler_built_by_a_function_is_built_and_stepped_on_the_loops_thread(models, expected):
+    """The models are built where they run: torch's parallel work stays on one thread (EngineLoop's docstring)."""
+    target, drafter = models
+    built_on, stepped_on = [], set()
+
+    def build() -> Scheduler:
+        built_on.append(threading.get_ident())
+        return Scheduler(LocalTarget(target), drafter, None, POLICY, SchedulerConfig())
+
+    loop = EngineLoop(build, on_step=lambda scheduler, seconds: stepped_on.add(threading.get_ident()))
+    try:
+        assert built_on and built_on[0] != threading.get_ident() and isinstance(loop.scheduler, Scheduler)
+        assert run(collect_all(loop)) == expected
+        assert stepped_on == {built_on[0]}
+    finally:
+        loop.stop()
+
+    def broken() -> Scheduler:
+        raise FileNotFoundError("no such model")
+
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        EngineLoop(broken)
 
 
 def test_rounds_are_merged_into_one_chunk_per_interval(make_loop, expected):
