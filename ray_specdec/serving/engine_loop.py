@@ -2,8 +2,11 @@
 
 `EngineLoop.generate(...)` is an async iterator of a request's `StreamChunk`s. One worker thread owns the scheduler:
 it takes new requests and aborts from an inbox between steps, runs `Scheduler.step()` while any request is in flight
-and hands each step's chunks to the requests' asyncio queues, so the event loop never waits for a step. A request whose consumer goes away (client disconnect,
-cancellation, timeout) is aborted: its KV is freed with the next step.
+and hands each step's chunks to the requests' asyncio queues, so the event loop never waits for a step. A request
+whose consumer goes away (client disconnect, cancellation, timeout) is aborted: its KV is freed with the next step.
+So there is no per-request table with idle eviction or LRU (as the per-request drafter and target sessions of earlier
+versions needed, and a cache library would give): a request's state lives in the scheduler exactly as long as the
+request, and leaves it by finishing or by this abort.
 
 Faults. A step that raises is a target fault (a tensor-parallel rank died, a GPU error). The loop asks `recover`
 (restart the ranks; None when there is nothing to restart) and, once the target is back, moves every running request

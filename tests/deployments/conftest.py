@@ -103,6 +103,19 @@ def greedy_margin(target: TargetModel, prompt_ids: list[int], generated: list[in
     return float((top[:, 0] - top[:, 1]).min())
 
 
+def greedy_reference(engine: SpeculativeEngine, max_tokens: int) -> dict[str, list[int]]:
+    """Target-alone greedy ids of each of PROMPTS, checked to sit on paths without float32 near-ties."""
+    from ray_specdec.config import SamplingParams
+
+    alone = SpeculativeEngine(engine.target, None)
+    out = {}
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt)
+        out[prompt] = alone.generate(ids, SamplingParams(max_new_tokens=max_tokens)).token_ids
+        assert greedy_margin(engine.target, ids, out[prompt]) > 1e-3
+    return out
+
+
 # ---- Ray Serve apps for the HTTP tests --------------------------------------------------------------------------
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,10 +21,9 @@ import pytest
 from deployments import AppArgs
 from ray_specdec.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.loadtest import LoadTestConfig, run_loadtest
-from tests.deployments.conftest import (PROMPTS, WORDS, greedy_margin, metric_sum, post, scrape_metrics, serve_app,
-                                       sse_chunks)
+from tests.deployments.conftest import (PROMPTS, WORDS, greedy_margin, greedy_reference, metric_sum, post,
+                                       scrape_metrics, serve_app, sse_chunks)
 
 MAX_TOKENS = 40
 # The /kv app: greedy requests of KV_PROMPT (5 tokens), without drafting, reserve prompt + KV_TOKENS + 1 rows: two fit
@@ -55,14 +54,7 @@ def url(model_dirs, bandit_path):
 
 @pytest.fixture(scope="module")
 def reference(engine) -> dict[str, list[int]]:
-    """Target-alone greedy ids per prompt, on paths without float32 near-ties."""
-    alone = SpeculativeEngine(engine.target, None)
-    out = {}
-    for prompt in PROMPTS:
-        ids = engine.encode(prompt)
-        out[prompt] = alone.generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS)).token_ids
-        assert greedy_margin(engine.target, ids, out[prompt]) > 1e-3
-    return out
+    return greedy_reference(engine, MAX_TOKENS)
 
 
 def completion(response: httpx.Response) -> dict:

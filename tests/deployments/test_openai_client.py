@@ -3,8 +3,11 @@ logprobs, stream_options, penalties, the model endpoints, and API-key auth. One 
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import openai
@@ -168,3 +171,27 @@ def test_metrics_are_open_and_move_by_what_the_requests_did(url):
         assert moved(f"ray_specdec:{name}_count") == 3 and moved(f"ray_specdec:{name}_bucket", le="+Inf") == 3
     assert moved("ray_specdec:inter_token_latency_seconds_count") == trees.total() - 3
     assert metric_sum(after, "ray_specdec:num_requests_running") == 0
+
+
+def readme_block(after: str, language: str) -> str:
+    """The first ```language block of the README after the line containing `after`."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rest = text[text.index(after):]
+    start = rest.index(f"```{language}\n") + len(language) + 4
+    return rest[start:rest.index("```", start)]
+
+
+def test_the_readmes_curl_and_openai_examples_run(url, monkeypatch, capsys):
+    """README, "Calling it": both examples, pointed at this app (its address, model name and key)."""
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    curl = readme_block("## Calling it", "bash").replace("http://127.0.0.1:8000", url).replace("\\\n", " ")
+    curl = curl.replace("curl -s", f"curl -s -H 'Authorization: Bearer {KEY}'", 1)
+    done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    body = json.loads(done.stdout)
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 64
+    snippet = readme_block("Or with the official `openai` client", "python")
+    snippet = snippet.replace("http://127.0.0.1:8000", url).replace('api_key="unused"', f'api_key="{KEY}"')
+    exec(compile(snippet.replace('model="target-neox"', 'model="tiny"'), "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 and all(printed)  # the completion's text, then the streamed chat's

@@ -17,9 +17,7 @@ import pytest
 import ray
 
 from deployments import AppArgs
-from ray_specdec.config import SamplingParams
-from ray_specdec.engine import SpeculativeEngine
-from tests.deployments.conftest import PROMPTS, greedy_margin, post, serve_app
+from tests.deployments.conftest import PROMPTS, greedy_reference, post, serve_app
 
 MAX_TOKENS = 150  # long enough that the requests are still running when a replica is killed
 
@@ -35,14 +33,7 @@ def url(model_dirs):
 
 @pytest.fixture(scope="module")
 def reference(engine) -> dict[str, list[int]]:
-    """Target-alone greedy ids per prompt, on paths without float32 near-ties."""
-    alone = SpeculativeEngine(engine.target, None)
-    out = {}
-    for prompt in PROMPTS:
-        ids = engine.encode(prompt)
-        out[prompt] = alone.generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS)).token_ids
-        assert greedy_margin(engine.target, ids, out[prompt]) > 1e-3
-    return out
+    return greedy_reference(engine, MAX_TOKENS)
 
 
 def test_router_mode_answers_like_the_target(url, reference):
