@@ -2,7 +2,8 @@
 
 `EngineLoop.generate(...)` is an async iterator of a request's `StreamChunk`s. One worker thread owns the scheduler:
 it takes new requests and aborts from an inbox between steps, runs `Scheduler.step()` while any request is in flight
-and hands each step's chunks to the requests' asyncio queues, so the event loop never waits for a step. A request
+and hands each step's chunks to the requests' asyncio queues (merged to one per `interval_s`, one wake-up of the
+event loop per step), so the event loop never waits for a step. A request
 whose consumer goes away (client disconnect, cancellation, timeout) is aborted: its KV is freed with the next step.
 So there is no per-request table with idle eviction or LRU (as the per-request drafter and target sessions of earlier
 versions needed, and a cache library would give): a request's state lives in the scheduler exactly as long as the
@@ -45,6 +46,9 @@ class TargetUnavailable(RuntimeError):
 class _Stream:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    interval_s: float = 0.0
+    due: float = -math.inf  # (the loop's thread) when the next chunk may go out
+    held: StreamChunk | None = None  # (the loop's thread) rounds merged until the chunk is due
 
 
 class EngineLoop:
@@ -108,23 +112,20 @@ class EngineLoop:
         # add that will run at once): scheduler.add, on the loop's thread, has the last word
         if self.scheduler.num_waiting >= self.scheduler.config.max_waiting > 0:
             raise QueueFull(f"{self.scheduler.num_waiting} requests are waiting (max_waiting); retry later")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(asyncio.Queue(), loop)
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop(), interval_s)
         self._streams[request_id] = stream
         self._send(("add", request_id, list(prompt_ids), params, tree, arrival))
-        due = -math.inf  # when the next chunk may go out
         try:
             while True:
-                item = await _next(stream.queue, None)
-                while item.finish_reason is None:  # merge the rounds that come before the chunk is due
-                    later = await _next(stream.queue, due - loop.time())
+                item = await _next(stream.queue)
+                while item.finish_reason is None:  # a slow consumer: what came meanwhile goes out as one chunk
+                    later = await _next(stream.queue, wait=False)
                     if later is None:
                         break
                     item = _merged(item, later)
                 yield item
                 if item.finish_reason is not None:
                     return
-                due = loop.time() + interval_s
         finally:
             self._streams.pop(request_id, None)
             self._send(("abort", request_id))
@@ -184,7 +185,7 @@ class EngineLoop:
             for out in outputs:
                 chunk = out.chunk
                 self.metrics.produced(out.request_id, len(chunk.token_ids), chunk.finish_reason, chunk.stats, end)
-                self._deliver(out.request_id, chunk)
+            self._hand_out(outputs, end)
             if self.on_step is not None:
                 self.on_step(self.scheduler, time.perf_counter() - t0)
 
@@ -208,6 +209,24 @@ class EngineLoop:
         s = self.scheduler
         self.metrics.admissions({r.request_id for r in s.waiting}, admitted_at)
         self.metrics.scheduler_state(s.num_running, s.num_waiting, s.reserved, s.config.kv_budget_tokens)
+
+    def _hand_out(self, outputs, now: float) -> None:
+        """A step's chunks to their streams: a round whose chunk is not due yet is held and merged with the next
+        (the first chunk and the last are never held), and each event loop is woken once for all of its streams'
+        chunks. An event loop woken per request and step would contend with this thread for the GIL every step."""
+        due: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            item = out.chunk if stream.held is None else _merged(stream.held, out.chunk)
+            if item.finish_reason is None and now < stream.due:
+                stream.held = item
+                continue
+            stream.held, stream.due = None, now + stream.interval_s
+            due.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in due.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -246,6 +265,11 @@ class EngineLoop:
         self.healthy = self.recover is None  # nothing to restart: the next request tries again
 
 
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 def _merged(first: StreamChunk, then: StreamChunk) -> StreamChunk:
     """Two consecutive chunks of a request as one."""
     logprobs = None if first.logprobs is None else [*first.logprobs, *then.logprobs]
@@ -253,20 +277,12 @@ def _merged(first: StreamChunk, then: StreamChunk) -> StreamChunk:
                        logprobs)
 
 
-async def _next(queue: asyncio.Queue, timeout: float | None) -> StreamChunk | None:
-    """The next chunk (raising what the loop delivered instead), waiting at most `timeout` seconds (None: as long
-    as it takes; a timeout that has passed: only what is already there) -> None when none came in time."""
-    if timeout is not None and timeout <= 0:
-        if queue.empty():
-            return None
-        item = queue.get_nowait()
-    elif timeout is None:
-        item = await queue.get()
-    else:
-        try:
-            item = await asyncio.wait_for(queue.get(), timeout)
-        except TimeoutError:
-            return None
+async def _next(queue: asyncio.Queue, wait: bool = True) -> StreamChunk | None:
+    """The next chunk (raising what the loop delivered instead); without `wait`, only one already there, else
+    None."""
+    if not wait and queue.empty():
+        return None
+    item = await queue.get() if wait else queue.get_nowait()
     if isinstance(item, BaseException):
         raise item
     return item
