@@ -76,14 +76,16 @@ class FixedTree:
     def arms(self) -> tuple[TreeConfig, ...]:
         return (self.tree,)
 
-    def select(self, context_len: int, sampled: bool = False, max_nodes: int | None = None) -> TreeConfig:
+    def select(self, context_len: int, sampled: bool = False, max_nodes: int | None = None, *,
+               load: int = 1) -> TreeConfig:  # fmt: skip
         return self.tree
 
-    def throughput(self, context_len: int, sampled: bool = False, draw: bool = False) -> dict[TreeConfig, float]:
+    def throughput(self, context_len: int, sampled: bool = False, draw: bool = False, *,
+                   load: int = 1) -> dict[TreeConfig, float]:  # fmt: skip
         return {}  # no estimates: the start rule drafts
 
     def record(self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float,
-               sampled: bool = False, what_if=None) -> None:
+               sampled: bool = False, what_if=None, *, load: int = 1) -> None:
         pass
 
 

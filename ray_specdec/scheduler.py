@@ -180,6 +180,7 @@ class Scheduler:
         self.kept_plain = 0  # requests the start rule kept undrafted
         self.rounds_unrecorded = 0  # rounds whose tree is none of the policy's arms (cut at the end of a request)
         self.steps = 0
+        self.load = 1  # requests decoding in the current step: the policy's load level for its rounds
         self._work = StepWork()
 
     # ----- requests in and out -----
@@ -267,6 +268,7 @@ class Scheduler:
         self._admit()
         decoding = [r for r in self.running.values() if r.decoding]
         prefilling = [r for r in self.running.values() if not r.decoding]
+        self.load = max(len(decoding), 1)
         self._choose_trees(decoding)
         draft_rows, drafter_prefill_s = self._draft(decoding)
         t0 += drafter_prefill_s  # the rounds' time leaves the drafter's prefills out (request costs, in prefill_s)
@@ -348,7 +350,7 @@ class Scheduler:
             return Candidate([NO_TREE], [1.0], fixed=True)
         if r.tree is not None:
             return Candidate([r.tree.truncated(cut)], [1.0], fixed=True)
-        pick = self.policy.select(ctx, r.sampled)
+        pick = self.policy.select(ctx, r.sampled, load=self.load)
         if r.start == EXPLORE and not pick.depth:
             pick = self._drafting_arm(ctx, r.sampled)
         smaller = sorted((a for a in self.policy.arms if a.num_nodes < pick.num_nodes), key=lambda a: -a.num_nodes)
@@ -422,7 +424,8 @@ class Scheduler:
         if arm not in arms:
             self.rounds_unrecorded += 1
         self.acceptance.record(arm, r.context_len, r.sampled, accepted, what)
-        self.policy.record(arm, r.context_len, accepted, max(r.stats.last_round_s, 1e-9), r.sampled, what)
+        self.policy.record(arm, r.context_len, accepted, max(r.stats.last_round_s, 1e-9), r.sampled, what,
+                           load=self.load)  # fmt: skip
 
     def _free(self, r: Request) -> None:
         if r.admitted:
@@ -447,7 +450,8 @@ class Scheduler:
         """
         if self.prefill_s_per_token is None:
             return DRAFT
-        estimates = self.policy.throughput(context_len, sampled, draw=True)
+        # the request will decode alongside every running one (itself included)
+        estimates = self.policy.throughput(context_len, sampled, draw=True, load=len(self.running))
         plain, (drafting, _) = estimates.get(NO_TREE), _best_drafting(estimates)
         if plain is None or drafting is None:
             return DRAFT
@@ -458,7 +462,7 @@ class Scheduler:
 
     def _drafting_arm(self, context_len: int, sampled: bool) -> TreeConfig:
         """The drafting arm with the best Thompson draw (a round of an EXPLORE request the policy left undrafted)."""
-        _, arm = _best_drafting(self.policy.throughput(context_len, sampled, draw=True))
+        _, arm = _best_drafting(self.policy.throughput(context_len, sampled, draw=True, load=self.load))
         return arm if arm.depth else max(self.policy.arms, key=lambda a: (a.depth > 0, -a.num_nodes))
 
     def _prefilled(self, context_len: int) -> int:

@@ -21,6 +21,7 @@ from ray_specdec.bandit import (
     ThroughputReward,
     UCB1,
     bucket_labels,
+    load_labels,
 )
 from ray_specdec.bandit.state import OWN_FIELDS, WHAT_IF_FIELDS
 from ray_specdec.config import TreeConfig
@@ -45,17 +46,17 @@ def gaussian_env(means: np.ndarray, switch_at: int | None = None, after: np.ndar
 
 
 def simulate(
-    bandit: Bandit, env: Env, rounds: int, seed: int = 1, context_len: int = 100, sampled: bool = False
+    bandit: Bandit, env: Env, rounds: int, seed: int = 1, context_len: int = 100, sampled: bool = False, load: int = 1
 ) -> np.ndarray:
     """Run `rounds` select/record rounds; returns the arm index picked in each."""
     rng = np.random.default_rng(seed)
     arms = bandit.config.arms
     picks = np.empty(rounds, dtype=np.int64)
     for i in range(rounds):
-        tree = bandit.select(context_len, sampled)
+        tree = bandit.select(context_len, sampled, load=load)
         picks[i] = arm = arms.index(tree)
         accepted, seconds = env(arm, i, context_len, rng)
-        bandit.record(tree, context_len, accepted, seconds, sampled)
+        bandit.record(tree, context_len, accepted, seconds, sampled, load=load)
     return picks
 
 
@@ -123,7 +124,8 @@ def test_buckets_keep_separate_statistics():
     np.testing.assert_array_equal(after.raw[[1, 2, 4]], 0.0)
     assert late_share(short, 3) >= 0.9 and late_share(long, 5) >= 0.9
     bests = [b["best"] for b in bandit.summary()["buckets"]]
-    assert bests == [str(DEFAULT_ARMS[3]), None, None, str(DEFAULT_ARMS[5]), None] + [None] * 5  # + sampled cells
+    assert bests[:5] == [str(DEFAULT_ARMS[3]), None, None, str(DEFAULT_ARMS[5]), None]  # greedy, load 1
+    assert set(bests[5:]) == {None}  # other load levels, sampled cells
 
 
 def test_a_new_bucket_starts_from_what_the_other_buckets_learned():
@@ -148,35 +150,73 @@ def test_greedy_and_sampled_rounds_keep_separate_statistics():
     sampled = simulate(bandit, gaussian_env(sampled_means), 2000, seed=2, sampled=True)
     after = bandit.state
     greedy_cell, sampled_cell = before.bucket_of(100), before.bucket_of(100, sampled=True)
-    assert (greedy_cell, sampled_cell) == (0, 5)
+    assert (greedy_cell, sampled_cell) == (0, 5 * 4)  # after 5 buckets x 4 load levels of greedy cells
     np.testing.assert_array_equal(after.raw[greedy_cell], before.raw[greedy_cell])
     assert late_share(greedy, 3) >= 0.9 and late_share(sampled, 8) >= 0.9
-    cells = {(c["mode"], c["bucket"]): c["best"] for c in bandit.summary()["buckets"]}
-    assert cells[("greedy", "greedy <1k")] == str(DEFAULT_ARMS[3])
-    assert cells[("sampled", "sampled <1k")] == str(DEFAULT_ARMS[8])
+    cells = {(c["mode"], c["bucket"], c["load"]): c["best"] for c in bandit.summary()["buckets"]}
+    assert cells[("greedy", "greedy <1k", "1")] == str(DEFAULT_ARMS[3])
+    assert cells[("sampled", "sampled <1k", "1")] == str(DEFAULT_ARMS[8])
     pooled = Bandit(BanditConfig(policy=UCB1(), split_sampling=False))
     pooled.record(DEFAULT_ARMS[0], 100, 1, 0.1, sampled=True)
-    assert pooled.state.raw.shape[0] == 5 and [c["bucket"] for c in pooled.summary()["buckets"]][0] == "<1k"
+    assert pooled.state.raw.shape[0] == 5 * 4 and [c["bucket"] for c in pooled.summary()["buckets"]][0] == "<1k"
+
+
+def test_load_levels_keep_separate_statistics():
+    # Alone (load 1) arm 3 is best; among 32 requests decoding together no drafting (arm 8) is: a round's time is its
+    # share of the batched step, so the same tree is worth less. The default (Thompson) bandit.
+    busy_means = MEANS.copy()
+    busy_means[8] = 150.0
+    bandit = Bandit(BanditConfig(), seed=0)
+    alone = simulate(bandit, gaussian_env(MEANS), 2000, seed=1)
+    before, choice = bandit.state, [bandit.select(100) for _ in range(200)]
+    busy = simulate(bandit, gaussian_env(busy_means), 2000, seed=2, load=32)
+    after = bandit.state
+    alone_cell, busy_cell = before.bucket_of(100), before.bucket_of(100, load=32)
+    assert (alone_cell, busy_cell) == (0, 3 * 5)  # level "17+", after 3 levels of 5 buckets
+    np.testing.assert_array_equal(after.raw[alone_cell], before.raw[alone_cell])
+    np.testing.assert_array_equal(after.disc[alone_cell], before.disc[alone_cell])
+    assert late_share(alone, 3) >= 0.9 and late_share(busy, 8) >= 0.9
+    # load 32's rounds leave the choice at load 1 as it was (they reach it only as a prior of prior_pulls rounds)
+    assert choice.count(DEFAULT_ARMS[3]) >= 195
+    assert [bandit.select(100) for _ in range(200)].count(DEFAULT_ARMS[3]) >= 195
+    assert [bandit.select(100, load=17) for _ in range(200)].count(DEFAULT_ARMS[8]) >= 195
+    cells = {(c["bucket"], c["load"]): c["best"] for c in bandit.summary()["buckets"]}
+    assert cells[("greedy <1k", "1")] == str(DEFAULT_ARMS[3]) and cells[("greedy <1k", "17+")] == "none"
+
+
+def test_default_load_levels_count_the_requests_decoding_in_a_step():
+    config = BanditConfig()
+    assert load_labels(config.load_edges) == ["1", "2-4", "5-16", "17+"]
+    assert load_labels((2, 8)) == ["1-2", "3-8", "9+"] and load_labels(()) == ["all"]
+    state = config.empty_state()
+    assert state.num_cells == 2 * 4 * 5  # modes x load levels x prompt-length buckets
+    levels = {load: state.cell_parts(state.bucket_of(100, load=load))[1] for load in (1, 2, 4, 5, 16, 17, 64)}
+    assert levels == {1: 0, 2: 1, 4: 1, 5: 2, 16: 2, 17: 3, 64: 3}
+    assert state.cell_parts(state.bucket_of(5000, sampled=True, load=3)) == ("sampled", 1, 3)
+    one_level = BanditConfig(load_edges=()).empty_state()
+    assert {one_level.bucket_of(100, load=n) for n in (1, 5, 64)} == {0}
+    assert [c["load"] for c in BanditHub(BanditConfig(load_edges=())).summary()["buckets"]] == ["all"] * 10
+    with pytest.raises(ValueError, match="load edges"):
+        BanditConfig(load_edges=(4, 2)).empty_state()
 
 
 def test_a_one_mode_state_warm_starts_both_modes_and_old_files_are_refused(tmp_path):
     one_mode = Bandit(BanditConfig(split_sampling=False))
-    for r in random_rounds(40, seed=3):
-        one_mode.record(*r)
+    replay(one_mode, random_rounds(40, seed=3))
     path = tmp_path / "pooled.json"
     one_mode.save(path)
     split = Bandit.load(path)
     assert split.state.modes == ("greedy", "sampled")
-    nb = split.state.num_buckets
-    np.testing.assert_array_equal(split.state.raw[:nb], one_mode.state.raw)
-    np.testing.assert_array_equal(split.state.raw[nb:], one_mode.state.raw)
+    per_mode = split.state.cells_per_mode
+    np.testing.assert_array_equal(split.state.raw[:per_mode], one_mode.state.raw)
+    np.testing.assert_array_equal(split.state.raw[per_mode:], one_mode.state.raw)
     with pytest.raises(ValueError, match="modes"):
         BanditConfig(split_sampling=False).restore(split.state)
     data = one_mode.state.to_dict()
     data["version"] = 1  # per-round means only, no token/time moments: refused with what to do about it
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="not a version-3 bandit state.*move the state file away"):
+    with pytest.raises(ValueError, match="not a version-4 bandit state.*move the state file away"):
         Bandit.load(old)
     data["version"] = 2  # before what-if rounds: loads, with none
     for table in ("raw", "disc"):
@@ -186,6 +226,47 @@ def test_a_one_mode_state_warm_starts_both_modes_and_old_files_are_refused(tmp_p
     v2 = Bandit.load(old, BanditConfig(split_sampling=False))
     np.testing.assert_array_equal(v2.state.raw, one_mode.state.raw)
     assert not v2.state.raw[..., len(OWN_FIELDS):].any()
+
+
+def as_version_3(state: BanditState, path) -> None:
+    """Write a one-level state as a version-3 file (no load levels)."""
+    assert state.load_edges == ()
+    data = state.to_dict()
+    data["version"] = 3
+    del data["load_edges"]
+    path.write_text(json.dumps(data))
+
+
+def test_a_version_3_state_loads_into_the_first_load_level_and_version_4_round_trips(tmp_path):
+    old = Bandit(BanditConfig(load_edges=()))  # one level: version 3's layout
+    replay(old, random_rounds(80, seed=7))
+    as_version_3(old.state, tmp_path / "v3.json")
+    state = Bandit.load(tmp_path / "v3.json").state
+    assert state.load_edges == (1, 4, 16) and state.steps.sum() == 80  # nothing counted twice
+    nb, per_mode = state.num_buckets, state.cells_per_mode
+    for mode in range(2):
+        start = mode * per_mode
+        first_level, rest = slice(start, start + nb), slice(start + nb, start + per_mode)
+        before = slice(mode * nb, (mode + 1) * nb)
+        for table in ("raw", "disc", "steps"):
+            np.testing.assert_array_equal(getattr(state, table)[first_level], getattr(old.state, table)[before])
+            assert not getattr(state, table)[rest].any()
+    v4, full = tmp_path / "v4.json", Bandit(state=state)
+    replay(full, random_rounds(80, seed=9))  # rounds at every load level
+    full.save(v4)
+    assert_same_state(Bandit.load(v4).state, full.state)
+    assert BanditState.load(v4).load_edges == (1, 4, 16)
+    with pytest.raises(ValueError, match="load edges.*move the state file away"):
+        Bandit.load(v4, BanditConfig(load_edges=(2, 8)))
+
+    # the other levels start from it through the prior: the same estimates, then their own rounds
+    learned = Bandit(BanditConfig(policy=UCB1(), load_edges=()), seed=0)
+    simulate(learned, gaussian_env(MEANS), 500)
+    as_version_3(learned.state, tmp_path / "learned.json")
+    resumed = Bandit.load(tmp_path / "learned.json", BanditConfig(policy=UCB1()), seed=0)
+    alone, busy = resumed.throughput(100), resumed.throughput(100, load=32)
+    assert set(busy) == set(alone) and all(busy[arm] == pytest.approx(alone[arm]) for arm in alone)
+    assert resumed.select(100, load=32) == DEFAULT_ARMS[3]
 
 
 def test_throughput_is_a_ratio_of_sums_with_a_delta_method_variance():
@@ -280,15 +361,22 @@ def test_record_validates_and_skips_trees_outside_the_arm_set():
     assert bandit.state.steps.sum() == 1
 
 
-def random_rounds(n: int, seed: int) -> list[tuple[TreeConfig, int, int, float, bool]]:
+def random_rounds(n: int, seed: int) -> list[tuple[TreeConfig, int, int, float, bool, int]]:
+    """(tree, context_len, accepted_tokens, round_time_s, sampled, load) of random rounds over every cell."""
     rng = np.random.default_rng(seed)
     rounds = []
     for _ in range(n):
         tree = DEFAULT_ARMS[rng.integers(len(DEFAULT_ARMS))]
         accepted = int(rng.integers(0, tree.depth + 1))
         sampled = bool(rng.integers(2))
-        rounds.append((tree, int(rng.integers(0, 10_000)), accepted, float(rng.uniform(0.01, 0.1)), sampled))
+        load = int(rng.choice([1, 2, 4, 5, 16, 17, 64]))
+        rounds.append((tree, int(rng.integers(0, 10_000)), accepted, float(rng.uniform(0.01, 0.1)), sampled, load))
     return rounds
+
+
+def replay(bandit: Bandit, rounds: list[tuple[TreeConfig, int, int, float, bool, int]]) -> None:
+    for tree, context_len, accepted, seconds, sampled, load in rounds:
+        bandit.record(tree, context_len, accepted, seconds, sampled, load=load)
 
 
 def assert_same_state(a: BanditState, b: BanditState) -> None:
@@ -301,14 +389,12 @@ def test_merging_batched_updates_from_two_routers_equals_direct_records():
     rounds = random_rounds(300, seed=3)
     config = BanditConfig(gamma=0.99)  # strong discount so an order or exponent mistake shows
     direct = Bandit(config)
-    for r in rounds:
-        direct.record(*r)
+    replay(direct, rounds)
 
     hub, routers = BanditHub(config), [Bandit(config), Bandit(config)]
     for i, start in enumerate(range(0, 300, 37)):  # uneven batches, alternating routers
         router = routers[i % 2]
-        for r in rounds[start : start + 37]:
-            router.record(*r)
+        replay(router, rounds[start : start + 37])
         hub.push(router.drain_updates().to_dict())  # JSON transport, as through an actor
         router.apply_snapshot(hub.snapshot())
     assert_same_state(hub.state, direct.state)
@@ -318,17 +404,35 @@ def test_merging_batched_updates_from_two_routers_equals_direct_records():
 def test_snapshot_keeps_records_not_yet_drained():
     rounds = random_rounds(40, seed=4)
     hub, router = BanditHub(), Bandit()
-    for r in rounds[:30]:
-        router.record(*r)
+    replay(router, rounds[:30])
     hub.push(router.drain_updates())
-    for r in rounds[30:]:
-        router.record(*r)
+    replay(router, rounds[30:])
     router.apply_snapshot(hub.snapshot())
     direct = Bandit()
-    for r in rounds:
-        direct.record(*r)
+    replay(direct, rounds)
     assert_same_state(router.state, direct.state)
     assert router.drain_updates().steps.sum() == 10
+
+
+def test_the_hub_merges_routers_recording_at_different_load_levels():
+    rounds = random_rounds(400, seed=8)
+    alone, busy = [r for r in rounds if r[5] == 1], [r for r in rounds if r[5] > 16]
+    config = BanditConfig(gamma=0.99)
+    hub, quiet, loaded = BanditHub(config), Bandit(config), Bandit(config)
+    replay(quiet, alone)
+    replay(loaded, busy)
+    hub.push(quiet.drain_updates().to_dict())
+    hub.push(loaded.drain_updates().to_dict())
+    quiet.apply_snapshot(hub.snapshot())
+    direct = Bandit(config)
+    replay(direct, alone + busy)
+    assert_same_state(hub.state, direct.state)
+    assert_same_state(quiet.state, direct.state)
+    rounds_per_level = {}
+    for cell in hub.summary()["buckets"]:
+        rounds_per_level[cell["load"]] = rounds_per_level.get(cell["load"], 0) + cell["rounds"]
+    assert rounds_per_level == {"1": len(alone), "2-4": 0, "5-16": 0, "17+": len(busy)}
+    assert min(len(alone), len(busy)) > 20
 
 
 def test_save_load_round_trip_and_continue_where_it_left_off(tmp_path):
@@ -342,7 +446,8 @@ def test_save_load_round_trip_and_continue_where_it_left_off(tmp_path):
     first.save(path)
     assert sorted(p.name for p in path.parent.iterdir()) == ["bandit.json"]  # temporary file renamed away
     data = json.loads(path.read_text())
-    assert (data["format"], data["version"], data["modes"]) == ("ray_specdec.bandit", 3, ["greedy", "sampled"])
+    assert (data["format"], data["version"], data["modes"]) == ("ray_specdec.bandit", 4, ["greedy", "sampled"])
+    assert data["load_edges"] == [1, 4, 16]
 
     resumed = Bandit.load(path, config)
     assert_same_state(resumed.state, first.state)
@@ -362,8 +467,7 @@ def test_hub_persists_and_survives_a_restart_with_a_changed_arm_set(tmp_path):
     now = [0.0]
     hub = BanditHub(path=path, save_interval_s=5.0, clock=lambda: now[0])
     router = Bandit()
-    for r in random_rounds(50, seed=6):
-        router.record(*r)
+    replay(router, random_rounds(50, seed=6))
     hub.push(router.drain_updates())
     assert not path.exists()  # within the save interval
     now[0] = 6.0
@@ -381,16 +485,21 @@ def test_hub_persists_and_survives_a_restart_with_a_changed_arm_set(tmp_path):
 
 
 def test_summary_reports_pulls_means_and_best():
-    bandit = Bandit(BanditConfig(arms=HW_ARMS, bucket_edges=(1024,), policy=UCB1()))
+    bandit = Bandit(BanditConfig(arms=HW_ARMS, bucket_edges=(1024,), load_edges=(4,), policy=UCB1()))
     bandit.record(TreeConfig((1, 1)), 10, 2, 0.1)  # 30 tokens/s
-    bandit.record(TreeConfig((1, 1)), 20, 0, 0.1)  # 10 tokens/s
+    bandit.record(TreeConfig((1, 1)), 20, 0, 0.1, load=4)  # 10 tokens/s
     bandit.record(TreeConfig((2, 1, 1)), 30, 3, 0.1)  # 40 tokens/s
     bandit.record(TreeConfig((1, 1)), 5000, 1, 0.2)  # other bucket
+    bandit.record(TreeConfig((1, 1, 1, 1)), 10, 0, 0.1, load=5)  # other load level
     summary = bandit.summary()
     assert summary["reward"] == "throughput"
-    short, long, sampled_short, sampled_long = summary["buckets"]
-    assert sampled_short["rounds"] == sampled_long["rounds"] == 0
+    short, long, busy_short, busy_long, *sampled = summary["buckets"]
+    assert len(sampled) == 4 and {c["rounds"] for c in sampled} == {0} and busy_long["rounds"] == 0
     assert (short["bucket"], short["mode"], short["rounds"], short["best"]) == ("greedy <1k", "greedy", 3, "2,1,1")
+    assert (short["load"], short["min_load"], short["max_load"]) == ("1-4", 1, 4)
+    assert (busy_short["bucket"], busy_short["load"], busy_short["min_load"], busy_short["max_load"]) == (
+        "greedy <1k", "5+", 5, None)
+    assert (busy_short["rounds"], busy_short["best"]) == (1, "1,1,1,1")
     chain = short["arms"][0]
     assert (chain["tree"], chain["pulls"]) == ("1,1", 2)
     assert chain["mean_reward"] == pytest.approx(20.0)
@@ -416,6 +525,7 @@ def test_throughput_estimates_are_the_cells_tokens_per_second():
     assert rates[arms[0]] == pytest.approx(150.0) and rates[arms[1]] == pytest.approx(100.0)
     assert bandit.throughput(5000)[arms[0]] == pytest.approx(50.0)
     assert bandit.throughput(100, sampled=True) == {}  # greedy and sampled rounds are separate cells
+    assert bandit.throughput(100, load=8) == {}  # and so are load levels
     paper = Bandit(BanditConfig(arms=arms, reward=PaperReward()), seed=0)
     paper.record(arms[0], 100, accepted_tokens=2, round_time_s=0.02)
     assert paper.throughput(100) == {}  # not a throughput

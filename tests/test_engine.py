@@ -408,13 +408,13 @@ class RecordingPolicy:
         self.tree, self.records = tree, []
         self.arms = (tree,)
 
-    def throughput(self, context_len, sampled=False, draw=False):
+    def throughput(self, context_len, sampled=False, draw=False, *, load=1):
         return {}
 
-    def select(self, context_len, sampled=False):
+    def select(self, context_len, sampled=False, *, load=1):
         return self.tree
 
-    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None):
+    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None, *, load=1):
         self.records.append((str(tree), accepted_tokens, sampled))
 
 

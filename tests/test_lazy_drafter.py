@@ -22,15 +22,15 @@ class ScriptedPolicy:
     def __init__(self, script):
         self.script, self.round, self.records = [TreeConfig(b) for b in script], 0, []
 
-    def throughput(self, context_len, sampled=False, draw=False):
+    def throughput(self, context_len, sampled=False, draw=False, *, load=1):
         return {}
 
-    def select(self, context_len, sampled=False):
+    def select(self, context_len, sampled=False, *, load=1):
         tree = self.script[min(self.round, len(self.script) - 1)]
         self.round += 1
         return tree
 
-    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None):
+    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None, *, load=1):
         self.records.append((str(tree), round_time_s))
 
 
@@ -121,7 +121,7 @@ class RatedPolicy(ScriptedPolicy):
         super().__init__(script)
         self.rates = {TreeConfig(b): r for b, r in rates.items()}
 
-    def throughput(self, context_len, sampled=False, draw=False):
+    def throughput(self, context_len, sampled=False, draw=False, *, load=1):
         assert draw  # the engine decides on Thompson draws
         return dict(self.rates)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from ray_specdec.bandit import Bandit, BanditConfig
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine import SpeculativeEngine
@@ -278,3 +279,54 @@ def test_aborts_of_waiting_and_running_requests(tiny, after_reset):
     scheduler.step()
     assert scheduler.abort("b0") and not scheduler.has_work
     assert not scheduler.target.caches  # an abort that leaves nothing to step frees its cache at once
+
+
+# ---- the policy's load level ---------------------------------------------------------------------------------------
+
+
+class LoadRecorder:
+    """A policy with one tree that notes the load it is asked and taught at."""
+
+    arms = (TreeConfig((1, 1)),)
+
+    def __init__(self):
+        self.asked, self.taught = [], []
+
+    def throughput(self, context_len, sampled=False, draw=False, *, load=1):
+        return {}
+
+    def select(self, context_len, sampled=False, *, load=1):
+        self.asked.append(load)
+        return self.arms[0]
+
+    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None, *, load=1):
+        self.taught.append(load)
+
+
+def load_requests() -> list[tuple[str, list[int], SamplingParams, None]]:
+    """Three requests that start together and end one after another: 3, then 2, then 1 decoding."""
+    return [(f"l{i}", random_prompt(20 + i, seed=60 + i), SamplingParams(max_new_tokens=n, ignore_eos=True), None)
+            for i, n in enumerate((4, 12, 24))]  # fmt: skip
+
+
+def test_the_policy_picks_and_learns_at_the_load_of_the_step(tiny):
+    target, drafter = tiny
+    policy = LoadRecorder()
+    scheduler = Scheduler(LocalTarget(target), drafter, None, policy)
+    for request in load_requests():
+        scheduler.add(*request)
+    loads = []
+    while scheduler.has_work:
+        asked, taught = len(policy.asked), len(policy.taught)
+        decoded = len(scheduler.step())
+        assert policy.asked[asked:] == policy.taught[taught:] == [decoded] * decoded  # every round, at its step's load
+        loads.append(decoded)
+    assert {1, 2, 3} <= set(loads)
+
+    bandit = Bandit(BanditConfig(arms=LoadRecorder.arms))
+    scheduler = Scheduler(LocalTarget(target), drafter, None, bandit)
+    run_together(scheduler, load_requests())
+    rounds = {}
+    for cell in bandit.summary()["buckets"]:
+        rounds[cell["load"]] = rounds.get(cell["load"], 0) + cell["rounds"]
+    assert rounds["1"] > 0 and rounds["2-4"] > 0 and rounds["5-16"] == rounds["17+"] == 0

@@ -1,6 +1,7 @@
 """A contextual multi-armed bandit over tree configs, shared by all router replicas.
 
-The engine only sees `TreePolicy` (`select(context_len)`, `record(tree, context_len, accepted_tokens, round_time_s)`).
+The engine only sees `TreePolicy` (`select(context_len, load=...)`, `record(tree, context_len, accepted_tokens,
+round_time_s, load=...)`).
 `Bandit` implements it for one process and is the router-side client of a `BanditHub` (the shared side, one Ray actor
 in deployments/); `BanditState` is the pure data that moves between them and is persisted to disk.
 """
@@ -8,6 +9,7 @@ in deployments/); `BanditState` is the pure data that moves between them and is 
 from ray_specdec.bandit.client import (
     DEFAULT_ARMS,
     DEFAULT_BUCKET_EDGES,
+    DEFAULT_LOAD_EDGES,
     Bandit,
     BanditConfig,
     BanditHub,
@@ -15,11 +17,12 @@ from ray_specdec.bandit.client import (
     summarize,
 )
 from ray_specdec.bandit.policies import DiscountedUCB, GaussianThompson, PaperReward, ThroughputReward, UCB1
-from ray_specdec.bandit.state import BanditState, bucket_labels
+from ray_specdec.bandit.state import BanditState, bucket_labels, load_labels
 
 __all__ = [
     "DEFAULT_ARMS",
     "DEFAULT_BUCKET_EDGES",
+    "DEFAULT_LOAD_EDGES",
     "Bandit",
     "BanditConfig",
     "BanditHub",
@@ -31,5 +34,6 @@ __all__ = [
     "TreePolicy",
     "UCB1",
     "bucket_labels",
+    "load_labels",
     "summarize",
 ]

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 
 from ray_specdec.bandit.policies import ArmStats, GaussianThompson, Policy, Reward, ThroughputReward, posterior_draws
-from ray_specdec.bandit.state import ONE_MODE, OWN_FIELDS, SPLIT_MODES, BanditState
+from ray_specdec.bandit.state import ONE_MODE, OWN_FIELDS, SPLIT_MODES, BanditState, load_labels
 from ray_specdec.config import MAX_LOOKUP_TOKENS, PAPER_TREES, TreeConfig
 
 # The paper's trees and the chain, plus shallower / wider shapes that win when verification is expensive.
@@ -36,10 +36,18 @@ DEFAULT_ARMS = (
     TreeConfig(()),
 )
 DEFAULT_BUCKET_EDGES = (1024, 2048, 4096, 8192)  # prompt tokens: <1k, 1-2k, 2-4k, 4-8k, >=8k
+# Requests decoding in a step: 1, 2-4, 5-16, 17+. Alone, a round's time is its own and trees grow while the target's
+# forward stays memory-bound; in a batch a round's time is its share of the whole step, and every tree's rows add to
+# a step shared by the others, so the best tree shrinks (to none where the target is saturated). Levels widen ~4x
+# because what matters is the batch's size in proportion (2 -> 4 requests changes a tree's worth about as much as
+# 8 -> 16); four levels keep each one's data plentiful (more cells learn slower), and they separate the concurrency
+# levels the benchmarks run (1, 8, 32).
+DEFAULT_LOAD_EDGES = (1, 4, 16)
 
 
 class TreePolicy(Protocol):
-    """Context of a round: the request's context length and whether it samples (temperature > 0) or is greedy.
+    """Context of a round: the request's context length, whether it samples (temperature > 0) or is greedy, and the
+    load: the requests decoding in the round's step (1: alone).
 
     `arms`: the trees it picks among (the scheduler's goodput sizing may take a smaller one of them instead of the
     pick); `throughput`: its estimated tokens per second of round time per arm (empty: none; the start rule then
@@ -48,9 +56,11 @@ class TreePolicy(Protocol):
     @property
     def arms(self) -> tuple[TreeConfig, ...]: ...
 
-    def select(self, context_len: int, sampled: bool = False) -> TreeConfig: ...
+    def select(self, context_len: int, sampled: bool = False, *, load: int = 1) -> TreeConfig: ...
 
-    def throughput(self, context_len: int, sampled: bool = False, draw: bool = False) -> dict[TreeConfig, float]: ...
+    def throughput(
+        self, context_len: int, sampled: bool = False, draw: bool = False, *, load: int = 1
+    ) -> dict[TreeConfig, float]: ...
 
     def record(
         self,
@@ -60,6 +70,8 @@ class TreePolicy(Protocol):
         round_time_s: float,
         sampled: bool = False,
         what_if: Mapping[TreeConfig, int] | None = None,
+        *,
+        load: int = 1,
     ) -> None: ...
 
 
@@ -78,9 +90,12 @@ class BanditConfig:
     # Separate statistics for greedy and sampled rounds: their best trees differ (acceptance is lower when sampling,
     # and a lookup branch pays more in greedy rounds).
     split_sampling: bool = True
-    # Pseudo-rounds a cell borrows from its mode's other prompt-length buckets (an empirical-Bayes prior): a new
-    # bucket starts from what the others learned instead of trying every arm (wide trees included) on live traffic,
-    # and its own rounds outweigh the prior after a few pulls. 0: every bucket learns alone.
+    # Separate statistics per load level (requests decoding in the step; DEFAULT_LOAD_EDGES says why these): level i
+    # holds edges[i-1] < load <= edges[i]. (): one level for every load.
+    load_edges: tuple[int, ...] = DEFAULT_LOAD_EDGES
+    # Pseudo-rounds a cell borrows from its mode's other cells (prompt-length buckets and load levels; an
+    # empirical-Bayes prior): a new cell starts from what the others learned instead of trying every arm (wide trees
+    # included) on live traffic, and its own rounds outweigh the prior after a few pulls. 0: every cell learns alone.
     prior_pulls: float = 4.0
     # Rounds of its own below which an arm's round time in a cell is taken as no slower than a cost model fitted to
     # the cell's well-measured arms predicts (time = a + b * tree nodes): optimism bounded by this many rounds per arm.
@@ -95,7 +110,8 @@ class BanditConfig:
         return SPLIT_MODES if self.split_sampling else ONE_MODE
 
     def empty_state(self) -> BanditState:
-        return BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward.name, self.modes)
+        return BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward.name, self.modes,
+                                 self.load_edges)  # fmt: skip
 
     def arm_stats(self, state: BanditState, bucket: int, discounted: bool) -> ArmStats:
         sums = state.disc[bucket] if discounted else state.raw[bucket]  # [arms, fields]
@@ -103,13 +119,14 @@ class BanditConfig:
 
     def policy_stats(self, state: BanditState, cell: int) -> ArmStats:
         """What the policy decides on: the cell's statistics plus up to `prior_pulls` pseudo-rounds per arm at the
-        mean (and spread) of the arm in the other buckets of the cell's sampling mode."""
+        mean (and spread) of the arm in the other cells (buckets and load levels) of the cell's sampling mode."""
         table = state.disc if self.policy.discounted else state.raw  # [cells, arms, fields]
         own = table[cell]
-        if self.prior_pulls <= 0 or state.num_buckets == 1:
+        per_mode = state.cells_per_mode
+        if self.prior_pulls <= 0 or per_mode == 1:
             return ArmStats.from_sums(self._optimistic_times(own), self.reward)
-        first = cell - cell % state.num_buckets
-        others = sum(table[c] for c in range(first, first + state.num_buckets) if c != cell)  # [arms, fields]
+        first = cell - cell % per_mode
+        others = sum(table[c] for c in range(first, first + per_mode) if c != cell)  # [arms, fields]
         own_fields = len(OWN_FIELDS)
         prior = others.copy()
         for columns in (slice(0, own_fields), slice(own_fields, None)):  # own rounds, and what-if rounds
@@ -146,9 +163,17 @@ class BanditConfig:
 
     def restore(self, state: BanditState) -> BanditState:
         """A stored state made to fit this config (arm set and gamma may change, a one-mode state may be split into
-        greedy and sampled; buckets and reward may not)."""
+        greedy and sampled, a one-level state into load levels (`BanditState.with_loads`: its statistics go to the
+        first level); buckets, other load levels and reward may not)."""
         if state.modes == ONE_MODE and self.modes != ONE_MODE:
             state = state.with_modes(self.modes)
+        if not state.load_edges and self.load_edges:
+            state = state.with_loads(self.load_edges)
+        if state.load_edges != tuple(self.load_edges):
+            raise ValueError(
+                f"stored bandit state has load edges {list(state.load_edges)}, but the config asks for "
+                f"{list(self.load_edges)}; move the state file away to start over"
+            )
         if state.modes != self.modes:
             raise ValueError(
                 f"stored bandit state has modes {list(state.modes)}, but the config asks for {list(self.modes)}; "
@@ -187,11 +212,13 @@ class Bandit:
         config = config or BanditConfig()
         return cls(config, config.load_state(path), seed)
 
-    def select(self, context_len: int, sampled: bool = False, max_nodes: int | None = None) -> TreeConfig:
+    def select(
+        self, context_len: int, sampled: bool = False, max_nodes: int | None = None, *, load: int = 1
+    ) -> TreeConfig:
         """The policy's pick in the context's cell; with max_nodes (a load back-off's budget), among the arms of at
         most that many draft nodes only (no drafting when none fits), so that every round is an arm's round."""
         with self._lock:
-            stats = self._policy_stats(self._view.bucket_of(context_len, sampled))
+            stats = self._policy_stats(self._view.bucket_of(context_len, sampled, load))
             if max_nodes is None:
                 return self.config.arms[self.config.policy.choose(stats, self._rng)]
             fits = np.array([arm.num_nodes <= max_nodes for arm in self.config.arms])
@@ -204,7 +231,9 @@ class Bandit:
     def arms(self) -> tuple[TreeConfig, ...]:
         return self.config.arms
 
-    def throughput(self, context_len: int, sampled: bool = False, draw: bool = False) -> dict[TreeConfig, float]:
+    def throughput(
+        self, context_len: int, sampled: bool = False, draw: bool = False, *, load: int = 1
+    ) -> dict[TreeConfig, float]:
         """Estimated tokens per second of round time of every arm pulled in the context's cell: the values the
         policy decides on (prior pseudo-rounds included), or with `draw` one Thompson draw from each estimate's
         posterior (`posterior_draws`), so that a decision made on them explores where the estimates are uncertain.
@@ -212,7 +241,7 @@ class Bandit:
         if not self.config.reward.ratio:
             return {}
         with self._lock:
-            stats = self._policy_stats(self._view.bucket_of(context_len, sampled))
+            stats = self._policy_stats(self._view.bucket_of(context_len, sampled, load))
             pulled, values = stats.pulls > 0, stats.mean.copy()
             if draw and pulled.any():
                 values[pulled] = posterior_draws(_pulled_only(stats, pulled), self._rng)
@@ -226,11 +255,14 @@ class Bandit:
         round_time_s: float,
         sampled: bool = False,
         what_if: Mapping[TreeConfig, int] | None = None,
+        *,
+        load: int = 1,
     ) -> None:
         """accepted_tokens: draft tokens the target kept (the bonus token excluded): 0 for a round without a tree,
         at most the tree's depth plus the lookup tokens an engine may add to it (`TreeConfig.with_lookup`).
         what_if: other arms -> the draft tokens each would have had accepted in this round (`drafting.what_if`: arms
         whose tree this round's contained); their token estimates learn from it, their time estimates do not.
+        load: requests decoding in the round's step (round_time_s is this round's share of that step).
 
         Rounds of trees outside the arm set (a tree cut short at the end of a generation) are not counted.
         """
@@ -248,8 +280,8 @@ class Bandit:
                 others[index] = int(kept)
         reward = self.config.reward(tree, accepted_tokens, round_time_s, self._max_depth)
         with self._lock:
-            bucket = self._view.bucket_of(context_len, sampled)
-            self._stats.clear()  # a cell's statistics borrow from the other buckets of its mode
+            bucket = self._view.bucket_of(context_len, sampled, load)
+            self._stats.clear()  # a cell's statistics borrow from the other cells of its mode
             self._view.record(bucket, arm, reward, accepted_tokens, round_time_s, others)
             self._pending.record(bucket, arm, reward, accepted_tokens, round_time_s, others)
 
@@ -342,15 +374,17 @@ def _nan_to_none(x: float) -> float | None:
 
 
 def summarize(state: BanditState, config: BanditConfig) -> dict[str, Any]:
-    """What `GET /v1/bandit` shows: per cell (sampling mode x prompt-length bucket), every arm's pulls and mean
-    rewards, and the current best arm.
+    """What `GET /v1/bandit` shows: per cell (sampling mode x load level x prompt-length bucket), every arm's pulls
+    and mean rewards, and the current best arm.
 
     `mean_reward` is over all rounds, `recent_mean_reward` over the discounted ones; the best arm is judged by the
     statistics the policy uses.
     """
     edges = (0, *state.bucket_edges, None)
+    load_edges, loads = (0, *state.load_edges, None), load_labels(state.load_edges)
     buckets = []
     for b, label in enumerate(state.cell_labels()):
+        mode, level, bucket = state.cell_parts(b)
         plain = config.arm_stats(state, b, discounted=False)
         recent = config.arm_stats(state, b, discounted=True)
         best = (recent if config.policy.discounted else plain).best()
@@ -373,9 +407,12 @@ def summarize(state: BanditState, config: BanditConfig) -> dict[str, Any]:
         buckets.append(
             {
                 "bucket": label,
-                "mode": state.modes[b // state.num_buckets],
-                "min_context": edges[b % state.num_buckets],
-                "max_context": edges[b % state.num_buckets + 1],
+                "mode": mode,
+                "load": loads[level],  # '1', '2-4', ... ('all': one level)
+                "min_load": load_edges[level] + 1,
+                "max_load": load_edges[level + 1],
+                "min_context": edges[bucket],
+                "max_context": edges[bucket + 1],
                 "rounds": int(state.steps[b]),
                 "best": None if best is None else str(state.arms[best]),
                 "arms": arms,

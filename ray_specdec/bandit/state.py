@@ -6,9 +6,11 @@ time t with x², t², x*t, plus what-if rounds (tokens an arm would have kept in
 throughput policies estimate tokens per second as a ratio of sums (what a stream of rounds delivers) rather than a
 mean of per-round ratios (biased by how round time varies). A cell is a
 prompt-length bucket times a sampling mode (greedy or sampled rounds: their best trees differ, e.g. a lookup branch
-pays more in greedy rounds), or the bucket alone with the single mode "all". Discounting is per record of a cell:
-each record multiplies that cell's discounted sums by gamma first. Arrays are indexed by cell = mode * buckets +
-bucket; the code calls a cell a "bucket" where only its index matters.
+pays more in greedy rounds; or the single mode "all") times a load level (requests decoding in the round's step: a
+round's time is the batched step's, so the same tree is worth less at high load; or the single level "all").
+Discounting is per record of a cell: each record multiplies that cell's discounted sums by gamma first. Arrays are
+indexed by cell = (mode * loads + load level) * buckets + bucket, so a state with one load level has version 3's
+layout; the code calls a cell a "bucket" where only its index matters.
 
 The same type is the batched update a router pushes: a router records into an empty state (its delta) and the hub
 merges it. Because a delta remembers how many records it holds per bucket, `merge` rescales the hub's discounted sums
@@ -29,8 +31,9 @@ import numpy as np
 from ray_specdec.config import TreeConfig
 
 FORMAT = "ray_specdec.bandit"
-VERSION = 3  # 3: what-if fields; 2: sampling modes and token/time moments (version-1 files lack the moments)
-READABLE_VERSIONS = (2, 3)  # a version-2 file loads with empty what-if fields
+# 4: load levels; 3: what-if fields; 2: sampling modes and token/time moments (version-1 files lack the moments)
+VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)  # older files load with one load level ("all") and, version 2, empty what-if fields
 SPLIT_MODES = ("greedy", "sampled")
 ONE_MODE = ("all",)
 
@@ -55,6 +58,14 @@ def bucket_labels(edges: Sequence[int]) -> list[str]:
     return [f"<{k(edges[0])}", *middle, f">={k(edges[-1])}"]
 
 
+def load_labels(edges: Sequence[int]) -> list[str]:
+    """(1, 4, 16) -> ['1', '2-4', '5-16', '17+'] (edges: the largest load of each level but the last)."""
+    if not edges:
+        return ["all"]
+    lows = (1, *(e + 1 for e in edges))
+    return [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in zip(lows, edges)] + [f"{lows[-1]}+"]
+
+
 @dataclass
 class BanditState:
     arms: tuple[TreeConfig, ...]
@@ -65,6 +76,7 @@ class BanditState:
     disc: np.ndarray  # [cells, arms, len(FIELDS)] float64, discounted
     steps: np.ndarray  # [cells] int64, records seen per cell
     modes: tuple[str, ...] = SPLIT_MODES  # SPLIT_MODES or ONE_MODE
+    load_edges: tuple[int, ...] = ()  # ascending; level i holds edges[i-1] < load <= edges[i]; (): one level "all"
 
     @classmethod
     def empty(
@@ -74,31 +86,35 @@ class BanditState:
         gamma: float,
         reward: str,
         modes: Sequence[str] = SPLIT_MODES,
+        load_edges: Sequence[int] = (),
     ) -> "BanditState":
         arms, edges, modes = tuple(arms), tuple(int(e) for e in bucket_edges), tuple(modes)
+        load_edges = tuple(int(e) for e in load_edges)
         if not arms or len(set(arms)) != len(arms):
             raise ValueError(f"arms must be a non-empty list of distinct tree configs, got {[str(a) for a in arms]}")
         if any(e <= 0 for e in edges) or list(edges) != sorted(set(edges)):
             raise ValueError(f"bucket edges must be positive and strictly ascending, got {edges}")
+        if any(e <= 0 for e in load_edges) or list(load_edges) != sorted(set(load_edges)):
+            raise ValueError(f"load edges must be positive and strictly ascending, got {load_edges}")
         if not 0.0 < gamma <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {gamma}")
         if modes not in (SPLIT_MODES, ONE_MODE):
             raise ValueError(f"modes must be {list(SPLIT_MODES)} or {list(ONE_MODE)}, got {list(modes)}")
-        shape = ((len(edges) + 1) * len(modes), len(arms))
+        shape = ((len(edges) + 1) * len(modes) * (len(load_edges) + 1), len(arms))
         return cls(
             arms, edges, float(gamma), reward,
             np.zeros((*shape, len(FIELDS))), np.zeros((*shape, len(FIELDS))),
-            np.zeros(shape[0], dtype=np.int64), modes,
+            np.zeros(shape[0], dtype=np.int64), modes, load_edges,
         )  # fmt: skip
 
     def fresh(self) -> "BanditState":
-        """An empty state with the same arms, buckets, modes, gamma and reward (a delta to record into)."""
-        return BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward, self.modes)
+        """An empty state with the same arms, buckets, modes, load levels, gamma and reward (a delta to record into)."""
+        return BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward, self.modes, self.load_edges)
 
     def copy(self) -> "BanditState":
         return BanditState(
             self.arms, self.bucket_edges, self.gamma, self.reward, self.raw.copy(), self.disc.copy(), self.steps.copy(),
-            self.modes,
+            self.modes, self.load_edges,
         )  # fmt: skip
 
     @property
@@ -107,20 +123,39 @@ class BanditState:
         return len(self.bucket_edges) + 1
 
     @property
-    def num_cells(self) -> int:
-        return self.num_buckets * len(self.modes)
+    def num_loads(self) -> int:
+        """Load levels (cells per mode and bucket)."""
+        return len(self.load_edges) + 1
 
-    def bucket_of(self, context_len: int, sampled: bool = False) -> int:
-        """The cell of a round: its prompt-length bucket within its sampling mode."""
+    @property
+    def cells_per_mode(self) -> int:
+        return self.num_buckets * self.num_loads
+
+    @property
+    def num_cells(self) -> int:
+        return self.cells_per_mode * len(self.modes)
+
+    def bucket_of(self, context_len: int, sampled: bool = False, load: int = 1) -> int:
+        """The cell of a round: its prompt-length bucket at its load level (requests decoding in its step) within
+        its sampling mode."""
         mode = 1 if sampled and len(self.modes) > 1 else 0
-        return mode * self.num_buckets + bisect.bisect_right(self.bucket_edges, context_len)
+        level = bisect.bisect_left(self.load_edges, load)
+        return (mode * self.num_loads + level) * self.num_buckets + bisect.bisect_right(self.bucket_edges, context_len)
+
+    def cell_parts(self, cell: int) -> tuple[str, int, int]:
+        """(mode, load level, prompt-length bucket) of a cell (the level and bucket as indices)."""
+        mode, rest = divmod(cell, self.cells_per_mode)
+        level, bucket = divmod(rest, self.num_buckets)
+        return self.modes[mode], level, bucket
 
     def cell_labels(self) -> list[str]:
-        """'<1k', '1k-2k', ... per bucket, prefixed by the mode ('greedy <1k') when modes are split."""
+        """'<1k', '1k-2k', ... per cell's bucket, prefixed by the mode ('greedy <1k') when modes are split (the load
+        level is not in the label: `cell_parts`)."""
         labels = bucket_labels(self.bucket_edges)
+        parts = [self.cell_parts(cell) for cell in range(self.num_cells)]
         if self.modes == ONE_MODE:
-            return labels
-        return [f"{mode} {label}" for mode in self.modes for label in labels]
+            return [labels[bucket] for _, _, bucket in parts]
+        return [f"{mode} {labels[bucket]}" for mode, _, bucket in parts]
 
     def with_modes(self, modes: Sequence[str]) -> "BanditState":
         """A one-mode state split into modes: every mode starts from the pooled statistics (a warm start)."""
@@ -129,9 +164,27 @@ class BanditState:
             return self
         if self.modes != ONE_MODE:
             raise ValueError(f"cannot turn a state with modes {list(self.modes)} into {list(modes)}")
-        out = BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward, modes)
+        out = BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward, modes, self.load_edges)
         out.raw[:], out.disc[:] = np.tile(self.raw, (len(modes), 1, 1)), np.tile(self.disc, (len(modes), 1, 1))
         out.steps[:] = np.tile(self.steps, len(modes))
+        return out
+
+    def with_loads(self, load_edges: Sequence[int]) -> "BanditState":
+        """A one-level state (version 3, or load edges ()) split into load levels: its statistics, gathered at
+        whatever loads ran, go to the first level ("1") and the other levels start empty, so totals are kept and a
+        level learns its own trees from its own rounds (the policy's prior, `BanditConfig.prior_pulls`, warm-starts
+        it from the others) instead of first outweighing thousands of rounds of mixed loads."""
+        load_edges = tuple(int(e) for e in load_edges)
+        if load_edges == self.load_edges:
+            return self
+        if self.load_edges:
+            raise ValueError(f"cannot turn a state with load edges {list(self.load_edges)} into {list(load_edges)}")
+        out = BanditState.empty(self.arms, self.bucket_edges, self.gamma, self.reward, self.modes, load_edges)
+        for mode in range(len(self.modes)):
+            mine = slice(mode * self.num_buckets, (mode + 1) * self.num_buckets)
+            first_level = slice(mode * out.cells_per_mode, mode * out.cells_per_mode + out.num_buckets)
+            out.raw[first_level], out.disc[first_level] = self.raw[mine], self.disc[mine]
+            out.steps[first_level] = self.steps[mine]
         return out
 
     def arm_index(self, tree: TreeConfig) -> int | None:
@@ -174,8 +227,8 @@ class BanditState:
         return self
 
     def _check_compatible(self, other: "BanditState") -> None:
-        mine = (self.arms, self.bucket_edges, self.gamma, self.reward, self.modes)
-        theirs = (other.arms, other.bucket_edges, other.gamma, other.reward, other.modes)
+        mine = (self.arms, self.bucket_edges, self.gamma, self.reward, self.modes, self.load_edges)
+        theirs = (other.arms, other.bucket_edges, other.gamma, other.reward, other.modes, other.load_edges)
         if mine != theirs:
             raise ValueError(
                 f"cannot merge bandit states with different settings: {_describe(mine)} vs {_describe(theirs)}"
@@ -183,7 +236,7 @@ class BanditState:
 
     def adapted(self, arms: Sequence[TreeConfig], gamma: float) -> "BanditState":
         """This state for another arm set and gamma: arms in both keep their sums, new arms start empty."""
-        out = BanditState.empty(arms, self.bucket_edges, gamma, self.reward, self.modes)
+        out = BanditState.empty(arms, self.bucket_edges, gamma, self.reward, self.modes, self.load_edges)
         for j, tree in enumerate(out.arms):
             i = self.arm_index(tree)
             if i is not None:
@@ -199,6 +252,7 @@ class BanditState:
             "arms": [str(a) for a in self.arms],
             "bucket_edges": list(self.bucket_edges),
             "modes": list(self.modes),
+            "load_edges": list(self.load_edges),
             "gamma": self.gamma,
             "reward": self.reward,
             "steps": self.steps.tolist(),
@@ -213,9 +267,10 @@ class BanditState:
                 f"not a version-{VERSION} bandit state (format={data.get('format')!r}, "
                 f"version={data.get('version')!r}); move the state file away to start over"
             )
-        modes = data.get("modes", ONE_MODE)
+        modes, load_edges = data.get("modes", ONE_MODE), data.get("load_edges", ())
         state = cls.empty(
-            [TreeConfig.parse(a) for a in data["arms"]], data["bucket_edges"], data["gamma"], data["reward"], modes
+            [TreeConfig.parse(a) for a in data["arms"]], data["bucket_edges"], data["gamma"], data["reward"], modes,
+            load_edges,
         )
         shape = (state.num_cells, len(state.arms))
         state.raw, state.disc = (
@@ -252,5 +307,6 @@ class BanditState:
 
 
 def _describe(settings: tuple) -> str:
-    arms, edges, gamma, reward, modes = settings
-    return f"(arms={[str(a) for a in arms]}, edges={list(edges)}, gamma={gamma}, reward={reward}, modes={list(modes)})"
+    arms, edges, gamma, reward, modes, loads = settings
+    return (f"(arms={[str(a) for a in arms]}, edges={list(edges)}, gamma={gamma}, reward={reward}, "
+            f"modes={list(modes)}, load_edges={list(loads)})")

@@ -104,9 +104,12 @@ METRICS = {m.name: m for m in (
     Metric(ROUTER_REQUESTS, COUNTER, "HTTP outcomes: ok (per choice), rejected (4xx), error (5xx or an error event "
            "in a stream), cancelled (the client left).", ("status",)),
     Metric(ROUTER_IN_FLIGHT, GAUGE, "Choices the routes are serving.", ("replica",)),
-    Metric(BANDIT_PULLS, GAUGE, "The bandit's rounds per tree and context bucket.", ("bucket", "tree")),
-    Metric(BANDIT_REWARD, GAUGE, "The bandit's mean reward per tree and context bucket.", ("bucket", "tree")),
-    Metric(BANDIT_BEST, GAUGE, "1 for the bandit's current best tree of each context bucket.", ("bucket", "tree")),
+    Metric(BANDIT_PULLS, GAUGE, "The bandit's rounds per tree, context bucket and load level.",
+           ("bucket", "load", "tree")),
+    Metric(BANDIT_REWARD, GAUGE, "The bandit's mean reward per tree, context bucket and load level.",
+           ("bucket", "load", "tree")),
+    Metric(BANDIT_BEST, GAUGE, "1 for the bandit's current best tree of each context bucket and load level.",
+           ("bucket", "load", "tree")),
 )}  # fmt: skip
 
 
@@ -258,11 +261,12 @@ def _without_gauges(snapshot: Snapshot) -> Snapshot:
 
 
 def bandit_gauges(summary: dict | None) -> Snapshot:
-    """The bandit hub's summary (`GET /v1/bandit`) as gauges."""
+    """The bandit hub's summary (`GET /v1/bandit`) as gauges (labels: the cell's bucket, e.g. "greedy <1k", its load
+    level, e.g. "2-4", and the tree)."""
     pulls, reward, best = {}, {}, {}
     for bucket in (summary or {}).get("buckets", []):
         for arm in bucket["arms"]:
-            key = (bucket["bucket"], arm["tree"])
+            key = (bucket["bucket"], bucket["load"], arm["tree"])
             pulls[key] = arm["pulls"]
             if arm["mean_reward"] is not None:
                 reward[key] = arm["mean_reward"]
