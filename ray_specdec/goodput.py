@@ -143,6 +143,9 @@ class Candidate:
     trees: Sequence[TreeConfig]  # the policy's pick first, then smaller trees
     tokens: Sequence[float]  # expected tokens of each
     fixed: bool = False  # a tree the client asked for: honoured as given
+    # verify rows a drafted tree of this request carries beyond its nodes (the engine's prompt-lookup branch, added
+    # after sizing): what they accept is in `tokens` (rounds are learned with them), so their rows must be costed too
+    extra_rows: float = 0.0
 
 
 def size_trees(candidates: Sequence[Candidate], cost: StepCostModel, prefill_rows: int) -> list[int]:
@@ -154,28 +157,30 @@ def size_trees(candidates: Sequence[Candidate], cost: StepCostModel, prefill_row
         return choice
     w_fixed, w_verify, w_drafting, w_draft, w_prefill = (float(v) for v in cost.weights())
 
-    def seconds_of(tree: TreeConfig) -> float:
+    def seconds_of(c: Candidate, tree: TreeConfig) -> float:
         """What a request's tree adds to the step: its verify rows, and its drafting (catch-up and stepped rows)."""
-        drafting = w_drafting + w_draft * drafter_rows(tree) if tree.depth else 0.0
-        return w_verify * (1 + tree.num_nodes + tree.lookup) + drafting
+        if not tree.depth:
+            return w_verify
+        extra = tree.lookup or c.extra_rows
+        return w_verify * (1 + tree.num_nodes + extra) + w_drafting + w_draft * drafter_rows(tree)
 
     tokens = sum(c.tokens[0] for c in candidates)
-    total = w_fixed + w_prefill * prefill_rows + sum(seconds_of(c.trees[0]) for c in candidates)
+    total = w_fixed + w_prefill * prefill_rows + sum(seconds_of(c, c.trees[0]) for c in candidates)
     for _ in range(4):  # passes; one or two settle it in practice
         changed = False
         for r, c in enumerate(candidates):
             if c.fixed or len(c.trees) == 1:
                 continue
-            rest_tokens, rest_seconds = tokens - c.tokens[choice[r]], total - seconds_of(c.trees[choice[r]])
+            rest_tokens, rest_seconds = tokens - c.tokens[choice[r]], total - seconds_of(c, c.trees[choice[r]])
             best, best_value = choice[r], None
             for i, tree in enumerate(c.trees):
-                value = (rest_tokens + c.tokens[i]) / max(rest_seconds + seconds_of(tree), 1e-9)
+                value = (rest_tokens + c.tokens[i]) / max(rest_seconds + seconds_of(c, tree), 1e-9)
                 if best_value is None or value > best_value * (1 + 1e-9):
                     best, best_value = i, value
             if best != choice[r]:
                 changed = True
                 choice[r] = best
-                tokens, total = rest_tokens + c.tokens[best], rest_seconds + seconds_of(c.trees[best])
+                tokens, total = rest_tokens + c.tokens[best], rest_seconds + seconds_of(c, c.trees[best])
         if not changed:
             break
     return choice

@@ -47,6 +47,8 @@ from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend
 # Of the requests that the start rule keeps undrafted, one in this many drafts anyway, so that the drafting arms'
 # estimates in that context keep learning and a wrong "no" does not last.
 START_ANYWAY_EVERY = 8
+# Weight of a round in the running mean of the rows a lookup branch adds (goodput costs trees with it).
+LOOKUP_ROWS_WEIGHT = 0.05
 # Weight of the newest measurement in the running estimate of the drafter's prefill cost per token.
 PREFILL_RATE_EMA = 0.2
 # The start rule's word on a request: draft as the policy picks; never draft; draft in every round (exploration).
@@ -179,6 +181,7 @@ class Scheduler:
         self.prefill_s_per_token: float | None = None  # the drafter's, measured (running estimate)
         self.kept_plain = 0  # requests the start rule kept undrafted
         self.rounds_unrecorded = 0  # rounds whose tree is none of the policy's arms (cut at the end of a request)
+        self.lookup_rows = float(self.config.lookup)  # mean verify rows a drafted tree's lookup branch added (EW)
         self.steps = 0
         self.load = 1  # requests decoding in the current step: the policy's load level for its rounds
         self._work = StepWork()
@@ -356,7 +359,8 @@ class Scheduler:
         smaller = sorted((a for a in self.policy.arms if a.num_nodes < pick.num_nodes), key=lambda a: -a.num_nodes)
         trees = list(dict.fromkeys(t.truncated(cut) for t in (pick, *smaller)))
         tokens = [self.acceptance.expected_tokens(t, ctx, r.sampled) for t in trees]
-        return Candidate(trees, tokens, fixed=r.start == EXPLORE)
+        extra = self.lookup_rows if self.config.lookup and r.params.greedy else 0.0
+        return Candidate(trees, tokens, fixed=r.start == EXPLORE, extra_rows=extra)
 
     def _draft(self, decoding: list[Request]) -> tuple[int, float]:
         """Drafts for this step's rounds (one batched draft); -> (drafter rows stepped, seconds of drafter prefills:
@@ -413,6 +417,9 @@ class Scheduler:
             r.stats.verify_s += (t2 - t1) * share
             r.stats.other_s += (t3 - t2) / max(len(decoding), 1)
             r.stats.last_round_s = (t3 - t0) * share
+            if r.lookup and r.draft.tree.depth:  # rows beyond the drafter's own nodes
+                extra = len(r.draft.tokens) - TreeConfig(r.draft.config.branching).num_nodes
+                self.lookup_rows += LOOKUP_ROWS_WEIGHT * (max(extra, 0) - self.lookup_rows)
             self._teach(r)
 
     def _teach(self, r: Request) -> None:

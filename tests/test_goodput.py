@@ -124,6 +124,18 @@ def test_size_trees_prefers_the_smaller_tree_that_accepts_as_much():
     assert size_trees(picks, model, prefill_rows=0) == [1]
 
 
+def test_size_trees_costs_the_lookup_rows_a_drafted_tree_carries():
+    """Alone, 10 ms fixed + 1 ms per verify row: a chain of 4 that accepts one token pays (2 / 15 ms > 1 / 11 ms),
+    but not once the engine's lookup branch adds 8 rows to it (2 / 23 ms); plain decoding carries none."""
+    model = cost(1e-2, 1e-3)
+    assert size_trees([candidate(CHAIN, NO_TREE)], model, prefill_rows=0) == [0]
+    with_lookup = candidate(CHAIN, NO_TREE)
+    with_lookup.extra_rows = 8.0
+    assert size_trees([with_lookup], model, prefill_rows=0) == [1]
+    own = Candidate([CHAIN.with_lookup(2), NO_TREE], with_lookup.tokens, extra_rows=8.0)  # a tree's own lookup counts
+    assert size_trees([own], model, prefill_rows=0) == [0]  # 2 / 17 ms > 1 / 11 ms
+
+
 def test_size_trees_never_touches_fixed_candidates():
     model = cost(1e-2, 1e-2)  # rows so costly that every free request drops its tree
     picks = [candidate(CHAIN, NO_TREE, fixed=True), candidate(CHAIN, NO_TREE), candidate(CHAIN, NO_TREE, fixed=True)]
