@@ -28,7 +28,7 @@ from ray_specdec.models.target import TargetModel  # noqa: E402
 from ray_specdec.sampling import logits_to_probs  # noqa: E402
 from ray_specdec.training.corpus import heldout_prompts  # noqa: E402
 from ray_specdec.tree import build_tree  # noqa: E402
-from tests.test_engine import TREES, random_prompt, tiny_mamba  # noqa: E402
+from tests.test_engine import TREES, random_prompt, sample_counts, tiny_mamba  # noqa: E402
 from tests.tiny_models import tiny_gpt_neox, tiny_llama  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -125,12 +125,7 @@ def test_sampled_output_has_the_target_distribution_on_cuda():
         probs = logits_to_probs(logits, base)
         exact[seq] = float(np.prod([probs[len(prompt) - 1 + i, t] for i, t in enumerate(seq)]))
     engine = SpeculativeEngine(target, drafter, TreeConfig((3, 2)))
-    counts = dict.fromkeys(exact, 0)
-    multi = 0
-    for seed in range(n_samples):
-        result = engine.generate(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
-        counts[tuple(result.token_ids)] += 1
-        multi += result.stats.rounds < n_tokens
+    counts, multi = sample_counts(engine, prompt, base, exact, n_samples)
     assert multi > 0, "some generations must take two tokens in one round, or drafting was not tested"
     keys = [k for k in exact if exact[k] * n_samples >= 5]
     rest = [k for k in exact if k not in keys]

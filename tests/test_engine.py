@@ -260,6 +260,17 @@ def test_sampled_generation_has_target_distribution(branching, draft_sampling, t
     assert_emitted_distribution(counts, exact, n_samples, VOCAB)
 
 
+def sample_counts(engine, prompt, base: SamplingParams, outcomes, n_samples: int) -> tuple[dict, int]:
+    """Generate with seeds 0..n_samples-1 -> (times each of `outcomes` was emitted, generations that took several
+    tokens in some round)."""
+    counts, multi = dict.fromkeys(outcomes, 0), 0
+    for seed in range(n_samples):
+        result = engine.generate(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
+        counts[tuple(result.token_ids)] += 1
+        multi += result.stats.rounds < base.max_new_tokens
+    return counts, multi
+
+
 def assert_emitted_distribution(counts: dict, exact: dict, n_samples: int, vocab: int) -> None:
     """Sequences emitted `counts` times over n_samples generations follow the enumerated distribution `exact`:
     nothing impossible, a chi-square test (rare outcomes pooled), and total variation on the first two tokens

@@ -15,7 +15,8 @@ from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 from ray_specdec.sampling import logits_to_probs
-from tests.test_engine import TargetEchoDrafter, assert_emitted_distribution, random_prompt, tiny_mamba
+from tests.test_engine import (TargetEchoDrafter, assert_emitted_distribution, random_prompt, sample_counts,
+                               tiny_mamba)
 from tests.test_logits_processing import reference_row
 from tests.tiny_models import tiny_gpt_neox, tiny_llama, tiny_tokenizer
 
@@ -233,11 +234,6 @@ def test_sampled_generation_with_options_has_the_processed_target_distribution(c
     exact = enumerate_processed(target, prompt, base, n_tokens)
     assert abs(sum(exact.values()) - 1.0) < 1e-9
     engine = SpeculativeEngine(target, tiny_mamba(vocab=VOCAB, seed=6), TreeConfig.parse(tree))
-    counts = dict.fromkeys(exact, 0)
-    multi = 0
-    for seed in range(n_samples):
-        result = engine.generate(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
-        counts[tuple(result.token_ids)] += 1
-        multi += result.stats.rounds < n_tokens
+    counts, multi = sample_counts(engine, prompt, base, exact, n_samples)
     assert multi > 0, "some generations must take several tokens in one round, or drafting was not tested"
     assert_emitted_distribution(counts, exact, n_samples, VOCAB)
