@@ -73,6 +73,8 @@ class AppArgs(BaseModel):
     tree: str | None = None  # one tree for every request instead of the bandit
     bandit_path: str | None = None  # JSON file the bandit state is loaded from and saved to
     goodput: bool = True  # shrink trees when the batch's goodput says so (ray_specdec/goodput.py)
+    # run a load level's rounds undrafted while its drafted steps measure slower (ray_specdec/speculation_guard.py)
+    guard: bool = True
     # the scheduler of each engine replica (ray_specdec/scheduler.py, SchedulerConfig)
     kv_budget_gib: float | None = Field(2.0, gt=0)  # KV of the admitted requests per replica (all its ranks)
     kv_budget_tokens: int | None = Field(None, ge=1)  # the same budget in cached tokens (instead of kv_budget_gib)

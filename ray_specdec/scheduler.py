@@ -2,7 +2,8 @@
 
 One `step()`:
 1. admission: waiting requests join while their KV reservation fits the budget (`SchedulerConfig`);
-2. tree sizes: each decoding request's policy pick, shrunk by goodput for the whole batch (goodput.py);
+2. tree sizes: each decoding request's policy pick, shrunk by goodput for the whole batch (goodput.py), or none at
+   a load level where steps that draft measure slower than steps that do not (speculation_guard.py);
 3. one batched draft for every request that drafts (`drafting.draft_many`);
 4. one target call (`TargetBackend.run`): last step's commits, then one forward over every request's verify rows
    and this step's prefill chunks;
@@ -33,6 +34,7 @@ from typing import Sequence
 import torch
 
 from ray_specdec.acceptance import Verdict
+from ray_specdec.bandit import DEFAULT_LOAD_EDGES, Bandit
 from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
 from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, draft_many, what_if
 from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, measure_prior,
@@ -40,19 +42,15 @@ from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, Step
 from ray_specdec.logits_processing import TokenHistory
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.rounds import NO_TREE, FixedTree, StreamChunk, empty_draft, judge, make_generators, round_logprobs
+from ray_specdec.speculation_guard import SpeculationGuard
+# START_ANYWAY_EVERY: callers name it here
+from ray_specdec.start_rule import DRAFT, EXPLORE, PLAIN, START_ANYWAY_EVERY, StartRule, drafting_arm, prefill_tokens
 from ray_specdec.stats import GenerationStats
 from ray_specdec.stopping import StopChecker
 from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend
 
-# Of the requests that the start rule keeps undrafted, one in this many drafts anyway, so that the drafting arms'
-# estimates in that context keep learning and a wrong "no" does not last.
-START_ANYWAY_EVERY = 8
 # Weight of a round in the running mean of the rows a lookup branch adds (goodput costs trees with it).
 LOOKUP_ROWS_WEIGHT = 0.05
-# Weight of the newest measurement in the running estimate of the drafter's prefill cost per token.
-PREFILL_RATE_EMA = 0.2
-# The start rule's word on a request: draft as the policy picks; never draft; draft in every round (exploration).
-DRAFT, PLAIN, EXPLORE = "draft", "plain", "explore"
 
 
 class RequestTooLarge(ValueError):
@@ -73,6 +71,7 @@ class SchedulerConfig:
     min_path_prob: float = 0.0  # drafts stop at depths the drafter rates below this (DrafterSession.draft)
     lookup: int = 0  # prompt-lookup tokens added to every drafted tree of greedy requests
     goodput: bool = True  # shrink the policy's picks when the batch's goodput says so (goodput.py)
+    guard: bool = True  # run a load level undrafted while its drafted steps measure slower (speculation_guard.py)
 
     def __post_init__(self) -> None:
         for name in ("kv_budget_tokens", "max_running", "step_tokens", "prefill_chunk"):
@@ -155,6 +154,11 @@ class StepOutput:
     chunk: StreamChunk
 
 
+def _start_rule_field(name: str) -> property:
+    """A field of the scheduler's start rule, read and set on the scheduler (engine, bench and tests do)."""
+    return property(lambda self: getattr(self.start_rule, name), lambda self, v: setattr(self.start_rule, name, v))
+
+
 class Scheduler:
     def __init__(
         self,
@@ -178,8 +182,12 @@ class Scheduler:
         self.reserved = 0  # KV rows reserved by running requests
         self.cost = StepCostModel()
         self.acceptance = AcceptanceModel()
-        self.prefill_s_per_token: float | None = None  # the drafter's, measured (running estimate)
-        self.kept_plain = 0  # requests the start rule kept undrafted
+        self.start_rule = StartRule()  # whether a request starts its drafter (start_rule.py)
+        # drafted against plain steps per load level (speculation_guard.py), where the policy may pick no tree
+        edges = self.policy.config.load_edges if isinstance(self.policy, Bandit) else DEFAULT_LOAD_EDGES
+        guarded = config.guard and NO_TREE in self.policy.arms and len(self.policy.arms) > 1
+        self.guard = SpeculationGuard(edges) if guarded else None
+        self.guarded = False  # whether the guard runs this step's rounds undrafted
         self.rounds_unrecorded = 0  # rounds whose tree is none of the policy's arms (cut at the end of a request)
         self.lookup_rows = float(self.config.lookup)  # mean verify rows a drafted tree's lookup branch added (EW)
         self.steps = 0
@@ -272,6 +280,8 @@ class Scheduler:
         decoding = [r for r in self.running.values() if r.decoding]
         prefilling = [r for r in self.running.values() if not r.decoding]
         self.load = max(len(decoding), 1)
+        guard = self.guard if decoding and self.drafter is not None else None
+        self.guarded = guard is not None and guard.plain(self.load)
         self._choose_trees(decoding)
         draft_rows, drafter_prefill_s = self._draft(decoding)
         t0 += drafter_prefill_s  # the rounds' time leaves the drafter's prefills out (request costs, in prefill_s)
@@ -290,6 +300,9 @@ class Scheduler:
             r.prefilled = r.chunk_end
         t3 = time.perf_counter()
         self._account(decoding, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
+        if guard is not None:  # the realised result of its choice, the drafter's prefills included
+            tokens = sum(len(r.verdict.new_tokens) for r in decoding)
+            guard.observe(len(decoding), tokens, t3 - t0 + drafter_prefill_s, prefill_rows > 0)
         self.steps += 1
         if not self.has_work:  # nothing will step again soon: free the caches of the requests that just ended
             self._send_pending()
@@ -312,8 +325,9 @@ class Scheduler:
             self._work.allocations.append((r.request_id, r.reserved))
             if self.drafter is not None:
                 r.drafter = LazyDrafter(self.drafter, self.target.vocab_size)
-                if r.tree is None:
-                    r.start = self._start_rule(len(r.tokens), r.stop.remaining, r.sampled)
+                if r.tree is None:  # the request will decode alongside every running one (itself included)
+                    r.start = self.start_rule.decide(self.policy, self._prefilled(len(r.tokens)), len(r.tokens),
+                                                     r.stop.remaining, r.sampled, load=len(self.running))
 
     def _fits_now(self, rows: int) -> bool:
         return self.reserved + rows <= self.config.kv_budget_tokens
@@ -346,16 +360,17 @@ class Scheduler:
 
     def _candidate(self, r: Request) -> Candidate:
         """The request's trees for this step: its policy's pick, then the policy's smaller arms (goodput may take
-        one of those instead; "none" only where it is an arm). A fixed tree or an exploring request keeps its pick."""
+        one of those instead; "none" only where it is an arm). A fixed tree or an exploring request keeps its pick;
+        in a step the guard runs undrafted, the others get none."""
         cut = r.stop.remaining - 1  # the bonus token comes for free: never draft deeper than what is left
         ctx = len(r.tokens)
-        if self.drafter is None or r.start == PLAIN:
+        if self.drafter is None or r.start == PLAIN or (self.guarded and r.tree is None and r.start == DRAFT):
             return Candidate([NO_TREE], [1.0], fixed=True)
         if r.tree is not None:
             return Candidate([r.tree.truncated(cut)], [1.0], fixed=True)
         pick = self.policy.select(ctx, r.sampled, load=self.load)
         if r.start == EXPLORE and not pick.depth:
-            pick = self._drafting_arm(ctx, r.sampled)
+            pick = drafting_arm(self.policy, ctx, r.sampled, load=self.load)
         smaller = sorted((a for a in self.policy.arms if a.num_nodes < pick.num_nodes), key=lambda a: -a.num_nodes)
         trees = list(dict.fromkeys(t.truncated(cut) for t in (pick, *smaller)))
         tokens = [self.acceptance.expected_tokens(t, ctx, r.sampled) for t in trees]
@@ -443,44 +458,16 @@ class Scheduler:
             self._work.releases.append(r.request_id)
             r.admitted = False
 
-    # ----- the start rule -----
+    # ----- the start rule's state (start_rule.py) -----
 
-    def _start_rule(self, context_len: int, remaining: int, sampled: bool) -> str:
-        """Whether to start the drafter for a request (DRAFT, PLAIN or EXPLORE), asked at admission.
-
-        The drafter's prefill is paid once per request, so a per-round reward cannot weigh it. Draft unless the
-        policy's estimates say that over the tokens left, drafting's best rate would not make up for the prefill
-        (prefill + remaining / best drafting rate >= remaining / rate without drafting); then the request stays
-        undrafted (PLAIN), but for one in START_ANYWAY_EVERY (EXPLORE), which drafts in every round to keep the
-        estimates in this context learning. The rates are Thompson draws from the policy's posteriors, so that
-        uncertain estimates still get tried. Without estimates of both rates or of the prefill's cost, it drafts.
-        """
-        if self.prefill_s_per_token is None:
-            return DRAFT
-        # the request will decode alongside every running one (itself included)
-        estimates = self.policy.throughput(context_len, sampled, draw=True, load=len(self.running))
-        plain, (drafting, _) = estimates.get(NO_TREE), _best_drafting(estimates)
-        if plain is None or drafting is None:
-            return DRAFT
-        if self.prefill_s_per_token * self._prefilled(context_len) + remaining / drafting < remaining / plain:
-            return DRAFT
-        self.kept_plain += 1
-        return EXPLORE if self.kept_plain % START_ANYWAY_EVERY == 0 else PLAIN
-
-    def _drafting_arm(self, context_len: int, sampled: bool) -> TreeConfig:
-        """The drafting arm with the best Thompson draw (a round of an EXPLORE request the policy left undrafted)."""
-        _, arm = _best_drafting(self.policy.throughput(context_len, sampled, draw=True, load=self.load))
-        return arm if arm.depth else max(self.policy.arms, key=lambda a: (a.depth > 0, -a.num_nodes))
+    kept_plain = _start_rule_field("kept_plain")  # requests the start rule kept undrafted
+    prefill_s_per_token = _start_rule_field("prefill_s_per_token")  # the drafter's, measured (running estimate)
 
     def _prefilled(self, context_len: int) -> int:
-        """Tokens a drafter prefill over this context runs (its prefill window, if it has one)."""
-        window = self.drafter.prefill_window if self.drafter is not None else None
-        return min(context_len, window) if window else context_len
+        return prefill_tokens(self.drafter, context_len)
 
     def _note_prefill(self, seconds: float, tokens: int) -> None:
-        rate = seconds / max(tokens, 1)
-        old = self.prefill_s_per_token
-        self.prefill_s_per_token = rate if old is None else old + PREFILL_RATE_EMA * (rate - old)
+        self.start_rule.note_prefill(seconds, tokens)
 
     def _max_verify_rows(self, params: SamplingParams, tree: TreeConfig | None) -> int:
         trees = [tree] if tree is not None else list(self.policy.arms) if self.drafter is not None else []
@@ -500,12 +487,6 @@ def _fit(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:
         else:
             arm = arm.truncated(arm.depth - 1)
     return arm, lookup
-
-
-def _best_drafting(estimates: dict[TreeConfig, float]) -> tuple[float | None, TreeConfig]:
-    """(rate, arm) of the drafting arm with the highest estimate; (None, NO_TREE) when no drafting arm has one."""
-    return max(((rate, arm) for arm, rate in estimates.items() if arm.depth), key=lambda pair: pair[0],
-               default=(None, NO_TREE))
 
 
 def kv_budget_rows(budget_gib: float, bytes_per_token: int) -> int:

@@ -330,3 +330,77 @@ def test_the_policy_picks_and_learns_at_the_load_of_the_step(tiny):
     for cell in bandit.summary()["buckets"]:
         rounds[cell["load"]] = rounds.get(cell["load"], 0) + cell["rounds"]
     assert rounds["1"] > 0 and rounds["2-4"] > 0 and rounds["5-16"] == rounds["17+"] == 0
+
+
+# ---- the speculation guard -----------------------------------------------------------------------------------------
+
+
+class AlwaysDrafts(LoadRecorder):
+    """A policy that picks (2, 1) every round, with no tree among its arms (the guard may run rounds undrafted)."""
+
+    arms = (TreeConfig((2, 1)), NO_TREE)
+
+    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None, *, load=1):
+        self.taught.append(tree)
+
+
+class SlowDrafts:
+    """The scheduler's clock: 1 ms per reading, and 3 ms more per request that drafts in a step."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_the_guard_runs_a_load_undrafted_where_drafted_steps_measure_slower(tiny, monkeypatch, guard):
+    """Goodput off (it would learn the same clock and shrink trees itself): the policy drafts every round; the guard
+    sees its steps take ~28 ms against ~7 ms undrafted (where only the request that asked for a tree drafts, as it
+    keeps doing) and runs the load's rounds undrafted but for its exploration runs. Every request's tokens are
+    target-alone greedy decoding's."""
+    import ray_specdec.scheduler as scheduler_module
+
+    target, drafter = tiny
+    clock = SlowDrafts()
+    monkeypatch.setattr(scheduler_module, "time", clock)
+    policy = AlwaysDrafts()
+    scheduler = Scheduler(LocalTarget(target), drafter, None, policy, SchedulerConfig(goodput=False, guard=guard))
+    draft = scheduler._draft
+
+    def slow_draft(decoding):
+        out = draft(decoding)
+        clock.now += 3e-3 * sum(r.draft.tree.depth > 0 for r in decoding)
+        return out
+
+    monkeypatch.setattr(scheduler, "_draft", slow_draft)
+    params = SamplingParams(max_new_tokens=300, ignore_eos=True)
+    requests = [(f"g{i}", random_prompt(10 + i, seed=80 + i), params, TreeConfig((1,)) if i == 0 else None)
+                for i in range(8)]  # fmt: skip
+    for request in requests:
+        scheduler.add(*request)
+    tokens, steps = {r[0]: [] for r in requests}, []
+    while scheduler.has_work:
+        taught = len(policy.taught)
+        outputs = scheduler.step()
+        for out in outputs:
+            tokens[out.request_id] += out.chunk.token_ids
+        trees = policy.taught[taught:]
+        steps.append((len(outputs), scheduler.guarded, trees))
+    late = [(guarded, trees) for _, guarded, trees in steps[40:90]]  # no request near its end (< 3 tokens a round)
+    assert len(late) == 50
+    if guard:
+        assert scheduler.guard.levels[scheduler.guard.level(8)].undrafted
+        assert [lv.undrafted for lv in scheduler.guard.levels] == [False, False, True, False]
+        assert sum(guarded for guarded, _ in late) / len(late) > 0.8  # all but the exploration runs
+    else:
+        assert scheduler.guard is None and not any(guarded for guarded, _ in late)
+    for guarded, trees in late:  # the policy's tree only where not guarded; the asked-for tree in every round
+        policy_trees = [tree for tree in trees if tree != TreeConfig((1,))]
+        assert len(trees) == 8 and len(policy_trees) == 7
+        assert set(policy_trees) == {NO_TREE if guarded else TreeConfig((2, 1))}
+    plain = SpeculativeEngine(target, None)
+    for request_id, prompt, params, _ in requests:
+        assert tokens[request_id] == plain.generate(prompt, params).token_ids, request_id

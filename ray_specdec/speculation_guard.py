@@ -1,0 +1,133 @@
+"""A measured guard on speculation: at each load level, the policy's trees run only while steps with them are
+measured to decode no slower than steps whose rounds run undrafted.
+
+Why. Goodput sizing (goodput.py) and the bandit choose trees from models, a step cost model and acceptance estimates.
+Under load both have been optimistic (issue 18: closed loop at 8 and 32 requests, the service's own choice 9-20%
+slower than tree none) and nothing checked the realised result. The guard does, per load level of the bandit
+(`BanditConfig.load_edges`: requests decoding in the step), and where drafting loses it has the scheduler run that
+level's rounds undrafted.
+
+What is compared. The guard's two modes, step by step: *policy* steps, whose trees the policy and goodput choose as
+always, against *plain* steps, whose rounds it runs undrafted (what forcing tree none does). Requests that draft in
+both modes (a tree the client asked for, a request the start rule explores with) are common to both sides, so the
+comparison stays the one the guard decides. Only decode-only steps are measured: a prefill chunk's time says nothing
+about drafting. The drafter's prefills count in the step that runs them: a request never drafted never pays one
+(LazyDrafter), so they are part of what drafting costs (short requests can lose to them alone).
+- plain side: per plain step of the level's last WINDOW, the seconds it took to give each of its n requests one token,
+  seconds * n / tokens (its seconds, when none drafted), fitted as a line a + b n (a, b >= 0; one n seen: its mean).
+  Steps of different n are not comparable raw; the line makes them so.
+- policy side: per policy step of the last WINDOW, the seconds plain steps would have taken to give each of its n
+  requests as many tokens, (tokens / n) * plain(n), against the seconds it took. speedup = the sum of the former over
+  the sum of the latter: a ratio of throughputs (a mean of per-step ratios would be biased up by noisy steps).
+- verdict, with hysteresis against noise: a level goes plain when speedup < 1 - MARGIN, both sides having at least
+  MIN_SAMPLES steps, and back to the policy when speedup > 1 + MARGIN.
+
+Exploration. Of every EXPLORE_PERIOD steps at a level, EXPLORE_RUN consecutive ones run the other mode, so both sides
+stay measured and a wrong verdict ends. Runs, not single steps: the first step that drafts after plain ones pays each
+request's drafter catch-up over the tokens committed meanwhile and the prefills of the requests that came meanwhile,
+a cost of switching rather than of drafting, so the first step after a switch is not measured. While a side has fewer than MIN_SAMPLES steps the period
+is two runs, to decide soon.
+
+Clock-free and deterministic: callers hand in the seconds they measured, so tests drive it with made-up timings.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from ray_specdec.bandit import DEFAULT_LOAD_EDGES, load_labels
+
+# Steps per side a level's comparison remembers: ~32 keeps per-step noise (~20% on a shared 2-core machine) to a few
+# percent in the ratio, while a reversed trend takes over within about one window of the losing side's runs.
+WINDOW = 32
+# Steps per side before a level's verdict may leave the policy's own choice.
+MIN_SAMPLES = 8
+# Hysteresis around speedup 1: a level changes sides only when the other is this much (relative) faster.
+MARGIN = 0.03
+# Of every EXPLORE_PERIOD steps at a level, EXPLORE_RUN consecutive ones run the losing mode (3 of them measured):
+# 1/8 of the steps, costing at most an eighth of the gap between the modes while keeping the losing side fresh.
+EXPLORE_PERIOD = 32
+EXPLORE_RUN = 4
+
+
+@dataclass
+class _Level:
+    # (n, tokens, seconds) of steps: n requests decoded `tokens` tokens in all
+    plain: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    policy: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    steps: int = 0  # steps run at this level (the exploration clock)
+    undrafted: bool = False  # the verdict: run this level's rounds undrafted
+
+
+class SpeculationGuard:
+    """Per load level: whether this step's rounds run undrafted (`plain`), fed every step's result (`observe`)."""
+
+    def __init__(self, load_edges: tuple[int, ...] = DEFAULT_LOAD_EDGES):
+        self.load_edges = tuple(load_edges)
+        self.levels = [_Level() for _ in range(len(self.load_edges) + 1)]
+        self.plain_steps = 0  # steps the guard ran undrafted (verdict or exploration)
+        self._mode: bool | None = None  # the current step's: undrafted?
+        self._previous: bool | None = None  # the step before's
+
+    def level(self, load: int) -> int:
+        return bisect.bisect_left(self.load_edges, load)
+
+    def plain(self, load: int) -> bool:
+        """Whether the rounds of this step, of `load` decoding requests, run undrafted. Once per step, before it runs:
+        it advances the level's exploration clock."""
+        lv = self.levels[self.level(load)]
+        warming = min(len(lv.plain), len(lv.policy)) < MIN_SAMPLES
+        period = 2 * EXPLORE_RUN if warming else EXPLORE_PERIOD
+        explore = lv.steps % period >= period - EXPLORE_RUN
+        lv.steps += 1
+        self._previous, self._mode = self._mode, lv.undrafted != explore
+        self.plain_steps += self._mode
+        return self._mode
+
+    def observe(self, load: int, tokens: int, seconds: float, prefill: bool = False) -> None:
+        """The step `plain` was last asked for: `load` requests decoded `tokens` tokens in all in `seconds`;
+        `prefill`: whether it also ran prefill rows (then it is not measured)."""
+        if prefill or self._mode != self._previous or seconds <= 0 or load < 1 or tokens < 1:
+            return
+        lv = self.levels[self.level(load)]
+        (lv.plain if self._mode else lv.policy).append((load, tokens, seconds))
+        speedup = self._speedup(lv)
+        if speedup is None or min(len(lv.plain), len(lv.policy)) < MIN_SAMPLES:
+            return
+        if not lv.undrafted and speedup < 1 - MARGIN:
+            lv.undrafted = True
+        elif lv.undrafted and speedup > 1 + MARGIN:
+            lv.undrafted = False
+
+    def speedup(self, level: int) -> float | None:
+        """Policy steps' decode throughput over plain steps' at a level (None: a side unmeasured)."""
+        return self._speedup(self.levels[level])
+
+    def summary(self) -> list[dict]:
+        """Per load level: its label, verdict, measured speedup and steps measured per side."""
+        return [{"load": label, "undrafted": lv.undrafted, "speedup": self._speedup(lv), "plain": len(lv.plain),
+                 "policy": len(lv.policy)} for label, lv in zip(load_labels(self.load_edges), self.levels)]
+
+    @staticmethod
+    def _speedup(lv: _Level) -> float | None:
+        if not lv.plain or not lv.policy:
+            return None
+        plain_s = plain_line((n, seconds * n / tokens) for n, tokens, seconds in lv.plain)
+        as_plain = sum(tokens / n * plain_s(n) for n, tokens, _ in lv.policy)
+        return as_plain / sum(seconds for _, _, seconds in lv.policy)
+
+
+def plain_line(samples: Iterable[tuple[int, float]]) -> Callable[[int], float]:
+    """(n, seconds to give each of n requests a token) of plain steps -> n -> predicted seconds: least squares a + b n with 0 <= b and 0 <= a (more
+    requests never make a step faster, nor has a step negative fixed cost); a single n seen: its mean."""
+    samples = list(samples)
+    m = len(samples)
+    mean_n = sum(n for n, _ in samples) / m
+    mean_s = sum(s for _, s in samples) / m
+    var = sum((n - mean_n) ** 2 for n, _ in samples) / m
+    cov = sum((n - mean_n) * (s - mean_s) for n, s in samples) / m
+    slope = min(max(cov / var, 0.0), mean_s / mean_n) if var > 0 else 0.0
+    return lambda n: mean_s + slope * (n - mean_n)

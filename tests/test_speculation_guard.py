@@ -1,0 +1,125 @@
+"""The speculation guard on made-up timings: a load level where drafted steps decode slower than plain ones goes
+undrafted, others keep drafting; exploration keeps the losing side measured so a reversed trend flips the verdict
+back; prefill steps and the first step after a switch are not measured; steps of different sizes are normalised."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_specdec.speculation_guard import (EXPLORE_PERIOD, EXPLORE_RUN, MIN_SAMPLES, WINDOW, SpeculationGuard,
+                                           plain_line)
+
+TOKENS_PER_ROUND = 2.5  # tokens a drafted round commits, on average
+
+
+def plain_seconds(n: int) -> float:
+    return 0.010 + 0.002 * n
+
+
+def drive(guard: SpeculationGuard, loads, speedups: dict[int, float], noise: float = 0.0, seed: int = 0) -> list[bool]:
+    """One step per load in `loads`: plain when the guard says so (each request 1 token, plain_seconds), else drafted
+    (TOKENS_PER_ROUND each, in seconds that make its throughput `speedups[level]` times plain's). -> undrafted?"""
+    rng = np.random.default_rng(seed)
+    modes = []
+    for n in loads:
+        plain = guard.plain(n)
+        tokens = n if plain else round(n * TOKENS_PER_ROUND)
+        seconds = plain_seconds(n) * tokens / n / (1.0 if plain else speedups[guard.level(n)])
+        guard.observe(n, tokens, seconds * (1 + noise * rng.standard_normal()))
+        modes.append(plain)
+    return modes
+
+
+def mixed_loads(steps: int, seed: int = 1) -> list[int]:
+    """Loads of 2-4 (level 1) and 5-16 (level 2), interleaved at random."""
+    rng = np.random.default_rng(seed)
+    return [int(rng.choice([2, 3, 4, 5, 8, 12, 16])) for _ in range(steps)]
+
+
+def test_a_level_where_drafting_is_slower_goes_plain_and_the_others_keep_drafting():
+    guard = SpeculationGuard()
+    loads = mixed_loads(1200)
+    modes = drive(guard, loads, {1: 1.3, 2: 0.85}, noise=0.1)
+    assert [lv.undrafted for lv in guard.levels] == [False, False, True, False]
+    assert guard.speedup(1) == pytest.approx(1.3, rel=0.08) and guard.speedup(2) == pytest.approx(0.85, rel=0.08)
+    late = [(n, plain) for n, plain in zip(loads[600:], modes[600:])]
+    share = {level: np.mean([plain for n, plain in late if guard.level(n) == level]) for level in (1, 2)}
+    explore = EXPLORE_RUN / EXPLORE_PERIOD
+    assert share[1] == pytest.approx(explore, abs=0.03)  # drafting wins: plain only in exploration runs
+    assert share[2] == pytest.approx(1 - explore, abs=0.03)  # drafting loses: drafted only in exploration runs
+    assert guard.plain_steps == sum(modes)
+    summary = {row["load"]: row for row in guard.summary()}
+    assert summary["5-16"]["undrafted"] and not summary["2-4"]["undrafted"] and summary["1"]["speedup"] is None
+
+
+@pytest.mark.parametrize("speedup", [1.08, 2.0])
+def test_drafting_that_is_faster_stays(speedup):
+    guard = SpeculationGuard()
+    modes = drive(guard, [8] * 1000, {2: speedup}, noise=0.05)
+    assert not any(lv.undrafted for lv in guard.levels)
+    assert np.mean(modes[200:]) == pytest.approx(EXPLORE_RUN / EXPLORE_PERIOD, abs=0.01)
+
+
+def test_exploration_keeps_measuring_the_losing_side_and_a_reversed_trend_flips_back():
+    guard = SpeculationGuard()
+    drive(guard, [8] * 400, {2: 0.8}, noise=0.02)
+    assert guard.levels[2].undrafted
+    before = list(guard.levels[2].policy)
+    modes = drive(guard, [8] * 320, {2: 0.8}, noise=0.02, seed=1)
+    assert guard.levels[2].undrafted and list(guard.levels[2].policy) != before  # drafted steps still measured
+    assert modes.count(False) == 320 // EXPLORE_PERIOD * EXPLORE_RUN  # in runs, one per period
+    modes = drive(guard, [8] * 1000, {2: 1.4})  # drafting now pays
+    assert not guard.levels[2].undrafted
+    flipped = next(i for i in range(len(modes)) if sum(modes[i:i + EXPLORE_PERIOD]) <= EXPLORE_RUN)
+    assert flipped < WINDOW * EXPLORE_PERIOD / (EXPLORE_RUN - 1)  # within a window of exploration steps
+    assert np.mean(modes[-320:]) == pytest.approx(EXPLORE_RUN / EXPLORE_PERIOD)
+
+
+def test_prefill_steps_and_the_first_step_after_a_switch_are_not_measured():
+    guard = SpeculationGuard()
+    for _ in range(100):
+        plain = guard.plain(8)
+        guard.observe(8, 8, 100.0, prefill=True)  # absurd timings, ignored
+    assert not guard.levels[2].plain and not guard.levels[2].policy
+    assert not guard.levels[2].undrafted
+    guard = SpeculationGuard()
+    modes = drive(guard, [8] * 40, {2: 1.0})
+    kept = [mode for before, mode in zip(modes, modes[1:]) if before == mode]  # the first step follows none
+    assert len(guard.levels[2].plain) == sum(kept) and len(guard.levels[2].policy) == len(kept) - sum(kept)
+    assert len(kept) < len(modes) - 4
+
+
+def test_no_verdict_before_enough_steps_of_both_sides():
+    guard = SpeculationGuard()
+    modes = drive(guard, [8] * (2 * MIN_SAMPLES), {2: 0.2})  # drafting 5x slower, but few steps measured
+    assert not guard.levels[2].undrafted
+    assert sum(modes) == MIN_SAMPLES  # warming up: half the steps plain, in runs of EXPLORE_RUN
+    drive(guard, [8] * (3 * MIN_SAMPLES), {2: 0.2})
+    assert guard.levels[2].undrafted
+
+
+def test_steps_of_different_sizes_are_compared_through_the_plain_line():
+    rng = np.random.default_rng(3)
+    samples = [(n, plain_seconds(n)) for n in rng.integers(5, 17, size=20)]
+    line = plain_line(samples)
+    assert [line(n) for n in (5, 10, 16, 20)] == pytest.approx([plain_seconds(n) for n in (5, 10, 16, 20)])
+    assert plain_line([(8, 0.02), (8, 0.04)])(12) == pytest.approx(0.03)  # one size seen: its mean
+    assert plain_line([(5, 0.05), (16, 0.01)])(16) == pytest.approx(0.03)  # never cheaper with more requests
+    # drafted steps exactly as fast as plain ones, at sizes other than the plain steps': speedup 1
+    guard = SpeculationGuard()
+    drive(guard, mixed_loads(600, seed=4), {1: 1.0, 2: 1.0})
+    assert guard.speedup(2) == pytest.approx(1.0, rel=1e-6) and guard.speedup(1) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_requests_that_draft_in_both_modes_are_common_to_both_sides():
+    """Plain-mode steps where one request of n drafts anyway (an asked-for tree: 3 tokens) are scored per token of
+    each request: policy steps of the same throughput per request measure speedup 1, faster ones their factor."""
+    for factor, undrafted in ((1.0, False), (0.8, True), (1.25, False)):
+        guard = SpeculationGuard()
+        for step in range(400):
+            n = (6, 9, 12)[step % 3]
+            plain = guard.plain(n)
+            tokens = n + 2 if plain else 2 * n
+            guard.observe(n, tokens, plain_seconds(n) * tokens / n / (1.0 if plain else factor))
+        assert guard.speedup(2) == pytest.approx(factor, rel=1e-6) and guard.levels[2].undrafted == undrafted
