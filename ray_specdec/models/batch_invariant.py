@@ -11,7 +11,7 @@ must not: in float32, each row's logits and K/V must be the bits it gets alone. 
 - Attention: the native kernel (native/attention_cpu.c) computes each query row in its own vector lane with the same
   operations whatever the number of rows, and a masked key contributes an exact zero (its weight underflows to 0 and
   the running maximum never rises to it), so a root row gives the same bits alone or under a tree of any size. sdpa,
-  which cpu_attention keeps for fewer than MIN_ROWS rows, is not used here (`tree_attention`).
+  which cpu_attention keeps for fewer than MIN_ROWS rows, is not used here (the lean loop's ragged attention).
 - Activations: torch's elementwise kernels run vectors over the flattened tensor and a scalar loop over the tail; the
   two round GELU / SiLU differently (of a million random inputs, ~35% of GELU's and ~4% of SiLU's results differed
   on the development machine), and which elements fall in a tail depends on the row count and on how torch splits
@@ -34,7 +34,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ray_specdec.models import cpu_attention, cpu_gemm
+from ray_specdec.models import cpu_gemm
 
 # Elements per vector step of torch's elementwise loops: two vectors of 16 floats (AVX-512); AVX2 / NEON take fewer.
 VECTOR_MULTIPLE = 32
@@ -78,13 +78,6 @@ def activate(fn: nn.Module, x: torch.Tensor) -> torch.Tensor:
     thread count is per process: a forward in another Python thread meanwhile also runs on one.)"""
     with _one_thread():
         return fn(x)
-
-
-def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """The native kernel for any number of rows: query [1, H, S, D], key / value [1, Hkv, L, D], mask additive
-    [1, 1, S, L] (finite) -> [1, S, H, D]."""
-    return cpu_attention.tree_attention(query, key, value, mask[0], scale)
 
 
 class RotaryTable:

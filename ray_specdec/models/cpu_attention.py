@@ -10,8 +10,8 @@ each head's keys and values once for all rows (`python -m benchmarks.cpu_attenti
 it, so masks are built exactly as for sdpa) and switches the model to it. The function takes the kernel for float32
 CPU tensors without autograd, batch 1 and `MIN_ROWS` to `MAX_ROWS` query rows that carry a 4D mask (a verify's);
 everything else (decode steps, prefill chunks, other dtypes and devices, training) goes to HF's sdpa function
-unchanged. (A batch-invariant target calls `tree_attention` for verify rows of any count instead, one row included:
-models/batch_invariant.py.) Results agree with sdpa to float32 rounding (a different summation order, as between any two attention
+unchanged. (A batch-invariant target's verify rows of any count, one row included, take `tree_attention_table`:
+models/lean_forward.py.) Results agree with sdpa to float32 rounding (a different summation order, as between any two attention
 kernels): greedy output can differ only at near-ties of the target's logits.
 """
 
@@ -124,8 +124,10 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return out
 
 
-# Columns of tree_attention_ragged's segment table (SEG_* in native/attention_cpu.c).
-_SEGMENT_FIELDS = 11
+# Columns of tree_attention_ragged's segment table (SEG_* in native/attention_cpu.c): rows S, mask width L, first row,
+# keys' address, head stride and row stride, the values' three, the mask's address (0: none) and row stride.
+SEGMENT_FIELDS = 11
+SEG_S, SEG_L, SEG_ROW, SEG_K, SEG_V, SEG_M, SEG_M_SS = 0, 1, 2, 3, 6, 9, 10
 
 
 def tree_attention_ragged(
@@ -140,20 +142,31 @@ def tree_attention_ragged(
     segments: (first row, rows S, keys, values, mask) per segment; keys / values [1, Hkv, capacity, D] are the
     cache's buffers whose rows [L - S, L) receive the new K/V (L = the mask's width), mask additive [S, L] (finite).
     Each row gets the bits `tree_attention` gives its segment alone (the same per-head routine, same operands)."""
-    lib = native.load()
-    if lib is None:
-        raise RuntimeError(f"native attention unavailable: {native.why_unavailable()}")
-    _, heads, rows, dim = query.shape
-    kv_heads = key.shape[1]
-    q, kn, vn = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (query, key, value))
     table = torch.tensor([
         (size, mask.shape[-1], row, keys.data_ptr(), keys.stride(1), keys.stride(2), values.data_ptr(),
          values.stride(1), values.stride(2), mask.data_ptr(), mask.stride(-2))
         for row, size, keys, values, mask in segments
-    ], dtype=torch.int64).reshape(-1, _SEGMENT_FIELDS)  # fmt: skip
+    ], dtype=torch.int64).reshape(-1, SEGMENT_FIELDS)  # fmt: skip
+    return tree_attention_table(query, key, value, table, scale)
+
+
+def tree_attention_table(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """`tree_attention_ragged` over a segment table already built: int64 [segments, SEGMENT_FIELDS], contiguous
+    (for a caller that builds every layer's table at once), where a mask address of 0 means no mask (the segment's
+    rows see all L keys: the bits of an all-zero mask, since adding 0.0 changes no score). query [1, H, R, D],
+    key / value [1, Hkv, R, D] -> [1, R, H, D]. The addresses must be live buffers that hold every segment's rows."""
+    lib = native.load()
+    if lib is None:
+        raise RuntimeError(f"native attention unavailable: {native.why_unavailable()}")
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != SEGMENT_FIELDS or not table.is_contiguous():
+        raise ValueError(f"a segment table is a contiguous int64 [segments, {SEGMENT_FIELDS}], got {table.shape}")
+    _, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    q, kn, vn = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (query, key, value))
     out = torch.empty(1, rows, heads, dim, dtype=torch.float32)
     failed = lib.tree_attention_ragged(
-        len(segments), table.data_ptr(), heads, kv_heads, dim, scale, q.data_ptr(), q.stride(0), q.stride(1),
+        table.shape[0], table.data_ptr(), heads, kv_heads, dim, scale, q.data_ptr(), q.stride(0), q.stride(1),
         kn.data_ptr(), kn.stride(0), kn.stride(1), vn.data_ptr(), vn.stride(0), vn.stride(1), out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip

@@ -13,7 +13,10 @@ growth copies into a new buffer while old views keep the old one alive. `compact
 (and frees rows that later writes reuse), so views are for the forward that took them (as HF uses them).
 
 The layer implements what HF's attention layers and mask builders call (`update`, `get_seq_length`,
-`get_mask_sizes`, `get_max_length`, `lazy_initialization`, `reset`), plus `compact` for tree verification. The shapes
+`get_mask_sizes`, `get_max_length`, `lazy_initialization`, `reset`), plus `compact` for tree verification. For a
+kernel that writes every layer's new rows in place (the batched verify's ragged attention), the cache reserves rows in
+all layers at once and hands out its buffers' addresses (`reserve`, kept until a buffer is replaced), then `advance`s
+every layer's length. The shapes
 come from the first update, so on a tensor-parallel rank the buffers hold that rank's head shard. Beam search and
 offloading, which reassign `keys` / `values`, are not supported.
 """
@@ -110,14 +113,17 @@ class GrowableLayer(CacheLayerMixin):
 
     def compact(self, base: int, keep: Sequence[int]) -> None:
         """Move rows `base + keep[i]` to `base + i` (keep ascending) and drop every row after them."""
-        first_moved = next((i for i, row in enumerate(keep) if row != i), len(keep))
+        first_moved = _first_moved(keep)
         if first_moved < len(keep):
-            index = torch.tensor(keep[first_moved:], device=self._keys.device) + base
-            rows = slice(base + first_moved, base + len(keep))
-            # Gather (a copy) before writing: a kept row's source can be another kept row's destination.
-            self._keys[:, :, rows] = self._keys.index_select(2, index)
-            self._values[:, :, rows] = self._values.index_select(2, index)
+            self._move(base, first_moved, torch.tensor(keep[first_moved:], device=self._keys.device) + base)
         self.length = base + len(keep)
+
+    def _move(self, base: int, first_moved: int, index: torch.Tensor) -> None:
+        """Rows `index` [k] move to `base + first_moved` onwards."""
+        rows = slice(base + first_moved, base + first_moved + index.numel())
+        # Gather (a copy) before writing: a kept row's source can be another kept row's destination.
+        self._keys[:, :, rows] = self._keys.index_select(2, index)
+        self._values[:, :, rows] = self._values.index_select(2, index)
 
     def reset(self) -> None:
         """Empty the layer; the buffers are kept for reuse."""
@@ -143,11 +149,53 @@ class GrowableKVCache(Cache):
         super().__init__(layer_class_to_replicate=partial(GrowableLayer, max_capacity=max_capacity,
                                                           preallocate=preallocate))
         self.fixed_capacity: int | None = max_capacity if preallocate else None
+        self._buffers: torch.Tensor | None = None  # what `reserve` returns, while no buffer has been replaced since
+        self._reserved = 0  # rows every layer's buffers hold (while _buffers is set)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """HF's update (a layer appends the rows); a write may create or replace buffers, so `reserve` reads them
+        again."""
+        self._buffers = None
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def reserve(self, rows: int) -> torch.Tensor:
+        """Room for `rows` rows in every layer (created by a first `update`) -> each layer's buffers as int64
+        [layers, 6]: keys' address, head stride, row stride, then the values' (in elements), for a kernel that writes
+        new rows in place and then calls `advance`."""
+        if self._buffers is None or rows > self._reserved:
+            for layer in self.layers:
+                layer.reserve(rows)
+            self._buffers = torch.tensor([
+                (k.data_ptr(), k.stride(1), k.stride(2), v.data_ptr(), v.stride(1), v.stride(2))
+                for k, v in (layer.buffers for layer in self.layers)
+            ], dtype=torch.int64).reshape(-1, 6)  # fmt: skip
+            self._reserved = min(layer.capacity for layer in self.layers)
+        return self._buffers
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Rows the layer holds (0 before its first write); every layer is one of ours."""
+        return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
+
+    def advance(self, rows: int) -> None:
+        """Every layer holds `rows` more rows (written into its buffers after `reserve`)."""
+        for layer in self.layers:
+            layer.length += rows
 
     def compact(self, base: int, keep: Sequence[int]) -> None:
         """Every layer: rows `base + keep[i]` move to `base + i`; the cache then holds `base + len(keep)` rows."""
+        first_moved = _first_moved(keep)
+        index = None
+        if first_moved < len(keep) and self.layers:
+            index = torch.tensor(keep[first_moved:], device=self.layers[0]._keys.device) + base
         for layer in self.layers:
-            layer.compact(base, keep)
+            if index is not None:
+                layer._move(base, first_moved, index)
+            layer.length = base + len(keep)
+
+
+def _first_moved(keep: Sequence[int]) -> int:
+    """The first i with keep[i] != i (len(keep) when every kept row stays where it is)."""
+    return next((i for i, row in enumerate(keep) if row != i), len(keep))
 
 
 def _regrow(buffer: torch.Tensor, capacity: int, rows: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ all-reduce and hold a shard of the heads) and devices other than the CPU (CUDA h
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -72,7 +73,9 @@ class Span:
     start: int
     end: int
     cache: GrowableKVCache
-    mask: torch.Tensor | None  # the attention's mask: [1, 1, S, cache + S] (None: causal, or one row)
+    # The attention's mask: [1, 1, S, cache + S] (None: causal; a verify span's rows see every key, which only the
+    # batch-invariant path's native attention takes without a mask).
+    mask: torch.Tensor | None
     tree: bool  # a verify's rows (tree mask, additive); else a prefill chunk's (causal)
 
 
@@ -81,33 +84,59 @@ def _call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Ops(NamedTuple):
-    """How a forward multiplies by a Linear layer's weight and applies an activation (fn(module, x)), and how verify
-    rows attend (None: through the model's attention function)."""
+    """How a forward multiplies by a Linear layer's weight and applies an activation (fn(module, x))."""
 
     product: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
     activate: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
-    tree_attention: Callable[..., torch.Tensor] | None
 
 
-_MODEL_OPS = _Ops(_call, _call, None)  # the model's own calls (its planned GEMM paths): HF's forward bit for bit
-_INVARIANT_OPS = _Ops(invariant.product, invariant.activate, invariant.tree_attention)
+_MODEL_OPS = _Ops(_call, _call)  # the model's own calls (its planned GEMM paths): HF's forward bit for bit
+_INVARIANT_OPS = _Ops(invariant.product, invariant.activate)  # verify rows attend through _RaggedAttention
 
 
-def _attend_ragged(module, query, key, value, spans: Sequence[Span]) -> torch.Tensor:
-    """Verify spans through `cpu_attention.tree_attention_ragged`: the same bits as one native call per span (which
-    `invariant.tree_attention` makes), without a Python round trip per span and layer. -> [1, R, H, D]."""
-    index, segments = module.layer_idx, []
-    for span in spans:
-        rows = span.end - span.start
-        if len(span.cache.layers) <= index:  # a cache's first write: let it create its layer and buffers
-            span.cache.update(key[:, :, :0], value[:, :, :0], index)
-        layer = span.cache.layers[index]
-        layer.reserve(layer.length + rows)
-        segments.append((span.start, rows, *layer.buffers, span.mask[0, 0]))
-    out = cpu_attention.tree_attention_ragged(query, key, value, segments, module.scaling)
-    for span in spans:
-        span.cache.layers[index].length += span.end - span.start
-    return out
+class _RaggedAttention:
+    """The verify spans' attention through `cpu_attention.tree_attention_table`: the same bits as one native
+    `tree_attention` call per span, in one call per layer. Every layer's segment table is built once per
+    forward, at the first layer's call (a new cache creates its layers from that layer's K/V shapes): a span's cache
+    reserves its rows in all layers and hands out their buffers' addresses (kept by the cache until a buffer is
+    replaced), so the per-layer work in Python is one call. `finish` advances every cache by its span's rows."""
+
+    def __init__(self, spans: Sequence[Span], layers: int):
+        self._spans, self._layers = spans, layers
+        self._tables: torch.Tensor | None = None  # [layers, spans, SEGMENT_FIELDS] int64
+
+    def __call__(self, module, query, key, value) -> torch.Tensor:
+        """query [1, H, R, D], key / value [1, Hkv, R, D] -> [1, R, H * D]."""
+        if self._tables is None:
+            self._tables = self._build(key, value)
+        out = cpu_attention.tree_attention_table(query, key, value, self._tables[module.layer_idx], module.scaling)
+        return out.reshape(query.shape[0], query.shape[2], -1)
+
+    def _build(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        buffers, columns = [], []
+        for span in self._spans:
+            cache, rows = span.cache, span.end - span.start
+            for index in range(len(cache.layers), self._layers):  # a cache's first write: create its layers
+                cache.update(key[:, :, :0], value[:, :, :0], index)
+            length = cache.get_seq_length() + rows
+            buffers.append(cache.reserve(length))
+            mask = span.mask  # [1, 1, S, length] (None: the rows see every key)
+            if mask is not None and mask.shape[-2:] != (rows, length):
+                raise ValueError(f"a span of {rows} rows over {length} keys has a mask of shape {tuple(mask.shape)}")
+            columns.append((rows, length, span.start, *((0, 0) if mask is None else (mask.data_ptr(), mask.stride(-2)))))
+        fields = cpu_attention
+        tables = torch.empty(self._layers, len(self._spans), fields.SEGMENT_FIELDS, dtype=torch.int64)
+        tables[:, :, fields.SEG_K : fields.SEG_M] = torch.stack(buffers, dim=1)
+        columns = torch.tensor(columns, dtype=torch.int64)
+        tables[:, :, : fields.SEG_K] = columns[:, : fields.SEG_K]
+        tables[:, :, fields.SEG_M :] = columns[:, fields.SEG_K :]
+        return tables
+
+    def finish(self) -> None:
+        """Every span's cache holds its rows (each layer wrote them)."""
+        if self._tables is not None:
+            for span in self._spans:
+                span.cache.advance(span.end - span.start)
 
 
 class LeanForward:
@@ -160,38 +189,36 @@ class LeanForward:
         else:
             cos, sin = self._rotary(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        # Verify spans of the batch-invariant path attend all in one native call per layer.
+        ragged = _RaggedAttention(spans, len(self._layers)) if invariant_rows else None
+        attend = partial(self._attend, spans=spans, attention=attention) if ragged is None else ragged
         for layer in self._layers:
-            hidden = self._step(layer, hidden, cos, sin, spans, attention, ops)
+            hidden = self._step(layer, hidden, cos, sin, attend, ops)
+        if ragged is not None:
+            ragged.finish()
         return ops.product(self._head, self._norm(hidden)) if logits else None
 
     @staticmethod
-    def _attend(module, query, key, value, spans: Sequence[Span], attention, ops: _Ops) -> torch.Tensor:
+    def _attend(module, query, key, value, spans: Sequence[Span], attention) -> torch.Tensor:
         """query [1, H, R, D], key / value [1, Hkv, R, D] of all rows -> [1, R, H * D]: each span writes its K/V to
-        its cache and attends over it (verify spans of the batch-invariant path: all in one native call)."""
-        if ops.tree_attention is not None and all(span.tree for span in spans):
-            out = _attend_ragged(module, query, key, value, spans)
-            return out.reshape(*query.shape[:1], query.shape[2], -1)
+        its cache and attends over it through the model's attention function."""
         outs = []
         for span in spans:
             rows = slice(span.start, span.end)
             keys, values = span.cache.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
-            if span.tree and ops.tree_attention is not None:
-                out = ops.tree_attention(query[:, :, rows], keys, values, span.mask, module.scaling)
-            else:
-                out, _ = attention(module, query[:, :, rows], keys, values, span.mask, dropout=0.0,
-                                   scaling=module.scaling)  # fmt: skip
+            out, _ = attention(module, query[:, :, rows], keys, values, span.mask, dropout=0.0, scaling=module.scaling)
             outs.append(out)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return out.reshape(*query.shape[:1], query.shape[2], -1).contiguous()
 
-    def _neox_layer(self, layer, hidden, cos, sin, spans, attention, ops: _Ops) -> torch.Tensor:
+    def _neox_layer(self, layer, hidden, cos, sin, attend, ops: _Ops) -> torch.Tensor:
         """GPTNeoXLayer.forward (eval: its dropouts are identities)."""
         attn, mlp = layer.attention, layer.mlp
         rows = hidden.shape[:-1]
         qkv = ops.product(attn.query_key_value, layer.input_layernorm(hidden))
         query, key, value = qkv.view(*rows, -1, 3 * attn.head_size).transpose(1, 2).chunk(3, dim=-1)
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        out = ops.product(attn.dense, self._attend(attn, query, key, value, spans, attention, ops))
+        out = ops.product(attn.dense, attend(attn, query, key, value))
 
         def feed_forward(x):  # GPTNeoXMLP.forward
             return ops.product(mlp.dense_4h_to_h, ops.activate(mlp.act, ops.product(mlp.dense_h_to_4h, x)))
@@ -201,7 +228,7 @@ class LeanForward:
         out = out + hidden
         return feed_forward(layer.post_attention_layernorm(out)) + out
 
-    def _llama_layer(self, layer, hidden, cos, sin, spans, attention, ops: _Ops) -> torch.Tensor:
+    def _llama_layer(self, layer, hidden, cos, sin, attend, ops: _Ops) -> torch.Tensor:
         """LlamaDecoderLayer.forward."""
         attn, mlp = layer.self_attn, layer.mlp
         rows = hidden.shape[:-1]
@@ -211,7 +238,7 @@ class LeanForward:
         key = ops.product(attn.k_proj, normed).view(shape).transpose(1, 2)
         value = ops.product(attn.v_proj, normed).view(shape).transpose(1, 2)
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        hidden = hidden + ops.product(attn.o_proj, self._attend(attn, query, key, value, spans, attention, ops))
+        hidden = hidden + ops.product(attn.o_proj, attend(attn, query, key, value))
         normed = layer.post_attention_layernorm(hidden)
         gate = ops.activate(mlp.act_fn, ops.product(mlp.gate_proj, normed))
         return hidden + ops.product(mlp.down_proj, gate * ops.product(mlp.up_proj, normed))  # LlamaMLP.forward

@@ -62,6 +62,8 @@ EAGER_PREFILL_CHUNK = 512
 # a growing cache is one): on an H200 in bfloat16 that cost ~7 ms of host time per attention call, against ~0.25 ms
 # for the memory-efficient kernel, which takes the same masks.
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Cached tokens the first mask buffer of a tree shape covers (TreeMasks; it doubles as longer caches come).
+MASK_MIN_WIDTH = 512
 
 
 @dataclass
@@ -94,16 +96,42 @@ class Segment:
 
 @dataclass
 class _Rows:
-    """A checked segment, ready for the forward: its tokens and positions on the target's device, its mask."""
+    """A checked segment, ready for the forward: its tokens on the target's device and its cache's length."""
 
     segment: Segment
     tokens: torch.Tensor  # [S] long
-    positions: torch.Tensor | None  # [S] long (a verify's; prefill chunks take theirs from the cache length)
-    mask: torch.Tensor | None  # a verify's additive [1, 1, S, cache + S]
+    cache_len: int
 
     @property
     def verify(self) -> bool:
         return self.segment.tree is not None
+
+
+class TreeMasks:
+    """`tree_attention_mask`s as views of one buffer per tree shape, so a verify's mask costs a slice, not a build.
+
+    Whether a verify row sees a key depends on the key's offset from the cache's end only (every cached key, or those
+    within the window of the row's position; the tree's own columns), so one buffer built for `width` cached tokens
+    holds the mask of every shorter cache: the view that starts `width - cache_len` columns in. A buffer is rebuilt
+    twice as wide when a longer cache comes; at most `shapes` tree shapes are kept (the oldest goes first)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, window: int | None, shapes: int = 32):
+        self.dtype, self.device, self.window, self.shapes = dtype, device, window, shapes
+        self._buffers: dict[tuple, tuple[int, torch.Tensor]] = {}  # tree paths -> (width, [1, 1, S, width + S])
+
+    def __call__(self, cache_len: int, tree: TreeTensors) -> torch.Tensor:
+        """tree_attention_mask(cache_len, tree, ...): [1, 1, S, cache_len + S] (a view with row stride width + S)."""
+        width, buffer = self._buffers.get(tree.paths, (-1, None))
+        if width < cache_len:
+            width = max(cache_len, 2 * width, MASK_MIN_WIDTH)
+            buffer = tree_attention_mask(width, tree, self.dtype, self.device, self.window)
+            self._buffers.pop(tree.paths, None)
+            if len(self._buffers) >= self.shapes:
+                del self._buffers[next(iter(self._buffers))]
+            self._buffers[tree.paths] = (width, buffer)
+        mask = buffer[..., width - cache_len :]
+        # CUDA kernels may want an aligned mask: a copy there (CPU kernels take any row stride).
+        return mask if self.device.type == "cpu" else mask.contiguous()
 
 
 class TargetModel:
@@ -171,6 +199,7 @@ class TargetModel:
         self.eos_token_ids: frozenset[int] = _eos_token_ids(self.model)
         self._config = config
         self._window = _sliding_window(config)
+        self._masks = TreeMasks(self.dtype, self.device, self._window)
         self._eager = attn == "eager"
         self._logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         if planned_gemm is None:
@@ -285,25 +314,29 @@ class TargetModel:
                 raise ValueError(f"tree has {tree.num_nodes} nodes but {tokens.numel() - 1} tokens were given")
             what = f"verify of a depth-{tree.depth} tree"
             self._check_length(cache_len + tree.depth + 1, what)
-            positions = tree.position_ids(cache_len).to(self.device)
-            mask = tree_attention_mask(cache_len, tree, self.dtype, self.device, self._window)
         if cache.capacity is not None and cache_len + tokens.numel() > cache.capacity:
             raise ValueError(f"{what} needs {cache_len + tokens.numel()} cache rows but the cache holds "
                              f"{cache.capacity} (new_cache(capacity=...))")  # fmt: skip
-        return _Rows(segment, tokens, positions, mask)
+        return _Rows(segment, tokens, cache_len)
 
     def _verify_rows(self, verify: list[_Rows]) -> list[torch.Tensor]:
         """Logits [S_i, V] of every verify segment: one lean forward over all their rows, or HF's per segment."""
         if self._lean is None or not self._lean.available:
-            return [self._hf_forward(r.tokens, r.positions, r.mask, r.segment.cache).logits[0] for r in verify]
+            return [self._hf_forward(r.tokens, r.segment.tree.position_ids(r.cache_len).to(self.device),
+                                     self._masks(r.cache_len, r.segment.tree), r.segment.cache).logits[0]
+                    for r in verify]  # fmt: skip
+        # A root alone sees every key: the batch-invariant path's native attention takes it without a mask (the same
+        # bits: adding 0.0 changes no score); the model's attention functions keep theirs (another kernel without).
+        maskless = self._lean.batch_invariant and self._window is None
         spans, start = [], 0
         for r in verify:
-            spans.append(Span(start, start + r.tokens.numel(), r.segment.cache.kv, r.mask, tree=True))
-            start = spans[-1].end
+            tree, end = r.segment.tree, start + r.tokens.numel()
+            mask = None if maskless and tree.num_nodes == 0 else self._masks(r.cache_len, tree)
+            spans.append(Span(start, end, r.segment.cache.kv, mask, tree=True))
+            start = end
         input_ids = torch.cat([r.tokens for r in verify])[None]
-        positions = torch.cat([r.positions for r in verify])[None]
-        logits = self._lean.forward(input_ids, positions, spans)[0]
-        return [logits[span.start : span.end] for span in spans]
+        logits = self._lean.forward(input_ids, _positions(verify)[None], spans)[0]
+        return list(logits.split([r.tokens.numel() for r in verify]))
 
     def _prefill_rows(self, rows: _Rows) -> None:
         """Append a prefill segment's tokens in chunks of PREFILL_CHUNK (EAGER_PREFILL_CHUNK for eager attention),
@@ -374,13 +407,22 @@ def _prefill_mask(cache_len: int, rows: int, window: int | None, additive: torch
     return visible[None, None]
 
 
+def _positions(verify: Sequence[_Rows]) -> torch.Tensor:
+    """[R] position of every verify row (its tree depth past its cache's length), all segments at once."""
+    lengths = torch.tensor([r.cache_len for r in verify])
+    if all(r.segment.tree.num_nodes == 0 for r in verify):
+        return lengths
+    sizes = torch.tensor([r.tokens.numel() for r in verify])
+    return torch.cat([r.segment.tree.depths for r in verify]) + lengths.repeat_interleave(sizes)
+
+
 def tree_attention_mask(
     cache_len: int, tree: TreeTensors, dtype: torch.dtype, device: torch.device, window: int | None = None
 ) -> torch.Tensor:
     """Additive mask [1, 1, 1 + n, cache_len + 1 + n]: 0 where a verify row may attend, dtype's min elsewhere.
 
     Every row sees the whole cache and its tree ancestors and itself; with a sliding window, only keys whose position
-    is within `window` of the row's position.
+    is within `window` of the row's position. (Forwards take `TreeMasks`' views of these.)
     """
     rows = 1 + tree.num_nodes
     visible = torch.cat([torch.ones(rows, cache_len, dtype=torch.bool), tree.attn_mask], dim=1)

@@ -181,3 +181,35 @@ def test_ragged_call_is_each_segments_own_call_bit_for_bit(heads, kv_heads, thre
     for (row, size, k_buf, v_buf, _), (alone, keys, values) in zip(segments, expected):
         assert torch.equal(out[:, row : row + size], alone)
         assert torch.equal(k_buf[:, :, : keys.shape[2]], keys) and torch.equal(v_buf[:, :, : values.shape[2]], values)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_table_segment_without_a_mask_is_an_all_zero_mask_bit_for_bit(threads):
+    """tree_attention_table: a segment whose mask address is 0 gets the bits of an all-zero mask (its rows see every
+    key), next to masked segments; rows 1 and 4, 300 cached keys (scores of both signs, zeros among them)."""
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim = 6, 2, 16
+    sizes, cached = [1, 4, 1], [300, 40, 0]
+    rows = sum(sizes)
+    qkv = torch.randn(1, rows, heads + 2 * kv_heads, dim, generator=g).transpose(1, 2)
+    qkv[:, :, 0, :3] = 0.0
+    query, key, value = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    buffers = [torch.randn(2, 1, kv_heads, length + size, dim, generator=g) for size, length in zip(sizes, cached)]
+    masks = [torch.zeros(size, length + size) for size, length in zip(sizes, cached)]
+    masks[1][:, -3:] = LOWEST
+    segments = [(sum(sizes[:i]), size, b[0], b[1], m) for i, (size, b, m) in enumerate(zip(sizes, buffers, masks))]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with_masks = cpu_attention.tree_attention_ragged(query, key, value, segments, 0.25)
+        table = torch.tensor([
+            (size, b.shape[-2], row, b[0].data_ptr(), b[0].stride(1), b[0].stride(2), b[1].data_ptr(),
+             b[1].stride(1), b[1].stride(2), *((0, 0) if size == 1 else (m.data_ptr(), m.stride(0))))
+            for (row, size, _, _, m), b in zip(segments, buffers)
+        ], dtype=torch.int64)  # fmt: skip
+        without = cpu_attention.tree_attention_table(query, key, value, table, 0.25)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(without, with_masks)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        cpu_attention.tree_attention_table(query, key, value, table.int(), 0.25)

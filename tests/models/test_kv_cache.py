@@ -215,3 +215,42 @@ def test_new_cache_never_grows_past_the_context(model, small_capacity):
     target.prefill(cache, tokens(200, 1))
     target.verify(cache, 1, build_tree(TreeConfig.chain(5).index_paths()), tokens(5, 2))
     assert [layer.capacity for layer in cache.kv.layers] == [256] * len(cache.kv.layers)
+
+
+def test_reserve_hands_out_every_layers_buffers_and_advance_grows_them(small_capacity):
+    """reserve: room in every layer and their addresses / strides, the same tensor while no buffer is replaced (a new
+    one after growth or an update's write); advance: every layer holds the rows written meanwhile; get_seq_length."""
+    cache = GrowableKVCache()
+    assert cache.get_seq_length() == 0
+    for index in range(3):
+        cache.update(*states(2, index), index)
+    table = cache.reserve(4)
+    for layer, row in zip(cache.layers, table.tolist()):
+        k, v = layer.buffers
+        assert layer.capacity >= 4
+        assert row == [k.data_ptr(), k.stride(1), k.stride(2), v.data_ptr(), v.stride(1), v.stride(2)]
+    assert cache.reserve(3) is table and cache.reserve(4) is table
+    for layer, (k, v) in zip(cache.layers, [states(2, 10 + i) for i in range(3)]):
+        keys, values = layer.buffers
+        keys[:, :, 2:4], values[:, :, 2:4] = k, v
+    cache.advance(2)
+    assert [layer.length for layer in cache.layers] == [4, 4, 4] and cache.get_seq_length(1) == 4
+    grown = cache.reserve(9)
+    assert grown is not table and all(layer.capacity >= 9 for layer in cache.layers)
+    assert grown[0, 0] == cache.layers[0].buffers[0].data_ptr()
+    cache.update(*states(1, 20), 0)
+    assert cache.reserve(9) is not grown
+
+
+@pytest.mark.parametrize("keep", [[0], [0, 1], [0, 2, 3], [1, 3], []])
+def test_cache_compact_is_every_layers_compact(keep):
+    """GrowableKVCache.compact (one index for all layers) moves each layer's rows as GrowableLayer.compact does."""
+    cache, layers = GrowableKVCache(), [GrowableLayer() for _ in range(2)]
+    for index, layer in enumerate(layers):
+        k, v = states(9, index)
+        cache.update(k, v, index)
+        layer.update(k, v)
+        layer.compact(5, keep)
+    cache.compact(5, keep)
+    for ours, ref in zip(cache.layers, layers):
+        assert torch.equal(ours.keys, ref.keys) and torch.equal(ours.values, ref.values)

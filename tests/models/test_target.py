@@ -196,3 +196,20 @@ def test_from_pretrained_fp16_checkpoint_loads_fp32(tmp_path):
     text = "the lazy fox is verified"
     assert target.tokenizer(text).input_ids == tokenizer(text).input_ids
     assert target.eos_token_ids == frozenset({2, 3})
+
+
+@pytest.mark.parametrize("window", [None, 3, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tree_masks_are_the_built_masks(window, dtype, monkeypatch):
+    """Every view TreeMasks hands out equals the mask tree_attention_mask builds for that cache length, bit for bit,
+    across buffer growth (a small first width), shapes coming back after eviction, and windows."""
+    monkeypatch.setattr(target_module, "MASK_MIN_WIDTH", 4)
+    masks = target_module.TreeMasks(dtype, torch.device("cpu"), window, shapes=2)
+    trees = [build_tree(TreeConfig(t).index_paths()) for t in [(), (1,), (3, 2, 1), (2, 2, 1), ()]]
+    for cache_len in [0, 1, 3, 4, 5, 17, 2, 100, 0, 64]:
+        for tree in trees:
+            view = masks(cache_len, tree)
+            built = target_module.tree_attention_mask(cache_len, tree, dtype, torch.device("cpu"), window)
+            assert view.shape == built.shape and view.dtype == built.dtype and view.stride(-1) == 1
+            assert torch.equal(view, built)
+    assert len(masks._buffers) == 2
