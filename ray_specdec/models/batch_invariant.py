@@ -19,8 +19,9 @@ must not: in float32, each row's logits and K/V must be the bits it gets alone. 
   is a multiple of VECTOR_MULTIPLE, every element takes the vector path (`activate`).
 - Rotary cos / sin come from a table per position (`RotaryTable`), computed in fixed blocks, so a row's values depend
   on its position only.
-- LayerNorm / RMSNorm reduce each row on its own, embeddings gather, residual sums and products are exact per element:
-  the same in any batch (tests/models/test_forward_batch.py checks the whole forward).
+- LayerNorm / RMSNorm reduce each row on its own (they run on one thread all the same: `normalize`), embeddings
+  gather, residual sums and products are exact per element: the same in any batch (tests/models/test_forward_batch.py
+  checks the whole forward).
 
 `why_unsupported(model)` names what keeps a model out (see TargetModel for the rest: float32 on CPU, the lean loop,
 the native kernels). Prefill chunks do not go through these operations: each chunk runs its own products, so its K/V
@@ -78,6 +79,15 @@ def activate(fn: nn.Module, x: torch.Tensor) -> torch.Tensor:
     thread count is per process: a forward in another Python thread meanwhile also runs on one.)"""
     with _one_thread():
         return fn(x)
+
+
+def normalize(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """norm(x) (LayerNorm / RMSNorm over the last dimension) on one thread: each row is reduced on its own, so the
+    bits are those of any thread count, and a verify step's few rows cost less than a parallel region's wake-up there
+    (while another process holds the second core, a 32-row LayerNorm waited milliseconds for it; 512 rows take
+    ~35 us longer on one thread than on two)."""
+    with _one_thread():
+        return norm(x)
 
 
 class RotaryTable:

@@ -11,8 +11,8 @@ it, so masks are built exactly as for sdpa) and switches the model to it. The fu
 CPU tensors without autograd, batch 1 and `MIN_ROWS` to `MAX_ROWS` query rows that carry a 4D mask (a verify's);
 everything else (decode steps, prefill chunks, other dtypes and devices, training) goes to HF's sdpa function
 unchanged. (A batch-invariant target's verify rows of any count, one row included, take `tree_attention_table`:
-models/lean_forward.py.) Results agree with sdpa to float32 rounding (a different summation order, as between any two attention
-kernels): greedy output can differ only at near-ties of the target's logits.
+models/lean_forward.py.) Results agree with sdpa to float32 rounding (a different summation order, as between any two
+attention kernels): greedy output can differ only at near-ties of the target's logits.
 """
 
 from __future__ import annotations

@@ -84,14 +84,16 @@ def _call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Ops(NamedTuple):
-    """How a forward multiplies by a Linear layer's weight and applies an activation (fn(module, x))."""
+    """How a forward multiplies by a Linear layer's weight, applies an activation and a norm (fn(module, x))."""
 
     product: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
     activate: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+    normalize: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
 
-_MODEL_OPS = _Ops(_call, _call)  # the model's own calls (its planned GEMM paths): HF's forward bit for bit
-_INVARIANT_OPS = _Ops(invariant.product, invariant.activate)  # verify rows attend through _RaggedAttention
+_MODEL_OPS = _Ops(_call, _call, _call)  # the model's own calls (its planned GEMM paths): HF's forward bit for bit
+# Verify rows attend through _RaggedAttention.
+_INVARIANT_OPS = _Ops(invariant.product, invariant.activate, invariant.normalize)
 
 
 class _RaggedAttention:
@@ -123,7 +125,8 @@ class _RaggedAttention:
             mask = span.mask  # [1, 1, S, length] (None: the rows see every key)
             if mask is not None and mask.shape[-2:] != (rows, length):
                 raise ValueError(f"a span of {rows} rows over {length} keys has a mask of shape {tuple(mask.shape)}")
-            columns.append((rows, length, span.start, *((0, 0) if mask is None else (mask.data_ptr(), mask.stride(-2)))))
+            address, stride = (0, 0) if mask is None else (mask.data_ptr(), mask.stride(-2))
+            columns.append((rows, length, span.start, address, stride))
         fields = cpu_attention
         tables = torch.empty(self._layers, len(self._spans), fields.SEGMENT_FIELDS, dtype=torch.int64)
         tables[:, :, fields.SEG_K : fields.SEG_M] = torch.stack(buffers, dim=1)
@@ -196,7 +199,7 @@ class LeanForward:
             hidden = self._step(layer, hidden, cos, sin, attend, ops)
         if ragged is not None:
             ragged.finish()
-        return ops.product(self._head, self._norm(hidden)) if logits else None
+        return ops.product(self._head, ops.normalize(self._norm, hidden)) if logits else None
 
     @staticmethod
     def _attend(module, query, key, value, spans: Sequence[Span], attention) -> torch.Tensor:
@@ -215,7 +218,7 @@ class LeanForward:
         """GPTNeoXLayer.forward (eval: its dropouts are identities)."""
         attn, mlp = layer.attention, layer.mlp
         rows = hidden.shape[:-1]
-        qkv = ops.product(attn.query_key_value, layer.input_layernorm(hidden))
+        qkv = ops.product(attn.query_key_value, ops.normalize(layer.input_layernorm, hidden))
         query, key, value = qkv.view(*rows, -1, 3 * attn.head_size).transpose(1, 2).chunk(3, dim=-1)
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
         out = ops.product(attn.dense, attend(attn, query, key, value))
@@ -224,21 +227,21 @@ class LeanForward:
             return ops.product(mlp.dense_4h_to_h, ops.activate(mlp.act, ops.product(mlp.dense_h_to_4h, x)))
 
         if layer.use_parallel_residual:
-            return feed_forward(layer.post_attention_layernorm(hidden)) + out + hidden
+            return feed_forward(ops.normalize(layer.post_attention_layernorm, hidden)) + out + hidden
         out = out + hidden
-        return feed_forward(layer.post_attention_layernorm(out)) + out
+        return feed_forward(ops.normalize(layer.post_attention_layernorm, out)) + out
 
     def _llama_layer(self, layer, hidden, cos, sin, attend, ops: _Ops) -> torch.Tensor:
         """LlamaDecoderLayer.forward."""
         attn, mlp = layer.self_attn, layer.mlp
         rows = hidden.shape[:-1]
-        normed = layer.input_layernorm(hidden)
+        normed = ops.normalize(layer.input_layernorm, hidden)
         shape = (*rows, -1, attn.head_dim)
         query = ops.product(attn.q_proj, normed).view(shape).transpose(1, 2)
         key = ops.product(attn.k_proj, normed).view(shape).transpose(1, 2)
         value = ops.product(attn.v_proj, normed).view(shape).transpose(1, 2)
         query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
         hidden = hidden + ops.product(attn.o_proj, attend(attn, query, key, value))
-        normed = layer.post_attention_layernorm(hidden)
+        normed = ops.normalize(layer.post_attention_layernorm, hidden)
         gate = ops.activate(mlp.act_fn, ops.product(mlp.gate_proj, normed))
         return hidden + ops.product(mlp.down_proj, gate * ops.product(mlp.up_proj, normed))  # LlamaMLP.forward
