@@ -12,7 +12,7 @@ from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
 from ray_specdec.models import batch_invariant, cpu_attention, native
 from ray_specdec.models.kv_cache import CacheFull
-from ray_specdec.models.target import Segment, TargetModel
+from ray_specdec.models.target import Segment, TargetModel, tree_attention_mask
 from ray_specdec.tree import build_tree
 from tests.tiny_models import tiny_gpt_neox, tiny_llama, tiny_mistral
 
@@ -275,3 +275,34 @@ def test_native_attention_rows_do_not_depend_on_the_row_count_or_masked_keys(thr
     masked = mask[:, :5].clone()
     masked[:, :, 260:] = torch.finfo(torch.float32).min
     assert torch.equal(cpu_attention.tree_attention(q[:, :, :5], k, v, masked, dim**-0.5)[:, :1], alone)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(6, 2, 64), (4, 4, 20)])
+@pytest.mark.parametrize("cached, window", [(100, None), (120, None), (126, None), (250, None), (250, 64)])
+def test_native_attention_tree_rows_are_their_rows_decoded_one_by_one(threads, heads, kv_heads, dim, cached, window):
+    """A verify's tree row attends over the cache, its ancestors and itself exactly as when those tokens are decoded
+    one by one: the bits of one row over exactly those keys laid out one after the other, whatever other rows the tree
+    has (so what a request commits does not depend on the tree goodput gave it). Caches of 120 / 126 keys put the
+    tree's rows across a key block boundary (128), where keys weighted 0 at shifted places would change the sums."""
+    tree = build_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)])
+    rows = tree.num_nodes + 1
+    g = torch.Generator().manual_seed(cached + dim)
+    q = torch.randn(1, heads, rows, dim, generator=g)
+    k = torch.randn(1, kv_heads, cached + rows, dim, generator=g)
+    v = torch.randn(1, kv_heads, cached + rows, dim, generator=g)
+    mask = tree_attention_mask(cached, tree, torch.float32, torch.device("cpu"), window)[0]  # [1, rows, cached + rows]
+    verified = cpu_attention.tree_attention(q, k, v, mask, dim**-0.5)
+    depths = set()
+    for row in range(rows):
+        seen = (mask[0, row] == 0).nonzero().flatten()  # the cache (in the window), its ancestors, itself
+        own = seen[seen >= cached]
+        depths.add(own.numel())
+        keys = torch.cat([k[:, :, :cached], k[:, :, own]], dim=2)
+        values = torch.cat([v[:, :, :cached], v[:, :, own]], dim=2)
+        plain_mask = None
+        if window is not None:  # the same window over the row's keys, as the plain step's mask has it
+            plain_mask = torch.cat([mask[:, row : row + 1, :cached], mask[:, row : row + 1, own]], dim=-1)
+        alone = cpu_attention.tree_attention(q[:, :, row : row + 1], keys, values, plain_mask, dim**-0.5)
+        assert torch.equal(alone[:, 0], verified[:, row]), row
+    assert depths == {1, 2, 3, 4, 5, 6}  # rows at every depth of the tree were compared

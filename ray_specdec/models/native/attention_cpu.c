@@ -29,9 +29,15 @@
 typedef float vf16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 
-/* Scratch floats one row group needs: its scaled queries and unnormalised outputs [GROUP, D] each, its scores /
- * weights for one key block [GROUP, KEY_BLOCK], running maxima and sums [GROUP] each. */
-static size_t scratch_floats(int D) { return (size_t)2 * GROUP * D + (size_t)GROUP * KEY_BLOCK + 2 * GROUP; }
+/* Scratch floats one row group of a segment of S rows needs: its scaled queries and unnormalised outputs [GROUP, D]
+ * each, its scores / weights for one key block [GROUP, KEY_BLOCK], running maxima and sums [GROUP] each, and each
+ * row's visible keys among the segment's own [GROUP, S] (int32). */
+static size_t scratch_floats(int D, int S) {
+    return (size_t)2 * GROUP * D + (size_t)GROUP * KEY_BLOCK + 2 * GROUP + (size_t)GROUP * S;
+}
+
+/* A key of the segment's own rows whose mask is at most this is not visible to the row (float32's lowest: masked). */
+#define MASKED (-FLT_MAX / 2)
 
 static inline vf16 vselect(vi16 take_a, vf16 a, vf16 b) { return (vf16)(((vi16)a & take_a) | ((vi16)b & ~take_a)); }
 static inline vf16 vmax(vf16 a, vf16 b) { return vselect(a > b, a, b); }
@@ -92,11 +98,11 @@ static inline float sum_lanes(vf16 x) {
     return x[0];
 }
 
-/* Scores of one row (scaled query qs [D]) against keys [n, D] (row stride k_ss), n <= CHUNK: lane t = the dot
- * product with key t, each key's products summed in D / 16 vectors of partial sums in order, then sum_lanes16;
- * lanes past n are float32's lowest (no weight). Head sizes that are not a multiple of 16 add their last products
- * as one more zero-padded vector. */
-static inline vf16 chunk_scores(int D, const float *restrict qs, const float *restrict k, int64_t k_ss, int n) {
+/* Scores of one row (scaled query qs [D]) against the keys at kp[0..n), n <= CHUNK: lane t = the dot product with
+ * key t, each key's products summed in D / 16 vectors of partial sums in order, then sum_lanes16; lanes past n are
+ * float32's lowest (no weight). Head sizes that are not a multiple of 16 add their last products as one more
+ * zero-padded vector. */
+static inline vf16 chunk_scores(int D, const float *restrict qs, const float *const *kp, int n) {
     vf16 p[CHUNK];
     const int full = D / 16 * 16;
     if (n == CHUNK && full == D) { /* the common case, with every loop over keys unrolled (p stays in registers) */
@@ -105,14 +111,14 @@ static inline vf16 chunk_scores(int D, const float *restrict qs, const float *re
         for (int d = 0; d < D; d += 16) {
             const vf16 qd = *(const vf16 *)(qs + d);
 #pragma GCC unroll 16
-            for (int t = 0; t < CHUNK; t++) p[t] += qd * *(const vf16 *)(k + (int64_t)t * k_ss + d);
+            for (int t = 0; t < CHUNK; t++) p[t] += qd * *(const vf16 *)(kp[t] + d);
         }
         return sum_lanes16(p);
     }
     for (int t = 0; t < CHUNK; t++) {
         vf16 acc = {0};
         if (t < n) {
-            const float *kt = k + (int64_t)t * k_ss;
+            const float *kt = kp[t];
             for (int d = 0; d < full; d += 16) acc += *(const vf16 *)(qs + d) * *(const vf16 *)(kt + d);
             if (full < D) {
                 vf16 qv = {0}, kv = {0};
@@ -163,16 +169,41 @@ static inline __attribute__((always_inline)) void weighted_values(const int NV, 
     }
 }
 
-/* One query head, one group of nr <= GROUP rows: rows [nr, D] (row stride q_ss) over keys / values [L, D] (row
- * strides k_ss / v_ss) with an additive mask [nr, L] (row stride m_ss, or NULL) -> out rows (stride o_ss).
+/* weighted_values over every column: 64-wide chunks, then 16-wide, then single columns. */
+static void block_values(int nr, int nb, int D, const float *restrict w, const float *restrict v, int64_t v_ss,
+                         float *restrict o) {
+    int c = 0;
+    for (; c + 64 <= D; c += 64) weighted_values(4, nr, nb, c, D, w, v, v_ss, o);
+    for (; c + 16 <= D; c += 16) weighted_values(1, nr, nb, c, D, w, v, v_ss, o);
+    if (c < D) /* key by key, as weighted_value does: a sum over keys in one loop would be vectorised (reordered) */
+        for (int j = 0; j < nb; j++)
+            for (int r = 0; r < nr; r++)
+                for (int x = c; x < D; x++) o[(int64_t)r * D + x] += w[(int64_t)r * KEY_BLOCK + j] * v[(int64_t)j * v_ss + x];
+}
+
+/* o += w * vr for one row's unnormalised output o [D] and one value row vr: the multiply-adds of weighted_values,
+ * column for column (a key of the row's own, at its place in the row's key order). */
+static inline void weighted_value(int D, float w, const float *restrict vr, float *restrict o) {
+    int c = 0;
+    for (; c + 16 <= D; c += 16) *(vf16 *)(o + c) += w * *(const vf16 *)(vr + c);
+    for (; c < D; c++) o[c] += w * vr[c];
+}
+
+/* One query head, one group of nr <= GROUP rows of a segment whose S rows are the last S of the L keys: rows [nr, D]
+ * (row stride q_ss) over keys / values [L, D] (row strides k_ss / v_ss) with an additive mask [nr, L] (row stride
+ * m_ss, or NULL) -> out rows (stride o_ss).
  *
  * Every row is computed on its own, vectorised over the head dimension and over keys: a decode step's one row per
  * request uses whole vectors (a kernel with one row per vector lane left 15 of 16 lanes idle there, and one-row
  * segments are what a busy continuous batch is made of). Rows share only the loads of keys and values, never a sum,
- * so a row's result does not depend on the group it is in. Key blocks and chunks start at fixed key indices, and a
- * masked key's weight is exactly 0 (its score is far below -87 after the max is subtracted), so keys masked away or
- * past the end change nothing: a tree's root row gets the bits of that row alone. */
-static void head_attention(int nr, int L, int D, float scale, const float *restrict q, int64_t q_ss,
+ * so a row's result does not depend on the group it is in.
+ *
+ * A row attends over the L - S keys before the segment, then over the segment's keys it sees (mask above MASKED; all
+ * of them without a mask), in order, as if those were the keys right after the others: for a verify's tree row, the
+ * cache then its ancestors and itself, the keys that row has when its tokens are decoded one by one. Key blocks and
+ * chunks are cut at those positions, so a tree row gets exactly the bits of the same row in plain decoding, whatever
+ * the tree around it (the other rows' keys are skipped, not weighted 0 at shifted places). */
+static void head_attention(int nr, int S, int L, int D, float scale, const float *restrict q, int64_t q_ss,
                            const float *restrict k, int64_t k_ss, const float *restrict v, int64_t v_ss,
                            const float *restrict mask, int64_t m_ss, float *restrict out, int64_t o_ss,
                            float *restrict scratch) {
@@ -181,25 +212,41 @@ static void head_attention(int nr, int L, int D, float scale, const float *restr
     float *w = o + (size_t)GROUP * D;                /* [nr, KEY_BLOCK] scores, then weights */
     float *run_max = w + (size_t)GROUP * KEY_BLOCK;  /* [nr] */
     float *run_sum = run_max + GROUP;                /* [nr] */
+    int32_t *own = (int32_t *)(run_sum + GROUP);     /* [nr, S]: the segment's keys each row sees, in order */
+    const int C = L > S ? L - S : 0;                 /* keys before the segment's own (rows past L: none) */
+    int length[GROUP], longest = 0;                  /* keys each row sees */
     for (int r = 0; r < nr; r++) {
         for (int d = 0; d < D; d++) qs[(int64_t)r * D + d] = q[(int64_t)r * q_ss + d] * scale;
         run_max[r] = -FLT_MAX;
         run_sum[r] = 0.0f;
+        int seen = 0;
+        for (int j = C; j < L; j++)
+            if (!mask || mask[(int64_t)r * m_ss + j] > MASKED) own[r * S + seen++] = j;
+        length[r] = C + seen;
+        longest = length[r] > longest ? length[r] : longest;
     }
     memset(o, 0, sizeof(float) * (size_t)nr * D);
     const vf16 zero = {0};
-    for (int j0 = 0; j0 < L; j0 += KEY_BLOCK) {
-        const int nb = L - j0 < KEY_BLOCK ? L - j0 : KEY_BLOCK, chunks = (nb + CHUNK - 1) / CHUNK;
-        const float *kb = k + (int64_t)j0 * k_ss;
+    for (int j0 = 0; j0 < longest; j0 += KEY_BLOCK) {
         for (int r = 0; r < nr; r++) {
+            const int nb = length[r] - j0 < KEY_BLOCK ? length[r] - j0 : KEY_BLOCK;
+            if (nb <= 0) continue;
+            const int chunks = (nb + CHUNK - 1) / CHUNK;
+            const int32_t *mine = own + r * S;
             float *wr = w + (int64_t)r * KEY_BLOCK;
             vf16 block_max = zero - FLT_MAX;
             for (int c = 0; c < chunks; c++) {
-                const int n = nb - c * CHUNK < CHUNK ? nb - c * CHUNK : CHUNK;
-                vf16 s = chunk_scores(D, qs + (int64_t)r * D, kb + (int64_t)c * CHUNK * k_ss, k_ss, n);
+                const int first = j0 + c * CHUNK, n = nb - c * CHUNK < CHUNK ? nb - c * CHUNK : CHUNK;
+                const float *kp[CHUNK];
+                int key[CHUNK];
+                for (int t = 0; t < n; t++) {
+                    key[t] = first + t < C ? first + t : mine[first + t - C];
+                    kp[t] = k + (int64_t)key[t] * k_ss;
+                }
+                vf16 s = chunk_scores(D, qs + (int64_t)r * D, kp, n);
                 if (mask) {
-                    const float *mr = mask + (int64_t)r * m_ss + j0 + c * CHUNK;
-                    for (int t = 0; t < n; t++) s[t] += mr[t];
+                    const float *mr = mask + (int64_t)r * m_ss;
+                    for (int t = 0; t < n; t++) s[t] += mr[key[t]];
                 }
                 *(vf16 *)(wr + c * CHUNK) = s;
                 block_max = vmax(block_max, s);
@@ -222,17 +269,15 @@ static void head_attention(int nr, int L, int D, float scale, const float *restr
             }
             run_sum[r] = run_sum[r] * rescale + sum_lanes(block_sum);
         }
-        /* Weighted values: 64-wide column chunks, then 16-wide, then single columns. */
-        const float *vb = v + (int64_t)j0 * v_ss;
-        int c = 0;
-        for (; c + 64 <= D; c += 64) weighted_values(4, nr, nb, c, D, w, vb, v_ss, o);
-        for (; c + 16 <= D; c += 16) weighted_values(1, nr, nb, c, D, w, vb, v_ss, o);
-        for (; c < D; c++)
-            for (int r = 0; r < nr; r++) {
-                float acc = o[(int64_t)r * D + c];
-                for (int j = 0; j < nb; j++) acc += w[(int64_t)r * KEY_BLOCK + j] * vb[(int64_t)j * v_ss + c];
-                o[(int64_t)r * D + c] = acc;
-            }
+        /* Weighted values: the keys before the segment for every row at once, then each row's own, in key order. */
+        const int shared = C - j0 < KEY_BLOCK ? C - j0 : KEY_BLOCK;
+        if (shared > 0) block_values(nr, shared, D, w, v + (int64_t)j0 * v_ss, v_ss, o);
+        for (int r = 0; r < nr; r++) {
+            const int end = length[r] < j0 + KEY_BLOCK ? length[r] : j0 + KEY_BLOCK;
+            for (int j = j0 > C ? j0 : C; j < end; j++)
+                weighted_value(D, w[(int64_t)r * KEY_BLOCK + j - j0], v + (int64_t)own[r * S + j - C] * v_ss,
+                               o + (int64_t)r * D);
+        }
     }
     for (int r = 0; r < nr; r++) {
         const float inv = 1.0f / run_sum[r];
@@ -253,7 +298,7 @@ int tree_attention(int S, int H, int Hkv, int L, int D, float scale, const float
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1 && H > 1) reduction(| : failed)
     {
-        float *buf = aligned_alloc(64, (scratch_floats(D) * sizeof(float) + 63) / 64 * 64);
+        float *buf = aligned_alloc(64, (scratch_floats(D, S) * sizeof(float) + 63) / 64 * 64);
         /* Every thread reaches the worksharing loop, even one without scratch (it then only records the failure). */
 #pragma omp for schedule(static)
         for (int h = 0; h < H; h++) {
@@ -265,7 +310,7 @@ int tree_attention(int S, int H, int Hkv, int L, int D, float scale, const float
             for (int g = 0; g < S; g += GROUP) {
                 const int nr = S - g < GROUP ? S - g : GROUP;
                 head_attention(
-                    nr, L, D, scale, q + h * q_sh + g * q_ss, q_ss, k + kv * k_sh, k_ss, v + kv * v_sh, v_ss,
+                    nr, S, L, D, scale, q + h * q_sh + g * q_ss, q_ss, k + kv * k_sh, k_ss, v + kv * v_sh, v_ss,
                     mask ? mask + h * m_sh + g * m_ss : NULL, m_ss, out + ((int64_t)g * H + h) * D, (int64_t)H * D,
                     buf);
             }
@@ -291,7 +336,8 @@ int tree_attention_ragged(int n, const int64_t *table, int H, int Hkv, int D, fl
                           int64_t q_sh, int64_t q_ss, const float *kn, int64_t kn_sh, int64_t kn_ss, const float *vn,
                           int64_t vn_sh, int64_t vn_ss, float *out, int threads) {
     const int group = H / Hkv;
-    int failed = 0;
+    int failed = 0, most = 1; /* the most rows of one segment */
+    for (int i = 0; i < n; i++) most = table[(int64_t)i * SEG_FIELDS + SEG_S] > most ? (int)table[(int64_t)i * SEG_FIELDS + SEG_S] : most;
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n * H > 1) reduction(| : failed)
     {
@@ -308,7 +354,7 @@ int tree_attention_ragged(int n, const int64_t *table, int H, int Hkv, int D, fl
                        sizeof(float) * D);
             }
         }
-        float *buf = aligned_alloc(64, (scratch_floats(D) * sizeof(float) + 63) / 64 * 64);
+        float *buf = aligned_alloc(64, (scratch_floats(D, most) * sizeof(float) + 63) / 64 * 64);
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < n * H; t++) {
             if (!buf) {
@@ -324,7 +370,7 @@ int tree_attention_ragged(int n, const int64_t *table, int H, int Hkv, int D, fl
             for (int g = 0; g < S; g += GROUP) {
                 const int nr = S - g < GROUP ? S - g : GROUP;
                 head_attention(
-                    nr, L, D, scale, q + h * q_sh + (int64_t)(row + g) * q_ss, q_ss, k, seg[SEG_K_SS], v,
+                    nr, S, L, D, scale, q + h * q_sh + (int64_t)(row + g) * q_ss, q_ss, k, seg[SEG_K_SS], v,
                     seg[SEG_V_SS], mask ? mask + g * m_ss : NULL, m_ss, out + ((int64_t)(row + g) * H + h) * D,
                     (int64_t)H * D, buf);
             }
