@@ -25,8 +25,8 @@ about drafting. The drafter's prefills count in the step that runs them: a reque
 Exploration. Of every EXPLORE_PERIOD steps at a level, EXPLORE_RUN consecutive ones run the other mode, so both sides
 stay measured and a wrong verdict ends. Runs, not single steps: the first step that drafts after plain ones pays each
 request's drafter catch-up over the tokens committed meanwhile and the prefills of the requests that came meanwhile,
-a cost of switching rather than of drafting, so the first step after a switch is not measured. While a side has fewer than MIN_SAMPLES steps the period
-is two runs, to decide soon.
+a cost of switching rather than of drafting, so the first step after a switch is not measured. While a side has
+fewer than MIN_SAMPLES steps the period is two runs, to decide soon.
 
 Clock-free and deterministic: callers hand in the seconds they measured, so tests drive it with made-up timings.
 """
@@ -121,8 +121,9 @@ class SpeculationGuard:
 
 
 def plain_line(samples: Iterable[tuple[int, float]]) -> Callable[[int], float]:
-    """(n, seconds to give each of n requests a token) of plain steps -> n -> predicted seconds: least squares a + b n with 0 <= b and 0 <= a (more
-    requests never make a step faster, nor has a step negative fixed cost); a single n seen: its mean."""
+    """(n, seconds to give each of n requests a token) of plain steps -> n -> predicted seconds: least squares a + b n
+    with 0 <= b and 0 <= a (more requests never make a step faster, nor has a step negative fixed cost); a single n
+    seen: its mean."""
     samples = list(samples)
     m = len(samples)
     mean_n = sum(n for n, _ in samples) / m

@@ -178,7 +178,8 @@ static void block_values(int nr, int nb, int D, const float *restrict w, const f
     if (c < D) /* key by key, as weighted_value does: a sum over keys in one loop would be vectorised (reordered) */
         for (int j = 0; j < nb; j++)
             for (int r = 0; r < nr; r++)
-                for (int x = c; x < D; x++) o[(int64_t)r * D + x] += w[(int64_t)r * KEY_BLOCK + j] * v[(int64_t)j * v_ss + x];
+                for (int x = c; x < D; x++)
+                    o[(int64_t)r * D + x] += w[(int64_t)r * KEY_BLOCK + j] * v[(int64_t)j * v_ss + x];
 }
 
 /* o += w * vr for one row's unnormalised output o [D] and one value row vr: the multiply-adds of weighted_values,
@@ -337,7 +338,10 @@ int tree_attention_ragged(int n, const int64_t *table, int H, int Hkv, int D, fl
                           int64_t vn_sh, int64_t vn_ss, float *out, int threads) {
     const int group = H / Hkv;
     int failed = 0, most = 1; /* the most rows of one segment */
-    for (int i = 0; i < n; i++) most = table[(int64_t)i * SEG_FIELDS + SEG_S] > most ? (int)table[(int64_t)i * SEG_FIELDS + SEG_S] : most;
+    for (int i = 0; i < n; i++) {
+        const int rows = (int)table[(int64_t)i * SEG_FIELDS + SEG_S];
+        most = rows > most ? rows : most;
+    }
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n * H > 1) reduction(| : failed)
     {
