@@ -280,8 +280,9 @@ class Scheduler:
         decoding = [r for r in self.running.values() if r.decoding]
         prefilling = [r for r in self.running.values() if not r.decoding]
         self.load = max(len(decoding), 1)
+        admitted = len(self.running)  # the guard's load: decoding and prefilling (speculation_guard.py says why)
         guard = self.guard if decoding and self.drafter is not None else None
-        self.guarded = guard is not None and guard.plain(self.load)
+        self.guarded = guard is not None and guard.plain(admitted)
         self._choose_trees(decoding)
         draft_rows, drafter_prefill_s = self._draft(decoding)
         t0 += drafter_prefill_s  # the rounds' time leaves the drafter's prefills out (request costs, in prefill_s)
@@ -302,7 +303,7 @@ class Scheduler:
         self._account(decoding, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
         if guard is not None:  # the realised result of its choice, the drafter's prefills included
             tokens = sum(len(r.verdict.new_tokens) for r in decoding)
-            guard.observe(len(decoding), tokens, t3 - t0 + drafter_prefill_s, prefill_rows > 0)
+            guard.observe(admitted, tokens, t3 - t0 + drafter_prefill_s, prefill_rows > 0, decoding=len(decoding))
         self.steps += 1
         if not self.has_work:  # nothing will step again soon: free the caches of the requests that just ended
             self._send_pending()
@@ -361,10 +362,11 @@ class Scheduler:
     def _candidate(self, r: Request) -> Candidate:
         """The request's trees for this step: its policy's pick, then the policy's smaller arms (goodput may take
         one of those instead; "none" only where it is an arm). A fixed tree or an exploring request keeps its pick;
-        in a step the guard runs undrafted, the others get none."""
+        in a step the guard runs undrafted, every request but those with a tree of their own gets none (exploring
+        ones too: their rounds draft in the guard's policy steps, so a plain step costs what plain decoding does)."""
         cut = r.stop.remaining - 1  # the bonus token comes for free: never draft deeper than what is left
         ctx = len(r.tokens)
-        if self.drafter is None or r.start == PLAIN or (self.guarded and r.tree is None and r.start == DRAFT):
+        if self.drafter is None or r.start == PLAIN or (self.guarded and r.tree is None):
             return Candidate([NO_TREE], [1.0], fixed=True)
         if r.tree is not None:
             return Candidate([r.tree.truncated(cut)], [1.0], fixed=True)

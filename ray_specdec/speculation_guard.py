@@ -4,15 +4,23 @@ measured to decode no slower than steps whose rounds run undrafted.
 Why. Goodput sizing (goodput.py) and the bandit choose trees from models, a step cost model and acceptance estimates.
 Under load both have been optimistic (issue 18: closed loop at 8 and 32 requests, the service's own choice 9-20%
 slower than tree none) and nothing checked the realised result. The guard does, per load level of the bandit
-(`BanditConfig.load_edges`: requests decoding in the step), and where drafting loses it has the scheduler run that
-level's rounds undrafted.
+(`BanditConfig.load_edges`, of the requests admitted to the step), and where drafting loses it has the scheduler run
+that level's rounds undrafted.
+
+Load. A level is the bandit's load level (`BanditConfig.load_edges`) of the requests admitted to the step, decoding
+or prefilling: under steady traffic that count holds still while the decoding count dips whenever requests end and
+their successors prefill. Keyed by the decoding count, such dips fell into a lower level with a verdict of its own,
+and its drafted steps paid every request's drafter catch-up over the tokens of the plain steps before (measured
+served at 8 requests: steps of 3 decoding requests took 35-90 ms drafted, against 6 ms plain).
 
 What is compared. The guard's two modes, step by step: *policy* steps, whose trees the policy and goodput choose as
-always, against *plain* steps, whose rounds it runs undrafted (what forcing tree none does). Requests that draft in
-both modes (a tree the client asked for, a request the start rule explores with) are common to both sides, so the
-comparison stays the one the guard decides. Only decode-only steps are measured: a prefill chunk's time says nothing
-about drafting. The drafter's prefills count in the step that runs them: a request never drafted never pays one
-(LazyDrafter), so they are part of what drafting costs (short requests can lose to them alone).
+always, against *plain* steps, whose rounds it runs undrafted (what forcing tree none does). A request with a tree the
+client asked for drafts in both modes: common to both sides, it leaves the comparison the one the guard decides. A
+request the start rule explores with drafts only in policy steps (it once drafted in plain steps too: served at 8
+requests, one explorer in flight made every plain step pay a draft call and its verify rows, 13 ms against 10). Only
+decode-only steps are measured: a prefill chunk's time says nothing about drafting. The drafter's prefills count in the
+step that runs them: a request never drafted never pays one (LazyDrafter), so they are part of what drafting costs
+(short requests can lose to them alone).
 - plain side: per plain step of the level's last WINDOW, the seconds it took to give each of its n requests one token,
   seconds * n / tokens (its seconds, when none drafted), fitted as a line a + b n (a, b >= 0; one n seen: its mean).
   Steps of different n are not comparable raw; the line makes them so.
@@ -22,11 +30,15 @@ about drafting. The drafter's prefills count in the step that runs them: a reque
 - verdict, with hysteresis against noise: a level goes plain when speedup < 1 - MARGIN, both sides having at least
   MIN_SAMPLES steps, and back to the policy when speedup > 1 + MARGIN.
 
-Exploration. Of every EXPLORE_PERIOD steps at a level, EXPLORE_RUN consecutive ones run the other mode, so both sides
+Exploration. Of every `period` steps at a level, EXPLORE_RUN consecutive ones run the other mode, so both sides
 stay measured and a wrong verdict ends. Runs, not single steps: the first step that drafts after plain ones pays each
 request's drafter catch-up over the tokens committed meanwhile and the prefills of the requests that came meanwhile,
 a cost of switching rather than of drafting, so the first step after a switch is not measured. While a side has
-fewer than MIN_SAMPLES steps the period is two runs, to decide soon.
+fewer than MIN_SAMPLES steps the period is two runs, to decide soon. Then it starts at EXPLORE_PERIOD and doubles
+after every run that leaves the verdict as it was, up to MAX_EXPLORE_PERIOD (exploring the losing mode costs a share
+of its gap, and a settled verdict needs it less); a verdict that changes sets it back to EXPLORE_PERIOD. Served at 8
+requests on the 2-core machine, a drafting step cost ~40% more than a plain one there, so exploring 4 steps in 32
+cost ~5% of throughput; at 256, under 1%.
 
 Clock-free and deterministic: callers hand in the seconds they measured, so tests drive it with made-up timings.
 """
@@ -51,6 +63,9 @@ MARGIN = 0.03
 # 1/8 of the steps, costing at most an eighth of the gap between the modes while keeping the losing side fresh.
 EXPLORE_PERIOD = 32
 EXPLORE_RUN = 4
+# The period doubles after each run that confirms the verdict, up to this (a reversed trend then still shows within
+# WINDOW / (EXPLORE_RUN - 1) runs: about 11 runs, ~2,800 steps at most).
+MAX_EXPLORE_PERIOD = 256
 
 
 @dataclass
@@ -58,7 +73,9 @@ class _Level:
     # (n, tokens, seconds) of steps: n requests decoded `tokens` tokens in all
     plain: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     policy: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
-    steps: int = 0  # steps run at this level (the exploration clock)
+    clock: int = 0  # steps run at this level since its last exploration run ended
+    period: int = EXPLORE_PERIOD  # steps per exploration run, once both sides are measured (see the docstring)
+    flipped: bool = False  # whether the verdict changed since the last exploration run ended
     undrafted: bool = False  # the verdict: run this level's rounds undrafted
 
 
@@ -80,27 +97,34 @@ class SpeculationGuard:
         it advances the level's exploration clock."""
         lv = self.levels[self.level(load)]
         warming = min(len(lv.plain), len(lv.policy)) < MIN_SAMPLES
-        period = 2 * EXPLORE_RUN if warming else EXPLORE_PERIOD
-        explore = lv.steps % period >= period - EXPLORE_RUN
-        lv.steps += 1
+        period = 2 * EXPLORE_RUN if warming else lv.period
+        explore = lv.clock >= period - EXPLORE_RUN
+        lv.clock += 1
+        if lv.clock >= period:  # the run ends with this step
+            lv.clock = 0
+            if not warming:
+                lv.period = EXPLORE_PERIOD if lv.flipped else min(2 * lv.period, MAX_EXPLORE_PERIOD)
+            lv.flipped = False
         self._previous, self._mode = self._mode, lv.undrafted != explore
         self.plain_steps += self._mode
         return self._mode
 
-    def observe(self, load: int, tokens: int, seconds: float, prefill: bool = False) -> None:
-        """The step `plain` was last asked for: `load` requests decoded `tokens` tokens in all in `seconds`;
-        `prefill`: whether it also ran prefill rows (then it is not measured)."""
-        if prefill or self._mode != self._previous or seconds <= 0 or load < 1 or tokens < 1:
+    def observe(self, load: int, tokens: int, seconds: float, prefill: bool = False,
+                decoding: int | None = None) -> None:
+        """The step `plain` was last asked for, at `load`: `decoding` requests (None: `load`) decoded `tokens` tokens
+        in all in `seconds`; `prefill`: whether it also ran prefill rows (then it is not measured)."""
+        n = load if decoding is None else decoding
+        if prefill or self._mode != self._previous or seconds <= 0 or n < 1 or tokens < 1:
             return
         lv = self.levels[self.level(load)]
-        (lv.plain if self._mode else lv.policy).append((load, tokens, seconds))
+        (lv.plain if self._mode else lv.policy).append((n, tokens, seconds))
         speedup = self._speedup(lv)
         if speedup is None or min(len(lv.plain), len(lv.policy)) < MIN_SAMPLES:
             return
-        if not lv.undrafted and speedup < 1 - MARGIN:
-            lv.undrafted = True
-        elif lv.undrafted and speedup > 1 + MARGIN:
-            lv.undrafted = False
+        if (speedup < 1 - MARGIN) if not lv.undrafted else (speedup > 1 + MARGIN):
+            lv.undrafted = not lv.undrafted
+            lv.flipped = True
+            lv.period = EXPLORE_PERIOD
 
     def speedup(self, level: int) -> float | None:
         """Policy steps' decode throughput over plain steps' at a level (None: a side unmeasured)."""
@@ -109,7 +133,8 @@ class SpeculationGuard:
     def summary(self) -> list[dict]:
         """Per load level: its label, verdict, measured speedup and steps measured per side."""
         return [{"load": label, "undrafted": lv.undrafted, "speedup": self._speedup(lv), "plain": len(lv.plain),
-                 "policy": len(lv.policy)} for label, lv in zip(load_labels(self.load_edges), self.levels)]
+                 "policy": len(lv.policy), "explore_period": lv.period}
+                for label, lv in zip(load_labels(self.load_edges), self.levels)]
 
     @staticmethod
     def _speedup(lv: _Level) -> float | None:

@@ -1,14 +1,15 @@
 """The speculation guard on made-up timings: a load level where drafted steps decode slower than plain ones goes
-undrafted, others keep drafting; exploration keeps the losing side measured so a reversed trend flips the verdict
-back; prefill steps and the first step after a switch are not measured; steps of different sizes are normalised."""
+undrafted, others keep drafting; exploration keeps the losing side measured so a reversed trend flips the verdict back,
+and grows rarer while the verdict holds; prefill steps and the first step after a switch are not measured; steps of
+different sizes are normalised."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ray_specdec.speculation_guard import (EXPLORE_PERIOD, EXPLORE_RUN, MIN_SAMPLES, WINDOW, SpeculationGuard,
-                                           plain_line)
+from ray_specdec.speculation_guard import (EXPLORE_PERIOD, EXPLORE_RUN, MAX_EXPLORE_PERIOD, MIN_SAMPLES, WINDOW,
+                                           SpeculationGuard, plain_line)
 
 TOKENS_PER_ROUND = 2.5  # tokens a drafted round commits, on average
 
@@ -39,15 +40,15 @@ def mixed_loads(steps: int, seed: int = 1) -> list[int]:
 
 def test_a_level_where_drafting_is_slower_goes_plain_and_the_others_keep_drafting():
     guard = SpeculationGuard()
-    loads = mixed_loads(1200)
+    loads = mixed_loads(4000)
     modes = drive(guard, loads, {1: 1.3, 2: 0.85}, noise=0.1)
     assert [lv.undrafted for lv in guard.levels] == [False, False, True, False]
     assert guard.speedup(1) == pytest.approx(1.3, rel=0.08) and guard.speedup(2) == pytest.approx(0.85, rel=0.08)
-    late = [(n, plain) for n, plain in zip(loads[600:], modes[600:])]
+    late = [(n, plain) for n, plain in zip(loads[2000:], modes[2000:])]
     share = {level: np.mean([plain for n, plain in late if guard.level(n) == level]) for level in (1, 2)}
-    explore = EXPLORE_RUN / EXPLORE_PERIOD
-    assert share[1] == pytest.approx(explore, abs=0.03)  # drafting wins: plain only in exploration runs
-    assert share[2] == pytest.approx(1 - explore, abs=0.03)  # drafting loses: drafted only in exploration runs
+    explore = EXPLORE_RUN / MAX_EXPLORE_PERIOD  # settled verdicts explore at the longest period
+    assert share[1] == pytest.approx(explore, abs=0.01)  # drafting wins: plain only in exploration runs
+    assert share[2] == pytest.approx(1 - explore, abs=0.01)  # drafting loses: drafted only in exploration runs
     assert guard.plain_steps == sum(modes)
     summary = {row["load"]: row for row in guard.summary()}
     assert summary["5-16"]["undrafted"] and not summary["2-4"]["undrafted"] and summary["1"]["speedup"] is None
@@ -56,24 +57,52 @@ def test_a_level_where_drafting_is_slower_goes_plain_and_the_others_keep_draftin
 @pytest.mark.parametrize("speedup", [1.08, 2.0])
 def test_drafting_that_is_faster_stays(speedup):
     guard = SpeculationGuard()
-    modes = drive(guard, [8] * 1000, {2: speedup}, noise=0.05)
+    modes = drive(guard, [8] * 2000, {2: speedup}, noise=0.05)
     assert not any(lv.undrafted for lv in guard.levels)
-    assert np.mean(modes[200:]) == pytest.approx(EXPLORE_RUN / EXPLORE_PERIOD, abs=0.01)
+    assert np.mean(modes[1000:]) == pytest.approx(EXPLORE_RUN / MAX_EXPLORE_PERIOD, abs=0.005)
 
 
 def test_exploration_keeps_measuring_the_losing_side_and_a_reversed_trend_flips_back():
     guard = SpeculationGuard()
-    drive(guard, [8] * 400, {2: 0.8}, noise=0.02)
-    assert guard.levels[2].undrafted
+    drive(guard, [8] * 600, {2: 0.8}, noise=0.02)
+    assert guard.levels[2].undrafted and guard.levels[2].period == MAX_EXPLORE_PERIOD
     before = list(guard.levels[2].policy)
-    modes = drive(guard, [8] * 320, {2: 0.8}, noise=0.02, seed=1)
+    modes = drive(guard, [8] * 2 * MAX_EXPLORE_PERIOD, {2: 0.8}, noise=0.02, seed=1)
     assert guard.levels[2].undrafted and list(guard.levels[2].policy) != before  # drafted steps still measured
-    assert modes.count(False) == 320 // EXPLORE_PERIOD * EXPLORE_RUN  # in runs, one per period
-    modes = drive(guard, [8] * 1000, {2: 1.4})  # drafting now pays
+    assert modes.count(False) == 2 * EXPLORE_RUN  # in runs, one per period
+    modes = drive(guard, [8] * 4000, {2: 1.4})  # drafting now pays
     assert not guard.levels[2].undrafted
     flipped = next(i for i in range(len(modes)) if sum(modes[i:i + EXPLORE_PERIOD]) <= EXPLORE_RUN)
-    assert flipped < WINDOW * EXPLORE_PERIOD / (EXPLORE_RUN - 1)  # within a window of exploration steps
-    assert np.mean(modes[-320:]) == pytest.approx(EXPLORE_RUN / EXPLORE_PERIOD)
+    assert flipped < WINDOW * MAX_EXPLORE_PERIOD / (EXPLORE_RUN - 1)  # within a window of exploration steps
+    assert 0 < np.mean(modes[-2 * MAX_EXPLORE_PERIOD:]) <= EXPLORE_RUN / MAX_EXPLORE_PERIOD
+
+
+def test_exploration_grows_rarer_while_the_verdict_holds_and_a_changed_verdict_restarts_it():
+    """The exploration period doubles after each run that leaves the verdict as it was (32, 64, 128, 256, 256...)
+    and is back to EXPLORE_PERIOD as soon as the verdict changes."""
+    guard = SpeculationGuard()
+    modes = drive(guard, [8] * 1200, {2: 0.7})
+    assert guard.levels[2].undrafted
+    runs = [i for i in range(1, len(modes)) if not modes[i] and modes[i - 1]]  # where drafted runs start
+    gaps = [b - a for a, b in zip(runs, runs[1:])]
+    settled = gaps[next(i for i, g in enumerate(gaps) if g == EXPLORE_PERIOD):]
+    assert settled[:5] == [EXPLORE_PERIOD, 2 * EXPLORE_PERIOD, 4 * EXPLORE_PERIOD, MAX_EXPLORE_PERIOD,
+                           MAX_EXPLORE_PERIOD]  # fmt: skip
+    assert guard.summary()[2]["explore_period"] == MAX_EXPLORE_PERIOD
+    drive(guard, [8] * 4000, {2: 1.5})
+    level = guard.levels[2]
+    assert not level.undrafted and level.period == MAX_EXPLORE_PERIOD  # flipped back, then settled again
+    guard = SpeculationGuard()
+    drive(guard, [8] * 300, {2: 0.7})
+    level = guard.levels[2]
+    for _ in range(3000):  # drafting now pays: at the flip, the period starts over
+        period, undrafted = level.period, level.undrafted
+        drive(guard, [8], {2: 1.5})
+        if level.undrafted != undrafted:
+            assert period > EXPLORE_PERIOD and level.period == EXPLORE_PERIOD
+            break
+    else:
+        pytest.fail("the verdict never flipped back")
 
 
 def test_prefill_steps_and_the_first_step_after_a_switch_are_not_measured():
@@ -123,3 +152,18 @@ def test_requests_that_draft_in_both_modes_are_common_to_both_sides():
             tokens = n + 2 if plain else 2 * n
             guard.observe(n, tokens, plain_seconds(n) * tokens / n / (1.0 if plain else factor))
         assert guard.speedup(2) == pytest.approx(factor, rel=1e-6) and guard.levels[2].undrafted == undrafted
+
+
+def test_a_level_is_the_admitted_requests_and_steps_are_scored_per_decoding_request():
+    """8 requests admitted, of which 3 or 8 decode (the others prefilling): every step lands in the level of 8 and
+    is normalised by the requests that decoded, so the measured speedup is the drafted steps' factor."""
+    for factor in (0.8, 1.25):
+        guard = SpeculationGuard()
+        for step in range(600):
+            n = (3, 8)[step % 2]
+            plain = guard.plain(8)
+            tokens = n if plain else 2 * n
+            guard.observe(8, tokens, plain_seconds(n) * tokens / n / (1.0 if plain else factor), decoding=n)
+        level = guard.levels[guard.level(8)]
+        assert not guard.levels[guard.level(3)].plain and {n for n, _, _ in level.plain} == {3, 8}
+        assert guard.speedup(guard.level(8)) == pytest.approx(factor, rel=1e-6) and level.undrafted == (factor < 1)
