@@ -33,6 +33,14 @@ RAY_ENV = {
 MODES = {"off": "none", "on": None, "chain": "1,1,1,1"}
 
 
+def ray_env() -> dict[str, str]:
+    """RAY_ENV, and the Serve settings `serve run deployments:app` gives a small machine (deployments/app.py,
+    small_machine_serve_env), for the Ray these benchmarks start before they build the app."""
+    from deployments.app import small_machine_serve_env
+
+    return RAY_ENV | small_machine_serve_env(dict(os.environ))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     from ray_specdec.loadtest import LoadTestConfig, describe, run_loadtest
 
     prompts = heldout_texts(args.prompts, seed=7)
-    os.environ.update(RAY_ENV)
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, runtime_env={"env_vars": RAY_ENV})
+    env = ray_env()
+    os.environ.update(env)
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     runs = []

@@ -336,12 +336,12 @@ def ours_server(args: argparse.Namespace) -> Iterator[Endpoint]:
     import ray
     from ray import serve
 
-    from benchmarks.serve_load import RAY_ENV
+    from benchmarks.serve_load import ray_env
     from deployments import AppArgs, app
 
-    saved = dict(os.environ)
-    os.environ.update(RAY_ENV)
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": RAY_ENV})
+    saved, env = dict(os.environ), ray_env()
+    os.environ.update(env)
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
     port = free_port()
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})

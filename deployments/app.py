@@ -31,6 +31,29 @@ from ray_specdec.scheduler_args import scheduler_config_from_args
 _SCHEDULER = SchedulerConfig()
 API_KEY_ENV = "RAY_SPECDEC_API_KEY"
 
+# Ray Serve's own periodic work, slowed on a machine of a few cores. Every wake-up of the Serve controller's loop
+# (every 0.1 s by default) and of each replica's metrics export (0.1 s) preempts one of the engine's OpenMP threads
+# mid-step, and the other waits for it at the next barrier. Measured on the 2-core machine: the engine in a process of
+# its own beside an idle Serve app, 8 requests, 590 -> 652 tokens/s with both at 1 s; served at 8 requests, tree none
+# 471 / 481 -> 498 / 514 and the service's choice 425 / 418 -> 450 / 481 (docs/BENCHMARKS.md). Both only delay what
+# the controller does (autoscaling, restarts: by up to a second) and the export of Ray's own metrics.
+SMALL_MACHINE_CPUS = 4
+SMALL_MACHINE_SERVE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+
+
+def small_machine_serve_env(environ: dict | None = None, cpus: int | None = None) -> dict[str, str]:
+    """SMALL_MACHINE_SERVE_ENV where this machine has at most SMALL_MACHINE_CPUS cores, set in `environ` unless it
+    sets them already (a user's values stand); -> what was set. `serve run` builds the app before it starts Ray, so
+    set here (from `app`) they reach the controller and the replicas of the Ray it starts. A cluster started
+    beforehand (`ray up`) reads them from its own environment."""
+    environ = os.environ if environ is None else environ
+    cpus = os.cpu_count() if cpus is None else cpus
+    if cpus is None or cpus > SMALL_MACHINE_CPUS:
+        return {}
+    added = {k: v for k, v in SMALL_MACHINE_SERVE_ENV.items() if k not in environ}
+    environ.update(added)
+    return added
+
 
 class AppError(click.ClickException):
     """A one-line configuration error (click prints it as "Error: ..." and `serve run` exits with status 1)."""
@@ -146,6 +169,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     """Serve passes the `key=value` arguments (or a config file's `args`) as a dict: not annotated as a pydantic model,
     so the validation error is ours to word (one line) rather than Serve's traceback."""
     args = args if isinstance(args, AppArgs) else parse_app_args(args)
+    small_machine_serve_env()
     target_path = _model_path(args.target, "target")
     drafter_path = None if (args.drafter or "").lower() == "none" else _model_path(args.drafter, "drafter")
     if drafter_path is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import shutil
 import tomllib
@@ -19,7 +20,8 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from deployments import AppArgs, app
-from deployments.app import AppError, _engine_options
+from deployments.app import (SMALL_MACHINE_CPUS, SMALL_MACHINE_SERVE_ENV, AppError, _engine_options,
+                             small_machine_serve_env)
 from ray_specdec.models.loading import resolve_model_path
 from tests.tiny_models import tiny_tokenizer
 
@@ -268,3 +270,18 @@ def test_builder_refuses_a_drafter_with_another_tokenizer(model_dirs, tmp_path):
     message = info.value.format_message()
     assert "\n" not in message and message.startswith("the drafter's tokenizer does not match the target's")
     assert "id 2: target " in message
+
+
+def test_a_small_machine_gets_quieter_serve_settings_and_a_users_own_stand(monkeypatch):
+    """`serve run` builds the app before it starts Ray: the builder sets the settings the controller and replicas of
+    that Ray read, on a machine of at most SMALL_MACHINE_CPUS cores, leaving any the user set."""
+    env = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+    assert small_machine_serve_env(env, cpus=2) == {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+    assert env == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+    big: dict = {}
+    assert small_machine_serve_env(big, cpus=SMALL_MACHINE_CPUS + 1) == {} and big == {}
+    environ = {"PATH": os.environ.get("PATH", "")}
+    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    app(AppArgs())
+    assert {k: environ[k] for k in SMALL_MACHINE_SERVE_ENV} == SMALL_MACHINE_SERVE_ENV
