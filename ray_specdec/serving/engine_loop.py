@@ -16,7 +16,8 @@ If recovery fails or takes longer than `recover_timeout_s`, every request in fli
 (HTTP 503 with Retry-After), and `healthy` stays False until a recovery succeeds.
 
 Metrics. `metrics` (serving/metrics.py) records every request's arrival, admission, rounds and end, and the
-scheduler's state after each step, on the loop's thread.
+scheduler's state after each step, on the loop's thread; the speculation guard's verdicts at most once per
+GUARD_REPORT_S while steps run, and when the work runs out (also in `stats()["guard"]`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ from ray_specdec.scheduler import QueueFull, Scheduler
 from ray_specdec.serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
+
+
+# How often, at most, the guard's verdicts are copied out for the metrics and stats (its summary fits a line per load
+# level: cheap, but not for every step).
+GUARD_REPORT_S = 1.0
 
 
 class TargetUnavailable(RuntimeError):
@@ -77,6 +83,8 @@ class EngineLoop:
         self.metrics = EngineMetrics()
         self.faults = 0  # steps that raised
         self.recoveries = 0
+        self.guard_summary: list[dict] | None = None  # the guard's verdicts as last copied out (None: no guard)
+        self._guard_at = -math.inf
         self._wake = threading.Condition()
         self._inbox: deque[tuple] = deque()
         self._streams: dict[str, _Stream] = {}  # read by the loop's thread, written by the event loop's
@@ -147,7 +155,7 @@ class EngineLoop:
         s = self.scheduler
         return {"running": s.num_running, "waiting": s.num_waiting, "kv_reserved": s.reserved,
                 "kv_budget": s.config.kv_budget_tokens, "steps": s.steps, "faults": self.faults,
-                "recoveries": self.recoveries, "healthy": self.healthy}  # fmt: skip
+                "recoveries": self.recoveries, "healthy": self.healthy, "guard": self.guard_summary}  # fmt: skip
 
     def _run(self, scheduler, built: list, ready: threading.Event) -> None:
         if not ready.is_set():
@@ -186,6 +194,7 @@ class EngineLoop:
                 chunk = out.chunk
                 self.metrics.produced(out.request_id, len(chunk.token_ids), chunk.finish_reason, chunk.stats, end)
             self._hand_out(outputs, end)
+            self._report_guard(end)
             if self.on_step is not None:
                 self.on_step(self.scheduler, time.perf_counter() - t0)
 
@@ -209,6 +218,16 @@ class EngineLoop:
         s = self.scheduler
         self.metrics.admissions({r.request_id for r in s.waiting}, admitted_at)
         self.metrics.scheduler_state(s.num_running, s.num_waiting, s.reserved, s.config.kv_budget_tokens)
+
+    def _report_guard(self, now: float) -> None:
+        """The guard's verdicts to the metrics and stats: at most once per GUARD_REPORT_S, and when the work runs out
+        (so an idle replica shows its last state)."""
+        guard = self.scheduler.guard
+        if guard is None or (now - self._guard_at < GUARD_REPORT_S and self.scheduler.has_work):
+            return
+        self._guard_at = now
+        self.guard_summary = guard.summary()
+        self.metrics.guard(self.guard_summary)
 
     def _hand_out(self, outputs, now: float) -> None:
         """A step's chunks to their streams: a round whose chunk is not due yet is held and merged with the next

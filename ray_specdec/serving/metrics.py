@@ -80,6 +80,8 @@ ROUTER_IN_FLIGHT = "ray_specdec:router_requests_in_flight"
 BANDIT_PULLS = "ray_specdec:bandit_arm_pulls"
 BANDIT_REWARD = "ray_specdec:bandit_arm_mean_reward"
 BANDIT_BEST = "ray_specdec:bandit_best_arm"
+GUARD_UNDRAFTED = "ray_specdec:speculation_guard_undrafted"
+GUARD_SPEEDUP = "ray_specdec:speculation_guard_speedup"
 
 METRICS = {m.name: m for m in (
     Metric(PROMPT_TOKENS, COUNTER, "Prompt tokens of requests that got their first token."),
@@ -110,6 +112,10 @@ METRICS = {m.name: m for m in (
            ("bucket", "load", "tree")),
     Metric(BANDIT_BEST, GAUGE, "1 for the bandit's current best tree of each context bucket and load level.",
            ("bucket", "load", "tree")),
+    Metric(GUARD_UNDRAFTED, GAUGE, "1 where the speculation guard runs a load level's rounds undrafted (its drafted "
+           "steps measured slower than undrafted ones), else 0.", ("load", "replica")),
+    Metric(GUARD_SPEEDUP, GAUGE, "Decode throughput of a load level's drafted steps over its undrafted ones, as the "
+           "speculation guard measured it (absent until both are measured).", ("load", "replica")),
 )}  # fmt: skip
 
 
@@ -201,6 +207,13 @@ class EngineMetrics(Recorder):
             self._set(RUNNING, running)
             self._set(WAITING, waiting)
             self._set(KV_USAGE, kv_reserved / kv_budget)
+
+    def guard(self, summary: list[dict]) -> None:
+        """The speculation guard's state (`SpeculationGuard.summary()`)."""
+        with self._lock:
+            self._values[GUARD_UNDRAFTED] = {(row["load"],): float(row["undrafted"]) for row in summary}
+            self._values[GUARD_SPEEDUP] = {(row["load"],): row["speedup"] for row in summary
+                                           if row["speedup"] is not None}  # fmt: skip
 
     def _end(self, request_id: str, reason: str, t: float) -> None:
         live = self._live.pop(request_id)

@@ -140,6 +140,8 @@ def test_info_endpoints(url):
     replicas = stats["replicas"]
     assert replicas.pop("engine") in (1, 2) and replicas == {"bandit": 1, "metrics": 1}  # engine mode: no router
     assert stats["engine"]["healthy"] is True and stats["engine"]["kv_budget"] > 0
+    guard = stats["engine"]["guard"]  # None until the answering replica has stepped (tests/serving covers the values)
+    assert guard is None or [row["load"] for row in guard] == ["1", "2-4", "5-16", "17+"]
     rounds = poll(lambda: sum(b["rounds"] for b in httpx.get(f"{url}/v1/bandit", trust_env=False).json()["buckets"]))
     assert rounds > 20  # the engines' records reached the shared hub
 

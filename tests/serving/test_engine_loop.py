@@ -276,3 +276,45 @@ def test_metrics_count_what_the_requests_did():
     for name, count in ((m.TTFT, n), (m.QUEUE, n), (m.E2E, n), (m.ITL, sum(s.rounds for s in stats) - n)):
         assert sum(snap[name][()][:-1]) == count, name
     assert snap[m.RUNNING] == snap[m.WAITING] == snap[m.KV_USAGE] == {(): 0}
+
+
+def test_the_guards_verdicts_reach_the_metrics_and_the_stats():
+    """With a policy that may pick no tree, the scheduler's speculation guard measures its load levels; the loop
+    copies its verdicts out (at most once a second, and when the work runs out) to `stats()["guard"]` and to the
+    guard gauges, labelled by load level. A fixed tree has no guard: None."""
+    from ray_specdec.bandit import Bandit, BanditConfig
+
+    target, drafter = bigram_pair()
+    policy = Bandit(BanditConfig(arms=(TreeConfig((2, 1)), NO_TREE)))
+    scheduler = Scheduler(LocalTarget(TargetModel(target)), MambaDrafter(drafter), None, policy,
+                          SchedulerConfig(goodput=False))  # fmt: skip
+    loop = EngineLoop(scheduler)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+    async def drain(i):
+        async for _ in loop.generate(f"r{i}", random_prompt(8 + i, seed=i), params):
+            pass
+
+    async def main():
+        await asyncio.gather(*(drain(i) for i in range(6)))
+
+    try:
+        run(main())
+        wait_until(lambda: not loop.scheduler.has_work and loop.guard_summary == scheduler.guard.summary())
+    finally:
+        loop.stop()
+    summary = loop.stats()["guard"]
+    assert [row["load"] for row in summary] == ["1", "2-4", "5-16", "17+"]
+    level = summary[2]  # 6 requests admitted
+    assert level["plain"] >= 1 and level["policy"] >= 1 and level["speedup"] is not None
+    snap = loop.metrics.snapshot()
+    assert snap[m.GUARD_UNDRAFTED] == {(row["load"],): float(row["undrafted"]) for row in summary}
+    assert snap[m.GUARD_SPEEDUP] == {(row["load"],): row["speedup"] for row in summary if row["speedup"] is not None}
+    text = m.render({"engine-1": snap}).decode()
+    assert f'ray_specdec:speculation_guard_speedup{{load="5-16",replica="engine-1"}} {level["speedup"]!r}' in text
+    fixed = EngineLoop(Scheduler(LocalTarget(TargetModel(target)), MambaDrafter(drafter), None, POLICY,
+                                 SchedulerConfig()))  # fmt: skip
+    try:
+        assert fixed.stats()["guard"] is None
+    finally:
+        fixed.stop()

@@ -41,6 +41,8 @@ def scripted() -> m.EngineMetrics:
     plain.record_round("none", 0, 0, 0)
     rec.produced("c", 1, "stop", plain, 1.2)
     rec.scheduler_state(running=2, waiting=1, kv_reserved=300, kv_budget=1200)
+    rec.guard([{"load": "1", "undrafted": False, "speedup": None, "plain": 0, "policy": 3, "explore_period": 32},
+               {"load": "5-16", "undrafted": True, "speedup": 0.8, "plain": 20, "policy": 9, "explore_period": 64}])
     return rec
 
 
