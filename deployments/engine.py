@@ -4,7 +4,8 @@ One replica serves a request from start to end (data parallel: more replicas ser
 stays on its replica). Inside it, `EngineLoop` steps the `Scheduler` on a thread of its own:
 - tp_size 1: the target is loaded in this process (`LocalTarget`): a step makes no remote call at all;
 - tp_size > 1: the target's ranks are Ray actors in one placement group (STRICT_PACK), each a `TargetWorker` with
-  DeepSpeed AutoTP over gloo / nccl; a step is one call to every rank (`RankGroup.run`), and rank 0's logits come back.
+  DeepSpeed AutoTP over gloo / nccl; a step is one call to every rank (`RankGroup.run`), and rank 0's logits come back
+  (for a greedy request without logit processing or logprobs, only its rows' argmaxes: `SegmentSpec.argmax_only`).
 The drafter (a Mamba model of a few million parameters on CPU, ~100M on GPU) runs in this process too: a remote call
 per step would cost far more than its step (docs/BENCHMARKS.md, "Serving: where the time goes").
 

@@ -46,12 +46,12 @@ class Verdict:
 
 
 def accept_greedy(
-    target_logits: torch.Tensor,  # [1 + n, V]
+    target_logits: torch.Tensor,  # [1 + n, V], or [1 + n] their row argmaxes
     tree: TreeTensors,
     draft_tokens: torch.Tensor,  # [n]
 ) -> Verdict:
     """Walk from the root while the target's argmax equals a child's token. Equals target-only greedy decoding."""
-    argmax = target_logits.argmax(dim=-1).tolist()
+    argmax = (target_logits if target_logits.dim() == 1 else target_logits.argmax(dim=-1)).tolist()
     tokens = [-1, *draft_tokens.tolist()]
     row, rows = 0, []
     while True:

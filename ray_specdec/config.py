@@ -217,6 +217,12 @@ class SamplingParams:
         """Whether any target-side option changes the target's logits (logits_processing.py)."""
         return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether a round needs only the target's row argmaxes (`target_backend.SegmentSpec.argmax_only`): greedy,
+        no logit processing, no logprobs."""
+        return self.greedy and not self.processes_logits and self.logprobs is None
+
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError when logit_bias names a token outside the target's vocabulary."""
         outside = [t for t, _ in self.logit_bias if t >= vocab_size]

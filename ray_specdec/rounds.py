@@ -22,7 +22,7 @@ NO_TREE = TreeConfig(())
 
 
 def judge(
-    target_logits: torch.Tensor,  # [1 + n, V] raw
+    target_logits: torch.Tensor,  # [1 + n, V] raw, or [1 + n] their row argmaxes (see below)
     draft: Draft,
     params: SamplingParams,
     generator: torch.Generator | None,
@@ -30,8 +30,14 @@ def judge(
 ) -> Verdict:
     """Acceptance for one round: greedy walk, or multi-draft rejection sampling on processed distributions.
 
-    history: the request's tokens so far, needed when params process the target's logits (logits_processing.py)."""
+    target_logits may be the rows' argmaxes alone (`SegmentSpec.argmax_only`) for a greedy request without logit
+    processing. history: the request's tokens so far, needed when params process the target's logits
+    (logits_processing.py)."""
     tokens = draft.tokens.to(target_logits.device)
+    if target_logits.dim() == 1:
+        if not params.greedy or params.processes_logits:
+            raise ValueError("only a greedy request without logit processing is judged on its rows' argmaxes")
+        return accept_greedy(target_logits, draft.tree, tokens)
     if params.processes_logits:
         if history is None:
             raise ValueError("penalties, logit_bias and min_tokens need the request's token history")

@@ -291,7 +291,8 @@ class Scheduler:
         verify_rows = 0
         for r in decoding:
             tokens = torch.cat([torch.tensor([r.tokens[-1]]), r.draft.tokens.reshape(-1).cpu()])
-            work.segments.append(SegmentSpec(r.request_id, tokens, tuple(r.draft.tree.paths)))
+            work.segments.append(SegmentSpec(r.request_id, tokens, tuple(r.draft.tree.paths),
+                                              r.params.argmax_only))
             verify_rows += tokens.numel()
         prefill_rows = self._plan_prefill(prefilling, work, self.config.step_tokens - verify_rows)
         logits = self.target.run(work)

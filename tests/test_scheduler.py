@@ -4,6 +4,7 @@ loses its caches loses no request."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -16,9 +17,9 @@ from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
-from ray_specdec.rounds import NO_TREE
+from ray_specdec.rounds import NO_TREE, FixedTree, empty_draft, judge
 from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
-from ray_specdec.target_backend import LocalTarget
+from ray_specdec.target_backend import LocalTarget, SegmentSpec
 from ray_specdec.start_rule import EXPLORE
 from tests.deployments.conftest import bigram_pair
 from tests.test_engine import VOCAB, enumerate_target, hf_greedy_ignore_eos, random_prompt, tiny_mamba
@@ -407,3 +408,59 @@ def test_the_guard_runs_a_load_undrafted_where_drafted_steps_measure_slower(tiny
     plain = SpeculativeEngine(target, None)
     for request_id, prompt, params, _ in requests:
         assert tokens[request_id] == plain.generate(prompt, params).token_ids, request_id
+
+
+# ---- what the target returns per verify segment ----------------------------------------------------------------------
+
+
+class Recording(LocalTarget):
+    """The target in this process, keeping every step's verify segments and what the step returned for them."""
+
+    def __init__(self, target):
+        super().__init__(target)
+        self.seen: list[tuple[SegmentSpec, torch.Tensor]] = []
+
+    def run(self, work):
+        out = super().run(work)
+        self.seen += [(s, x) for s, x in zip(work.segments, out) if x is not None]
+        return out
+
+
+def test_greedy_requests_without_processing_get_argmaxes_and_the_others_logits(tiny):
+    """Greedy rounds need only the target's row argmaxes (what crosses from rank 0 to the loop with tensor-parallel
+    ranks): their segments are marked argmax_only and get [rows] ids, which equal the argmaxes of the logits an
+    unmarked run of the same work returns; sampled requests, logprobs and penalties still get [rows, V] logits. Each
+    request's tokens are the same as with the logits (greedy: target-alone decoding)."""
+    target, drafter = tiny
+    backend = Recording(target)
+    scheduler = Scheduler(backend, drafter, None, FixedTree(TreeConfig((2, 1))), SchedulerConfig())
+    kinds = {"greedy": SamplingParams(max_new_tokens=12, ignore_eos=True),
+             "sampled": SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
+             "logprobs": SamplingParams(max_new_tokens=12, logprobs=2, ignore_eos=True),
+             "penalty": SamplingParams(max_new_tokens=12, repetition_penalty=1.3, ignore_eos=True)}  # fmt: skip
+    for i, (name, params) in enumerate(kinds.items()):
+        scheduler.add(name, random_prompt(9 + i, seed=200 + i), params)
+    tokens = {name: [] for name in kinds}
+    while scheduler.has_work:
+        for out in scheduler.step():
+            tokens[out.request_id] += out.chunk.token_ids
+    by_kind = {name: [(s, x) for s, x in backend.seen if s.request_id == name] for name in kinds}
+    assert all(len(seen) >= 4 for seen in by_kind.values())
+    for spec, out in by_kind["greedy"]:
+        assert spec.argmax_only and out.dtype == torch.long and out.shape == (spec.tokens.numel(),)
+    for name in ("sampled", "logprobs", "penalty"):
+        assert all(not s.argmax_only and x.shape == (s.tokens.numel(), target.vocab_size) for s, x in by_kind[name])
+    # the same segments unmarked, on a fresh copy of the caches: the ids are the logits' argmaxes
+    fresh = Recording(target)
+    again = Scheduler(fresh, drafter, None, FixedTree(TreeConfig((2, 1))), SchedulerConfig())
+    again.add("greedy", random_prompt(9, seed=200), dataclasses.replace(kinds["greedy"], logprobs=0))
+    while again.has_work:
+        again.step()
+    logits = [x for s, x in fresh.seen if s.request_id == "greedy"]
+    assert len(logits) == len(by_kind["greedy"])
+    for (_, ids), full in zip(by_kind["greedy"], logits):
+        assert torch.equal(ids, full.argmax(dim=-1))
+    plain = SpeculativeEngine(target, None)
+    assert tokens["greedy"] == plain.generate(random_prompt(9, seed=200), kinds["greedy"]).token_ids
+    with pytest.raises(ValueError, match="argmaxes"):
+        judge(torch.zeros(3, dtype=torch.long), empty_draft(), kinds["sampled"], None)
