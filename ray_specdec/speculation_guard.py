@@ -74,7 +74,7 @@ class _Level:
     plain: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     policy: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     clock: int = 0  # steps run at this level since its last exploration run ended
-    period: int = EXPLORE_PERIOD  # steps per exploration run, once both sides are measured (see the docstring)
+    period: int = EXPLORE_PERIOD  # steps per cycle of one exploration run, once both sides are measured
     flipped: bool = False  # whether the verdict changed since the last exploration run ended
     undrafted: bool = False  # the verdict: run this level's rounds undrafted
 
@@ -125,6 +125,7 @@ class SpeculationGuard:
             lv.undrafted = not lv.undrafted
             lv.flipped = True
             lv.period = EXPLORE_PERIOD
+            lv.clock = min(lv.clock, EXPLORE_PERIOD - EXPLORE_RUN)  # a whole run next, not the tail of a longer cycle
 
     def speedup(self, level: int) -> float | None:
         """Policy steps' decode throughput over plain steps' at a level (None: a side unmeasured)."""

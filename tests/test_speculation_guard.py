@@ -103,6 +103,9 @@ def test_exploration_grows_rarer_while_the_verdict_holds_and_a_changed_verdict_r
             break
     else:
         pytest.fail("the verdict never flipped back")
+    modes = drive(guard, [8] * EXPLORE_PERIOD, {2: 1.5})  # drafting now; the next plain run is a whole run
+    runs = "".join("P" if plain else "D" for plain in modes).replace("D", " ").split()
+    assert runs and runs[0] == "P" * EXPLORE_RUN
 
 
 def test_prefill_steps_and_the_first_step_after_a_switch_are_not_measured():
