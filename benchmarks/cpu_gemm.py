@@ -20,7 +20,7 @@ from ray_specdec.drafting import tree_for
 from ray_specdec.models import cpu_gemm, native
 from ray_specdec.models.target import TargetModel
 
-TABLE_ROWS = (1, 2, 3, 4, 5, 8, 12, 16, 32, 64)
+TABLE_ROWS = (1, 2, 3, 4, 5, 8, 12, 16, 32, 64, 128, 512)
 NATIVE_F32 = "native (f32 panels)"
 
 

@@ -6,9 +6,12 @@ memory bound on some CPUs. On the 2-core AMD EPYC (Zen 4) this project is develo
 Linear weights (49 MB in float32, more than the cache holds): a 1-row product (GEMV) reads them at ~11 GB/s, 2-16
 rows cost 1.1-1.6x more than one row, while the same product with the weight as the left operand (W @ x^T) reads them
 at ~23 GB/s, oneDNN's matmul beats both from ~8 rows, and the register-blocked C product of `models/native` (where a
-compiler builds it) beats all three from 2 rows (`python -m benchmarks.cpu_gemm` prints the table). Which path wins
-depends on the CPU, the BLAS and the shapes, so `calibrate` times them on the model's own weights (about two seconds for that target, once per
-machine: plans are kept in `cache_dir()`) and `install` makes every `nn.Linear` of the model dispatch by row count.
+compiler builds it) beats all three from 2 rows (`python -m benchmarks.cpu_gemm` prints the table). Prefill chunks
+(hundreds of rows) are bound by arithmetic instead, and there too the winner is the CPU's: F.linear on that Zen 4,
+the native GEMM on a Zen 5, where MKL's path took 2.4x its time. Which path wins depends on the CPU, the BLAS and the
+shapes, so `calibrate` times them on the model's own weights for 1 to 512 rows (a few seconds for that target, once
+per machine: plans are kept in `cache_dir()`) and `install` makes every `nn.Linear` of the model dispatch by row
+count.
 
 The paths compute the same product in float32 with different summation orders: results agree with `F.linear` to
 float32 rounding (~1e-6 relative), as a batched and a one-row forward already do. Greedy output can differ only at
@@ -35,8 +38,10 @@ from ray_specdec.models.loading import switched_on
 
 LINEAR, WEIGHT_LEFT, ONEDNN, NATIVE = "linear", "weight_left", "onednn", "native"
 # Row counts the calibration times; a product of m rows uses the plan of the smallest of these >= m, and products of
-# more rows than the last (prefill chunks) use F.linear.
-CALIBRATED_ROWS = (*range(1, 9), 10, 12, 16, 24, 32, 48, 64)
+# more rows than the last that of the last. The largest are prefill chunks: which path wins there differs by CPU as
+# much as for few rows (F.linear, i.e. MKL, led on the Zen 4 machine this was first measured on; on a Zen 5 one it
+# took 2.4x the native GEMM's time for 512 rows, and oneDNN 1.1x).
+CALIBRATED_ROWS = (*range(1, 9), 10, 12, 16, 24, 32, 48, 64, 128, 256, 512)
 # Another path replaces F.linear only when it is at least this much faster (timings on a busy machine are noisy).
 MIN_GAIN = 0.10
 
@@ -102,7 +107,7 @@ def available_paths() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class GemmPlan:
-    """The path for each calibrated row count (CALIBRATED_ROWS order); products of more rows use F.linear."""
+    """The path for each calibrated row count (CALIBRATED_ROWS order); products of more rows take the last's."""
 
     rows: tuple[int, ...]
     paths: tuple[str, ...]
@@ -111,16 +116,16 @@ class GemmPlan:
         for rows, path in zip(self.rows, self.paths):
             if m <= rows:
                 return path
-        return LINEAR
+        return self.paths[-1] if self.paths else LINEAR
 
     def describe(self) -> str:
-        """e.g. 'rows 1-7: weight_left, 8-64: onednn, more: linear'."""
+        """e.g. 'rows 1-7: weight_left, 8-512: onednn, more: onednn'."""
         spans, start = [], 1
         for i, (rows, path) in enumerate(zip(self.rows, self.paths)):
             if i + 1 == len(self.paths) or self.paths[i + 1] != path:
                 spans.append(f"{start}-{rows}: {path}" if start != rows else f"{rows}: {path}")
                 start = rows + 1
-        return "rows " + ", ".join(spans) + ", more: linear"
+        return "rows " + ", ".join(spans) + f", more: {self.path_for(self.rows[-1] + 1) if self.rows else LINEAR}"
 
 
 def choose(timings: dict[tuple[str, int], float], rows: Sequence[int] = CALIBRATED_ROWS) -> GemmPlan:

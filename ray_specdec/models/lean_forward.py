@@ -161,9 +161,8 @@ class LeanForward:
         self._eager = (modeling_gpt_neox if neox else modeling_llama).eager_attention_forward
         self._head = model.get_output_embeddings()
         # What batch invariance changes for verify rows, resolved once: products, activations, rotary values, tree
-        # attention. Prefill chunks keep the model's own products: each chunk runs alone, so its K/V depend on its own
-        # rows anyway, and F.linear beats the native GEMM on hundreds of rows (256 rows: even; 1,024-4,096 rows:
-        # ~10-15% faster on the 2-core development machine, and the native GEMM splits only output blocks over threads).
+        # attention. Prefill chunks keep the model's own products (the planned path for their row count, cpu_gemm):
+        # each chunk runs alone, so its K/V depend on its own rows anyway.
         self.batch_invariant = batch_invariant
         self._table = None
         if batch_invariant:

@@ -55,6 +55,11 @@ def test_plan_lookup_and_description():
     assert [plan.path_for(m) for m in (1, 2, 3, 4, 5, 8, 9, 500)] == [
         "weight_left", "weight_left", "onednn", "onednn", LINEAR, LINEAR, LINEAR, LINEAR]
     assert plan.describe() == "rows 1-2: weight_left, 3-4: onednn, 5-8: linear, more: linear"
+    # more rows than were calibrated take the largest calibrated count's path (measured per CPU, as every other)
+    plan = GemmPlan((1, 64, 512), (LINEAR, "native", "onednn"))
+    assert [plan.path_for(m) for m in (1, 2, 64, 65, 512, 513, 4096)] == [
+        LINEAR, "native", "native", "onednn", "onednn", "onednn", "onednn"]
+    assert plan.describe() == "rows 1: linear, 2-64: native, 65-512: onednn, more: onednn"
 
 
 def test_choose_keeps_linear_unless_another_path_is_clearly_faster():
