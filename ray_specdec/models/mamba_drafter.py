@@ -45,8 +45,10 @@ _SCAN_BLOCK_ELEMENTS = 1 << 17
 # Longest catch-up (extend) the native forward runs whole; longer sequences (prefills) go through torch's
 # multi-threaded GEMMs and the native scan: ~2x faster at 512+ tokens on 2 cores, ~1.5x slower at 8 tokens.
 _NATIVE_SEQUENCE_MAX = 64
-# Row counts the drafter's GEMM plan is measured at (fast_matmul); products of more rows (prefill) use F.linear.
-_PLANNED_ROWS = (*range(1, 9), 12, 16, 24, 32, 48, 64)
+# Row counts the drafter's GEMM plan is measured at (fast_matmul): its steps' rows, up to a batched step over many
+# requests' trees; products of more rows take the largest's path (cpu_gemm.GemmPlan). The prefill's sequence products
+# do not go through the plan.
+_PLANNED_ROWS = (*range(1, 9), 12, 16, 24, 32, 48, 64, 128, 256, 512)
 
 
 @functools.cache
