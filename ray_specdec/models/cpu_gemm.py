@@ -1,4 +1,5 @@
-"""Few-row matrix products on CPU: per row count, the fastest of a few equivalent float32 GEMM paths, measured.
+"""Matrix products on CPU, from one row to prefill chunks: per row count, the fastest of a few equivalent float32 GEMM
+paths, measured.
 
 A decode or verify forward of a small Transformer on CPU multiplies 1 to a few dozen rows by every weight matrix, so
 it is bound by reading the weights. torch's `F.linear` leaves that to MKL, whose paths for few rows are far from the
