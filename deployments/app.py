@@ -105,6 +105,8 @@ class AppArgs(BaseModel):
     max_waiting: int = Field(_SCHEDULER.max_waiting, ge=0)  # queued requests per replica beyond which: 503
     step_tokens: int = Field(_SCHEDULER.step_tokens, ge=1)  # target rows per step (verify rows + prefill chunks)
     prefill_chunk: int = Field(_SCHEDULER.prefill_chunk, ge=1)  # prompt tokens per prefill chunk
+    # keep prompt chunks' KV in the budget nobody reserved, for later prompts that start the same (the same output)
+    prefix_cache: bool = _SCHEDULER.prefix_cache
     # serving shape. "engine": each engine replica answers HTTP itself (the proxy hands it the request; no hop in
     # between). "router": router replicas answer HTTP and forward to the engine replicas, one hop further, and a
     # request whose engine replica dies mid-stream continues on another (docs/INTERFACES.md, "Serving")

@@ -21,6 +21,10 @@ KV budget. Each request reserves, at admission, the KV rows it can ever need (pr
 verify), and its cache is preallocated to that size: nothing grows past the budget, a request admitted always
 finishes, and one that can never fit is refused at once (`RequestTooLarge`). Beyond `max_waiting` queued requests,
 `add` raises `QueueFull`.
+
+Prefix caching (prefix_cache.py, `SchedulerConfig.prefix_cache`). Prefill chunks are kept after their forward where the
+budget has room, and an admitted request whose prompt starts with cached chunks has them copied into its cache and
+prefills only the rest: the same bits, since chunks are cut at the same fixed positions.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, Step
                                  size_trees)
 from ray_specdec.logits_processing import TokenHistory
 from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.prefix_cache import ROOT, PrefixIndex, chunk_key
 from ray_specdec.rounds import NO_TREE, FixedTree, StreamChunk, empty_draft, judge, make_generators, round_logprobs
 from ray_specdec.speculation_guard import SpeculationGuard
 # START_ANYWAY_EVERY: callers name it here
@@ -72,6 +77,7 @@ class SchedulerConfig:
     lookup: int = 0  # prompt-lookup tokens added to every drafted tree of greedy requests
     goodput: bool = True  # shrink the policy's picks when the batch's goodput says so (goodput.py)
     guard: bool = True  # run a load level undrafted while its drafted steps measure slower (speculation_guard.py)
+    prefix_cache: bool = True  # keep prompt chunks' KV in unreserved budget for later prompts (prefix_cache.py)
 
     def __post_init__(self) -> None:
         for name in ("kv_budget_tokens", "max_running", "step_tokens", "prefill_chunk"):
@@ -129,6 +135,7 @@ class Request:
     drafter: LazyDrafter | None = None
     start: str = DRAFT
     prefilled: int = 0
+    prefix_key: int = ROOT  # prefix_cache's key of tokens[:prefilled] (of the last chunk planned, during a step)
     admitted: bool = False
     # this step's round
     arm: TreeConfig = NO_TREE
@@ -180,6 +187,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.reserved = 0  # KV rows reserved by running requests
+        self.prefix = PrefixIndex(config.prefill_chunk) if config.prefix_cache else None  # cached prompt chunks
         self.cost = StepCostModel()
         self.acceptance = AcceptanceModel()
         self.start_rule = StartRule()  # whether a request starts its drafter (start_rule.py)
@@ -265,8 +273,10 @@ class Scheduler:
         ids (prompt + what it generated) and goes on where it was."""
         self.target.reset()
         self._work = StepWork()
+        if self.prefix is not None:
+            self.prefix.clear()
         for r in self.running.values():
-            r.prefilled = 0
+            r.prefilled, r.prefix_key = 0, ROOT
             self._work.allocations.append((r.request_id, r.reserved))
 
     # ----- the step -----
@@ -295,7 +305,7 @@ class Scheduler:
                                               r.params.argmax_only))
             verify_rows += tokens.numel()
         prefill_rows = self._plan_prefill(prefilling, work, self.config.step_tokens - verify_rows)
-        logits = self.target.run(work)
+        logits = self._run(work)
         t2 = time.perf_counter()
         outputs = [self._finish_round(r, logits[i]) for i, r in enumerate(decoding)]
         for r in prefilling:
@@ -311,20 +321,33 @@ class Scheduler:
         return outputs
 
     def _send_pending(self) -> None:
-        self.target.run(self._work)
+        self._run(self._work)
         self._work = StepWork()
+
+    def _run(self, work: StepWork) -> list[torch.Tensor | None]:
+        logits = self.target.run(work)
+        if self.prefix is not None:
+            self.prefix.sent()
+        return logits
 
     def calibrate(self) -> None:
         """The step cost model's prior, measured on this target and drafter (goodput.measure_prior)."""
         self.cost.set_prior(measure_prior(self.target, self.drafter))
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_running and self._fits_now(self.waiting[0].reserved):
+        while (self.waiting and len(self.running) < self.config.max_running
+               and self._make_room(self.waiting[0].reserved, self._work)):
             r = self.waiting.popleft()
             self.running[r.request_id] = r
             self.reserved += r.reserved
             r.admitted = True
             self._work.allocations.append((r.request_id, r.reserved))
+            if self.prefix is not None and r.prefilled == 0:
+                hit = self.prefix.match(r.tokens, len(r.tokens) - 1)
+                if hit.block_ids:
+                    self._work.loads.append((r.request_id, tuple(hit.block_ids)))
+                    r.prefilled, r.prefix_key = hit.rows, hit.key
+                    r.stats.cached_tokens = hit.rows
             if self.drafter is not None:
                 r.drafter = LazyDrafter(self.drafter, self.target.vocab_size)
                 if r.tree is None:  # the request will decode alongside every running one (itself included)
@@ -332,7 +355,30 @@ class Scheduler:
                                                      r.stop.remaining, r.sampled, load=len(self.running))
 
     def _fits_now(self, rows: int) -> bool:
+        """Whether `rows` more can be reserved now (cached prompt chunks make way: `_make_room`)."""
         return self.reserved + rows <= self.config.kv_budget_tokens
+
+    def _make_room(self, rows: int, work: StepWork) -> bool:
+        """Evict cached prompt chunks (least recently used first) until `rows` more fit the budget beside them ->
+        whether they fit."""
+        if not self._fits_now(rows):
+            return False
+        while self.prefix is not None and self.reserved + self.prefix.rows + rows > self.config.kv_budget_tokens:
+            dropped = self.prefix.evict()
+            if dropped is None:
+                return False
+            work.drops += dropped
+        return True
+
+    def _cache_chunk(self, r: Request, work: StepWork, start: int, end: int) -> None:
+        """Keep the prefill chunk [start, end) of r after this step's forward, where the budget has room for it."""
+        tokens = tuple(r.tokens[start:end])
+        parent, r.prefix_key = r.prefix_key, chunk_key(r.prefix_key, tokens)
+        cachable = r.prefix_key not in self.prefix.entries and (parent == ROOT or parent in self.prefix.entries)
+        if cachable and self._make_room(end - start, work):
+            added = self.prefix.add(parent, tokens)  # None if making room evicted its parent
+            if added is not None:
+                work.saves.append((r.request_id, start, end, added[1]))
 
     def _plan_prefill(self, prefilling: list[Request], work: StepWork, budget: int) -> int:
         """Prefill chunks for this step, oldest request first, within the rows left (at least one chunk)."""
@@ -344,6 +390,8 @@ class Scheduler:
                 r.chunk_end, r.chunk_rows = r.prefilled, 0
                 continue
             work.segments.append(SegmentSpec(r.request_id, torch.tensor(r.tokens[r.prefilled:end])))
+            if self.prefix is not None:
+                self._cache_chunk(r, work, r.prefilled, end)
             r.chunk_end, r.chunk_rows = end, n
             rows += n
         return rows
@@ -458,6 +506,7 @@ class Scheduler:
             # an allocation not sent yet (after reset_target) must not follow the release: the target runs releases
             # before allocations
             self._work.allocations = [a for a in self._work.allocations if a[0] != r.request_id]
+            self._work.loads = [a for a in self._work.loads if a[0] != r.request_id]
             self._work.releases.append(r.request_id)
             r.admitted = False
 

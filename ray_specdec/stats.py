@@ -16,6 +16,7 @@ class GenerationStats:
     offered_depth: list[int] = field(default_factory=list)  # rounds whose tree had depth >= d
     trees: Counter = field(default_factory=Counter)  # tree config string -> rounds
     new_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -52,6 +53,7 @@ class GenerationStats:
         return {
             "rounds": self.rounds,
             "new_tokens": self.new_tokens,
+            "cached_tokens": self.cached_tokens,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_lengths": self.accepted_lengths,
             "acceptance_per_depth": [round(a, 4) for a in self.acceptance_per_depth],

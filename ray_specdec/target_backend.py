@@ -2,8 +2,9 @@
 
 A step's work for the target is everything it must do to its caches, in order: keep the accepted rows of the
 previous step's verifies (commits ride on the next step's call), free the caches of requests that ended, allocate
-caches of newly admitted ones (their KV budget, preallocated once), then one batched forward over every segment of
-the step. `LocalTarget` does that on a `TargetModel` in this process; a rank of a tensor-parallel group does exactly the
+caches of newly admitted ones (their KV budget, preallocated once), copy cached prompt chunks into the new caches
+that hit them and drop the chunks the scheduler evicted (prefix_cache.py), then one batched forward over every segment
+of the step, and last keep the prefill chunks the scheduler chose to cache. `LocalTarget` does that on a `TargetModel` in this process; a rank of a tensor-parallel group does exactly the
 same on its shard (serving/target_worker.py), so a whole step crosses to the ranks in one call, never one per request.
 """
 
@@ -37,9 +38,11 @@ class StepWork:
     allocations: list[tuple[str, int]] = field(default_factory=list)  # (request id, KV rows to preallocate)
     commits: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (request id, verify rows kept)
     segments: list[SegmentSpec] = field(default_factory=list)
-
-    def clear(self) -> None:
-        self.releases, self.allocations, self.commits, self.segments = [], [], [], []
+    # prefix caching (prefix_cache.py): cached chunks copied into a new cache, in order; chunks evicted; prefill
+    # chunks of this step kept after the forward as (request id, first row, end row, block id)
+    loads: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    drops: list[int] = field(default_factory=list)
+    saves: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 class TargetBackend(Protocol):
@@ -63,6 +66,7 @@ class TargetCaches:
     def __init__(self, target: TargetModel):
         self.target = target
         self.caches: dict[str, TargetCache] = {}
+        self.chunks: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # cached prompt chunks' rows by block
 
     def run(self, work: StepWork) -> list[torch.Tensor | None]:
         for request_id, keep in work.commits:
@@ -73,14 +77,29 @@ class TargetCaches:
             if request_id in self.caches:
                 raise ValueError(f"request {request_id!r} already has a cache")
             self.caches[request_id] = self.target.new_cache(capacity)
-        if not work.segments:
-            return []
-        segments = [
-            Segment(self._cache(s.request_id), s.tokens, None if s.paths is None else tree_from_paths(s.paths))
-            for s in work.segments
-        ]
-        logits = self.target.forward_batch(segments)
-        return [x.argmax(dim=-1) if x is not None and s.argmax_only else x for s, x in zip(work.segments, logits)]
+        for request_id, blocks in work.loads:
+            cache = self._cache(request_id)
+            for block in blocks:
+                cache.kv.append_rows(self._chunk(block))
+        for block in work.drops:
+            self.chunks.pop(block, None)
+        logits = []
+        if work.segments:
+            segments = [
+                Segment(self._cache(s.request_id), s.tokens, None if s.paths is None else tree_from_paths(s.paths))
+                for s in work.segments
+            ]
+            logits = self.target.forward_batch(segments)
+            logits = [x.argmax(dim=-1) if x is not None and s.argmax_only else x for s, x in zip(work.segments, logits)]
+        for request_id, start, end, block in work.saves:
+            self.chunks[block] = self._cache(request_id).kv.copy_rows(start, end)
+        return logits
+
+    def _chunk(self, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        rows = self.chunks.get(block)
+        if rows is None:
+            raise KeyError(f"the target holds no cached chunk {block}")
+        return rows
 
     def _cache(self, request_id: str) -> TargetCache:
         cache = self.caches.get(request_id)
@@ -90,6 +109,7 @@ class TargetCaches:
 
     def reset(self) -> None:
         self.caches.clear()
+        self.chunks.clear()
 
 
 class LocalTarget(TargetCaches):

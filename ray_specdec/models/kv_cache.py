@@ -181,6 +181,19 @@ class GrowableKVCache(Cache):
         for layer in self.layers:
             layer.length += rows
 
+    def copy_rows(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of rows [start, end) of every layer: (keys [B, H, end - start, Dk], values [..., Dv]) per layer."""
+        if not 0 <= start <= end <= self.get_seq_length():
+            raise ValueError(f"rows [{start}, {end}) are not in a cache of {self.get_seq_length()} rows")
+        return [(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone()) for layer in self.layers]
+
+    def append_rows(self, rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append rows that `copy_rows` copied (one (keys, values) per layer) after the rows every layer holds."""
+        if self.layers and len(rows) != len(self.layers):
+            raise ValueError(f"rows of {len(rows)} layers for a cache of {len(self.layers)} layers")
+        for i, (keys, values) in enumerate(rows):
+            self.update(keys, values, i)
+
     def compact(self, base: int, keep: Sequence[int]) -> None:
         """Every layer: rows `base + keep[i]` move to `base + i`; the cache then holds `base + len(keep)` rows."""
         first_moved = _first_moved(keep)
