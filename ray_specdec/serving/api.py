@@ -256,12 +256,19 @@ def speculative_block(stats: GenerationStats | Sequence[GenerationStats | None])
     }
 
 
-def usage_block(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_block(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache (prefix_cache.py)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def cached_tokens(per_choice: dict[int, int], n: int) -> int:
+    """Prompt tokens found cached, each prompt counted once (from its first choice) however many choices it has."""
+    return sum(tokens for index, tokens in per_choice.items() if index % n == 0)
 
 
 def finite(logprob: float) -> float:
@@ -294,20 +301,21 @@ def completion_body(request: CompletionRequest, tokenizer, model: str, generatio
             choice["logprobs"] = completion_logprobs(tokenizer, gen.token_ids, gen.logprobs or [])
         choices.append(choice)
     prompt_tokens = sum(g.prompt_tokens for g in generations[:: request.n])
-    return response_body(cid, created, "text_completion", model, choices, prompt_tokens, generations)
+    return response_body(cid, created, "text_completion", model, choices, prompt_tokens, generations, request.n)
 
 
 def response_body(cid: str, created: int, kind: str, model: str, choices: list[dict], prompt_tokens: int,
-                  generations: Sequence[Generation]) -> dict:
+                  generations: Sequence[Generation], n: int) -> dict:
     """A whole (non-streamed) response of `kind` ("text_completion", "chat.completion"): choices, usage and the
-    `speculative` block over every generation."""
+    `speculative` block over every generation (n: choices per prompt)."""
+    cached = cached_tokens({i: g.stats.cached_tokens for i, g in enumerate(generations)}, n)
     return {
         "id": cid,
         "object": kind,
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage_block(prompt_tokens, sum(len(g.token_ids) for g in generations)),
+        "usage": usage_block(prompt_tokens, sum(len(g.token_ids) for g in generations), cached),
         "speculative": speculative_block([g.stats for g in generations]),
     }
 
@@ -323,6 +331,7 @@ class CompletionStream:
         self.echo = request.prompt_texts(tokenizer) if request.echo else None
         self.offsets: dict[int, int] = defaultdict(int)  # choice -> characters streamed
         self.completion_tokens = 0
+        self.cached: dict[int, int] = {}  # choice -> its prompt's tokens found in the prefix cache
 
     def _body(self, choices: list[dict]) -> dict:
         body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -342,6 +351,8 @@ class CompletionStream:
                                                      self.offsets[index])  # fmt: skip
         self.offsets[index] += len(text)
         self.completion_tokens += len(chunk.token_ids)
+        if chunk.stats is not None:  # the last chunk of a choice has them (EngineReplica.generate)
+            self.cached[index] = chunk.stats.cached_tokens
         body = self._body([choice])
         if chunk.finish_reason is not None:
             body["speculative"] = speculative_block(chunk.stats)
@@ -350,7 +361,8 @@ class CompletionStream:
     def end(self) -> list[dict]:
         if not self.request.include_usage:
             return []
-        return [self._body([]) | {"usage": usage_block(self.prompt_tokens, self.completion_tokens)}]
+        cached = cached_tokens(self.cached, self.request.n)
+        return [self._body([]) | {"usage": usage_block(self.prompt_tokens, self.completion_tokens, cached)}]
 
 
 def sse(body: dict[str, Any] | str) -> str:

@@ -218,6 +218,8 @@ class EngineLoop:
         s = self.scheduler
         self.metrics.admissions({r.request_id for r in s.waiting}, admitted_at)
         self.metrics.scheduler_state(s.num_running, s.num_waiting, s.reserved, s.config.kv_budget_tokens)
+        if s.prefix is not None:
+            self.metrics.prefix_cache(s.prefix.queried_rows, s.prefix.hit_rows)
 
     def _report_guard(self, now: float) -> None:
         """The guard's verdicts to the metrics and stats: at most once per GUARD_REPORT_S, and when the work runs out

@@ -72,6 +72,8 @@ TTFT = "ray_specdec:time_to_first_token_seconds"
 ITL = "ray_specdec:inter_token_latency_seconds"
 E2E = "ray_specdec:e2e_request_latency_seconds"
 QUEUE = "ray_specdec:request_queue_time_seconds"
+PREFIX_QUERIES = "ray_specdec:prefix_cache_queries"
+PREFIX_HITS = "ray_specdec:prefix_cache_hits"
 RUNNING = "ray_specdec:num_requests_running"
 WAITING = "ray_specdec:num_requests_waiting"
 KV_USAGE = "ray_specdec:kv_cache_usage_perc"
@@ -100,6 +102,8 @@ METRICS = {m.name: m for m in (
            buckets=ITL_BUCKETS),
     Metric(E2E, HISTOGRAM, "End-to-end latency of finished requests in seconds.", buckets=REQUEST_BUCKETS),
     Metric(QUEUE, HISTOGRAM, "Seconds from arrival to admission (KV reserved).", buckets=REQUEST_BUCKETS),
+    Metric(PREFIX_QUERIES, COUNTER, "Prompt tokens looked up in the prefix cache at admission."),
+    Metric(PREFIX_HITS, COUNTER, "Prompt tokens found in the prefix cache (copied, not prefilled)."),
     Metric(RUNNING, GAUGE, "Requests admitted (prefilling or decoding).", ("replica",)),
     Metric(WAITING, GAUGE, "Requests waiting for admission.", ("replica",)),
     Metric(KV_USAGE, GAUGE, "KV budget reserved by admitted requests (1 means 100 percent).", ("replica",)),
@@ -207,6 +211,12 @@ class EngineMetrics(Recorder):
             self._set(RUNNING, running)
             self._set(WAITING, waiting)
             self._set(KV_USAGE, kv_reserved / kv_budget)
+
+    def prefix_cache(self, queried: int, hits: int) -> None:
+        """The prefix cache's totals since the replica started (prompt tokens looked up, found)."""
+        with self._lock:
+            self._set(PREFIX_QUERIES, queried)
+            self._set(PREFIX_HITS, hits)
 
     def guard(self, summary: list[dict]) -> None:
         """The speculation guard's state (`SpeculationGuard.summary()`)."""

@@ -16,6 +16,7 @@ from ray_specdec.logits_processing import TokenLogprob
 from ray_specdec.rounds import Generation, StreamChunk
 from ray_specdec.serving.api import (
     SamplingRequest,
+    cached_tokens,
     finite,
     new_completion_id,
     response_body,
@@ -152,7 +153,7 @@ def chat_body(request: ChatCompletionRequest, tokenizer, model: str, generations
                 "finish_reason": gen.finish_reason, "token_ids": gen.token_ids}
                for i, gen in enumerate(generations)]  # fmt: skip
     prompt_tokens = generations[0].prompt_tokens if generations else 0
-    return response_body(cid, created, "chat.completion", model, choices, prompt_tokens, generations)
+    return response_body(cid, created, "chat.completion", model, choices, prompt_tokens, generations, request.n)
 
 
 class ChatStream:
@@ -165,6 +166,7 @@ class ChatStream:
         self.id, self.created = new_completion_id("chatcmpl")
         self.started: set[int] = set()
         self.completion_tokens = 0
+        self.cached: dict[int, int] = {}  # choice -> the prompt's tokens found in the prefix cache
 
     def _body(self, index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -184,6 +186,8 @@ class ChatStream:
             bodies.append(self._body(index, {"content": chunk.text}, logprobs))
             bodies[-1]["choices"][0]["token_ids"] = chunk.token_ids
         self.completion_tokens += len(chunk.token_ids)
+        if chunk.stats is not None:  # the last chunk of a choice has them (EngineReplica.generate)
+            self.cached[index] = chunk.stats.cached_tokens
         if chunk.finish_reason is not None:
             bodies.append(self._body(index, {}, finish_reason=chunk.finish_reason)
                           | {"speculative": speculative_block(chunk.stats)})  # fmt: skip
@@ -192,5 +196,6 @@ class ChatStream:
     def end(self) -> list[dict]:
         if not self.request.include_usage:
             return []
-        body = self._body(0, {}) | {"usage": usage_block(self.prompt_tokens, self.completion_tokens)}
+        cached = cached_tokens(self.cached, self.request.n)
+        body = self._body(0, {}) | {"usage": usage_block(self.prompt_tokens, self.completion_tokens, cached)}
         return [body | {"choices": []}]

@@ -179,6 +179,19 @@ def test_echo(tokenizer):
     assert Completion.model_validate(body).choices[0].text == "Hello there"
 
 
+def test_usage_counts_each_prompts_cached_tokens_once(tokenizer):
+    """Two prompts, two choices each: the choices of one prompt report its cached tokens once."""
+    req = CompletionRequest(prompt=["Hi", "Yo"], n=2, stream=True, stream_options={"include_usage": True})
+    stream = CompletionStream(req, tokenizer, "m", prompt_tokens=4)
+    for index, cached in enumerate([3, 3, 1, 1]):
+        s = stats(1, 0)
+        s.cached_tokens = cached
+        stream.chunks(index, StreamChunk([4], "b", None, None))  # a served choice's chunks but its last have no stats
+        stream.chunks(index, StreamChunk([5], "a", "length", s))
+    assert stream.end()[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3 + 1}
+    assert api.cached_tokens({0: 3, 1: 3, 2: 1, 3: 1}, n=2) == 4 and api.cached_tokens({0: 9}, n=1) == 9
+
+
 def test_completion_stream(tokenizer):
     req = CompletionRequest(prompt="Hi", n=2, stream=True, stream_options={"include_usage": True}, echo=True)
     stream = CompletionStream(req, tokenizer, "m", prompt_tokens=2)
@@ -190,7 +203,7 @@ def test_completion_stream(tokenizer):
     assert bodies[0]["choices"][0]["finish_reason"] is None and bodies[0]["usage"] is None
     for body in bodies[1:]:
         Completion.model_validate(body)
-    assert bodies[-1]["choices"] == [] and bodies[-1]["usage"] == api.usage_block(2, 4)
+    assert bodies[-1]["choices"] == [] and bodies[-1]["usage"] == api.usage_block(2, 4, cached_tokens=0)
     assert "speculative" in bodies[2] and "speculative" not in bodies[0]
     plain = CompletionStream(CompletionRequest(prompt="Hi", stream=True), tokenizer, "m", 2)
     assert "usage" not in plain.chunks(0, StreamChunk([5], "a", "stop", stats(1, 0)))[0] and plain.end() == []

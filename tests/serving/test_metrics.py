@@ -41,6 +41,8 @@ def scripted() -> m.EngineMetrics:
     plain.record_round("none", 0, 0, 0)
     rec.produced("c", 1, "stop", plain, 1.2)
     rec.scheduler_state(running=2, waiting=1, kv_reserved=300, kv_budget=1200)
+    rec.prefix_cache(queried=40, hits=10)
+    rec.prefix_cache(queried=60, hits=25)  # totals: the last one stands
     rec.guard([{"load": "1", "undrafted": False, "speedup": None, "plain": 0, "policy": 3, "explore_period": 32},
                {"load": "5-16", "undrafted": True, "speedup": 0.8, "plain": 20, "policy": 9, "explore_period": 64}])
     return rec
@@ -59,6 +61,8 @@ def test_counters_are_exact_for_a_scripted_sequence():
         m.ACCEPTED_PER_POS: {("0",): 2, ("1",): 1},
         m.DRAFTS_PER_POS: {("0",): 3, ("1",): 3},
         m.ROUNDS: {("2,1",): 2, ("1,1",): 1, ("none",): 1},
+        m.PREFIX_QUERIES: {(): 60},
+        m.PREFIX_HITS: {(): 25},
     }
     assert snap[m.RUNNING] == {(): 2} and snap[m.WAITING] == {(): 1} and snap[m.KV_USAGE] == {(): 0.25}
 
