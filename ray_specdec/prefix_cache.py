@@ -66,8 +66,8 @@ class PrefixIndex:
         self.entries: OrderedDict[int, CachedChunk] = OrderedDict()  # key -> chunk, least recently used first
         self.rows = 0  # budget rows the cached chunks take
         self.pending: set[int] = set()  # keys saved by the step being planned: not evictable until it is sent
-        self.queried_rows = 0  # prompt rows looked up (vLLM's prefix_cache_queries, in tokens)
-        self.hit_rows = 0  # of which found cached
+        self.queried_rows = 0  # prompt rows looked up at admission (vLLM's prefix_cache_queries, in tokens)
+        self.hit_rows = 0  # of which found cached (at admission, or later while the request prefills)
         self._next_id = 0
 
     def spans(self, start: int, stop: int) -> Iterator[tuple[int, int]]:
@@ -77,21 +77,21 @@ class PrefixIndex:
             yield start, end
             start = end
 
-    def match(self, tokens: Sequence[int], stop: int) -> Match:
-        """The longest run of cached chunks that cut tokens[:stop] from position 0 (stop: rows the request prefills).
-        Touches them, last first, so a prefix outlives what follows it."""
-        key, found = ROOT, []
-        for start, end in self.spans(0, stop):
+    def match(self, tokens: Sequence[int], stop: int, start: int = 0, parent: int = ROOT) -> Match:
+        """The longest run of cached chunks that cut tokens[start:stop] after the prefix `parent` (the key of
+        tokens[:start]; stop: the rows the request prefills). Touches them, last first, so that a prefix outlives
+        what follows it."""
+        key, found = parent, []
+        for start, end in self.spans(start, stop):
             piece = tuple(tokens[start:end])
             entry = self.entries.get(chunk_key(key, piece))
-            if entry is None or entry.tokens != piece or entry.parent != key:
-                break
+            if entry is None or entry.tokens != piece or entry.parent != key or chunk_key(key, piece) in self.pending:
+                break  # (a pending chunk's rows exist only after the forward of the step being planned)
             key = chunk_key(key, piece)
             found.append(key)
         for k in reversed(found):
             self.entries.move_to_end(k)
         rows = sum(self.entries[k].rows for k in found)
-        self.queried_rows += stop
         self.hit_rows += rows
         return Match([self.entries[k].block_id for k in found], rows, key)
 

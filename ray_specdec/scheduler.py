@@ -343,11 +343,8 @@ class Scheduler:
             r.admitted = True
             self._work.allocations.append((r.request_id, r.reserved))
             if self.prefix is not None and r.prefilled == 0:
-                hit = self.prefix.match(r.tokens, len(r.tokens) - 1)
-                if hit.block_ids:
-                    self._work.loads.append((r.request_id, tuple(hit.block_ids)))
-                    r.prefilled, r.prefix_key = hit.rows, hit.key
-                    r.stats.cached_tokens = hit.rows
+                self.prefix.queried_rows += len(r.tokens) - 1
+                self._load_cached(r, self._work)
             if self.drafter is not None:
                 r.drafter = LazyDrafter(self.drafter, self.target.vocab_size)
                 if r.tree is None:  # the request will decode alongside every running one (itself included)
@@ -370,6 +367,18 @@ class Scheduler:
             work.drops += dropped
         return True
 
+    def _load_cached(self, r: Request, work: StepWork) -> None:
+        """Copy the cached chunks that continue r's prefill into its cache (with `work`), and skip their rows."""
+        hit = self.prefix.match(r.tokens, len(r.tokens) - 1, r.prefilled, r.prefix_key)
+        if hit.block_ids:
+            work.loads.append((r.request_id, tuple(hit.block_ids)))
+            r.prefilled, r.prefix_key = r.prefilled + hit.rows, hit.key
+            r.stats.cached_tokens += hit.rows
+
+    def _pending(self, r: Request, end: int) -> bool:
+        """Whether r's next chunk (up to `end`) is being computed by another request in this step."""
+        return chunk_key(r.prefix_key, tuple(r.tokens[r.prefilled:end])) in self.prefix.pending
+
     def _cache_chunk(self, r: Request, work: StepWork, start: int, end: int) -> None:
         """Keep the prefill chunk [start, end) of r after this step's forward, where the budget has room for it."""
         tokens = tuple(r.tokens[start:end])
@@ -381,12 +390,18 @@ class Scheduler:
                 work.saves.append((r.request_id, start, end, added[1]))
 
     def _plan_prefill(self, prefilling: list[Request], work: StepWork, budget: int) -> int:
-        """Prefill chunks for this step, oldest request first, within the rows left (at least one chunk)."""
+        """Prefill chunks for this step, oldest request first, within the rows left (at least one chunk). With the
+        prefix cache: chunks cached since a request's last step are copied instead, and a chunk that another request
+        computes in this step is left to it (the same prompt admitted twice: `n` choices, retries), to be copied in
+        the next one."""
         rows, size = 0, self.config.prefill_chunk
         for r in prefilling:
+            if self.prefix is not None:
+                self._load_cached(r, work)
             end = min((r.prefilled // size + 1) * size, len(r.tokens) - 1)
             n = end - r.prefilled
-            if rows and rows + n > budget:
+            computed_by_another = self.prefix is not None and n and self._pending(r, end)
+            if (rows and rows + n > budget) or computed_by_another or n == 0:
                 r.chunk_end, r.chunk_rows = r.prefilled, 0
                 continue
             work.segments.append(SegmentSpec(r.request_id, torch.tensor(r.tokens[r.prefilled:end])))

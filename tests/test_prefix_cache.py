@@ -45,7 +45,10 @@ def test_a_prompt_matches_the_longest_run_of_chunks_it_would_cut_itself():
     diverging = index.match(prompt[:5] + [99] * 5, 9)  # differs inside the second chunk
     assert (diverging.block_ids, diverging.rows) == (blocks[:1], 4)
     assert index.match([99] + prompt[1:], 9).rows == 0
-    assert (index.queried_rows, index.hit_rows) == (9 + 11 + 9 + 9, 9 + 8 + 4)
+    assert index.hit_rows == 9 + 8 + 4
+    # a continuation: after the first chunk (its key), the rest of the prompt
+    rest = index.match(prompt, 9, start=4, parent=prefix_cache.chunk_key(ROOT, tuple(prompt[:4])))
+    assert (rest.block_ids, rest.rows, rest.key) == (blocks[1:], 5, same.key)
 
 
 def test_a_colliding_key_is_a_miss(monkeypatch):
@@ -79,6 +82,9 @@ def test_a_chunk_is_kept_only_after_its_parent():
     index = PrefixIndex(4)
     assert index.add(prefix_cache.chunk_key(ROOT, (1, 2, 3, 4)), [5, 6, 7, 8]) is None
     key, _ = index.add(ROOT, [1, 2, 3, 4])
+    assert index.match([1, 2, 3, 4, 5], 4).rows == 0  # saved by the step being planned: its rows come after it
+    index.sent()
+    assert index.match([1, 2, 3, 4, 5], 4).rows == 4
     assert index.add(ROOT, [1, 2, 3, 4]) is None  # cached already
     assert index.add(key, [5, 6, 7, 8]) is not None
 
@@ -143,6 +149,8 @@ def shared_prefix_requests(seed: int) -> list[tuple[str, list[int], SamplingPara
 
 # what each request finds cached after the 100-token prompt ran alone (prefill rows [0, 99) in chunks of 32)
 EXPECTED_CACHED = {"same": 99, "longer": 96, "two_chunks": 64, "short_tail": 64, "one_token": 0, "other": 0}
+# all together on a cold cache: "same" computes the shared chunks, the others wait a step for each and copy it
+EXPECTED_COLD = EXPECTED_CACHED | {"same": 0}
 
 
 @pytest.mark.parametrize("tree", [None, TreeConfig((2, 1)), TreeConfig.parse("none")], ids=["policy", "2,1", "none"])
@@ -157,15 +165,34 @@ def test_cached_prompts_give_the_tokens_and_logprobs_of_prefilled_ones(tiny, tre
     run(warm, requests[:1])  # the 100-token prompt alone: its chunks are kept
     with_cache = run(warm, [(f"{n}", p, params) for n, p, params in requests])
     without = run(off, requests)
-    first_time = run(cold, requests)  # all together on a cold cache: nothing to hit yet
+    first_time = run(cold, requests)  # all together on a cold cache
     for name, _, params in requests:
         tokens, logprobs, cached = with_cache[name]
         assert tokens == without[name][0] == first_time[name][0], name
         assert logprobs == without[name][1], name  # the target's distributions, bit for bit
         assert len(tokens) == params.max_new_tokens
-        assert cached == EXPECTED_CACHED[name] and without[name][2] == first_time[name][2] == 0, name
+        assert cached == EXPECTED_CACHED[name] and first_time[name][2] == EXPECTED_COLD[name], name
+        assert without[name][2] == 0
     plain = SpeculativeEngine(target, None, config=config)
     assert with_cache["same"][0] == plain.generate(requests[0][1], requests[0][2]).token_ids
+
+
+def test_a_prompt_admitted_several_times_at_once_is_prefilled_once(tiny):
+    """Four requests of one 100-token prompt (n choices, retries) in one step: the first computes each chunk, the
+    others copy it a step later; each gets the tokens it gets alone."""
+    target, drafter = tiny
+    config = SchedulerConfig(prefill_chunk=CHUNK, step_tokens=256)
+    scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((2, 1)), config)
+    prompt = random_prompt(100, seed=8)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    prefill_rows = []
+    scheduler.target.run, run_target = (lambda work: prefill_rows.append(
+        sum(s.tokens.numel() for s in work.segments if s.paths is None)) or run_target(work)), scheduler.target.run
+    out = run(scheduler, [(f"c{i}", prompt, params) for i in range(4)])
+    assert sorted(o[2] for o in out.values()) == [0, 99, 99, 99]
+    assert sum(prefill_rows) == 99  # the prompt's prefill, once
+    alone = SpeculativeEngine(target, None, config=SchedulerConfig(prefill_chunk=CHUNK, prefix_cache=False))
+    assert all(o[0] == alone.generate(prompt, params).token_ids for o in out.values())
 
 
 def test_the_budget_evicts_cached_chunks_before_requests_wait(tiny):
