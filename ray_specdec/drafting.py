@@ -30,6 +30,7 @@ import torch
 
 from ray_specdec.acceptance import Verdict
 from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.drafter_cache import DrafterStates
 from ray_specdec.logits_processing import apply_logit_bias
 from ray_specdec.lookup import LookupIndex
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
@@ -116,15 +117,30 @@ def _align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([logits, pad], dim=-1)
 
 
+def drafter_ids(drafter: MambaDrafter, token_ids: Sequence[int]) -> torch.Tensor:
+    """Target token ids as drafter inputs: ids the drafter's vocabulary lacks (a target with a larger or padded
+    vocabulary) become id 0. The drafter never proposes them (`_align_vocab`); its guesses after one get worse."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=drafter.device)
+    return ids.masked_fill(ids >= drafter.vocab_size, 0)
+
+
+def prefill_input(drafter: MambaDrafter, token_ids: Sequence[int]) -> torch.Tensor:
+    """What a session's prefill over a context runs: its last `prefill_window` tokens (all without a window)."""
+    window = getattr(drafter, "prefill_window", None)
+    return drafter_ids(drafter, token_ids[-window:] if window else token_ids)
+
+
 class DrafterSession:
     """One request's drafter state: the root state, its logits, and the per-depth states of the open round."""
 
-    def __init__(self, drafter: MambaDrafter, token_ids: Sequence[int], vocab_size: int):
+    def __init__(self, drafter: MambaDrafter, token_ids: Sequence[int], vocab_size: int,
+                 states: DrafterStates | None = None):
+        """states: the drafter's prefix cache (drafter_cache.py), where a prompt prefilled before is copied."""
         self.drafter = drafter
         self.vocab_size = vocab_size  # the target's: draft distributions live in its vocabulary
         self.history = [int(t) for t in token_ids]  # every token so far: the lookup branch searches it
-        window = getattr(drafter, "prefill_window", None)  # the state starts from the last `window` tokens
-        self.root_state, logits = drafter.prefill(self._drafter_ids(self.history[-window:] if window else self.history))
+        ids = prefill_input(drafter, self.history)
+        self.root_state, logits = drafter.prefill(ids) if states is None else states.prefill(drafter, ids)
         self.root_logits = _align_vocab(logits.unsqueeze(0), vocab_size)  # [1, V]
         self._lookup: LookupIndex | None = None  # built on the first lookup, then kept up to date
         self._depth_states: list[MambaState] = []
@@ -214,19 +230,13 @@ class DrafterSession:
             if later.accepted_rows:
                 raise ValueError("only the first verdict may accept draft rows: later rounds had no draft")
             pending.append(later.bonus_token)
-        logits = self.drafter.extend(state, self._drafter_ids(pending))
+        logits = self.drafter.extend(state, drafter_ids(self.drafter, pending))
         new_tokens = [t for v in verdicts for t in v.new_tokens]
         self.history += new_tokens
         if self._lookup is not None:
             self._lookup.extend(new_tokens)
         self.root_state, self.root_logits = state, _align_vocab(logits.unsqueeze(0), self.vocab_size)
         self._depth_states, self._stepped, self._draft = [], {}, None
-
-    def _drafter_ids(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Target token ids as drafter inputs: ids the drafter's vocabulary lacks (a target with a larger or padded
-        vocabulary) become id 0. The drafter never proposes them (`_align_vocab`); its guesses after one get worse."""
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.drafter.device)
-        return ids.masked_fill(ids >= self.drafter.vocab_size, 0)
 
     def _lookup_index(self) -> LookupIndex:
         if self._lookup is None:

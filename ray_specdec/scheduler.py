@@ -40,7 +40,8 @@ import torch
 from ray_specdec.acceptance import Verdict
 from ray_specdec.bandit import DEFAULT_LOAD_EDGES, Bandit
 from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
-from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, draft_many, what_if
+from ray_specdec.drafter_cache import DrafterStates
+from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, draft_many, prefill_input, what_if
 from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, measure_prior,
                                  size_trees)
 from ray_specdec.logits_processing import TokenHistory
@@ -99,17 +100,19 @@ class LazyDrafter:
     the drafter in one `commit_all` (one sequence pass over their tokens).
     """
 
-    def __init__(self, drafter: MambaDrafter, vocab_size: int):
-        self.drafter, self.vocab_size = drafter, vocab_size
+    def __init__(self, drafter: MambaDrafter, vocab_size: int, states: DrafterStates | None = None):
+        self.drafter, self.vocab_size, self.states = drafter, vocab_size, states
         self.session: DrafterSession | None = None
         self.pending: list[Verdict] = []  # verdicts since the last draft, that draft's own first
 
     def ready(self, tokens: Sequence[int]) -> float:
         """Bring the session up to date before a draft: -> seconds spent on a first prefill (0 if none)."""
         if self.session is None:
-            t0 = time.perf_counter()
-            self.session = DrafterSession(self.drafter, tokens, self.vocab_size)
+            t0, hits = time.perf_counter(), self.states.hits if self.states is not None else 0
+            self.session = DrafterSession(self.drafter, tokens, self.vocab_size, self.states)
             self.pending = []
+            if self.states is not None and self.states.hits > hits:
+                return 0.0  # a kept state, copied: no prefill to pay or to measure
             return time.perf_counter() - t0
         self.session.commit_all(self.pending)
         self.pending = []
@@ -188,6 +191,8 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self.reserved = 0  # KV rows reserved by running requests
         self.prefix = PrefixIndex(config.prefill_chunk) if config.prefix_cache else None  # cached prompt chunks
+        # the drafter's states after prompts it prefilled (drafter_cache.py)
+        self.drafter_states = DrafterStates() if config.prefix_cache and drafter is not None else None
         self.cost = StepCostModel()
         self.acceptance = AcceptanceModel()
         self.start_rule = StartRule()  # whether a request starts its drafter (start_rule.py)
@@ -346,9 +351,9 @@ class Scheduler:
                 self.prefix.queried_rows += len(r.tokens) - 1
                 self._load_cached(r, self._work)
             if self.drafter is not None:
-                r.drafter = LazyDrafter(self.drafter, self.target.vocab_size)
+                r.drafter = LazyDrafter(self.drafter, self.target.vocab_size, self.drafter_states)
                 if r.tree is None:  # the request will decode alongside every running one (itself included)
-                    r.start = self.start_rule.decide(self.policy, self._prefilled(len(r.tokens)), len(r.tokens),
+                    r.start = self.start_rule.decide(self.policy, self._drafter_prefill(r.tokens), len(r.tokens),
                                                      r.stop.remaining, r.sampled, load=len(self.running))
 
     def _fits_now(self, rows: int) -> bool:
@@ -532,6 +537,13 @@ class Scheduler:
 
     def _prefilled(self, context_len: int) -> int:
         return prefill_tokens(self.drafter, context_len)
+
+    def _drafter_prefill(self, tokens: list[int]) -> int:
+        """Tokens the drafter's prefill over `tokens` would run: none where its state is kept (drafter_cache.py)."""
+        states = self.drafter_states
+        if states is not None and states.holds(self.drafter, prefill_input(self.drafter, tokens)):
+            return 0
+        return self._prefilled(len(tokens))
 
     def _note_prefill(self, seconds: float, tokens: int) -> None:
         self.start_rule.note_prefill(seconds, tokens)

@@ -1,0 +1,66 @@
+"""The drafter's prefix cache (ray_specdec/drafter_cache.py): a hit is the prefill's state, copied, bit for bit;
+the session advancing its state never changes what is kept; the byte budget holds; another drafter starts afresh."""
+
+from __future__ import annotations
+
+import torch
+
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.drafter_cache import DrafterStates, _bytes
+from ray_specdec.drafting import DrafterSession
+from ray_specdec.models.target import TargetModel
+from ray_specdec.scheduler import LazyDrafter, Scheduler, SchedulerConfig
+from ray_specdec.target_backend import LocalTarget
+from tests.test_engine import random_prompt, tiny_mamba
+from tests.tiny_models import tiny_gpt_neox
+
+VOCAB = 128
+
+
+def test_a_hit_is_the_prefills_state_and_survives_the_session_advancing():
+    drafter = tiny_mamba(torch.float32)
+    states = DrafterStates()
+    prompt = random_prompt(40, seed=1)
+    fresh_state, fresh_logits = drafter.prefill(torch.tensor(prompt))
+    first = DrafterSession(drafter, prompt, VOCAB, states)
+    first.draft(TreeConfig((2, 1)), SamplingParams(), None)
+    second = DrafterSession(drafter, prompt, VOCAB, states)
+    assert (states.hits, states.misses) == (1, 1)
+    assert torch.equal(second.root_state.conv, fresh_state.conv) and torch.equal(second.root_state.ssm, fresh_state.ssm)
+    assert torch.equal(second.root_logits, first.root_logits)
+    drafter.extend(second.root_state, torch.tensor([5, 6, 7]))  # the session's state moves on in place...
+    third = DrafterSession(drafter, prompt, VOCAB, states)
+    assert torch.equal(third.root_state.ssm, fresh_state.ssm)  # ...the kept one does not
+    assert not torch.equal(second.root_state.ssm, fresh_state.ssm)
+    other = DrafterSession(drafter, prompt[:-1], VOCAB, states)  # other ids: a miss
+    assert (states.hits, states.misses) == (2, 2) and not torch.equal(other.root_state.ssm, fresh_state.ssm)
+
+
+def test_the_byte_budget_drops_the_least_recently_used():
+    drafter = tiny_mamba(torch.float32)
+    size = _bytes(*drafter.prefill(torch.tensor([5])))
+    states = DrafterStates(max_bytes=2 * size)
+    prompts = [random_prompt(10, seed=s) for s in range(3)]
+    for p in prompts[:2]:
+        states.prefill(drafter, torch.tensor(p))
+    states.prefill(drafter, torch.tensor(prompts[0]))  # touch the first
+    states.prefill(drafter, torch.tensor(prompts[2]))  # evicts the second
+    assert list(states.entries) == [tuple(prompts[0]), tuple(prompts[2])] and states.bytes == 2 * size
+    another = tiny_mamba(torch.float32)
+    states.prefill(another, torch.tensor(prompts[0]))  # another drafter: its own states only
+    assert list(states.entries) == [tuple(prompts[0])] and states.misses == 4
+
+
+def test_a_kept_state_costs_the_start_rule_and_the_prefill_estimate_nothing():
+    """The start rule weighs no drafter prefill for a prompt whose state is kept, and a copied state is not timed as
+    a prefill (it would drag the measured cost per token towards zero)."""
+    drafter = tiny_mamba(torch.float32)
+    scheduler = Scheduler(LocalTarget(TargetModel(tiny_gpt_neox(torch.float32))), drafter, None, TreeConfig((2, 1)))
+    prompt = random_prompt(40, seed=3)
+    assert scheduler._drafter_prefill(prompt) == 40
+    assert LazyDrafter(drafter, VOCAB, scheduler.drafter_states).ready(prompt) > 0
+    assert scheduler._drafter_prefill(prompt) == 0 and scheduler._drafter_prefill(prompt[1:]) == 39
+    assert LazyDrafter(drafter, VOCAB, scheduler.drafter_states).ready(prompt) == 0.0
+    off = Scheduler(LocalTarget(TargetModel(tiny_gpt_neox(torch.float32))), drafter, None, TreeConfig((2, 1)),
+                    SchedulerConfig(prefix_cache=False))  # fmt: skip
+    assert off.drafter_states is None and off._drafter_prefill(prompt) == 40
