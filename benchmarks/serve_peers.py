@@ -300,7 +300,8 @@ async def closed_loop(endpoint: Endpoint, prompts: list[str], fields: dict[str, 
                       temperature: float, args: argparse.Namespace,
                       max_requests: int = MAX_REQUESTS_PER_CELL) -> tuple[list[RequestResult], float]:  # fmt: skip
     """`concurrency` clients, each sending its next request when the last one ends, starting none after the duration;
-    every cell starts at prompt 0, so systems see the same prompts in the same order."""
+    every cell starts at prompt 0, so systems see the same prompts in the same order (with --fresh-prompts: where the
+    run's previous cell stopped, so no prompt is seen twice)."""
     limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
     results: list[RequestResult] = []
     issued = 0
@@ -311,13 +312,26 @@ async def closed_loop(endpoint: Endpoint, prompts: list[str], fields: dict[str, 
         async def client_loop() -> None:
             nonlocal issued
             while issued < max_requests and time.perf_counter() < deadline:
-                index = issued % len(prompts)
+                index = (first_prompt(args) + issued) % len(prompts)
                 issued += 1
                 body = request_body(endpoint, prompts[index], args.max_tokens, temperature, fields)
                 results.append(await stream_one(client, endpoint.url, body, index, args.timeout))
 
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        used(args, issued)
         return results, time.perf_counter() - t0
+
+
+def first_prompt(args: argparse.Namespace) -> int:
+    """Where a cell starts in the prompt list: 0, or with --fresh-prompts after every prompt sent so far."""
+    return args.prompts_sent if args.fresh_prompts else 0
+
+
+def used(args: argparse.Namespace, n: int) -> None:
+    args.prompts_sent += n
+    if args.fresh_prompts and args.prompts_sent > args.prompts:
+        print(f"warning: {args.prompts_sent} prompts sent, more than --prompts {args.prompts}: some were seen again",
+              flush=True)
 
 
 # ---- servers (one at a time) ----------------------------------------------------------------------------------------
@@ -499,10 +513,11 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
                 params = SamplingParams(temperature=temperature, max_new_tokens=args.max_tokens)
                 results, t0 = [], time.perf_counter()
                 while len(results) < MAX_REQUESTS_PER_CELL and time.perf_counter() - t0 < args.duration:
-                    index, start = len(results) % len(prompts), time.perf_counter()
+                    index, start = (first_prompt(args) + len(results)) % len(prompts), time.perf_counter()
                     gen = engine.generate(prompts[index], params, tree)
                     results.append(RequestResult(index, time.perf_counter() - start, text=gen.text,
                                                  usage_tokens=len(gen.token_ids)))  # fmt: skip
+                used(args, len(results))
                 record_cell(cells, texts, system, temperature, 1, results, time.perf_counter() - t0, len)
     except Exception as exc:
         print(f"inproc: unavailable: {type(exc).__name__}: {exc}", flush=True)
@@ -518,12 +533,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--fresh-prompts", action="store_true",
+                        help="no prompt twice in the run (each cell goes on where the last stopped: no prefix cache "
+                             "hits for any system; give --prompts enough for every request, e.g. 8000)")
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--timeout", type=float, default=180.0, help="per request, whole stream included")
     parser.add_argument("--vllm-script", type=Path, default=REPO.parent / "shared" / "peers" / "vllm_cpu.sh")
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 s cells, concurrency 1 and 8")
     parser.add_argument("--out", type=Path, default=Path("docs/bench/serve-peers"))
     args = parser.parse_args(argv)
+    args.prompts_sent = 0
     if args.quick:
         args.duration, args.concurrency = 5.0, "1,8"
     args.servers = [s for s in args.servers.split(",") if s]

@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from benchmarks.serve_peers import (RequestResult, StreamTally, count_tokens, greedy_check, markdown, percentile,
-                                    ratios, select_prompts, served_vs_inproc, summarize_cell)  # fmt: skip
+from benchmarks.serve_peers import (RequestResult, StreamTally, count_tokens, first_prompt, greedy_check, markdown,
+                                    parse_args, percentile, ratios, select_prompts, served_vs_inproc, summarize_cell,
+                                    used)  # fmt: skip
 
 
 def sse(body) -> list[str]:
@@ -116,3 +117,16 @@ def test_prompts_are_deterministic_held_out_code():
     first, again, other = select_prompts(8, seed=3), select_prompts(8, seed=3), select_prompts(8, seed=4)
     assert first == again and first != other
     assert len(first) == 8 and len(set(first)) == 8 and all("<|endoftext|>" not in p for p in first)
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_cells_start_at_the_first_prompt_unless_fresh_prompts(fresh, capsys):
+    """Every cell sends the same prompts in the same order (prefix caches hit across cells), or with --fresh-prompts
+    each goes on where the last stopped (no prompt twice: no hits), with a warning when --prompts runs out."""
+    args = parse_args(["--prompts", "100"] + (["--fresh-prompts"] if fresh else []))
+    starts = []
+    for sent in (40, 50, 30):
+        starts.append(first_prompt(args))
+        used(args, sent)
+    assert starts == ([0, 40, 90] if fresh else [0, 0, 0])
+    assert ("120 prompts sent, more than --prompts 100" in capsys.readouterr().out) == fresh
