@@ -3,7 +3,8 @@
 A worker gets a step's work in one call (`run(StepWork)`: commits, releases, allocations, one batched forward) and
 must give exactly the logits of the in-process `TargetModel.forward_batch`. TP=2 runs two rank actors in one
 STRICT_PACK placement group on a local Ray (gloo, DeepSpeed AutoTP) stepped by the same `Scheduler` the engine runs:
-a batch of concurrent requests of mixed lengths and trees must give exactly the greedy tokens of TP=1.
+a batch of concurrent requests of mixed lengths and trees must give exactly the greedy tokens of TP=1, and so must
+the same batch again with every prompt chunk copied from the prefix cache (each rank keeps its own shard of them).
 """
 
 from __future__ import annotations
@@ -119,19 +120,23 @@ def batch_prompts() -> list[list[int]]:
     return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n, _, _ in BATCH]
 
 
-def run_batch(backend, drafter: MambaDrafter) -> dict[str, list[int]]:
-    """Every request of BATCH added at once, the scheduler stepped until all finish -> tokens per request."""
+def run_batch(backend, drafter: MambaDrafter) -> tuple[list[dict[str, list[int]]], int]:
+    """Every request of BATCH added at once, the scheduler stepped until all finish; then the same batch again, its
+    prompts now in the prefix cache -> (tokens per request of each run, prompt rows the cache gave)."""
     config = SchedulerConfig(prefill_chunk=PREFILL_CHUNK, step_tokens=64)
     scheduler = Scheduler(backend, drafter, word_tokenizer(), TreeConfig((2, 1, 1)), config)
-    out: dict[str, list[int]] = {}
-    for i, (prompt, (_, max_new, tree)) in enumerate(zip(batch_prompts(), BATCH)):
-        params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-        scheduler.add(str(i), prompt, params, None if tree is None else TreeConfig.parse(tree))
-        out[str(i)] = []
-    while scheduler.has_work:
-        for step_out in scheduler.step():
-            out[step_out.request_id] += step_out.chunk.token_ids
-    return out
+    runs = []
+    for run in range(2):
+        out: dict[str, list[int]] = {}
+        for i, (prompt, (_, max_new, tree)) in enumerate(zip(batch_prompts(), BATCH)):
+            params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+            scheduler.add(f"{run}-{i}", prompt, params, None if tree is None else TreeConfig.parse(tree))
+            out[str(i)] = []
+        while scheduler.has_work:
+            for step_out in scheduler.step():
+                out[step_out.request_id.split("-")[1]] += step_out.chunk.token_ids
+        runs.append(out)
+    return runs, scheduler.prefix.hit_rows
 
 
 def assert_auto_tp_sharded(group: RankGroup, model) -> None:
@@ -154,7 +159,8 @@ def test_tp2_batch_gives_the_greedy_tokens_of_tp1(tiny_dirs, model_dirs, family,
     path = tiny_dirs[family, torch.float32]
     drafter = MambaDrafter.from_pretrained(str(model_dirs[1]))
     target = TargetModel(model)
-    tp1 = run_batch(LocalTarget(target), drafter)
+    (tp1, tp1_cached), hits = run_batch(LocalTarget(target), drafter)
+    assert tp1_cached == tp1 and hits == sum(n - 1 for n, _, _ in BATCH)  # every prompt row of the second run cached
     for prompt, (i, tokens) in zip(batch_prompts(), tp1.items()):
         assert len(tokens) == BATCH[int(i)][1]
         assert greedy_margin(target, prompt, tokens) > MARGIN, "pick prompts whose greedy argmax is not a near-tie"
@@ -163,9 +169,9 @@ def test_tp2_batch_gives_the_greedy_tokens_of_tp1(tiny_dirs, model_dirs, family,
     group = RankGroup(path, tp_size=2, dtype=None, device="cpu", num_cpus_per_rank=0.5)
     try:
         assert_auto_tp_sharded(group, model)
-        tp2 = run_batch(group, drafter)
+        (tp2, tp2_cached), tp2_hits = run_batch(group, drafter)  # the second run copies each rank's own shard
         assert group.request_ids() == [[], []]  # every request's cache released on both ranks
     finally:
         group.shutdown()
     assert (group.info["tp_size"], group.vocab_size, group.info["dtype"]) == (2, VOCAB, "float32")
-    assert tp2 == tp1
+    assert tp2 == tp2_cached == tp1 and tp2_hits == hits
