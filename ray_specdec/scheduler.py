@@ -319,7 +319,8 @@ class Scheduler:
         self._account(decoding, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
         if guard is not None:  # the realised result of its choice, the drafter's prefills included
             tokens = sum(len(r.verdict.new_tokens) for r in decoding)
-            guard.observe(admitted, tokens, t3 - t0 + drafter_prefill_s, prefill_rows > 0, decoding=len(decoding))
+            guard.observe(admitted, tokens, t3 - t0 + drafter_prefill_s, prefill_rows > 0, decoding=len(decoding),
+                          drafter_prefill_s=drafter_prefill_s)
         self.steps += 1
         if not self.has_work:  # nothing will step again soon: free the caches of the requests that just ended
             self._send_pending()

@@ -122,6 +122,24 @@ def test_prefill_steps_and_the_first_step_after_a_switch_are_not_measured():
     assert len(kept) < len(modes) - 4
 
 
+def test_drafter_prefills_of_steps_not_measured_count_against_drafting():
+    """Drafted steps that decode 1.3x faster, but every other policy step also runs a target prefill (not measured)
+    and a drafter prefill that costs more than drafting gains: counted where they are not measured, they make the
+    level go plain. Dropped with their steps, as before, they would keep it drafting."""
+    def run(carry: bool) -> bool:
+        guard = SpeculationGuard()
+        for i in range(600):
+            plain = guard.plain(8)
+            tokens = 8 if plain else 20
+            seconds = plain_seconds(8) * tokens / 8 / (1.0 if plain else 1.3)
+            with_prefill = not plain and i % 2 == 0
+            drafter_s = 3 * plain_seconds(8) if with_prefill else 0.0
+            guard.observe(8, tokens, seconds + drafter_s, prefill=with_prefill,
+                          drafter_prefill_s=drafter_s if carry else 0.0)
+        return guard.levels[2].undrafted
+    assert run(carry=True) and not run(carry=False)
+
+
 def test_no_verdict_before_enough_steps_of_both_sides():
     guard = SpeculationGuard()
     modes = drive(guard, [8] * (2 * MIN_SAMPLES), {2: 0.2})  # drafting 5x slower, but few steps measured
