@@ -38,9 +38,20 @@ def _random_device(probs: torch.Tensor, generator: torch.Generator | None) -> to
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """probs: [..., V] -> token ids [...], one multinomial draw per row."""
-    flat = probs.reshape(-1, probs.shape[-1]).to(_random_device(probs, generator))
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1]).to(probs.device)
+    """probs: [..., V] -> token ids [...], one draw per row, by inverse CDF in float64: token i for a uniform draw in
+    [cdf[i-1], cdf[i]) of the row's mass, so a token of no mass is never drawn. torch.multinomial draws the same
+    distribution at ~6x the cost on CPU (98 against 17 us a row at V = 4096: a tenth of a sampled decode step at 8
+    requests)."""
+    device = _random_device(probs, generator)
+    flat = probs.reshape(-1, probs.shape[-1]).to(device, torch.float64)  # [rows, V]
+    cdf = flat.cumsum(dim=-1)
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=device) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=flat.shape[-1] - 1)  # [rows, 1]
+    stray = flat.gather(-1, tokens) == 0  # u rounded up to the whole mass (~2^-53 of draws): past the last token
+    if stray.any():
+        last = flat.shape[-1] - 1 - (flat.flip(-1) > 0).to(torch.int8).argmax(dim=-1, keepdim=True)
+        tokens = torch.where(stray, last, tokens)
+    return tokens.reshape(probs.shape[:-1]).to(probs.device)
 
 
 def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
