@@ -141,6 +141,17 @@ class PrefixIndex:
         """The planned step reached the target: its saves are done."""
         self.pending.clear()
 
+    def unsent(self) -> None:
+        """The planned step failed on the target: its saves never happened, so their chunks are not cached."""
+        for key in self.pending:
+            entry = self.entries.pop(key, None)
+            if entry is not None:
+                self.rows -= entry.rows
+                parent = self.entries.get(entry.parent)
+                if parent is not None:
+                    parent.children.discard(key)
+        self.pending.clear()
+
     def clear(self) -> None:
         """The target lost its rows (a restarted rank)."""
         self.entries.clear()

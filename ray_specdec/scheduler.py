@@ -41,9 +41,10 @@ from ray_specdec.acceptance import Verdict
 from ray_specdec.bandit import DEFAULT_LOAD_EDGES, Bandit
 from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
 from ray_specdec.drafter_cache import DrafterStates
-from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, draft_many, prefill_input, what_if
+from ray_specdec.drafting import Draft, DraftRequest, draft_many, prefill_input, what_if
 from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, measure_prior,
                                  size_trees)
+from ray_specdec.lazy_drafter import LazyDrafter
 from ray_specdec.logits_processing import TokenHistory
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.prefix_cache import ROOT, PrefixIndex, chunk_key
@@ -90,37 +91,6 @@ class SchedulerConfig:
             raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
         if not 0 <= self.lookup <= MAX_LOOKUP_TOKENS:
             raise ValueError(f"lookup must be in [0, {MAX_LOOKUP_TOKENS}], got {self.lookup}")
-
-
-class LazyDrafter:
-    """One request's drafter, paid for only in rounds that draft.
-
-    The `DrafterSession` is built (a prefill over every token so far) on the request's first drafted round, so a
-    request whose rounds all go undrafted never runs the drafter. Verdicts wait until the next draft and go through
-    the drafter in one `commit_all` (one sequence pass over their tokens).
-    """
-
-    def __init__(self, drafter: MambaDrafter, vocab_size: int, states: DrafterStates | None = None):
-        self.drafter, self.vocab_size, self.states = drafter, vocab_size, states
-        self.session: DrafterSession | None = None
-        self.pending: list[Verdict] = []  # verdicts since the last draft, that draft's own first
-
-    def ready(self, tokens: Sequence[int]) -> float:
-        """Bring the session up to date before a draft: -> seconds spent on a first prefill (0 if none)."""
-        if self.session is None:
-            t0, hits = time.perf_counter(), self.states.hits if self.states is not None else 0
-            self.session = DrafterSession(self.drafter, tokens, self.vocab_size, self.states)
-            self.pending = []
-            if self.states is not None and self.states.hits > hits:
-                return 0.0  # a kept state, copied: no prefill to pay or to measure
-            return time.perf_counter() - t0
-        self.session.commit_all(self.pending)
-        self.pending = []
-        return 0.0
-
-    def commit(self, verdict: Verdict) -> None:
-        if self.session is not None:
-            self.pending.append(verdict)
 
 
 @dataclass
@@ -331,7 +301,12 @@ class Scheduler:
         self._work = StepWork()
 
     def _run(self, work: StepWork) -> list[torch.Tensor | None]:
-        logits = self.target.run(work)
+        try:
+            logits = self.target.run(work)
+        except BaseException:
+            if self.prefix is not None:
+                self.prefix.unsent()
+            raise
         if self.prefix is not None:
             self.prefix.sent()
         return logits

@@ -9,7 +9,8 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafter_cache import DrafterStates, _bytes
 from ray_specdec.drafting import DrafterSession
 from ray_specdec.models.target import TargetModel
-from ray_specdec.scheduler import LazyDrafter, Scheduler, SchedulerConfig
+from ray_specdec.lazy_drafter import LazyDrafter
+from ray_specdec.scheduler import Scheduler, SchedulerConfig
 from ray_specdec.target_backend import LocalTarget
 from tests.test_engine import random_prompt, tiny_mamba
 from tests.tiny_models import tiny_gpt_neox

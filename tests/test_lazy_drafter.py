@@ -67,7 +67,7 @@ def test_lazy_drafter_catches_up_to_a_prefill_from_scratch():
     """Every draft after rounds with and without drafts starts from the state a fresh prefill of every token so far
     gives, and proposes the same tree (greedy)."""
     from ray_specdec.acceptance import Verdict
-    from ray_specdec.scheduler import LazyDrafter
+    from ray_specdec.lazy_drafter import LazyDrafter
 
     drafter = tiny_mamba(vocab=32)
     tokens = random_prompt(12, seed=5, vocab=32)

@@ -229,6 +229,32 @@ def test_a_target_reset_forgets_the_cached_chunks(tiny):
     assert again["b"][0] == first["a"][0] and again["b"][2] == 0
 
 
+def test_a_step_that_fails_on_the_target_caches_none_of_its_chunks(tiny):
+    """The chunks a failed step was to keep are not in the index after it (their rows were never saved); those of
+    earlier steps are."""
+    target, drafter = tiny
+    scheduler = Scheduler(LocalTarget(target), None, None, TreeConfig((1,)), SchedulerConfig(prefill_chunk=CHUNK))
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    run(scheduler, [("a", random_prompt(40, seed=1), params)])
+    kept = dict(scheduler.prefix.entries)
+    scheduler.add("b", random_prompt(70, seed=2), params)
+    real_run = scheduler.target.run
+
+    def failing(work):
+        assert work.saves  # the step planned to keep b's first chunk
+        raise RuntimeError("rank lost")
+    scheduler.target.run = failing
+    with pytest.raises(RuntimeError, match="rank lost"):
+        scheduler.step()
+    assert scheduler.prefix.entries == kept and not scheduler.prefix.pending
+    assert scheduler.prefix.rows == sum(e.rows for e in kept.values())
+    scheduler.target.run = real_run
+    scheduler.reset_target()  # what the serving loop does after a failed step: b is prefilled again and finishes
+    while scheduler.has_work:
+        scheduler.step()
+    assert not scheduler.target.caches and scheduler.reserved == 0
+
+
 def test_an_aborted_request_loads_nothing(tiny):
     """A request admitted with a hit and aborted before the next step: its copy is not sent to the target."""
     target, drafter = tiny

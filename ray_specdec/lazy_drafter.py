@@ -1,0 +1,43 @@
+"""A request's drafter, paid for only in rounds that draft: its session (a prefill over the context) is built on the
+request's first drafted round, and verdicts wait for the next draft (one sequence pass over their tokens)."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from ray_specdec.acceptance import Verdict
+from ray_specdec.drafter_cache import DrafterStates
+from ray_specdec.drafting import DrafterSession
+from ray_specdec.models.mamba_drafter import MambaDrafter
+
+
+class LazyDrafter:
+    """One request's drafter, paid for only in rounds that draft.
+
+    The `DrafterSession` is built (a prefill over every token so far) on the request's first drafted round, so a
+    request whose rounds all go undrafted never runs the drafter. Verdicts wait until the next draft and go through
+    the drafter in one `commit_all` (one sequence pass over their tokens).
+    """
+
+    def __init__(self, drafter: MambaDrafter, vocab_size: int, states: DrafterStates | None = None):
+        self.drafter, self.vocab_size, self.states = drafter, vocab_size, states
+        self.session: DrafterSession | None = None
+        self.pending: list[Verdict] = []  # verdicts since the last draft, that draft's own first
+
+    def ready(self, tokens: Sequence[int]) -> float:
+        """Bring the session up to date before a draft: -> seconds spent on a first prefill (0 if none)."""
+        if self.session is None:
+            t0, hits = time.perf_counter(), self.states.hits if self.states is not None else 0
+            self.session = DrafterSession(self.drafter, tokens, self.vocab_size, self.states)
+            self.pending = []
+            if self.states is not None and self.states.hits > hits:
+                return 0.0  # a kept state, copied: no prefill to pay or to measure
+            return time.perf_counter() - t0
+        self.session.commit_all(self.pending)
+        self.pending = []
+        return 0.0
+
+    def commit(self, verdict: Verdict) -> None:
+        if self.session is not None:
+            self.pending.append(verdict)
