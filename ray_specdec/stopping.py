@@ -10,6 +10,14 @@ min_tokens holds back stop strings as it holds back EOS and stop_token_ids (logi
 counts only where it completes in a token after the first min_tokens, i.e. where it ends past the text of those
 tokens (vLLM's rule). One that completes earlier stays in the text and generation goes on. Which occurrence ends the
 request depends on the tokens alone, not on how rounds grouped them, so speculation stays lossless.
+
+Text is kept incrementally where the tokenizer's decoding is a concatenation: a byte-level BPE decoder (GPT-2's, the
+shipped models') without clean-up turns each token into bytes and the whole into UTF-8, so decode(a + b) equals
+decode(a) + decode(b) wherever a's bytes end on a whole character. The checker keeps the text of such a settled
+prefix and decodes only the tokens after it each round: O(new tokens) a round instead of O(all tokens), which was
+O(n^2) over a request (67 us a round at 512 tokens on the shipped tokenizer; ~8 ms a step for 32 requests of 2,000
+tokens). Other decoders (SentencePiece's Metaspace drops a leading space, WordPiece joins with spaces, clean-up moves
+spaces around punctuation) decode every token each round, as before.
 """
 
 from __future__ import annotations
@@ -17,6 +25,14 @@ from __future__ import annotations
 from typing import Sequence
 
 from ray_specdec.config import SamplingParams
+
+
+def decodes_by_concatenation(tokenizer) -> bool:
+    """Whether decode(a + b) == decode(a) + decode(b) wherever decode(a) ends on a whole character: a byte-level
+    decoder and no clean-up of tokenization spaces."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return type(decoder).__name__ == "ByteLevel" and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
 
 
 class StopChecker:
@@ -33,6 +49,9 @@ class StopChecker:
         self.finish_reason: str | None = None
         self.stopped_on_id = False  # the last token is an EOS or stop token id: its text stays out
         self.held_chars: int | None = None  # length of the first min_tokens tokens' text, once they are all here
+        self._incremental = tokenizer is not None and decodes_by_concatenation(tokenizer)
+        self._settled = 0  # with an incremental tokenizer: token_ids[:_settled] decode to _settled_text, whole chars
+        self._settled_text = ""
 
     @property
     def finished(self) -> bool:
@@ -54,12 +73,24 @@ class StopChecker:
             elif len(self.token_ids) >= self.params.max_new_tokens:
                 self.finish_reason = "length"
         if self.tokenizer is not None:
-            self.text = self._decode(self.token_ids[:-1] if self.stopped_on_id else self.token_ids)
+            self.text = self._text(self.token_ids[:-1] if self.stopped_on_id else self.token_ids)
             self._apply_stop_strings(start)
         return self.token_ids[start:], self._delta()
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _text(self, ids: list[int]) -> str:
+        """decode(ids), where ids extends every list this was asked before: only the tokens after the settled
+        prefix are decoded (`_incremental`), and the prefix moves on to the end where the text ends on a whole
+        character (not a replacement character: bytes a later token may complete)."""
+        if not self._incremental or len(ids) < self._settled:  # (a list cut by a stop string: decoded whole)
+            return self._decode(ids)
+        tail = self._decode(ids[self._settled:])
+        text = self._settled_text + tail
+        if not tail.endswith("\ufffd"):
+            self._settled, self._settled_text = len(ids), text
+        return text
 
     def _apply_stop_strings(self, round_start: int) -> None:
         min_tokens = self.params.min_tokens

@@ -1,12 +1,15 @@
 """StopChecker: stop_token_ids end generation like EOS (kept in token_ids, their text left out); min_tokens holds back
-stop strings, whatever the rounds."""
+stop strings, whatever the rounds; byte-level tokenizers' text is kept incrementally, the same as decoding it whole."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 from ray_specdec.config import SamplingParams
-from ray_specdec.stopping import StopChecker
+from ray_specdec.stopping import StopChecker, decodes_by_concatenation
 from tests.tiny_models import tiny_tokenizer
 
 
@@ -95,3 +98,56 @@ def test_a_stop_string_held_back_leaves_the_stop_id_to_end_generation(tokenizer)
     checker = StopChecker(tokenizer, params, frozenset({0}))
     assert checker.feed([the, quick, lazy]) == ([the, quick, lazy], "the quick")
     assert checker.finish_reason == "stop" and checker.stopped_on_id
+
+
+# ---- incremental text on byte-level tokenizers ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shipped_tokenizer():
+    from ray_specdec.defaults import DEFAULT_TARGET
+    from ray_specdec.models.loading import load_tokenizer
+
+    return load_tokenizer(str(DEFAULT_TARGET))
+
+
+def test_only_byte_level_decoders_without_clean_up_decode_incrementally(shipped_tokenizer, tokenizer):
+    assert decodes_by_concatenation(shipped_tokenizer)
+    assert not decodes_by_concatenation(tokenizer)  # word-level: tokens joined with spaces
+    cleaned = copy.deepcopy(shipped_tokenizer)
+    cleaned.clean_up_tokenization_spaces = True
+    assert not decodes_by_concatenation(cleaned)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_text_is_the_whole_decode_every_round(shipped_tokenizer, seed, monkeypatch):
+    """Random token ids (byte tokens that split UTF-8 characters included) in rounds of 1-5: every round's text and
+    delta equal those of decoding every token (the path other tokenizers take), and the tokenizer decodes each token
+    a bounded number of times, not once per later round."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, len(shipped_tokenizer), (400,), generator=g).tolist()
+    ids[10:10] = shipped_tokenizer.encode("naïve 你好 🙂 ünïcode", add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=1000, stop=["zzzzzz"])
+    fast, whole = (StopChecker(shipped_tokenizer, params, frozenset()) for _ in range(2))
+    whole._incremental = False
+    costs = {"fast": 0, "whole": 0}
+    real_decode = shipped_tokenizer.decode
+    current = ["fast"]
+
+    def counting(x, **kw):
+        costs[current[0]] += len(x)
+        return real_decode(x, **kw)
+    monkeypatch.setattr(shipped_tokenizer, "decode", counting)
+    start = 0
+    while start < len(ids):
+        size = int(torch.randint(1, 6, (1,), generator=g))
+        batch = ids[start : start + size]
+        start += size
+        current[0] = "fast"
+        got = fast.feed(batch)
+        current[0] = "whole"
+        assert got == whole.feed(batch) and fast.text == whole.text
+    assert fast.text == real_decode(ids, skip_special_tokens=True)
+    # tokens decoded over the request: each a few times (a tail that ends inside a character waits for the rest),
+    # against once per later round
+    assert costs["fast"] <= 4 * len(ids) and costs["whole"] > 25 * len(ids)
