@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import MambaConfig, MambaForCausalLM
 
-from ray_specdec.bench import main
+from ray_specdec.bench import main, parse_args
 from ray_specdec.engine import DEFAULT_SCHEDULER
 from ray_specdec.scheduler import SchedulerConfig
 from ray_specdec.scheduler_args import flag
@@ -40,8 +40,9 @@ def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
                  "--max-running", "4", "--step-tokens", "256", "--prefill-chunk", "64", "--lookup", "4"])
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
+    # what the bandit ran: the engine's defaults but the prefix cache, off in bench (methods share prompts)
     assert report["settings"]["scheduler"] == asdict(replace(DEFAULT_SCHEDULER, max_running=4, step_tokens=256,
-                                                             prefill_chunk=64, lookup=4))  # what the bandit ran
+                                                             prefill_chunk=64, lookup=4, prefix_cache=False))
     names = {m["name"] for m in report["methods"]}
     assert {"hf_generate", "hf_assisted", "hf_prompt_lookup", "ours_target_only",
             "ours_mamba_chain_1,1,1", "ours_mamba_tree_2,1+L4", "ours_mamba_bandit"} <= names
@@ -106,6 +107,7 @@ def test_bench_help_has_every_scheduler_flag(capsys):
     for f in fields(SchedulerConfig):
         assert flag(f.name) in text
     assert "--kv-budget-gib" in text
+    assert not parse_args([]).prefix_cache and parse_args(["--prefix-cache"]).prefix_cache
 
 
 @pytest.mark.parametrize(
