@@ -31,18 +31,25 @@ of tree none.
 - policy side: per policy step of the last WINDOW, the seconds plain steps would have taken to give each of its n
   requests as many tokens, (tokens / n) * plain(n), against the seconds it took. speedup = the sum of the former over
   the sum of the latter: a ratio of throughputs (a mean of per-step ratios would be biased up by noisy steps).
-- verdict, with hysteresis against noise: a level goes plain when speedup < 1 - MARGIN, both sides having at least
-  MIN_SAMPLES steps, and back to the policy when speedup > 1 + MARGIN.
+- verdict, with hysteresis against noise: a level goes plain when speedup < 1 - MARGIN, and back to the policy when
+  speedup > 1 + MARGIN, once the level is *settled*: both sides have MIN_SAMPLES steps, or EARLY_SAMPLES and a gap
+  clear of the noise (|log speedup| > EARLY_Z standard errors, from the steps' own scatter: `_clear`). Under load with
+  prompts arriving all the time most steps carry a prefill chunk and are not measured, and warming up drafts half the
+  steps: at 32 requests on the 2-core machine, where a drafted step cost 2.3x a plain one, waiting for MIN_SAMPLES cost
+  ~7% of a 15-second run; a 2x gap is clear after three steps a side.
 
 Exploration. Of every `period` steps at a level, EXPLORE_RUN consecutive ones run the other mode, so both sides
 stay measured and a wrong verdict ends. Runs, not single steps: the first step that drafts after plain ones pays each
 request's drafter catch-up over the tokens committed meanwhile and the prefills of the requests that came meanwhile,
 a cost of switching rather than of drafting, so the first step after a switch is not measured. While a side has
-fewer than MIN_SAMPLES steps the period is two runs, to decide soon. Then it starts at EXPLORE_PERIOD and doubles
-after every run that leaves the verdict as it was, up to MAX_EXPLORE_PERIOD (exploring the losing mode costs a share
-of its gap, and a settled verdict needs it less); a verdict that changes sets it back to EXPLORE_PERIOD. Served at 8
-requests on the 2-core machine, a drafting step cost ~40% more than a plain one there, so exploring 4 steps in 32
-cost ~5% of throughput; at 256, under 1%.
+is not settled the period is two runs, to decide soon. Then it starts at EXPLORE_PERIOD and doubles after every run
+that leaves the verdict as it was, up to MAX_EXPLORE_PERIOD (exploring the losing mode costs a share of its gap, and a
+settled verdict needs it less); a verdict that changes sets it back to EXPLORE_PERIOD. And it is never shorter than
+what keeps exploration's cost, EXPLORE_RUN / period of the steps each losing `gap` (1/speedup - 1 or speedup - 1) of
+their time, within EXPLORE_COST: a wide gap is explored rarely from the start (as a bandit pulls an arm far behind
+rarely), a narrow one often, where noise could have put the verdict on the wrong side. Served at 8 requests on the
+2-core machine, a drafting step cost ~40% more than a plain one there, so exploring 4 steps in 32 cost ~5% of
+throughput; at 256, under 1%. At 32 requests a drafted step cost 2.3x: 4 in 256 at once.
 
 Clock-free and deterministic: callers hand in the seconds they measured, so tests drive it with made-up timings.
 """
@@ -50,6 +57,7 @@ Clock-free and deterministic: callers hand in the seconds they measured, so test
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -63,6 +71,11 @@ WINDOW = 32
 MIN_SAMPLES = 8
 # Hysteresis around speedup 1: a level changes sides only when the other is this much (relative) faster.
 MARGIN = 0.03
+# Steps per side before a verdict whose gap is clear of the noise: |log speedup| > EARLY_Z relative standard errors
+# (with few steps the scatter is itself uncertain: a wide z, and never below EARLY_MIN_SE of relative error).
+EARLY_SAMPLES = 3
+EARLY_Z = 4.0
+EARLY_MIN_SE = 0.05
 # Of every EXPLORE_PERIOD steps at a level, EXPLORE_RUN consecutive ones run the losing mode (3 of them measured):
 # 1/8 of the steps, costing at most an eighth of the gap between the modes while keeping the losing side fresh.
 EXPLORE_PERIOD = 32
@@ -70,6 +83,9 @@ EXPLORE_RUN = 4
 # The period doubles after each run that confirms the verdict, up to this (a reversed trend then still shows within
 # WINDOW / (EXPLORE_RUN - 1) runs: about 11 runs, ~2,800 steps at most).
 MAX_EXPLORE_PERIOD = 256
+# The share of a level's throughput exploration may cost once settled: the period is at least EXPLORE_RUN * gap /
+# EXPLORE_COST (up to MAX_EXPLORE_PERIOD).
+EXPLORE_COST = 0.02
 
 
 @dataclass
@@ -81,6 +97,7 @@ class _Level:
     period: int = EXPLORE_PERIOD  # steps per cycle of one exploration run, once both sides are measured
     flipped: bool = False  # whether the verdict changed since the last exploration run ended
     undrafted: bool = False  # the verdict: run this level's rounds undrafted
+    settled: bool = False  # enough steps measured for a verdict (MIN_SAMPLES a side, or a clear gap)
     carried_s: float = 0.0  # drafter prefill seconds of policy steps not measured, for the next one measured
 
 
@@ -101,14 +118,15 @@ class SpeculationGuard:
         """Whether the rounds of this step, of `load` decoding requests, run undrafted. Once per step, before it runs:
         it advances the level's exploration clock."""
         lv = self.levels[self.level(load)]
-        warming = min(len(lv.plain), len(lv.policy)) < MIN_SAMPLES
+        warming = not lv.settled
         period = 2 * EXPLORE_RUN if warming else lv.period
         explore = lv.clock >= period - EXPLORE_RUN
         lv.clock += 1
         if lv.clock >= period:  # the run ends with this step
             lv.clock = 0
             if not warming:
-                lv.period = EXPLORE_PERIOD if lv.flipped else min(2 * lv.period, MAX_EXPLORE_PERIOD)
+                lv.period = max(EXPLORE_PERIOD if lv.flipped else min(2 * lv.period, MAX_EXPLORE_PERIOD),
+                                _gap_period(self._speedup(lv)))  # fmt: skip
             lv.flipped = False
         self._previous, self._mode = self._mode, lv.undrafted != explore
         self.plain_steps += self._mode
@@ -129,13 +147,17 @@ class SpeculationGuard:
             seconds, lv.carried_s = seconds + lv.carried_s, 0.0
         (lv.plain if self._mode else lv.policy).append((n, tokens, seconds))
         speedup = self._speedup(lv)
-        if speedup is None or min(len(lv.plain), len(lv.policy)) < MIN_SAMPLES:
+        measured = min(len(lv.plain), len(lv.policy))
+        if speedup is None or measured < EARLY_SAMPLES:
+            return
+        lv.settled = lv.settled or measured >= MIN_SAMPLES or _clear(lv, speedup)
+        if not lv.settled:
             return
         if (speedup < 1 - MARGIN) if not lv.undrafted else (speedup > 1 + MARGIN):
             lv.undrafted = not lv.undrafted
             lv.flipped = True
-            lv.period = EXPLORE_PERIOD
-            lv.clock = min(lv.clock, EXPLORE_PERIOD - EXPLORE_RUN)  # a whole run next, not the tail of a longer cycle
+            lv.period = max(EXPLORE_PERIOD, _gap_period(speedup))
+            lv.clock = min(lv.clock, lv.period - EXPLORE_RUN)  # a whole run next, not the tail of a longer cycle
 
     def speedup(self, level: int) -> float | None:
         """Policy steps' decode throughput over plain steps' at a level (None: a side unmeasured)."""
@@ -154,6 +176,32 @@ class SpeculationGuard:
         plain_s = plain_line((n, seconds * n / tokens) for n, tokens, seconds in lv.plain)
         as_plain = sum(tokens / n * plain_s(n) for n, tokens, _ in lv.policy)
         return as_plain / sum(seconds for _, _, seconds in lv.policy)
+
+
+def _gap_period(speedup: float | None) -> int:
+    """The shortest exploration period that keeps its cost within EXPLORE_COST, given the measured speedup (drafted
+    over plain): each exploration step runs the losing mode, `gap` of a step slower."""
+    if speedup is None or speedup <= 0:
+        return EXPLORE_PERIOD
+    gap = abs(speedup - 1) / min(speedup, 1.0)  # 1/s - 1 where drafting loses, s - 1 where it wins
+    return min(MAX_EXPLORE_PERIOD, max(EXPLORE_PERIOD, math.ceil(EXPLORE_RUN * gap / EXPLORE_COST)))
+
+
+def _clear(lv: _Level, speedup: float) -> bool:
+    """Whether the measured speedup is off 1 by more than EARLY_Z of its relative standard errors: the policy side's
+    by the delta method for a ratio of sums, the plain side's from its steps' scatter around their line."""
+    if abs(speedup - 1) <= MARGIN:
+        return False
+    plain_s = plain_line((n, seconds * n / tokens) for n, tokens, seconds in lv.plain)
+    as_plain = [tokens / n * plain_s(n) for n, tokens, _ in lv.policy]
+    took = [seconds for _, _, seconds in lv.policy]
+    m, k = len(took), len(lv.plain)
+    residuals = sum((a - speedup * b) ** 2 for a, b in zip(as_plain, took))
+    policy_var = residuals * m / (m - 1) / sum(took) ** 2 / speedup**2
+    scatter = [seconds * n / tokens / plain_s(n) - 1 for n, tokens, seconds in lv.plain]
+    plain_var = sum(r * r for r in scatter) / (k - 1) / k
+    se = max(math.sqrt(policy_var + plain_var), EARLY_MIN_SE)
+    return abs(math.log(speedup)) > EARLY_Z * se
 
 
 def plain_line(samples: Iterable[tuple[int, float]]) -> Callable[[int], float]:

@@ -5,11 +5,13 @@ different sizes are normalised."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
-from ray_specdec.speculation_guard import (EXPLORE_PERIOD, EXPLORE_RUN, MAX_EXPLORE_PERIOD, MIN_SAMPLES, WINDOW,
-                                           SpeculationGuard, plain_line)
+from ray_specdec.speculation_guard import (EARLY_SAMPLES, EXPLORE_COST, EXPLORE_PERIOD, EXPLORE_RUN, MAX_EXPLORE_PERIOD,
+                                           MIN_SAMPLES, WINDOW, SpeculationGuard, plain_line)
 
 TOKENS_PER_ROUND = 2.5  # tokens a drafted round commits, on average
 
@@ -79,9 +81,10 @@ def test_exploration_keeps_measuring_the_losing_side_and_a_reversed_trend_flips_
 
 def test_exploration_grows_rarer_while_the_verdict_holds_and_a_changed_verdict_restarts_it():
     """The exploration period doubles after each run that leaves the verdict as it was (32, 64, 128, 256, 256...)
-    and is back to EXPLORE_PERIOD as soon as the verdict changes."""
+    and is back to EXPLORE_PERIOD as soon as the verdict changes (gaps narrow enough for EXPLORE_PERIOD to keep
+    exploration within EXPLORE_COST)."""
     guard = SpeculationGuard()
-    modes = drive(guard, [8] * 1200, {2: 0.7})
+    modes = drive(guard, [8] * 1200, {2: 0.88})
     assert guard.levels[2].undrafted
     runs = [i for i in range(1, len(modes)) if not modes[i] and modes[i - 1]]  # where drafted runs start
     gaps = [b - a for a, b in zip(runs, runs[1:])]
@@ -89,21 +92,21 @@ def test_exploration_grows_rarer_while_the_verdict_holds_and_a_changed_verdict_r
     assert settled[:5] == [EXPLORE_PERIOD, 2 * EXPLORE_PERIOD, 4 * EXPLORE_PERIOD, MAX_EXPLORE_PERIOD,
                            MAX_EXPLORE_PERIOD]  # fmt: skip
     assert guard.summary()[2]["explore_period"] == MAX_EXPLORE_PERIOD
-    drive(guard, [8] * 4000, {2: 1.5})
+    drive(guard, [8] * 4000, {2: 1.12})
     level = guard.levels[2]
     assert not level.undrafted and level.period == MAX_EXPLORE_PERIOD  # flipped back, then settled again
     guard = SpeculationGuard()
-    drive(guard, [8] * 300, {2: 0.7})
+    drive(guard, [8] * 300, {2: 0.88})
     level = guard.levels[2]
     for _ in range(3000):  # drafting now pays: at the flip, the period starts over
         period, undrafted = level.period, level.undrafted
-        drive(guard, [8], {2: 1.5})
+        drive(guard, [8], {2: 1.12})
         if level.undrafted != undrafted:
             assert period > EXPLORE_PERIOD and level.period == EXPLORE_PERIOD
             break
     else:
         pytest.fail("the verdict never flipped back")
-    modes = drive(guard, [8] * EXPLORE_PERIOD, {2: 1.5})  # drafting now; the next plain run is a whole run
+    modes = drive(guard, [8] * EXPLORE_PERIOD, {2: 1.12})  # drafting now; the next plain run is a whole run
     runs = "".join("P" if plain else "D" for plain in modes).replace("D", " ").split()
     assert runs and runs[0] == "P" * EXPLORE_RUN
 
@@ -140,13 +143,44 @@ def test_drafter_prefills_of_steps_not_measured_count_against_drafting():
     assert run(carry=True) and not run(carry=False)
 
 
-def test_no_verdict_before_enough_steps_of_both_sides():
+def test_a_narrow_gap_waits_for_enough_steps_of_both_sides_and_a_clear_one_does_not():
     guard = SpeculationGuard()
-    modes = drive(guard, [8] * (2 * MIN_SAMPLES), {2: 0.2})  # drafting 5x slower, but few steps measured
-    assert not guard.levels[2].undrafted
+    modes = drive(guard, [8] * (2 * MIN_SAMPLES), {2: 0.9}, noise=0.1)  # few steps measured, within the noise
+    assert not guard.levels[2].undrafted and not guard.levels[2].settled
     assert sum(modes) == MIN_SAMPLES  # warming up: half the steps plain, in runs of EXPLORE_RUN
-    drive(guard, [8] * (3 * MIN_SAMPLES), {2: 0.2})
+    drive(guard, [8] * (4 * MIN_SAMPLES), {2: 0.9}, noise=0.1)
     assert guard.levels[2].undrafted
+    for speedup in (0.4, 2.5):  # a gap of 2.5x, with 10% noise a step: clear after EARLY_SAMPLES measured a side
+        guard = SpeculationGuard()
+        drive(guard, [8] * (2 * EXPLORE_RUN + 1), {2: speedup}, noise=0.1)
+        level = guard.levels[2]
+        assert min(len(level.plain), len(level.policy)) == EARLY_SAMPLES < MIN_SAMPLES
+        assert level.settled and level.undrafted == (speedup < 1)
+    guard = SpeculationGuard()  # the same gap in noise of 60% a step is not clear that soon
+    drive(guard, [8] * (2 * EXPLORE_RUN + 1), {2: 0.4}, noise=0.6, seed=2)
+    assert not guard.levels[2].settled
+
+
+@pytest.mark.parametrize("speedup", [0.45, 0.75, 1.6])
+def test_exploration_costs_at_most_its_share_of_the_gap(speedup):
+    """Once settled, the losing mode runs EXPLORE_RUN steps per period, the period long enough that they cost at most
+    EXPLORE_COST of the level's time (up to MAX_EXPLORE_PERIOD): wide gaps get long periods from the start, not
+    after doubling up from EXPLORE_PERIOD."""
+    guard = SpeculationGuard()
+    level = guard.levels[2]
+    gap = abs(speedup - 1) / min(speedup, 1)
+    expected = min(MAX_EXPLORE_PERIOD, max(EXPLORE_PERIOD, math.ceil(EXPLORE_RUN * gap / EXPLORE_COST)))
+    modes, periods = [], []
+    for step in range(3000):
+        modes += drive(guard, [8], {2: speedup}, noise=0.1, seed=step)
+        periods.append(level.period if level.settled else None)
+    assert level.undrafted == (speedup < 1)
+    settled = next(i for i, p in enumerate(periods) if p is not None and p != EXPLORE_PERIOD or p == expected)
+    assert all(p >= 0.85 * expected for p in periods[settled:])  # measured gaps are within the noise of the true one
+    assert settled < 4 * EXPLORE_PERIOD  # wide gaps settle early
+    losing = [plain != level.undrafted for plain in modes[settled:]]
+    assert np.mean(losing) * gap <= 1.2 * EXPLORE_COST
+    assert 0 < np.mean(losing)  # still explored
 
 
 def test_steps_of_different_sizes_are_compared_through_the_plain_line():
