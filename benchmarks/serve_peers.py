@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -164,9 +165,17 @@ def greedy_check(texts: dict[str, dict[int, list[str]]], reference: str = REFERE
     return {"reference": reference, "cells": cells}
 
 
+def rates(cells: list[dict[str, Any]]) -> dict[tuple[str, float, int], float]:
+    """(system, temperature, concurrency) -> tokens/s: the median of its cells (one per --repeats)."""
+    runs: dict[tuple[str, float, int], list[float]] = {}
+    for c in cells:
+        runs.setdefault((c["system"], c["temperature"], c["concurrency"]), []).append(c["tokens_per_s"])
+    return {key: float(np.median(values)) for key, values in runs.items()}
+
+
 def ratios(cells: list[dict[str, Any]], ours: tuple[str, ...] = ("ours", "ours-none")) -> list[dict[str, Any]]:
-    """tokens/s of each of ours over each peer, per (temperature, concurrency) both ran."""
-    rate = {(c["system"], c["temperature"], c["concurrency"]): c["tokens_per_s"] for c in cells}
+    """tokens/s of each of ours over each peer, per (temperature, concurrency) both ran (medians over repeats)."""
+    rate = rates(cells)
     out = []
     for (system, temperature, concurrency), value in sorted(rate.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         if system not in ours:
@@ -180,8 +189,8 @@ def ratios(cells: list[dict[str, Any]], ours: tuple[str, ...] = ("ours", "ours-n
 
 
 def served_vs_inproc(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Served concurrency-1 tokens/s over the in-process loop's, drafting on and off."""
-    rate = {(c["system"], c["temperature"], c["concurrency"]): c["tokens_per_s"] for c in cells}
+    """Served concurrency-1 tokens/s over the in-process loop's, drafting on and off (medians over repeats)."""
+    rate = rates(cells)
     out = []
     for served, loop in (("ours", "inproc"), ("ours-none", "inproc-none")):
         for temperature in sorted({t for _, t, _ in rate}):
@@ -218,16 +227,19 @@ def markdown(result: dict[str, Any]) -> str:
                   f"{r['served_tokens_per_s']:.1f} | {r['inproc_tokens_per_s']:.1f} | {r['ratio']:.2f}x |"
                   for r in result["served_vs_inproc"]]
     lines += ["", f"Greedy mismatches: texts unlike {REFERENCE}'s for the same prompt / texts compared."]
+    if any(c.get("repeat", 0) for c in result["cells"]):
+        lines += ["Ratios are of medians over each system's repeated cells (one row per cell above)."]
     down = {k: v for k, v in result["servers"].items() if v["status"] != "ok"}
     lines += [""] + [f"- {name}: unavailable ({v['reason']})" for name, v in down.items()]
     return "\n".join(lines).rstrip() + "\n"
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
-    """tokens/s against concurrency per system, greedy and T=1 panels."""
+    """tokens/s against concurrency per system, greedy and T=1 panels: the median line, each repeated cell a dot."""
     from matplotlib.figure import Figure  # the OO API renders with Agg, whatever pyplot's backend
     from matplotlib.ticker import NullLocator
 
+    median = rates(result["cells"])
     temperatures = sorted({c["temperature"] for c in result["cells"]}) or [0.0]
     fig = Figure(figsize=(6 * len(temperatures), 4.5))
     colors = {system: f"C{i}" for i, system in enumerate(dict.fromkeys(c["system"] for c in result["cells"]))}
@@ -236,7 +248,10 @@ def plot(result: dict[str, Any], path: Path) -> Path:
             points = sorted((c["concurrency"], c["tokens_per_s"]) for c in result["cells"]
                             if c["system"] == system and c["temperature"] == temperature)
             if points:
-                ax.plot(*zip(*points), marker="o", color=color, label=system)
+                line = sorted({(n, median[(system, temperature, n)]) for n, _ in points})
+                ax.plot(*zip(*line), marker="o", color=color, label=system)
+                if len(points) > len(line):  # repeats: every cell
+                    ax.scatter(*zip(*points), s=10, color=color, alpha=0.5)
         ax.set_xscale("log", base=2)
         ax.set(xlabel="concurrency", ylabel="completion tokens/s", ylim=(0, None),
                title="greedy" if temperature == 0 else f"T={temperature:g}")
@@ -469,10 +484,12 @@ def run_server(name: str, args: argparse.Namespace, prompts: list[str], tokenize
                 warm_up(endpoint, prompts, temperatures[0], args)
                 for temperature in temperatures:
                     for concurrency in args.concurrency:
-                        for system, fields in systems.items():  # alternating systems, as serve_load does modes
-                            results, wall_s = asyncio.run(
-                                closed_loop(endpoint, prompts, fields, concurrency, temperature, args))
-                            record_cell(cells, texts, system, temperature, concurrency, results, wall_s, tokenize)
+                        for repeat in range(args.repeats):
+                            for system, fields in systems.items():  # alternating systems, as serve_load does modes
+                                results, wall_s = asyncio.run(
+                                    closed_loop(endpoint, prompts, fields, concurrency, temperature, args))
+                                record_cell(cells, texts, system, temperature, concurrency, results, wall_s,
+                                            tokenize, repeat)  # fmt: skip
     except Exception as exc:  # a peer that fails is reported, and the run goes on
         print(f"{name}: unavailable: {type(exc).__name__}: {exc}", flush=True)
         return {"status": "unavailable", "reason": one_line(exc)}
@@ -480,8 +497,9 @@ def run_server(name: str, args: argparse.Namespace, prompts: list[str], tokenize
 
 
 def record_cell(cells: list, texts: dict, system: str, temperature: float, concurrency: int,
-                results: list[RequestResult], wall_s: float, tokenize: Callable[[str], int]) -> None:  # fmt: skip
-    cell = {"system": system, "temperature": temperature, "concurrency": concurrency}
+                results: list[RequestResult], wall_s: float, tokenize: Callable[[str], int],
+                repeat: int = 0) -> None:  # fmt: skip
+    cell = {"system": system, "temperature": temperature, "concurrency": concurrency, "repeat": repeat}
     cell |= summarize_cell(results, wall_s, tokenize)
     cells.append(cell)
     if temperature == 0:
@@ -508,7 +526,7 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
         engine = SpeculativeEngine(target, load_drafter(None, dtype="float32"), Bandit(), lookup=DEFAULT_LOOKUP)
         for index in range(2):  # warm-up, as for the servers
             engine.generate(prompts[index], SamplingParams(max_new_tokens=args.max_tokens))
-        for temperature in args.temperatures:
+        for temperature, repeat in itertools.product(args.temperatures, range(args.repeats)):
             for system, tree in (("inproc", None), ("inproc-none", TreeConfig.parse("none"))):
                 params = SamplingParams(temperature=temperature, max_new_tokens=args.max_tokens)
                 results, t0 = [], time.perf_counter()
@@ -518,7 +536,7 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
                     results.append(RequestResult(index, time.perf_counter() - start, text=gen.text,
                                                  usage_tokens=len(gen.token_ids)))  # fmt: skip
                 used(args, len(results))
-                record_cell(cells, texts, system, temperature, 1, results, time.perf_counter() - t0, len)
+                record_cell(cells, texts, system, temperature, 1, results, time.perf_counter() - t0, len, repeat)
     except Exception as exc:
         print(f"inproc: unavailable: {type(exc).__name__}: {exc}", flush=True)
         return {"status": "unavailable", "reason": one_line(exc)}
@@ -536,6 +554,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fresh-prompts", action="store_true",
                         help="no prompt twice in the run (each cell goes on where the last stopped: no prefix cache "
                              "hits for any system; give --prompts enough for every request, e.g. 8000)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="cells per (system, temperature, concurrency), a server's systems alternating; ratios "
+                             "use each one's median (a 15-second cell moves ~15%% between runs on a shared 2-core "
+                             "machine)")
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--timeout", type=float, default=180.0, help="per request, whole stream included")
     parser.add_argument("--vllm-script", type=Path, default=REPO.parent / "shared" / "peers" / "vllm_cpu.sh")
@@ -552,8 +574,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.temperatures = [float(t) for t in args.temperatures.split(",") if t]
     if not all(1 <= c <= 256 for c in args.concurrency) or not all(0 <= t <= 2 for t in args.temperatures):
         parser.error("concurrency must be in [1, 256] and temperatures in [0, 2]")
-    if not args.duration > 0 or args.max_tokens < 1 or args.prompts < 2:
-        parser.error("need --duration > 0, --max-tokens >= 1 and --prompts >= 2")
+    if not args.duration > 0 or args.max_tokens < 1 or args.prompts < 2 or args.repeats < 1:
+        parser.error("need --duration > 0, --max-tokens >= 1, --prompts >= 2 and --repeats >= 1")
     return args
 
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from benchmarks.serve_peers import (RequestResult, StreamTally, count_tokens, first_prompt, greedy_check, markdown,
-                                    parse_args, percentile, ratios, select_prompts, served_vs_inproc, summarize_cell,
-                                    used)  # fmt: skip
+                                    parse_args, percentile, plot, rates, ratios, select_prompts, served_vs_inproc,
+                                    summarize_cell, used)  # fmt: skip
 
 
 def sse(body) -> list[str]:
@@ -89,6 +89,19 @@ def test_ratios_pair_same_temperature_and_concurrency():
     assert got == {("ours", "vllm", 0.0, 1): 0.5, ("ours", "vllm", 0.0, 8): 2.0, ("ours-none", "vllm", 0.0, 1): 0.25}
     assert served_vs_inproc(CELLS) == [{"served": "ours", "inproc": "inproc", "temperature": 0.0,
                                         "served_tokens_per_s": 200.0, "inproc_tokens_per_s": 400.0, "ratio": 0.5}]
+
+
+def test_repeated_cells_compare_by_their_medians(tmp_path):
+    cells = [cell("ours", 8, v) | {"repeat": i} for i, v in enumerate((300.0, 900.0, 330.0))]
+    cells += [cell("vllm", 8, v) | {"repeat": i} for i, v in enumerate((150.0, 100.0))]
+    assert rates(cells) == {("ours", 0.0, 8): 330.0, ("vllm", 0.0, 8): 125.0}
+    assert ratios(cells) == [{"ours": "ours", "peer": "vllm", "temperature": 0.0, "concurrency": 8, "ratio": 2.64}]
+    result = {"cells": cells, "ratios": ratios(cells), "served_vs_inproc": [], "greedy_check": None, "servers": {}}
+    assert "medians over each system's repeated cells" in markdown(result)
+    assert plot(result, tmp_path / "p.png").stat().st_size > 0
+    assert parse_args(["--repeats", "3"]).repeats == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
 
 
 def test_greedy_check_per_cell_against_ours_none():
