@@ -35,20 +35,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
-import numpy as np
+
+from benchmarks.serve_peers_results import (RequestResult, StreamTally, cell_label, greedy_check, markdown, ms, plot,
+                                            ratios, served_vs_inproc, summarize_cell)
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "ray_specdec" / "default_models"
 TARGET, PEER_DRAFTER = MODELS / "target-neox", MODELS / "drafter-neox-small"
 SERVERS = ("inproc", "ours", "vllm", "vllm-draft", "hf")
-REFERENCE = "ours-none"  # greedy texts of every system are compared with this one's
-PEERS = ("vllm", "vllm-draft", "hf")
 MAX_REQUESTS_PER_CELL = 4096
 START_TIMEOUT_S = 420.0
 
@@ -64,204 +63,6 @@ def select_prompts(n: int, seed: int, min_tokens: int = 32, max_tokens: int = 51
     if len(clean) < n:
         raise ValueError(f"only {len(clean)} of {2 * n} held-out windows are free of EOS")
     return clean[:n]
-
-
-# ---- streaming responses --------------------------------------------------------------------------------------------
-
-@dataclass
-class RequestResult:
-    prompt_index: int
-    latency_s: float = 0.0
-    ttft_s: float | None = None  # first chunk with text
-    text: str = ""
-    usage_tokens: int | None = None  # completion_tokens of the last usage block seen
-    id_tokens: int | None = None  # token ids in the chunks, where every chunk had them (ours)
-    error: str | None = None
-
-
-@dataclass
-class StreamTally:
-    """What one SSE stream said so far: OpenAI completion chunks (`choices[0].text`), `data: [DONE]` at the end."""
-
-    text: list[str] = field(default_factory=list)
-    ttft_s: float | None = None
-    usage_tokens: int | None = None
-    id_tokens: int | None = 0
-    done: bool = False  # "[DONE]" seen
-    finish_reason: str | None = None  # transformers serve ends its stream after this chunk, without "[DONE]"
-    error: str | None = None
-
-    def feed(self, line: str, elapsed_s: float) -> None:
-        if not line.startswith("data:") or self.done or self.error:
-            return  # blank separators, comments (": ping"), "event:" lines
-        data = line[5:].strip()
-        if data == "[DONE]":
-            self.done = True
-            return
-        chunk = json.loads(data)
-        if "error" in chunk:
-            self.error = "stream_error"
-            return
-        choice = (chunk.get("choices") or [{}])[0]
-        if text := choice.get("text") or "":
-            self.text.append(text)
-            if self.ttft_s is None:
-                self.ttft_s = elapsed_s
-        self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        ids = choice.get("token_ids")
-        self.id_tokens = None if ids is None or self.id_tokens is None else self.id_tokens + len(ids)
-        if usage := chunk.get("usage"):
-            self.usage_tokens = int(usage["completion_tokens"])
-
-
-def count_tokens(result: RequestResult, tokenize: Callable[[str], int]) -> int:
-    """Usage if the server sent it, else the chunks' token ids, else the text re-tokenized (vLLM without
-    stream_options, whose speculative chunks carry several tokens)."""
-    if result.usage_tokens is not None:
-        return result.usage_tokens
-    return result.id_tokens if result.id_tokens is not None else tokenize(result.text)
-
-
-# ---- summaries ------------------------------------------------------------------------------------------------------
-
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
-
-
-def summarize_cell(results: list[RequestResult], wall_s: float, tokenize: Callable[[str], int]) -> dict[str, Any]:
-    ok = [r for r in results if r.error is None]
-    tokens = sum(count_tokens(r, tokenize) for r in ok)
-    latency, ttft = [r.latency_s for r in ok], [r.ttft_s for r in ok if r.ttft_s is not None]
-    return {"requests": len(results), "ok": len(ok), "errors": dict(Counter(r.error for r in results if r.error)),
-            "tokens": tokens, "wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 2) if wall_s else 0.0,
-            "latency_p50_s": percentile(latency, 50), "latency_p95_s": percentile(latency, 95),
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95)}
-
-
-def cell_label(system: str, concurrency: int) -> str:
-    return f"{system} c={concurrency}"
-
-
-def greedy_check(texts: dict[str, dict[int, list[str]]], reference: str = REFERENCE) -> dict[str, Any]:
-    """texts: greedy cell label ("vllm c=8") -> prompt index -> texts seen. Every cell's texts against the first text
-    the reference system gave for the same prompt in any of its cells: {"reference", "cells": {label: {"compared",
-    "mismatched", "first": [...]}}}; the reference's own cells are checked too (batch invariance)."""
-    ref: dict[int, str] = {}
-    for label, by_prompt in texts.items():
-        if label.rsplit(" c=", 1)[0] == reference:
-            for i, seen in by_prompt.items():
-                ref.setdefault(i, seen[0])
-    if not ref:
-        return {"reference": reference, "error": f"no greedy texts from {reference}"}
-    cells = {}
-    for label, by_prompt in texts.items():
-        compared, wrong = 0, []
-        for i, seen in sorted(by_prompt.items()):
-            for text in seen if i in ref else ():
-                compared += 1
-                if text != ref[i]:
-                    wrong.append({"prompt": i, "expected": ref[i][:80], "got": text[:80]})
-        cells[label] = {"compared": compared, "mismatched": len(wrong), "first": wrong[:3]}
-    return {"reference": reference, "cells": cells}
-
-
-def rates(cells: list[dict[str, Any]]) -> dict[tuple[str, float, int], float]:
-    """(system, temperature, concurrency) -> tokens/s: the median of its cells (one per --repeats)."""
-    runs: dict[tuple[str, float, int], list[float]] = {}
-    for c in cells:
-        runs.setdefault((c["system"], c["temperature"], c["concurrency"]), []).append(c["tokens_per_s"])
-    return {key: float(np.median(values)) for key, values in runs.items()}
-
-
-def ratios(cells: list[dict[str, Any]], ours: tuple[str, ...] = ("ours", "ours-none")) -> list[dict[str, Any]]:
-    """tokens/s of each of ours over each peer, per (temperature, concurrency) both ran (medians over repeats)."""
-    rate = rates(cells)
-    out = []
-    for (system, temperature, concurrency), value in sorted(rate.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-        if system not in ours:
-            continue
-        for peer in PEERS:
-            base = rate.get((peer, temperature, concurrency))
-            if base:
-                out.append({"ours": system, "peer": peer, "temperature": temperature, "concurrency": concurrency,
-                            "ratio": round(value / base, 3)})
-    return out
-
-
-def served_vs_inproc(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Served concurrency-1 tokens/s over the in-process loop's, drafting on and off (medians over repeats)."""
-    rate = rates(cells)
-    out = []
-    for served, loop in (("ours", "inproc"), ("ours-none", "inproc-none")):
-        for temperature in sorted({t for _, t, _ in rate}):
-            s, l = rate.get((served, temperature, 1)), rate.get((loop, temperature, 1))
-            if s is not None and l:
-                out.append({"served": served, "inproc": loop, "temperature": temperature, "served_tokens_per_s": s,
-                            "inproc_tokens_per_s": l, "ratio": round(s / l, 3)})
-    return out
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{1000 * value:.0f}"
-
-
-def markdown(result: dict[str, Any]) -> str:
-    check = (result.get("greedy_check") or {}).get("cells", {})
-    lines = ["| system | T | concurrency | requests | errors | tokens/s | latency p50 (ms) | p95 (ms) | TTFT p50 (ms) "
-             "| greedy mismatches |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for c in result["cells"]:
-        mismatch = check.get(cell_label(c["system"], c["concurrency"])) if c["temperature"] == 0 else None
-        mismatches = f"{mismatch['mismatched']}/{mismatch['compared']}" if mismatch else "-"
-        lines.append(f"| {c['system']} | {c['temperature']:g} | {c['concurrency']} | {c['requests']} | "
-                     f"{sum(c['errors'].values())} | {c['tokens_per_s']:.1f} | {_ms(c['latency_p50_s'])} | "
-                     f"{_ms(c['latency_p95_s'])} | {_ms(c['ttft_p50_s'])} | "
-                     f"{mismatches} |")
-    if result["ratios"]:
-        lines += ["", "| ours | vs | T | concurrency | tokens/s ratio |", "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {r['ours']} | {r['peer']} | {r['temperature']:g} | {r['concurrency']} | {r['ratio']:.2f}x |"
-                  for r in result["ratios"]]
-    if result["served_vs_inproc"]:
-        lines += ["", "| served | in-process loop | T | served tokens/s | in-process tokens/s | ratio |",
-                  "| --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {r['served']} (concurrency 1) | {r['inproc']} | {r['temperature']:g} | "
-                  f"{r['served_tokens_per_s']:.1f} | {r['inproc_tokens_per_s']:.1f} | {r['ratio']:.2f}x |"
-                  for r in result["served_vs_inproc"]]
-    lines += ["", f"Greedy mismatches: texts unlike {REFERENCE}'s for the same prompt / texts compared."]
-    if any(c.get("repeat", 0) for c in result["cells"]):
-        lines += ["Ratios are of medians over each system's repeated cells (one row per cell above)."]
-    down = {k: v for k, v in result["servers"].items() if v["status"] != "ok"}
-    lines += [""] + [f"- {name}: unavailable ({v['reason']})" for name, v in down.items()]
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def plot(result: dict[str, Any], path: Path) -> Path:
-    """tokens/s against concurrency per system, greedy and T=1 panels: the median line, each repeated cell a dot."""
-    from matplotlib.figure import Figure  # the OO API renders with Agg, whatever pyplot's backend
-    from matplotlib.ticker import NullLocator
-
-    median = rates(result["cells"])
-    temperatures = sorted({c["temperature"] for c in result["cells"]}) or [0.0]
-    fig = Figure(figsize=(6 * len(temperatures), 4.5))
-    colors = {system: f"C{i}" for i, system in enumerate(dict.fromkeys(c["system"] for c in result["cells"]))}
-    for ax, temperature in zip(np.atleast_1d(fig.subplots(1, len(temperatures))), temperatures):
-        for system, color in colors.items():
-            points = sorted((c["concurrency"], c["tokens_per_s"]) for c in result["cells"]
-                            if c["system"] == system and c["temperature"] == temperature)
-            if points:
-                line = sorted({(n, median[(system, temperature, n)]) for n, _ in points})
-                ax.plot(*zip(*line), marker="o", color=color, label=system)
-                if len(points) > len(line):  # repeats: every cell
-                    ax.scatter(*zip(*points), s=10, color=color, alpha=0.5)
-        ax.set_xscale("log", base=2)
-        ax.set(xlabel="concurrency", ylabel="completion tokens/s", ylim=(0, None),
-               title="greedy" if temperature == 0 else f"T={temperature:g}")
-        ax.set_xticks(sorted({c["concurrency"] for c in result["cells"]}))
-        ax.xaxis.set_major_formatter("{x:.0f}")
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return path
 
 
 # ---- the load -------------------------------------------------------------------------------------------------------
@@ -507,8 +308,8 @@ def record_cell(cells: list, texts: dict, system: str, temperature: float, concu
             if r.error is None:
                 texts.setdefault(cell_label(system, concurrency), {}).setdefault(r.prompt_index, []).append(r.text)
     print(f"{system} T={temperature:g} c={concurrency}: {cell['ok']}/{cell['requests']} ok, "
-          f"{cell['tokens_per_s']:.1f} tok/s, p50 {_ms(cell['latency_p50_s'])} ms, "
-          f"TTFT p50 {_ms(cell['ttft_p50_s'])} ms, errors {cell['errors'] or 0}", flush=True)
+          f"{cell['tokens_per_s']:.1f} tok/s, p50 {ms(cell['latency_p50_s'])} ms, "
+          f"TTFT p50 {ms(cell['ttft_p50_s'])} ms, errors {cell['errors'] or 0}", flush=True)
 
 
 def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts: dict) -> dict[str, Any]:

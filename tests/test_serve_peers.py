@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from benchmarks.serve_peers import (RequestResult, StreamTally, count_tokens, first_prompt, greedy_check, markdown,
-                                    parse_args, percentile, plot, rates, ratios, select_prompts, served_vs_inproc,
-                                    summarize_cell, used)  # fmt: skip
+from benchmarks.serve_peers import first_prompt, parse_args, select_prompts, used
+from benchmarks.serve_peers_results import (RequestResult, StreamTally, count_tokens, greedy_check, markdown, percentile,
+                                            plot, rates, ratios, served_vs_inproc, summarize_cell)  # fmt: skip
 
 
 def sse(body) -> list[str]:
