@@ -72,6 +72,19 @@ class Endpoint:
     url: str  # loopback
     model: str | None  # the "model" field the server wants (None: omitted)
     extra: Callable[[float], dict[str, Any]] = lambda temperature: {}  # server-specific fields per temperature
+    stats: str | None = None  # a GET path whose JSON says the engine's state (ours: /v1/stats), kept with each cell
+
+
+def engine_state(endpoint: Endpoint) -> dict[str, Any] | None:
+    """After a cell: the engine's step count and the speculation guard's verdicts per load level (what the service's
+    choice ran on), or None where the server has no such path or does not answer it."""
+    if endpoint.stats is None:
+        return None
+    try:
+        engine = httpx.get(f"{endpoint.url}{endpoint.stats}", timeout=30.0, trust_env=False).json()["engine"]
+        return {"steps": engine["steps"], "guard": engine["guard"]}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
 
 
 def request_body(endpoint: Endpoint, prompt: str, max_tokens: int, temperature: float,
@@ -178,7 +191,7 @@ def ours_server(args: argparse.Namespace) -> Iterator[Endpoint]:
         # the engine replica gets both cores (its torch threads follow the CPUs it reserves), as vLLM's worker does
         serve.run(app(AppArgs(target=str(TARGET), dtype="float32", num_cpus_per_rank=2)), name="specdec",
                   route_prefix="/")  # fmt: skip
-        yield Endpoint(f"http://127.0.0.1:{port}", None)
+        yield Endpoint(f"http://127.0.0.1:{port}", None, stats="/v1/stats")
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -291,6 +304,8 @@ def run_server(name: str, args: argparse.Namespace, prompts: list[str], tokenize
                                     closed_loop(endpoint, prompts, fields, concurrency, temperature, args))
                                 record_cell(cells, texts, system, temperature, concurrency, results, wall_s,
                                             tokenize, repeat)  # fmt: skip
+                                if (state := engine_state(endpoint)) is not None:
+                                    cells[-1]["engine"] = state
     except Exception as exc:  # a peer that fails is reported, and the run goes on
         print(f"{name}: unavailable: {type(exc).__name__}: {exc}", flush=True)
         return {"status": "unavailable", "reason": one_line(exc)}

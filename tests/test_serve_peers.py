@@ -3,9 +3,10 @@ the greedy text check, the table and the prompt choice. No servers, no network."
 
 import json
 
+import httpx
 import pytest
 
-from benchmarks.serve_peers import first_prompt, parse_args, select_prompts, used
+from benchmarks.serve_peers import Endpoint, engine_state, first_prompt, parse_args, select_prompts, used
 from benchmarks.serve_peers_results import (RequestResult, StreamTally, count_tokens, greedy_check, markdown, percentile,
                                             plot, rates, ratios, served_vs_inproc, summarize_cell)  # fmt: skip
 
@@ -102,6 +103,23 @@ def test_repeated_cells_compare_by_their_medians(tmp_path):
     assert parse_args(["--repeats", "3"]).repeats == 3
     with pytest.raises(SystemExit):
         parse_args(["--repeats", "0"])
+
+
+def test_engine_state_is_kept_where_the_server_says_it(monkeypatch):
+    guard = [{"load": "17+", "undrafted": True, "speedup": 0.5, "plain": 32, "policy": 9, "explore_period": 256}]
+    asked = []
+
+    def get(url, **kwargs):
+        asked.append(url)
+        if "down" in url:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, json={"replicas": {}, "engine": {"steps": 7, "guard": guard, "running": 0}})
+
+    monkeypatch.setattr(httpx, "get", get)
+    assert engine_state(Endpoint("http://127.0.0.1:1", None)) is None and not asked  # a peer: nothing to ask
+    assert engine_state(Endpoint("http://127.0.0.1:1", None, stats="/v1/stats")) == {"steps": 7, "guard": guard}
+    assert asked == ["http://127.0.0.1:1/v1/stats"]
+    assert engine_state(Endpoint("http://down:1", None, stats="/v1/stats")) is None
 
 
 def test_greedy_check_per_cell_against_ours_none():
