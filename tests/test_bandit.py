@@ -1,10 +1,10 @@
-"""The tree bandit on simulated environments with known arm rewards, plus sharing (merge) and persistence."""
+"""The tree bandit on simulated environments with known arm rewards (sharing and persistence:
+test_bandit_sharing.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -25,43 +25,7 @@ from ray_specdec.bandit import (
 )
 from ray_specdec.bandit.state import OWN_FIELDS, WHAT_IF_FIELDS
 from ray_specdec.config import TreeConfig
-
-# An environment answers one round: (arm index, round number, context_len, rng) -> (accepted_tokens, round_time_s).
-Env = Callable[[int, int, int, np.random.Generator], tuple[int, float]]
-
-# Throughput per arm (tokens/s) for the 9 default arms: arm 3 is best by 20 tokens/s; per-round noise ~30%.
-MEANS = np.array([50.0, 60, 70, 100, 75, 65, 55, 80, 45])
-NOISE = 30.0
-
-
-def gaussian_env(means: np.ndarray, switch_at: int | None = None, after: np.ndarray | None = None) -> Env:
-    """One token (no accepted draft) per round in 1/mean seconds times lognormal jitter (sigma NOISE / 100): every
-    arm's throughput, sum(tokens) / sum(time), is its mean times the same factor, so the arms' order is the means'."""
-
-    def step(arm: int, t: int, context_len: int, rng: np.random.Generator) -> tuple[int, float]:
-        mu = after[arm] if switch_at is not None and t >= switch_at else means[arm]
-        return 0, math.exp(NOISE / 100 * rng.standard_normal()) / mu
-
-    return step
-
-
-def simulate(
-    bandit: Bandit, env: Env, rounds: int, seed: int = 1, context_len: int = 100, sampled: bool = False, load: int = 1
-) -> np.ndarray:
-    """Run `rounds` select/record rounds; returns the arm index picked in each."""
-    rng = np.random.default_rng(seed)
-    arms = bandit.config.arms
-    picks = np.empty(rounds, dtype=np.int64)
-    for i in range(rounds):
-        tree = bandit.select(context_len, sampled, load=load)
-        picks[i] = arm = arms.index(tree)
-        accepted, seconds = env(arm, i, context_len, rng)
-        bandit.record(tree, context_len, accepted, seconds, sampled, load=load)
-    return picks
-
-
-def late_share(picks: np.ndarray, arm: int, tail: float = 0.2) -> float:
-    return float((picks[int(len(picks) * (1 - tail)) :] == arm).mean())
+from tests.bandit_sim import MEANS, Env, assert_same_state, gaussian_env, late_share, random_rounds, replay, simulate
 
 
 # Regret is averaged over 4 seeded runs (a single run's ratio swings with when a rare exploration happens).
@@ -359,129 +323,6 @@ def test_record_validates_and_skips_trees_outside_the_arm_set():
         bandit.record(TreeConfig((1, 1)), 10, 1, 0.0)
     bandit.record(TreeConfig((3, 3)), 10, 1, 0.1)  # a (3,3,2,1) round cut short at the end of a generation
     assert bandit.state.steps.sum() == 1
-
-
-def random_rounds(n: int, seed: int) -> list[tuple[TreeConfig, int, int, float, bool, int]]:
-    """(tree, context_len, accepted_tokens, round_time_s, sampled, load) of random rounds over every cell."""
-    rng = np.random.default_rng(seed)
-    rounds = []
-    for _ in range(n):
-        tree = DEFAULT_ARMS[rng.integers(len(DEFAULT_ARMS))]
-        accepted = int(rng.integers(0, tree.depth + 1))
-        sampled = bool(rng.integers(2))
-        load = int(rng.choice([1, 2, 4, 5, 16, 17, 64]))
-        rounds.append((tree, int(rng.integers(0, 10_000)), accepted, float(rng.uniform(0.01, 0.1)), sampled, load))
-    return rounds
-
-
-def replay(bandit: Bandit, rounds: list[tuple[TreeConfig, int, int, float, bool, int]]) -> None:
-    for tree, context_len, accepted, seconds, sampled, load in rounds:
-        bandit.record(tree, context_len, accepted, seconds, sampled, load=load)
-
-
-def assert_same_state(a: BanditState, b: BanditState) -> None:
-    np.testing.assert_array_equal(a.steps, b.steps)
-    np.testing.assert_allclose(a.raw, b.raw, rtol=1e-12)
-    np.testing.assert_allclose(a.disc, b.disc, rtol=1e-9)
-
-
-def test_merging_batched_updates_from_two_routers_equals_direct_records():
-    rounds = random_rounds(300, seed=3)
-    config = BanditConfig(gamma=0.99)  # strong discount so an order or exponent mistake shows
-    direct = Bandit(config)
-    replay(direct, rounds)
-
-    hub, routers = BanditHub(config), [Bandit(config), Bandit(config)]
-    for i, start in enumerate(range(0, 300, 37)):  # uneven batches, alternating routers
-        router = routers[i % 2]
-        replay(router, rounds[start : start + 37])
-        hub.push(router.drain_updates().to_dict())  # JSON transport, as through an actor
-        router.apply_snapshot(hub.snapshot())
-    assert_same_state(hub.state, direct.state)
-    assert_same_state(router.state, direct.state)  # the last one to pull sees everything
-
-
-def test_snapshot_keeps_records_not_yet_drained():
-    rounds = random_rounds(40, seed=4)
-    hub, router = BanditHub(), Bandit()
-    replay(router, rounds[:30])
-    hub.push(router.drain_updates())
-    replay(router, rounds[30:])
-    router.apply_snapshot(hub.snapshot())
-    direct = Bandit()
-    replay(direct, rounds)
-    assert_same_state(router.state, direct.state)
-    assert router.drain_updates().steps.sum() == 10
-
-
-def test_the_hub_merges_routers_recording_at_different_load_levels():
-    rounds = random_rounds(400, seed=8)
-    alone, busy = [r for r in rounds if r[5] == 1], [r for r in rounds if r[5] > 16]
-    config = BanditConfig(gamma=0.99)
-    hub, quiet, loaded = BanditHub(config), Bandit(config), Bandit(config)
-    replay(quiet, alone)
-    replay(loaded, busy)
-    hub.push(quiet.drain_updates().to_dict())
-    hub.push(loaded.drain_updates().to_dict())
-    quiet.apply_snapshot(hub.snapshot())
-    direct = Bandit(config)
-    replay(direct, alone + busy)
-    assert_same_state(hub.state, direct.state)
-    assert_same_state(quiet.state, direct.state)
-    rounds_per_level = {}
-    for cell in hub.summary()["buckets"]:
-        rounds_per_level[cell["load"]] = rounds_per_level.get(cell["load"], 0) + cell["rounds"]
-    assert rounds_per_level == {"1": len(alone), "2-4": 0, "5-16": 0, "17+": len(busy)}
-    assert min(len(alone), len(busy)) > 20
-
-
-def test_save_load_round_trip_and_continue_where_it_left_off(tmp_path):
-    config = BanditConfig(policy=UCB1())  # deterministic selection: the continuation must match exactly
-    env = gaussian_env(MEANS)
-    straight = simulate(Bandit(config), env, 600, seed=5)
-
-    first = Bandit(config)
-    head = simulate(first, env, 300, seed=5)
-    path = tmp_path / "state" / "bandit.json"
-    first.save(path)
-    assert sorted(p.name for p in path.parent.iterdir()) == ["bandit.json"]  # temporary file renamed away
-    data = json.loads(path.read_text())
-    assert (data["format"], data["version"], data["modes"]) == ("ray_specdec.bandit", 4, ["greedy", "sampled"])
-    assert data["load_edges"] == [1, 4, 16]
-
-    resumed = Bandit.load(path, config)
-    assert_same_state(resumed.state, first.state)
-    rng_after_head = np.random.default_rng(5)
-    for _ in range(300):  # the environment's stream, advanced past the first 300 rounds
-        rng_after_head.standard_normal()
-    tail = []
-    for i in range(300):
-        tree = resumed.select(100)
-        tail.append(config.arms.index(tree))
-        resumed.record(tree, 100, *env(tail[-1], 300 + i, 100, rng_after_head))
-    np.testing.assert_array_equal(np.concatenate([head, tail]), straight)
-
-
-def test_hub_persists_and_survives_a_restart_with_a_changed_arm_set(tmp_path):
-    path = tmp_path / "bandit.json"
-    now = [0.0]
-    hub = BanditHub(path=path, save_interval_s=5.0, clock=lambda: now[0])
-    router = Bandit()
-    replay(router, random_rounds(50, seed=6))
-    hub.push(router.drain_updates())
-    assert not path.exists()  # within the save interval
-    now[0] = 6.0
-    hub.push(router.drain_updates())
-    assert path.exists()
-
-    restarted = BanditHub(path=path)
-    assert_same_state(restarted.state, hub.state)
-    fewer = BanditConfig(arms=DEFAULT_ARMS[2:] + (TreeConfig((5, 1)),))
-    remapped = BanditHub(fewer, path=path)
-    np.testing.assert_array_equal(remapped.state.raw[:, :-1], hub.state.raw[:, 2:])
-    np.testing.assert_array_equal(remapped.state.raw[:, -1], 0.0)
-    with pytest.raises(ValueError, match="buckets"):
-        BanditHub(BanditConfig(bucket_edges=(2048,)), path=path)
 
 
 def test_summary_reports_pulls_means_and_best():
