@@ -17,10 +17,10 @@ start), never by what else runs in the step, and the target's batched forward co
 whatever shares the forward (`TargetModel.batch_invariant`). So a greedy request's tokens do not depend on the other
 requests in flight, nor on the tree sizes goodput picks for it.
 
-KV budget. Each request reserves, at admission, the KV rows it can ever need (prompt + max_new_tokens + its largest
-verify), and its cache is preallocated to that size: nothing grows past the budget, a request admitted always
-finishes, and one that can never fit is refused at once (`RequestTooLarge`). Beyond `max_waiting` queued requests,
-`add` raises `QueueFull`.
+KV budget (prefill_plan.py: reservations, the prefix cache's room, each step's prefill chunks). Each request
+reserves, at admission, the KV rows it can ever need (prompt + max_new_tokens + its largest verify), and its cache is
+preallocated to that size: nothing grows past the budget, a request admitted always finishes, and one that can never
+fit is refused at once (`RequestTooLarge`). Beyond `max_waiting` queued requests, `add` raises `QueueFull`.
 
 Prefix caching (prefix_cache.py, `SchedulerConfig.prefix_cache`). Prefill chunks are kept after their forward where the
 budget has room, and an admitted request whose prompt starts with cached chunks has them copied into its cache and
@@ -47,7 +47,8 @@ from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, Step
 from ray_specdec.lazy_drafter import LazyDrafter
 from ray_specdec.logits_processing import TokenHistory
 from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.prefix_cache import ROOT, PrefixIndex, chunk_key
+from ray_specdec.prefill_plan import PrefillPlan
+from ray_specdec.prefix_cache import ROOT, PrefixIndex
 from ray_specdec.rounds import NO_TREE, FixedTree, StreamChunk, empty_draft, judge, make_generators, round_logprobs
 from ray_specdec.speculation_guard import SpeculationGuard
 # START_ANYWAY_EVERY: callers name it here
@@ -159,8 +160,8 @@ class Scheduler:
         self.max_context = min(target.max_context, max_context or target.max_context)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
-        self.reserved = 0  # KV rows reserved by running requests
-        self.prefix = PrefixIndex(config.prefill_chunk) if config.prefix_cache else None  # cached prompt chunks
+        # KV reservations, the prefix cache (cached prompt chunks) and each step's prefill chunks
+        self.kv = PrefillPlan(config.kv_budget_tokens, config.prefill_chunk, config.prefix_cache)
         # the drafter's states after prompts it prefilled (drafter_cache.py)
         self.drafter_states = DrafterStates() if config.prefix_cache and drafter is not None else None
         self.cost = StepCostModel()
@@ -207,7 +208,7 @@ class Scheduler:
         params.check_vocab(self.target.vocab_size)
         reserved = self.check(len(tokens), params, tree)
         self._admit()  # the queue's length is then what really waits
-        admissible = not self.waiting and len(self.running) < self.config.max_running and self._fits_now(reserved)
+        admissible = not self.waiting and len(self.running) < self.config.max_running and self.kv.fits_now(reserved)
         if len(self.waiting) >= self.config.max_waiting and not admissible:  # FIFO: nothing overtakes the queue
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting); retry later")
         draft_gen, target_gen = make_generators(params.seed)
@@ -232,6 +233,16 @@ class Scheduler:
         return True
 
     @property
+    def reserved(self) -> int:
+        """KV rows reserved by running requests."""
+        return self.kv.reserved
+
+    @property
+    def prefix(self) -> PrefixIndex | None:
+        """The cached prompt chunks (None without the prefix cache)."""
+        return self.kv.prefix
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -247,12 +258,7 @@ class Scheduler:
         """The target lost every cache (a restarted rank): each running request is prefilled again from its token
         ids (prompt + what it generated) and goes on where it was."""
         self.target.reset()
-        self._work = StepWork()
-        if self.prefix is not None:
-            self.prefix.clear()
-        for r in self.running.values():
-            r.prefilled, r.prefix_key = 0, ROOT
-            self._work.allocations.append((r.request_id, r.reserved))
+        self._work = self.kv.reset(self.running.values())
 
     # ----- the step -----
 
@@ -279,7 +285,7 @@ class Scheduler:
             work.segments.append(SegmentSpec(r.request_id, tokens, tuple(r.draft.tree.paths),
                                               r.params.argmax_only))
             verify_rows += tokens.numel()
-        prefill_rows = self._plan_prefill(prefilling, work, self.config.step_tokens - verify_rows)
+        prefill_rows = self.kv.plan(prefilling, work, self.config.step_tokens - verify_rows)
         logits = self._run(work)
         t2 = time.perf_counter()
         outputs = [self._finish_round(r, logits[i]) for i, r in enumerate(decoding)]
@@ -317,80 +323,16 @@ class Scheduler:
 
     def _admit(self) -> None:
         while (self.waiting and len(self.running) < self.config.max_running
-               and self._make_room(self.waiting[0].reserved, self._work)):
+               and self.kv.make_room(self.waiting[0].reserved, self._work)):
             r = self.waiting.popleft()
             self.running[r.request_id] = r
-            self.reserved += r.reserved
             r.admitted = True
-            self._work.allocations.append((r.request_id, r.reserved))
-            if self.prefix is not None and r.prefilled == 0:
-                self.prefix.queried_rows += len(r.tokens) - 1
-                self._load_cached(r, self._work)
+            self.kv.admit(r, self._work)
             if self.drafter is not None:
                 r.drafter = LazyDrafter(self.drafter, self.target.vocab_size, self.drafter_states)
                 if r.tree is None:  # the request will decode alongside every running one (itself included)
                     r.start = self.start_rule.decide(self.policy, self._drafter_prefill(r.tokens), len(r.tokens),
                                                      r.stop.remaining, r.sampled, load=len(self.running))
-
-    def _fits_now(self, rows: int) -> bool:
-        """Whether `rows` more can be reserved now (cached prompt chunks make way: `_make_room`)."""
-        return self.reserved + rows <= self.config.kv_budget_tokens
-
-    def _make_room(self, rows: int, work: StepWork) -> bool:
-        """Evict cached prompt chunks (least recently used first) until `rows` more fit the budget beside them ->
-        whether they fit."""
-        if not self._fits_now(rows):
-            return False
-        while self.prefix is not None and self.reserved + self.prefix.rows + rows > self.config.kv_budget_tokens:
-            dropped = self.prefix.evict()
-            if dropped is None:
-                return False
-            work.drops += dropped
-        return True
-
-    def _load_cached(self, r: Request, work: StepWork) -> None:
-        """Copy the cached chunks that continue r's prefill into its cache (with `work`), and skip their rows."""
-        hit = self.prefix.match(r.tokens, len(r.tokens) - 1, r.prefilled, r.prefix_key)
-        if hit.block_ids:
-            work.loads.append((r.request_id, tuple(hit.block_ids)))
-            r.prefilled, r.prefix_key = r.prefilled + hit.rows, hit.key
-            r.stats.cached_tokens += hit.rows
-
-    def _pending(self, r: Request, end: int) -> bool:
-        """Whether r's next chunk (up to `end`) is being computed by another request in this step."""
-        return chunk_key(r.prefix_key, tuple(r.tokens[r.prefilled:end])) in self.prefix.pending
-
-    def _cache_chunk(self, r: Request, work: StepWork, start: int, end: int) -> None:
-        """Keep the prefill chunk [start, end) of r after this step's forward, where the budget has room for it."""
-        tokens = tuple(r.tokens[start:end])
-        parent, r.prefix_key = r.prefix_key, chunk_key(r.prefix_key, tokens)
-        cachable = r.prefix_key not in self.prefix.entries and (parent == ROOT or parent in self.prefix.entries)
-        if cachable and self._make_room(end - start, work):
-            added = self.prefix.add(parent, tokens)  # None if making room evicted its parent
-            if added is not None:
-                work.saves.append((r.request_id, start, end, added[1]))
-
-    def _plan_prefill(self, prefilling: list[Request], work: StepWork, budget: int) -> int:
-        """Prefill chunks for this step, oldest request first, within the rows left (at least one chunk). With the
-        prefix cache: chunks cached since a request's last step are copied instead, and a chunk that another request
-        computes in this step is left to it (the same prompt admitted twice: `n` choices, retries), to be copied in
-        the next one."""
-        rows, size = 0, self.config.prefill_chunk
-        for r in prefilling:
-            if self.prefix is not None:
-                self._load_cached(r, work)
-            end = min((r.prefilled // size + 1) * size, len(r.tokens) - 1)
-            n = end - r.prefilled
-            computed_by_another = self.prefix is not None and n and self._pending(r, end)
-            if (rows and rows + n > budget) or computed_by_another or n == 0:
-                r.chunk_end, r.chunk_rows = r.prefilled, 0
-                continue
-            work.segments.append(SegmentSpec(r.request_id, torch.tensor(r.tokens[r.prefilled:end])))
-            if self.prefix is not None:
-                self._cache_chunk(r, work, r.prefilled, end)
-            r.chunk_end, r.chunk_rows = end, n
-            rows += n
-        return rows
 
     # ----- trees and drafts -----
 
@@ -498,7 +440,7 @@ class Scheduler:
 
     def _free(self, r: Request) -> None:
         if r.admitted:
-            self.reserved -= r.reserved
+            self.kv.release(r)
             # an allocation not sent yet (after reset_target) must not follow the release: the target runs releases
             # before allocations
             self._work.allocations = [a for a in self._work.allocations if a[0] != r.request_id]

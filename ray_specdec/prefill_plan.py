@@ -1,0 +1,117 @@
+"""The scheduler's KV budget and its prompts' prefill: reservations, the prefix cache's room, each step's chunks.
+
+A request reserves, at admission, every KV row it can ever need (`Scheduler.check`); cached prompt chunks
+(prefix_cache.py) live in what no request reserved, and are evicted, least recently used first, whenever a request
+needs their room (`make_room`). Each step, `plan` picks the prefill chunks that run beside the rounds: oldest request
+first, within the rows the verifies left (always at least one chunk), each cut at a fixed multiple of
+`prefill_chunk` from its prompt's start, so that its K/V never depend on what else shares the step (batch
+invariance, and a cached chunk is the same bits as a computed one).
+
+Requests are the scheduler's (`scheduler.Request`): this module reads their tokens and moves their `prefilled`,
+`prefix_key`, `chunk_end` and `chunk_rows`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ray_specdec.prefix_cache import ROOT, PrefixIndex, chunk_key
+from ray_specdec.target_backend import SegmentSpec, StepWork
+
+if TYPE_CHECKING:
+    from ray_specdec.scheduler import Request
+
+
+class PrefillPlan:
+    """KV rows reserved by running requests, the prefix cache beside them, and the prefill chunks of each step."""
+
+    def __init__(self, budget: int, chunk: int, prefix_cache: bool):
+        self.budget = budget  # KV rows in all (SchedulerConfig.kv_budget_tokens)
+        self.chunk = chunk  # prompts are cut at multiples of this (SchedulerConfig.prefill_chunk)
+        self.reserved = 0  # KV rows reserved by running requests
+        self.prefix = PrefixIndex(chunk) if prefix_cache else None  # cached prompt chunks
+
+    def fits_now(self, rows: int) -> bool:
+        """Whether `rows` more can be reserved now (cached prompt chunks make way: `make_room`)."""
+        return self.reserved + rows <= self.budget
+
+    def make_room(self, rows: int, work: StepWork) -> bool:
+        """Evict cached prompt chunks (least recently used first) until `rows` more fit the budget beside them ->
+        whether they fit."""
+        if not self.fits_now(rows):
+            return False
+        while self.prefix is not None and self.reserved + self.prefix.rows + rows > self.budget:
+            dropped = self.prefix.evict()
+            if dropped is None:
+                return False
+            work.drops += dropped
+        return True
+
+    def admit(self, r: Request, work: StepWork) -> None:
+        """r's reservation is taken (make_room said it fits); with the prefix cache, the cached chunks its prompt
+        starts with are copied into its cache."""
+        self.reserved += r.reserved
+        work.allocations.append((r.request_id, r.reserved))
+        if self.prefix is not None and r.prefilled == 0:
+            self.prefix.queried_rows += len(r.tokens) - 1
+            self.load_cached(r, work)
+
+    def release(self, r: Request) -> None:
+        self.reserved -= r.reserved
+
+    def reset(self, running) -> StepWork:
+        """The target lost every cache: the cached chunks are gone and every running request prefills again from
+        its first token -> the work that allocates their caches anew."""
+        if self.prefix is not None:
+            self.prefix.clear()
+        work = StepWork()
+        for r in running:
+            r.prefilled, r.prefix_key = 0, ROOT
+            work.allocations.append((r.request_id, r.reserved))
+        return work
+
+    def load_cached(self, r: Request, work: StepWork) -> None:
+        """Copy the cached chunks that continue r's prefill into its cache (with `work`), and skip their rows."""
+        hit = self.prefix.match(r.tokens, len(r.tokens) - 1, r.prefilled, r.prefix_key)
+        if hit.block_ids:
+            work.loads.append((r.request_id, tuple(hit.block_ids)))
+            r.prefilled, r.prefix_key = r.prefilled + hit.rows, hit.key
+            r.stats.cached_tokens += hit.rows
+
+    def plan(self, prefilling: list[Request], work: StepWork, budget: int) -> int:
+        """Prefill chunks for this step, oldest request first, within `budget` rows (at least one chunk) -> the
+        rows planned. With the prefix cache: chunks cached since a request's last step are copied instead, and a
+        chunk that another request computes in this step is left to it (the same prompt admitted twice: `n`
+        choices, retries), to be copied in the next one."""
+        rows, size = 0, self.chunk
+        for r in prefilling:
+            if self.prefix is not None:
+                self.load_cached(r, work)
+            end = min((r.prefilled // size + 1) * size, len(r.tokens) - 1)
+            n = end - r.prefilled
+            computed_by_another = self.prefix is not None and n and self._pending(r, end)
+            if (rows and rows + n > budget) or computed_by_another or n == 0:
+                r.chunk_end, r.chunk_rows = r.prefilled, 0
+                continue
+            work.segments.append(SegmentSpec(r.request_id, torch.tensor(r.tokens[r.prefilled:end])))
+            if self.prefix is not None:
+                self._cache_chunk(r, work, r.prefilled, end)
+            r.chunk_end, r.chunk_rows = end, n
+            rows += n
+        return rows
+
+    def _pending(self, r: Request, end: int) -> bool:
+        """Whether r's next chunk (up to `end`) is being computed by another request in this step."""
+        return chunk_key(r.prefix_key, tuple(r.tokens[r.prefilled:end])) in self.prefix.pending
+
+    def _cache_chunk(self, r: Request, work: StepWork, start: int, end: int) -> None:
+        """Keep the prefill chunk [start, end) of r after this step's forward, where the budget has room for it."""
+        tokens = tuple(r.tokens[start:end])
+        parent, r.prefix_key = r.prefix_key, chunk_key(r.prefix_key, tokens)
+        cachable = r.prefix_key not in self.prefix.entries and (parent == ROOT or parent in self.prefix.entries)
+        if cachable and self.make_room(end - start, work):
+            added = self.prefix.add(parent, tokens)  # None if making room evicted its parent
+            if added is not None:
+                work.saves.append((r.request_id, start, end, added[1]))
