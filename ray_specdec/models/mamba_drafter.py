@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import functools
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +28,7 @@ from ray_specdec.models.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs
 from ray_specdec.models import native as native_kernels
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path, resolve_prefill_window, switched_on
 from ray_specdec.models.mamba_ops import causal_conv, contract_state, rms_norm, scan_block
+from ray_specdec.models.mamba_state import MambaState, MixerWeights
 
 logger = logging.getLogger(__name__)
 
@@ -60,70 +60,6 @@ def _cpu_has_bf16_matmul() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-@dataclass
-class MambaState:
-    """Per-row recurrent state. Made by the drafter under inference mode: change it only through the drafter."""
-
-    conv: torch.Tensor  # [n_layers, rows, d_inner, d_conv]: the last d_conv conv inputs, oldest first
-    ssm: torch.Tensor  # [n_layers, rows, d_inner, d_state]
-
-    @property
-    def rows(self) -> int:
-        return self.conv.shape[1]
-
-    def row_slice(self, start: int, stop: int) -> "MambaState":
-        """Rows start..stop-1 as a view, no copy: one request's rows of a state that several requests step in."""
-        return MambaState(self.conv[:, start:stop], self.ssm[:, start:stop])
-
-    @staticmethod
-    def cat(states: Sequence["MambaState"]) -> "MambaState":
-        """The rows of all states, in order, as one state: one copy per tensor, none for a single state (returned
-        as it is, not a copy: change it only through the drafter)."""
-        if len(states) == 1:
-            return states[0]
-        return MambaState(torch.cat([s.conv for s in states], dim=1), torch.cat([s.ssm for s in states], dim=1))
-
-
-@dataclass(frozen=True)
-class _MixerWeights:
-    """One layer's weights, detached from the HF module and laid out for the hot path."""
-
-    norm: torch.Tensor  # [d_model]
-    in_proj: torch.Tensor  # [2 * d_inner, d_model]
-    in_proj_bias: torch.Tensor | None  # [2 * d_inner]
-    conv: torch.Tensor  # [d_inner, d_conv]
-    conv_bias: torch.Tensor | None  # [d_inner]
-    x_proj: torch.Tensor  # [dt_rank + 2 * d_state, d_inner]
-    dt_proj: torch.Tensor  # [d_inner, dt_rank]
-    dt_bias: torch.Tensor  # [d_inner]
-    A: torch.Tensor  # [d_inner, d_state], ssm dtype: -exp(A_log)
-    D: torch.Tensor  # [d_inner], ssm dtype
-    out_proj: torch.Tensor  # [d_model, d_inner]
-    out_proj_bias: torch.Tensor | None  # [d_model]
-
-    @classmethod
-    def from_block(cls, block, ssm_dtype: torch.dtype) -> "_MixerWeights":
-        mixer = block.mixer
-
-        def param(p):
-            return None if p is None else p.detach().contiguous()
-
-        return cls(
-            norm=param(block.norm.weight),
-            in_proj=param(mixer.in_proj.weight),
-            in_proj_bias=param(mixer.in_proj.bias),
-            conv=param(mixer.conv1d.weight[:, 0, :]),
-            conv_bias=param(mixer.conv1d.bias),
-            x_proj=param(mixer.x_proj.weight),
-            dt_proj=param(mixer.dt_proj.weight),
-            dt_bias=param(mixer.dt_proj.bias),
-            A=-torch.exp(mixer.A_log.detach().to(ssm_dtype)),
-            D=mixer.D.detach().to(ssm_dtype),
-            out_proj=param(mixer.out_proj.weight),
-            out_proj_bias=param(mixer.out_proj.bias),
-        )
 
 
 class MambaDrafter:
@@ -199,7 +135,7 @@ class MambaDrafter:
         # Half models scan and (with residual_in_fp32) accumulate the residual in float32, as HF and mamba_ssm do.
         self.ssm_dtype = torch.promote_types(self.dtype, torch.float32)
         self.residual_dtype = self.ssm_dtype if config.residual_in_fp32 else self.dtype
-        self._layers = [_MixerWeights.from_block(block, self.ssm_dtype) for block in backbone.layers]
+        self._layers = [MixerWeights.from_block(block, self.ssm_dtype) for block in backbone.layers]
         self._embed = backbone.embeddings.weight.detach()  # [V, d_model]
         self._norm_f = backbone.norm_f.weight.detach()  # [d_model]
         self._lm_head = model.lm_head.weight.detach()  # [V, d_model], may be the embedding (tied)
@@ -416,7 +352,7 @@ class MambaDrafter:
     def _mix_step(
         self,
         h: torch.Tensor,  # [rows, d_model]
-        w: _MixerWeights,
+        w: MixerWeights,
         conv_state: torch.Tensor,  # [rows, d_inner, d_conv], updated in place
         ssm_state: torch.Tensor,  # [rows, d_inner, d_state], updated in place
     ) -> torch.Tensor:  # [rows, d_model]
@@ -442,7 +378,7 @@ class MambaDrafter:
     def _mix_step_kernels(
         self,
         h: torch.Tensor,  # [rows, d_model]
-        w: _MixerWeights,
+        w: MixerWeights,
         conv_state: torch.Tensor,  # [rows, d_inner, d_conv], updated in place
         ssm_state: torch.Tensor,  # [rows, d_inner, d_state], updated in place
     ) -> torch.Tensor:  # [rows, d_model]
@@ -456,7 +392,7 @@ class MambaDrafter:
     def _mix_sequence(
         self,
         h: torch.Tensor,  # [S, d_model]
-        w: _MixerWeights,
+        w: MixerWeights,
         conv_state: torch.Tensor,  # [d_inner, d_conv], carried in and out (zero for a prefill)
         ssm_state: torch.Tensor,  # [d_inner, d_state], carried in and out (zero for a prefill)
         linear=F.linear,
@@ -477,7 +413,7 @@ class MambaDrafter:
         dt: torch.Tensor,  # [S, dt_rank], before dt_proj
         B: torch.Tensor,  # [S, d_state]
         C: torch.Tensor,  # [S, d_state]
-        w: _MixerWeights,
+        w: MixerWeights,
         ssm_state: torch.Tensor,  # [d_inner, d_state], carried in and out
     ) -> torch.Tensor:  # [S, d_inner], ssm dtype
         sd = self.ssm_dtype
@@ -495,7 +431,7 @@ class MambaDrafter:
                 y[t] = scan_block(dt[t], x[t], B[t], C[t], w.A, ssm_state)
         return torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
 
-    def _scan_kernel(self, x, z, dt, B, C, w: _MixerWeights, ssm_state: torch.Tensor) -> torch.Tensor:
+    def _scan_kernel(self, x, z, dt, B, C, w: MixerWeights, ssm_state: torch.Tensor) -> torch.Tensor:
         """`_scan` through mamba_ssm's fused selective scan (channels-first layout, one batch row)."""
 
         def channels_first(t: torch.Tensor) -> torch.Tensor:  # [S, n] -> [1, n, S]
