@@ -272,7 +272,9 @@ class Scheduler:
         prefilling = [r for r in self.running.values() if not r.decoding]
         self.load = max(len(decoding), 1)
         admitted = len(self.running)  # the guard's load: decoding and prefilling (speculation_guard.py says why)
-        guard = self.guard if decoding and self.drafter is not None else None
+        # the guard measures its own choice: a step where no decoding request's rounds follow it (each runs a tree
+        # its client asked for, or the start rule keeps it undrafted) would score two identical modes
+        guard = self.guard if self.drafter is not None and any(_steered(r) for r in decoding) else None
         self.guarded = guard is not None and guard.plain(admitted)
         self._choose_trees(decoding)
         draft_rows, drafter_prefill_s = self._draft(decoding)
@@ -473,6 +475,11 @@ class Scheduler:
         if params.greedy and self.drafter is not None:
             lookup = max(lookup, self.config.lookup)
         return 1 + nodes + lookup
+
+
+def _steered(r: Request) -> bool:
+    """Whether r's rounds follow the speculation guard's mode (the policy's trees, or none in its plain steps)."""
+    return r.tree is None and r.start != PLAIN
 
 
 def _fit(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:

@@ -16,6 +16,9 @@ served at 8 requests: steps of 3 decoding requests took 35-90 ms drafted, agains
 What is compared. The guard's two modes, step by step: *policy* steps, whose trees the policy and goodput choose as
 always, against *plain* steps, whose rounds it runs undrafted (what forcing tree none does). A request with a tree the
 client asked for drafts in both modes: common to both sides, it leaves the comparison the one the guard decides. A
+step with no request the guard steers (all of them on a tree of their client's, `tree none` included, or kept
+undrafted by the start rule) is neither side and is not handed in at all: served, a benchmark's `tree none` cell
+between two of the service's own moved load 1's verdict to undrafted, and the next cell at concurrency 1 ran so. A
 request the start rule explores with drafts only in policy steps (it once drafted in plain steps too: served at 8
 requests, one explorer in flight made every plain step pay a draft call and its verify rows, 13 ms against 10). Only
 decode-only steps are measured: a prefill chunk's time says nothing about drafting. The drafter's prefills are part of

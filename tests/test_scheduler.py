@@ -464,3 +464,28 @@ def test_greedy_requests_without_processing_get_argmaxes_and_the_others_logits(t
     assert tokens["greedy"] == plain.generate(random_prompt(9, seed=200), kinds["greedy"]).token_ids
     with pytest.raises(ValueError, match="argmaxes"):
         judge(torch.zeros(3, dtype=torch.long), empty_draft(), kinds["sampled"], None)
+
+
+def test_the_guard_learns_nothing_from_steps_its_mode_does_not_steer(tiny, monkeypatch):
+    """Requests with a tree of their client's (here "none", as a benchmark's `tree none` cells send) run the same
+    rounds in both of the guard's modes: their steps are not measured, so they cannot move its verdicts (a served
+    run flipped load 1 to undrafted during such a cell, and the service's next cell at concurrency 1 ran undrafted).
+    A request the policy steers is measured again."""
+    import ray_specdec.scheduler as scheduler_module
+
+    target, drafter = tiny
+    clock = SlowDrafts()
+    monkeypatch.setattr(scheduler_module, "time", clock)
+    scheduler = Scheduler(LocalTarget(target), drafter, None, AlwaysDrafts(), SchedulerConfig(goodput=False))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for i in range(4):
+        scheduler.add(f"fixed{i}", random_prompt(10 + i, seed=90 + i), params, NO_TREE)
+    while scheduler.has_work:
+        scheduler.step()
+    guard = scheduler.guard
+    assert all(not lv.plain and not lv.policy for lv in guard.levels) and guard.plain_steps == 0
+    scheduler.add("steered", random_prompt(12, seed=99), params)
+    while scheduler.has_work:
+        scheduler.step()
+    level = guard.levels[guard.level(1)]
+    assert level.plain or level.policy
