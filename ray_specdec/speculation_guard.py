@@ -34,6 +34,9 @@ of tree none.
 - policy side: per policy step of the last WINDOW, the seconds plain steps would have taken to give each of its n
   requests as many tokens, (tokens / n) * plain(n), against the seconds it took. speedup = the sum of the former over
   the sum of the latter: a ratio of throughputs (a mean of per-step ratios would be biased up by noisy steps).
+- stalls: on either side a step counts as at most STALL_CAP times what the side's steps of its size take (a line
+  fitted over n, as for the plain side), so that one stall of the process does not decide a verdict; a policy step's
+  drafter prefills are added after the cap, being drafting's real cost.
 - verdict, with hysteresis against noise: a level goes plain when speedup < 1 - MARGIN, and back to the policy when
   speedup > 1 + MARGIN, once the level is *settled*: both sides have MIN_SAMPLES steps, or EARLY_SAMPLES and a gap
   clear of the noise (|log speedup| > EARLY_Z standard errors, from the steps' own scatter: `_clear`). Under load with
@@ -89,11 +92,16 @@ MAX_EXPLORE_PERIOD = 256
 # The share of a level's throughput exploration may cost once settled: the period is at least EXPLORE_RUN * gap /
 # EXPLORE_COST (up to MAX_EXPLORE_PERIOD).
 EXPLORE_COST = 0.02
+# A step counts as at most this many times what its side's steps of its size take (their fitted line): served, one
+# stall of the process (a burst of Ray's own work, a collection) in a window of fast steps at concurrency 1 moved a
+# level's measured speedup below 1 and ran it undrafted while drafting won 1.3x. The drafter prefills charged to a
+# policy step are a cost of drafting, not noise: they are added after the cap.
+STALL_CAP = 2.0
 
 
 @dataclass
 class _Level:
-    # (n, tokens, seconds) of steps: n requests decoded `tokens` tokens in all
+    # (n, tokens, seconds, drafter prefill seconds) of steps: n requests decoded `tokens` tokens in all
     plain: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     policy: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     clock: int = 0  # steps run at this level since its last exploration run ended
@@ -146,9 +154,10 @@ class SpeculationGuard:
             if not self._mode:
                 lv.carried_s += drafter_prefill_s
             return
-        if not self._mode:
-            seconds, lv.carried_s = seconds + lv.carried_s, 0.0
-        (lv.plain if self._mode else lv.policy).append((n, tokens, seconds))
+        own, prefills = min(drafter_prefill_s, seconds), 0.0
+        if not self._mode:  # the drafter's prefills, this step's and those carried, are drafting's cost
+            prefills, lv.carried_s = own + lv.carried_s, 0.0
+        (lv.plain if self._mode else lv.policy).append((n, tokens, seconds - own, prefills))
         speedup = self._speedup(lv)
         measured = min(len(lv.plain), len(lv.policy))
         if speedup is None or measured < EARLY_SAMPLES:
@@ -176,9 +185,8 @@ class SpeculationGuard:
     def _speedup(lv: _Level) -> float | None:
         if not lv.plain or not lv.policy:
             return None
-        plain_s = plain_line((n, seconds * n / tokens) for n, tokens, seconds in lv.plain)
-        as_plain = sum(tokens / n * plain_s(n) for n, tokens, _ in lv.policy)
-        return as_plain / sum(seconds for _, _, seconds in lv.policy)
+        _, as_plain, took = _sides(lv)
+        return sum(as_plain) / sum(took)
 
 
 def _gap_period(speedup: float | None) -> int:
@@ -195,16 +203,35 @@ def _clear(lv: _Level, speedup: float) -> bool:
     by the delta method for a ratio of sums, the plain side's from its steps' scatter around their line."""
     if abs(speedup - 1) <= MARGIN:
         return False
-    plain_s = plain_line((n, seconds * n / tokens) for n, tokens, seconds in lv.plain)
-    as_plain = [tokens / n * plain_s(n) for n, tokens, _ in lv.policy]
-    took = [seconds for _, _, seconds in lv.policy]
-    m, k = len(took), len(lv.plain)
+    (plain, plain_s), as_plain, took = _sides(lv)
+    m, k = len(took), len(plain)
     residuals = sum((a - speedup * b) ** 2 for a, b in zip(as_plain, took))
     policy_var = residuals * m / (m - 1) / sum(took) ** 2 / speedup**2
-    scatter = [seconds * n / tokens / plain_s(n) - 1 for n, tokens, seconds in lv.plain]
+    scatter = [value / plain_s(n) - 1 for n, value in plain]
     plain_var = sum(r * r for r in scatter) / (k - 1) / k
     se = max(math.sqrt(policy_var + plain_var), EARLY_MIN_SE)
     return abs(math.log(speedup)) > EARLY_Z * se
+
+
+def _sides(lv: _Level) -> tuple[tuple[list[tuple[int, float]], Callable[[int], float]], list[float], list[float]]:
+    """A level's two sides, stalls capped (STALL_CAP): ((plain steps' (n, seconds to give each request a token),
+    their line), per policy step the seconds plain steps would have taken for its tokens, per policy step the seconds
+    it took, its drafter prefills included)."""
+    plain = _capped([(n, seconds * n / tokens) for n, tokens, seconds, _ in lv.plain])
+    plain_s = plain_line(plain)
+    as_plain = [tokens / n * plain_s(n) for n, tokens, _, _ in lv.policy]
+    steps = _capped([(n, seconds) for n, _, seconds, _ in lv.policy])
+    took = [seconds + prefills for (_, seconds), (_, _, _, prefills) in zip(steps, lv.policy)]
+    return (plain, plain_s), as_plain, took
+
+
+def _capped(samples: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(n, seconds) of one side's steps, each at most STALL_CAP times the side's line at its n (fitted once more
+    without the excess, so that one long stall does not raise its own cap much)."""
+    for _ in range(2):
+        line = plain_line(samples)
+        samples = [(n, min(seconds, STALL_CAP * line(n))) for n, seconds in samples]
+    return samples
 
 
 def plain_line(samples: Iterable[tuple[int, float]]) -> Callable[[int], float]:

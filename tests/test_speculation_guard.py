@@ -220,5 +220,24 @@ def test_a_level_is_the_admitted_requests_and_steps_are_scored_per_decoding_requ
             tokens = n if plain else 2 * n
             guard.observe(8, tokens, plain_seconds(n) * tokens / n / (1.0 if plain else factor), decoding=n)
         level = guard.levels[guard.level(8)]
-        assert not guard.levels[guard.level(3)].plain and {n for n, _, _ in level.plain} == {3, 8}
+        assert not guard.levels[guard.level(3)].plain and {sample[0] for sample in level.plain} == {3, 8}
         assert guard.speedup(guard.level(8)) == pytest.approx(factor, rel=1e-6) and level.undrafted == (factor < 1)
+
+
+def test_one_stalled_step_does_not_decide_a_verdict():
+    """Drafting 1.2x faster, and one policy step stalled 10x (served at concurrency 1, a burst of other processes'
+    work): the level keeps drafting. Counted raw, that step alone made the window's speedup 0.94 and ran the level
+    undrafted. A drafter prefill on a policy step still counts in full: drafting that pays one per few steps loses."""
+    for stall, prefill, drafted in ((10.0, 0.0, True), (1.0, 1.0, False)):
+        guard = SpeculationGuard()
+        level = guard.levels[guard.level(1)]
+        for step in range(400):
+            plain = guard.plain(1)
+            seconds = 0.01 if plain else 0.01 * 3 / 1.2  # a drafted step: 3 tokens in 2.5x the time
+            extra = 0.0
+            if not plain and step == 200:
+                seconds *= stall
+            if not plain and prefill and step % 3 == 0:
+                extra = 0.01 * prefill * 3
+            guard.observe(1, 1 if plain else 3, seconds + extra, drafter_prefill_s=extra)
+        assert level.undrafted != drafted, (stall, prefill, guard.speedup(guard.level(1)))
