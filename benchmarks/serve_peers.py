@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             servers[name] = run_server(name, args, prompts, tokenize, cells, texts)
     result = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "vllm_script"},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                   if k not in ("vllm_script", "hf_bin")},  # paths of this machine
         "prompts": {"count": len(prompts), "seed": args.seed, "source": "held-out stdlib code windows, 32-512 tokens",
                     "tokens": [tokenize(p) for p in prompts]},
         "target": TARGET.name, "peer_drafter": PEER_DRAFTER.name, "dtype": "float32",
