@@ -154,7 +154,7 @@ class SpeculationGuard:
             if not self._mode:
                 lv.carried_s += drafter_prefill_s
             return
-        own, prefills = min(drafter_prefill_s, seconds), 0.0
+        own = prefills = min(drafter_prefill_s, seconds)  # in a plain step: requests on a tree of their own
         if not self._mode:  # the drafter's prefills, this step's and those carried, are drafting's cost
             prefills, lv.carried_s = own + lv.carried_s, 0.0
         (lv.plain if self._mode else lv.policy).append((n, tokens, seconds - own, prefills))
@@ -214,10 +214,11 @@ def _clear(lv: _Level, speedup: float) -> bool:
 
 
 def _sides(lv: _Level) -> tuple[tuple[list[tuple[int, float]], Callable[[int], float]], list[float], list[float]]:
-    """A level's two sides, stalls capped (STALL_CAP): ((plain steps' (n, seconds to give each request a token),
-    their line), per policy step the seconds plain steps would have taken for its tokens, per policy step the seconds
-    it took, its drafter prefills included)."""
-    plain = _capped([(n, seconds * n / tokens) for n, tokens, seconds, _ in lv.plain])
+    """A level's two sides, stalls capped (STALL_CAP) and drafter prefills added after the cap: ((plain steps' (n,
+    seconds to give each request a token), their line), per policy step the seconds plain steps would have taken for
+    its tokens, per policy step the seconds it took)."""
+    capped = _capped([(n, seconds * n / tokens) for n, tokens, seconds, _ in lv.plain])
+    plain = [(n, value + prefills * n / tokens) for (n, value), (_, tokens, _, prefills) in zip(capped, lv.plain)]
     plain_s = plain_line(plain)
     as_plain = [tokens / n * plain_s(n) for n, tokens, _, _ in lv.policy]
     steps = _capped([(n, seconds) for n, _, seconds, _ in lv.policy])
