@@ -92,9 +92,9 @@ MAX_EXPLORE_PERIOD = 256
 # The share of a level's throughput exploration may cost once settled: the period is at least EXPLORE_RUN * gap /
 # EXPLORE_COST (up to MAX_EXPLORE_PERIOD).
 EXPLORE_COST = 0.02
-# A step counts as at most this many times what its side's steps of its size take (their fitted line): served, one
-# stall of the process (a burst of Ray's own work, a collection) in a window of fast steps at concurrency 1 moved a
-# level's measured speedup below 1 and ran it undrafted while drafting won 1.3x. The drafter prefills charged to a
+# A step counts as at most this many times what its side's steps of its size take (their fitted line): served at
+# concurrency 1, a level's measured speedup fell from 1.31 to 0.89 within one cell and ran it undrafted while drafting
+# won 1.3x; one stall of the process (a burst of Ray's own work, a collection) among ~6 ms steps does that. The drafter prefills charged to a
 # policy step are a cost of drafting, not noise: they are added after the cap.
 STALL_CAP = 2.0
 
