@@ -295,10 +295,11 @@ class Scheduler:
             r.prefilled = r.chunk_end
         t3 = time.perf_counter()
         self._account(decoding, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
-        if guard is not None:  # the realised result of its choice, the drafter's prefills included
+        if guard is not None:  # the realised result of its choice; drafting's prefills at their steady-state share
             tokens = sum(len(r.verdict.new_tokens) for r in decoding)
-            guard.observe(admitted, tokens, t3 - t0 + drafter_prefill_s, prefill_rows > 0, decoding=len(decoding),
-                          drafter_prefill_s=drafter_prefill_s)
+            steered = sum(len(r.verdict.new_tokens) for r in decoding if _steered(r))
+            guard.observe(admitted, tokens, t3 - t0, prefill_rows > 0, decoding=len(decoding),
+                          drafting_s=steered * self.start_rule.prefill_s_per_decoded_token())
         self.steps += 1
         if not self.has_work:  # nothing will step again soon: free the caches of the requests that just ended
             self._send_pending()
@@ -333,8 +334,11 @@ class Scheduler:
             if self.drafter is not None:
                 r.drafter = LazyDrafter(self.drafter, self.target.vocab_size, self.drafter_states)
                 if r.tree is None:  # the request will decode alongside every running one (itself included)
-                    r.start = self.start_rule.decide(self.policy, self._drafter_prefill(r.tokens), len(r.tokens),
-                                                     r.stop.remaining, r.sampled, load=len(self.running))
+                    prefill = self._drafter_prefill(r.tokens)
+                    r.start = self.start_rule.decide(self.policy, prefill, len(r.tokens), r.stop.remaining, r.sampled,
+                                                     load=len(self.running))  # fmt: skip
+                    if _steered(r):
+                        self.start_rule.note_request(prefill, r.stop.remaining)
 
     # ----- trees and drafts -----
 
@@ -405,6 +409,8 @@ class Scheduler:
         if r.stop.finished:
             self.running.pop(r.request_id, None)
             self._free(r)
+            if r.drafter is not None and _steered(r):
+                self.start_rule.note_finished(r.stats.new_tokens)
         logprobs = round_logprobs(logits, verdict, r.params, len(kept))
         return StepOutput(r.request_id, StreamChunk(kept, delta, r.stop.finish_reason, r.stats, logprobs))
 

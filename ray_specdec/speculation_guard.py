@@ -21,13 +21,20 @@ undrafted by the start rule) is neither side and is not handed in at all: served
 between two of the service's own moved load 1's verdict to undrafted, and the next cell at concurrency 1 ran so. A
 request the start rule explores with drafts only in policy steps (it once drafted in plain steps too: served at 8
 requests, one explorer in flight made every plain step pay a draft call and its verify rows, 13 ms against 10). Only
-decode-only steps are measured: a prefill chunk's time says nothing about drafting. The drafter's prefills are part of
-what drafting costs (a request never drafted never pays one: LazyDrafter; short requests can lose to them alone), and
-they are measured wherever they run: a step not measured (a target prefill in it, or the first after a switch) hands
-its drafter prefills' seconds to the level's next measured policy step. They used to count only inside measured steps,
-and under load a request's first drafted round, which runs its drafter prefill, mostly shares its step with other
-requests' prefill chunks: served at 32 requests the guard measured drafting 1.7x faster while the service ran at 0.57x
-of tree none.
+decode-only steps are measured: a prefill chunk's time says nothing about drafting.
+
+Drafter prefills. A request that drafts pays one drafter prefill over its context (a request never drafted never
+pays one: LazyDrafter), and short requests can lose to it alone. Each measured policy step is charged the steady
+state's share of them, `drafting_s`: the tokens its steered requests decoded times a drafting request's prefill spread over
+the tokens it decodes (start_rule.StartRule.prefill_s_per_decoded_token). The prefills that actually ran in a step
+are left out of both sides (those of requests on trees of their own are common to both). Charging those instead
+(as earlier versions did, carrying the prefills of unmeasured steps to the next measured one) weighed the mode
+switches, not drafting: the first drafted step of an exploration run builds a session for every request in flight,
+and a run measures three steps, so at concurrency 1 one request's whole prefill counted against three rounds where
+steady drafting spreads it over twenty. In process the level measured drafting at 0.6-0.8x, ran undrafted for most
+of a 15-second run, and decoded 289 tokens/s against 319-340 with the guard off. (Even earlier, prefills counted only
+inside measured steps, which under load mostly carry a target prefill chunk too: served at 32 requests the guard
+measured drafting 1.7x faster while the service ran at 0.57x of tree none.)
 - plain side: per plain step of the level's last WINDOW, the seconds it took to give each of its n requests one token,
   seconds * n / tokens (its seconds, when none drafted), fitted as a line a + b n (a, b >= 0; one n seen: its mean).
   Steps of different n are not comparable raw; the line makes them so.
@@ -36,7 +43,7 @@ of tree none.
   the sum of the latter: a ratio of throughputs (a mean of per-step ratios would be biased up by noisy steps).
 - stalls: on either side a step counts as at most STALL_CAP times what the side's steps of its size take (a line
   fitted over n, as for the plain side), so that one stall of the process does not decide a verdict; a policy step's
-  drafter prefills are added after the cap, being drafting's real cost.
+  drafter prefill charge is added after the cap, being drafting's real cost.
 - verdict, with hysteresis against noise: a level goes plain when speedup < 1 - MARGIN, and back to the policy when
   speedup > 1 + MARGIN, once the level is *settled*: both sides have MIN_SAMPLES steps, or EARLY_SAMPLES and a gap
   clear of the noise (|log speedup| > EARLY_Z standard errors, from the steps' own scatter: `_clear`). Under load with
@@ -101,7 +108,7 @@ STALL_CAP = 2.0
 
 @dataclass
 class _Level:
-    # (n, tokens, seconds, drafter prefill seconds) of steps: n requests decoded `tokens` tokens in all
+    # (n, tokens, seconds, drafting_s) of steps: n requests decoded `tokens` tokens in all
     plain: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     policy: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     clock: int = 0  # steps run at this level since its last exploration run ended
@@ -109,7 +116,6 @@ class _Level:
     flipped: bool = False  # whether the verdict changed since the last exploration run ended
     undrafted: bool = False  # the verdict: run this level's rounds undrafted
     settled: bool = False  # enough steps measured for a verdict (MIN_SAMPLES a side, or a clear gap)
-    carried_s: float = 0.0  # drafter prefill seconds of policy steps not measured, for the next one measured
 
 
 class SpeculationGuard:
@@ -144,20 +150,15 @@ class SpeculationGuard:
         return self._mode
 
     def observe(self, load: int, tokens: int, seconds: float, prefill: bool = False,
-                decoding: int | None = None, drafter_prefill_s: float = 0.0) -> None:
+                decoding: int | None = None, drafting_s: float = 0.0) -> None:
         """The step `plain` was last asked for, at `load`: `decoding` requests (None: `load`) decoded `tokens` tokens
-        in all in `seconds`, of which `drafter_prefill_s` went to drafter prefills; `prefill`: whether it also ran
-        target prefill rows (then it is not measured, but its drafter prefills go to the next policy step that is)."""
+        in all in `seconds` (drafter prefills left out); `drafting_s`: a policy step's charge for drafter prefills
+        (ignored on a plain step); `prefill`: whether it also ran target prefill rows (then it is not measured)."""
         n = load if decoding is None else decoding
         lv = self.levels[self.level(load)]
         if prefill or self._mode != self._previous or seconds <= 0 or n < 1 or tokens < 1:
-            if not self._mode:
-                lv.carried_s += drafter_prefill_s
             return
-        own = prefills = min(drafter_prefill_s, seconds)  # in a plain step: requests on a tree of their own
-        if not self._mode:  # the drafter's prefills, this step's and those carried, are drafting's cost
-            prefills, lv.carried_s = own + lv.carried_s, 0.0
-        (lv.plain if self._mode else lv.policy).append((n, tokens, seconds - own, prefills))
+        (lv.plain if self._mode else lv.policy).append((n, tokens, seconds, 0.0 if self._mode else drafting_s))
         speedup = self._speedup(lv)
         measured = min(len(lv.plain), len(lv.policy))
         if speedup is None or measured < EARLY_SAMPLES:
@@ -214,15 +215,14 @@ def _clear(lv: _Level, speedup: float) -> bool:
 
 
 def _sides(lv: _Level) -> tuple[tuple[list[tuple[int, float]], Callable[[int], float]], list[float], list[float]]:
-    """A level's two sides, stalls capped (STALL_CAP) and drafter prefills added after the cap: ((plain steps' (n,
-    seconds to give each request a token), their line), per policy step the seconds plain steps would have taken for
-    its tokens, per policy step the seconds it took)."""
-    capped = _capped([(n, seconds * n / tokens) for n, tokens, seconds, _ in lv.plain])
-    plain = [(n, value + prefills * n / tokens) for (n, value), (_, tokens, _, prefills) in zip(capped, lv.plain)]
+    """A level's two sides, stalls capped (STALL_CAP) and policy steps' drafter prefill charges added after the cap:
+    ((plain steps' (n, seconds to give each request a token), their line), per policy step the seconds plain steps
+    would have taken for its tokens, per policy step the seconds it took)."""
+    plain = _capped([(n, seconds * n / tokens) for n, tokens, seconds, _ in lv.plain])
     plain_s = plain_line(plain)
     as_plain = [tokens / n * plain_s(n) for n, tokens, _, _ in lv.policy]
     steps = _capped([(n, seconds) for n, _, seconds, _ in lv.policy])
-    took = [seconds + prefills for (_, seconds), (_, _, _, prefills) in zip(steps, lv.policy)]
+    took = [seconds + charge for (_, seconds), (_, _, _, charge) in zip(steps, lv.policy)]
     return (plain, plain_s), as_plain, took
 
 

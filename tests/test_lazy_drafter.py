@@ -10,6 +10,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import DrafterSession
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.start_rule import REQUEST_EMA, StartRule
 from tests.test_engine import hf_greedy, random_prompt, target, tiny_mamba  # noqa: F401 (target: a fixture)
 
 
@@ -187,3 +188,19 @@ def test_the_start_rule_drafts_without_estimates_and_learns_the_prefill_cost(tar
     # a tree asked for explicitly is drafted whatever the estimates say
     engine.prefill_s_per_token = 1.0
     assert "2" in engine.generate(prompt, SamplingParams(max_new_tokens=6), TreeConfig((2,))).stats.trees
+
+
+def test_a_drafting_requests_prefill_is_spread_over_the_tokens_it_decodes():
+    """The speculation guard's charge per decoded token: the measured prefill rate, times a drafting request's
+    prefill tokens, over the tokens it decodes (its max_tokens until one finishes); 0 until all three are known."""
+    rule = StartRule()
+    assert rule.prefill_s_per_decoded_token() == 0.0
+    rule.note_request(prefill_tokens=50, remaining=100)
+    assert rule.prefill_s_per_decoded_token() == 0.0  # no prefill measured yet
+    rule.note_prefill(0.05, 50)
+    assert rule.prefill_s_per_decoded_token() == pytest.approx(1e-3 * 50 / 100)
+    rule.note_finished(20)  # requests end sooner than their max_tokens: each token carries more of the prefill
+    decoded = 100 + REQUEST_EMA * (20 - 100)
+    assert rule.prefill_s_per_decoded_token() == pytest.approx(1e-3 * 50 / decoded)
+    rule.note_request(prefill_tokens=0, remaining=100)  # a kept drafter state: no prefill to pay
+    assert rule.prefill_s_per_decoded_token() == pytest.approx(1e-3 * 50 * (1 - REQUEST_EMA) / decoded)

@@ -410,6 +410,62 @@ def test_the_guard_runs_a_load_undrafted_where_drafted_steps_measure_slower(tiny
         assert tokens[request_id] == plain.generate(prompt, params).token_ids, request_id
 
 
+def test_exploration_is_not_charged_the_drafter_sessions_its_switch_builds(monkeypatch):
+    """At load 1, drafted steps cost 1.5x a plain one for several tokens, and a drafter session costs ten plain
+    steps, paid once per request: steady drafting wins. The level starts undrafted (a verdict noise could give). Its
+    exploration run's first step builds the session of the request in flight; charged to the run's three measured
+    steps (as the guard once was), that one prefill weighed as if every three rounds paid one, and the level stayed
+    undrafted (in process at concurrency 1: most of a run). Charged at its share per decoded token, the run measures
+    drafting as it is and the level drafts again. The guard is handed step times without the prefills that ran in
+    them. Every token is target-alone greedy decoding's."""
+    import ray_specdec.scheduler as scheduler_module
+
+    target, drafter = agreeing_pair(torch.float32, 512)
+    clock, session_s = SlowDrafts(), 0.03
+    monkeypatch.setattr(scheduler_module, "time", clock)
+
+    class CostlySessions(scheduler_module.LazyDrafter):
+        def ready(self, tokens):
+            built = self.session is None
+            super().ready(tokens)
+            if not built:
+                return 0.0
+            clock.now += session_s
+            return session_s
+
+    monkeypatch.setattr(scheduler_module, "LazyDrafter", CostlySessions)
+    scheduler = Scheduler(LocalTarget(target), drafter, None, AlwaysDrafts(), SchedulerConfig(goodput=False))
+    draft = scheduler._draft
+
+    def slow_draft(decoding):
+        out = draft(decoding)
+        clock.now += 1.5e-3 * any(r.draft.tree.depth > 0 for r in decoding)
+        return out
+
+    monkeypatch.setattr(scheduler, "_draft", slow_draft)
+    guard = scheduler.guard
+    seen = []
+    observe = guard.observe
+    charge = scheduler.start_rule.prefill_s_per_decoded_token
+    monkeypatch.setattr(guard, "observe", lambda *a, **k: (seen.append((guard._mode, a[1], a[2], k, charge())),
+                                                            observe(*a, **k)))  # fmt: skip
+    level = guard.levels[guard.level(1)]
+    level.undrafted = level.settled = True
+    params = SamplingParams(max_new_tokens=120, ignore_eos=True)
+    plain = SpeculativeEngine(target, None)
+    for i in range(2):
+        prompt = random_prompt(20 + i, seed=120 + i, vocab=target.vocab_size)
+        scheduler.add(f"q{i}", prompt, params)
+        tokens = []
+        while scheduler.has_work:
+            tokens += [t for out in scheduler.step() for t in out.chunk.token_ids]
+        assert tokens == plain.generate(prompt, params).token_ids
+    assert not level.undrafted and guard.speedup(guard.level(1)) > 1.3
+    assert any(not mode for mode, *_ in seen) and all(seconds < session_s for _, _, seconds, _, _ in seen)
+    assert 0 < charge() < session_s / 100
+    assert all(k["drafting_s"] == pytest.approx(tokens * rate) for _, tokens, _, k, rate in seen)
+
+
 # ---- what the target returns per verify segment ----------------------------------------------------------------------
 
 

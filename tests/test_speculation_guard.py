@@ -125,22 +125,24 @@ def test_prefill_steps_and_the_first_step_after_a_switch_are_not_measured():
     assert len(kept) < len(modes) - 4
 
 
-def test_drafter_prefills_of_steps_not_measured_count_against_drafting():
-    """Drafted steps that decode 1.3x faster, but every other policy step also runs a target prefill (not measured)
-    and a drafter prefill that costs more than drafting gains: counted where they are not measured, they make the
-    level go plain. Dropped with their steps, as before, they would keep it drafting."""
-    def run(carry: bool) -> bool:
+def test_a_policy_steps_drafting_charge_counts_against_drafting_and_a_plain_steps_does_not():
+    """Drafted steps that decode 1.3x faster (20 tokens in 1.9 plain steps' time): charged a drafter prefill share of
+    one plain step's time a step, drafting loses; charged nothing, it wins. The same charge handed in with plain steps changes nothing (plain rounds
+    run no drafter), and neither does one handed in with a step not measured (a target prefill in it)."""
+    def run(charge: float, on_plain: bool = False, on_prefill: bool = False) -> bool:
         guard = SpeculationGuard()
         for i in range(600):
             plain = guard.plain(8)
             tokens = 8 if plain else 20
             seconds = plain_seconds(8) * tokens / 8 / (1.0 if plain else 1.3)
-            with_prefill = not plain and i % 2 == 0
-            drafter_s = 3 * plain_seconds(8) if with_prefill else 0.0
-            guard.observe(8, tokens, seconds + drafter_s, prefill=with_prefill,
-                          drafter_prefill_s=drafter_s if carry else 0.0)
+            drafting_s = charge * plain_seconds(8) if plain == on_plain else 0.0
+            if on_prefill and i % 2:
+                guard.observe(8, tokens, seconds, prefill=True, drafting_s=100.0)
+                continue
+            guard.observe(8, tokens, seconds, drafting_s=drafting_s)
         return guard.levels[2].undrafted
-    assert run(carry=True) and not run(carry=False)
+    assert run(charge=1.0) and not run(charge=0.0)
+    assert not run(charge=1.0, on_plain=True) and not run(charge=0.0, on_prefill=True)
 
 
 def test_a_narrow_gap_waits_for_enough_steps_of_both_sides_and_a_clear_one_does_not():
@@ -227,7 +229,8 @@ def test_a_level_is_the_admitted_requests_and_steps_are_scored_per_decoding_requ
 def test_one_stalled_step_does_not_decide_a_verdict():
     """Drafting 1.2x faster, and one policy step stalled 10x (served at concurrency 1, a burst of other processes'
     work): the level keeps drafting. Counted raw, that step alone made the window's speedup 0.94 and ran the level
-    undrafted. A drafter prefill on a policy step still counts in full: drafting that pays one per few steps loses."""
+    undrafted. A policy step's drafter prefill charge is added after the cap: drafting that pays a prefill's worth
+    every few steps loses."""
     for stall, prefill, drafted in ((10.0, 0.0, True), (1.0, 1.0, False)):
         guard = SpeculationGuard()
         level = guard.levels[guard.level(1)]
@@ -239,5 +242,5 @@ def test_one_stalled_step_does_not_decide_a_verdict():
                 seconds *= stall
             if not plain and prefill and step % 3 == 0:
                 extra = 0.01 * prefill * 3
-            guard.observe(1, 1 if plain else 3, seconds + extra, drafter_prefill_s=extra)
+            guard.observe(1, 1 if plain else 3, seconds, drafting_s=extra)
         assert level.undrafted != drafted, (stall, prefill, guard.speedup(guard.level(1)))
