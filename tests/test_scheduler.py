@@ -357,6 +357,19 @@ class SlowDrafts:
         return self.now
 
 
+def slow_drafts(monkeypatch, scheduler: Scheduler, clock: SlowDrafts, seconds: float, per_request: bool) -> None:
+    """Each step's drafts advance the clock `seconds` more: per request that drafts, or once if any does."""
+    draft = scheduler._draft
+
+    def slow_draft(decoding):
+        out = draft(decoding)
+        drafting = [r.draft.tree.depth > 0 for r in decoding]
+        clock.now += seconds * (sum(drafting) if per_request else any(drafting))
+        return out
+
+    monkeypatch.setattr(scheduler, "_draft", slow_draft)
+
+
 @pytest.mark.parametrize("guard", [True, False])
 def test_the_guard_runs_a_load_undrafted_where_drafted_steps_measure_slower(tiny, monkeypatch, guard):
     """Goodput off (it would learn the same clock and shrink trees itself): the policy drafts every round; the guard
@@ -370,14 +383,7 @@ def test_the_guard_runs_a_load_undrafted_where_drafted_steps_measure_slower(tiny
     monkeypatch.setattr(scheduler_module, "time", clock)
     policy = AlwaysDrafts()
     scheduler = Scheduler(LocalTarget(target), drafter, None, policy, SchedulerConfig(goodput=False, guard=guard))
-    draft = scheduler._draft
-
-    def slow_draft(decoding):
-        out = draft(decoding)
-        clock.now += 3e-3 * sum(r.draft.tree.depth > 0 for r in decoding)
-        return out
-
-    monkeypatch.setattr(scheduler, "_draft", slow_draft)
+    slow_drafts(monkeypatch, scheduler, clock, 3e-3, per_request=True)
     params = SamplingParams(max_new_tokens=300, ignore_eos=True)
     requests = [(f"g{i}", random_prompt(10 + i, seed=80 + i), params, TreeConfig((1,)) if i == 0 else None)
                 for i in range(8)]  # fmt: skip
@@ -435,14 +441,7 @@ def test_exploration_is_not_charged_the_drafter_sessions_its_switch_builds(monke
 
     monkeypatch.setattr(scheduler_module, "LazyDrafter", CostlySessions)
     scheduler = Scheduler(LocalTarget(target), drafter, None, AlwaysDrafts(), SchedulerConfig(goodput=False))
-    draft = scheduler._draft
-
-    def slow_draft(decoding):
-        out = draft(decoding)
-        clock.now += 1.5e-3 * any(r.draft.tree.depth > 0 for r in decoding)
-        return out
-
-    monkeypatch.setattr(scheduler, "_draft", slow_draft)
+    slow_drafts(monkeypatch, scheduler, clock, 1.5e-3, per_request=False)
     guard = scheduler.guard
     seen = []
     observe = guard.observe
