@@ -40,7 +40,8 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
-from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig, kv_budget_rows
+from ray_specdec.prefill_plan import kv_budget_rows
+from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
 from ray_specdec.serving.target_worker import TargetWorker, free_port
 from ray_specdec.target_backend import LocalTarget, StepWork

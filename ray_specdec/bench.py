@@ -29,7 +29,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
 from ray_specdec.rounds import NO_TREE
 from ray_specdec.models.loading import prefill_window_arg
-from ray_specdec.scheduler import kv_budget_rows
+from ray_specdec.prefill_plan import kv_budget_rows
 from ray_specdec.scheduler_args import add_scheduler_arguments, scheduler_config_from_args
 
 # Every method runs every prompt (and again at each temperature): with the prefix cache on, the methods after the

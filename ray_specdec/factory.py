@@ -94,7 +94,7 @@ def load_engine(
     ("auto": the window the drafter's config names, else all; None or "all": all)."""
     from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
     from ray_specdec.models.loading import resolve_dtype, resolve_prefill_window
-    from ray_specdec.scheduler import kv_budget_rows
+    from ray_specdec.prefill_plan import kv_budget_rows
 
     from ray_specdec.models.loading import resolve_model_path
 

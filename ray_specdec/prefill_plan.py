@@ -13,6 +13,7 @@ Requests are the scheduler's (`scheduler.Request`): this module reads their toke
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -115,3 +116,8 @@ class PrefillPlan:
             added = self.prefix.add(parent, tokens)  # None if making room evicted its parent
             if added is not None:
                 work.saves.append((r.request_id, start, end, added[1]))
+
+
+def kv_budget_rows(budget_gib: float, bytes_per_token: int) -> int:
+    """A KV budget in GiB as rows of the target's cache."""
+    return max(1, math.floor(budget_gib * (1 << 30) / max(bytes_per_token, 1)))

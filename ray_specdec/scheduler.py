@@ -29,7 +29,6 @@ prefills only the rest: the same bits, since chunks are cut at the same fixed po
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -497,8 +496,3 @@ def _fit(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:
         else:
             arm = arm.truncated(arm.depth - 1)
     return arm, lookup
-
-
-def kv_budget_rows(budget_gib: float, bytes_per_token: int) -> int:
-    """A KV budget in GiB as rows of the target's cache."""
-    return max(1, math.floor(budget_gib * (1 << 30) / max(bytes_per_token, 1)))

@@ -4,7 +4,7 @@
 `--goodput / --no-goodput`), typed, defaulted and described from the dataclass itself (the comment on each field is
 its help), every value checked by SchedulerConfig's own validation as it is parsed, so a bad one is argparse's
 one-line error. `--kv-budget-gib` gives the budget in GiB instead of rows (the app's `kv_budget_gib`): it becomes
-rows once the target's bytes per token are known (`scheduler.kv_budget_rows`). `scheduler_config_from_args` reads the
+rows once the target's bytes per token are known (`prefill_plan.kv_budget_rows`). `scheduler_config_from_args` reads the
 fields back from anything that has them as attributes: argparse's namespace or the app's `AppArgs`.
 """
 

@@ -25,11 +25,11 @@ decode-only steps are measured: a prefill chunk's time says nothing about drafti
 
 Drafter prefills. A request that drafts pays one drafter prefill over its context (a request never drafted never
 pays one: LazyDrafter), and short requests can lose to it alone. Each measured policy step is charged the steady
-state's share of them, `drafting_s`: the tokens its steered requests decoded times a drafting request's prefill spread over
-the tokens it decodes (start_rule.StartRule.prefill_s_per_decoded_token). The prefills that actually ran in a step
-are left out of both sides (those of requests on trees of their own are common to both). Charging those instead
-(as earlier versions did, carrying the prefills of unmeasured steps to the next measured one) weighed the mode
-switches, not drafting: the first drafted step of an exploration run builds a session for every request in flight,
+state's share of them, `drafting_s`: the tokens its steered requests decoded times a drafting request's prefill
+spread over the tokens it decodes (start_rule.StartRule.prefill_s_per_decoded_token). The prefills that actually ran
+in a step are left out of both sides (those of requests on trees of their own are common to both). Charging those
+instead (as earlier versions did, carrying the prefills of unmeasured steps to the next measured one) weighed the
+mode switches, not drafting: the first drafted step of an exploration run builds a session for every request in flight,
 and a run measures three steps, so at concurrency 1 one request's whole prefill counted against three rounds where
 steady drafting spreads it over twenty. In process the level measured drafting at 0.6-0.8x, ran undrafted for most
 of a 15-second run, and decoded 289 tokens/s against 319-340 with the guard off. (Even earlier, prefills counted only
@@ -101,8 +101,8 @@ MAX_EXPLORE_PERIOD = 256
 EXPLORE_COST = 0.02
 # A step counts as at most this many times what its side's steps of its size take (their fitted line): served at
 # concurrency 1, a level's measured speedup fell from 1.31 to 0.89 within one cell and ran it undrafted while drafting
-# won 1.3x; one stall of the process (a burst of Ray's own work, a collection) among ~6 ms steps does that. The drafter prefills charged to a
-# policy step are a cost of drafting, not noise: they are added after the cap.
+# won 1.3x; one stall of the process (a burst of Ray's own work, a collection) among ~6 ms steps does that. The
+# drafter prefill charge of a policy step is a cost of drafting, not noise: it is added after the cap.
 STALL_CAP = 2.0
 
 

@@ -127,8 +127,9 @@ def test_prefill_steps_and_the_first_step_after_a_switch_are_not_measured():
 
 def test_a_policy_steps_drafting_charge_counts_against_drafting_and_a_plain_steps_does_not():
     """Drafted steps that decode 1.3x faster (20 tokens in 1.9 plain steps' time): charged a drafter prefill share of
-    one plain step's time a step, drafting loses; charged nothing, it wins. The same charge handed in with plain steps changes nothing (plain rounds
-    run no drafter), and neither does one handed in with a step not measured (a target prefill in it)."""
+    one plain step's time a step, drafting loses; charged nothing, it wins. The same charge handed in with plain
+    steps changes nothing (plain rounds run no drafter), and neither does one handed in with a step not measured (a
+    target prefill in it)."""
     def run(charge: float, on_plain: bool = False, on_prefill: bool = False) -> bool:
         guard = SpeculationGuard()
         for i in range(600):
