@@ -187,19 +187,6 @@ def test_graphed_steps_are_the_eager_steps_bit_for_bit(dtype):
     assert graphed.extend_graphs.captured == list(range(2, 33))  # one token: a step (graphed as a step)
 
 
-def test_the_drafter_worker_hands_the_router_cpu_tensors():
-    """A draft crosses to the router by pickle: CUDA tensors would carry their device to a process that may lack it."""
-    from ray_specdec.serving.drafter_worker import DrafterWorker
-
-    drafter = MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER), dtype=torch.float32, device="cuda")
-    worker = DrafterWorker(drafter, vocab_size=drafter.vocab_size)
-    ids = heldout_prompts(1, 50, 50, seed=25, tokenizer=None)[0].token_ids
-    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=1)):
-        draft = worker.draft(f"r{params.temperature}", [], TreeConfig((2, 1)), params, seed=1, token_ids=ids)
-        assert draft.tokens.device.type == "cpu"
-        assert draft.probs is None if params.greedy else draft.probs.device.type == "cpu"
-
-
 def test_target_forwards_never_take_cudnn_attention():
     """cuDNN's sdpa builds an execution plan per new shape, and every verify of a growing cache is a new shape (~7 ms
     of host time per attention call in bfloat16 on an H200): the target's prefill and verify run without it."""

@@ -19,7 +19,9 @@ otherwise they are the model's own calls (HF's logits bit for bit).
 
 `why_unsupported(model)` names what keeps a model on HF's forward: other architectures (a family whose layers do
 anything else, e.g. Qwen3's q/k norms, needs its own loop here), training mode, DeepSpeed shards (their Linear layers
-all-reduce and hold a shard of the heads) and devices other than the CPU (CUDA has its graphs: models/cuda_graphs.py).
+all-reduce and hold a shard of the heads) and devices other than the CPU and CUDA. On CUDA the products of all rows
+are one cuBLAS call per weight and each span attends through the model's sdpa (the target picks its backends); the
+batch-invariant operations are CPU-only.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def why_unsupported(model) -> str | None:
     """Why `LeanForward` cannot run this model (None when it can)."""
     if type(model) not in SUPPORTED:
         return f"it runs {', '.join(c.__name__ for c in SUPPORTED)}, not {type(model).__name__}"
-    if next(model.parameters()).device.type != "cpu":
-        return "it runs on CPU"
+    if next(model.parameters()).device.type not in ("cpu", "cuda"):
+        return "it runs on CPU and CUDA"
     if model.training:
         return "the model is in training mode"
     return None
@@ -178,10 +180,11 @@ class LeanForward:
         return not self.model.training
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, spans: Sequence[Span],
-                logits: bool = True) -> torch.Tensor | None:
+                logits: bool = True, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """input_ids / position_ids [1, R], spans covering the R rows in order (all verify spans, batch-invariant
-        where this loop is, or prefill chunks); each span's cache grows by its rows. -> logits [1, R, V], or None
-        (logits=False: prefill chunks need only their K/V)."""
+        where this loop is, or prefill chunks, or both where it is not); each span's cache grows by its rows.
+        -> logits [1, R, V], or [1, len(rows), V] of those rows only, or None (logits=False: prefill chunks need only
+        their K/V)."""
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, self._eager)
         invariant_rows = self.batch_invariant and all(span.tree for span in spans)
         ops = _INVARIANT_OPS if invariant_rows else _MODEL_OPS
@@ -198,7 +201,11 @@ class LeanForward:
             hidden = self._step(layer, hidden, cos, sin, attend, ops)
         if ragged is not None:
             ragged.finish()
-        return ops.product(self._head, ops.normalize(self._norm, hidden)) if logits else None
+        if not logits:
+            return None
+        if rows is not None:  # the norm and the head work row by row: the rest need neither
+            hidden = hidden[:, rows]
+        return ops.product(self._head, ops.normalize(self._norm, hidden))
 
     @staticmethod
     def _attend(module, query, key, value, spans: Sequence[Span], attention) -> torch.Tensor:

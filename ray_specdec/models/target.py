@@ -174,9 +174,11 @@ class TargetModel:
         sdpa model on CPU (not a shard) where the native kernels build (RAY_SPECDEC_NATIVE=0 turns them off);
         True insists; False leaves the model's attention as loaded. `native_attention_why` says why it is off.
         lean: verify forwards run as models/lean_forward.py's loop over the model's modules (the same logits, bit
-        for bit, without HF's per-call machinery). None: on where it supports the model (GPTNeoX and Llama on CPU,
-        not a shard) unless RAY_SPECDEC_LEAN=0; True insists; False keeps HF's forward. `lean_why` says why it is
-        off.
+        for bit, without HF's per-call machinery), one forward for the verify rows of all requests of a step. None:
+        on where it supports the model (GPTNeoX and Llama on CPU and CUDA, not a shard) unless RAY_SPECDEC_LEAN=0;
+        True insists; False keeps HF's forward, one per request. `lean_why` says why it is off. (Without batch
+        invariance, e.g. on CUDA, a request's rows may round differently with other rows beside them: cuBLAS picks
+        its kernel by the row count.)
         batch_invariant: verify rows take models/batch_invariant.py's operations, so a segment's results do not
         depend on what shares its forward (the planned GEMM paths still serve prefill chunks). None: on where the lean
         loop and the native attention are (float32 on CPU) unless RAY_SPECDEC_BATCH_INVARIANT=0; True insists; False
@@ -220,6 +222,10 @@ class TargetModel:
             lean_forward.LeanForward(self.model, batch_invariant=self.batch_invariant_why is None)
             if self.lean_why is None else None
         )  # fmt: skip
+        # One forward per step for prefill segments and verify rows together, where nothing is batch-invariant anyway
+        # (CUDA): on CPU each prefill chunk runs alone, so that its K/V never depend on what shares its step.
+        self.one_forward = self._lean is not None and not self.batch_invariant and not self._eager and (
+            self.device.type == "cuda")
 
     @property
     def native_attention(self) -> bool:
@@ -266,12 +272,16 @@ class TargetModel:
         if len({id(r.segment.cache) for r in rows}) != len(rows):
             raise ValueError("two segments of one forward share a cache")
         verify = [r for r in rows if r.verify]
-        logits = dict(zip(map(id, verify), self._verify_rows(verify))) if verify else {}
-        for r in rows:
-            if r.verify:
-                r.segment.cache.pending_rows = r.tokens.numel()
-            else:
-                self._prefill_rows(r)
+        if self.one_forward and self._lean.available:
+            work = [r for r in rows if r.tokens.numel()]  # an empty prefill appends nothing
+            logits = dict(zip(map(id, verify), self._all_rows(work))) if work else {}
+        else:
+            logits = dict(zip(map(id, verify), self._verify_rows(verify))) if verify else {}
+            for r in rows:
+                if not r.verify:
+                    self._prefill_rows(r)
+        for r in verify:
+            r.segment.cache.pending_rows = r.tokens.numel()
         return [logits[id(r)].to(self._logits_dtype) if r.verify else None for r in rows]
 
     def prefill(self, cache: TargetCache, input_ids: torch.Tensor) -> None:
@@ -335,8 +345,32 @@ class TargetModel:
             spans.append(Span(start, end, r.segment.cache.kv, mask, tree=True))
             start = end
         input_ids = torch.cat([r.tokens for r in verify])[None]
-        logits = self._lean.forward(input_ids, _positions(verify)[None], spans)[0]
+        with self._sdpa_backends():
+            logits = self._lean.forward(input_ids, _positions(verify).to(self.device)[None], spans)[0]
         return list(logits.split([r.tokens.numel() for r in verify]))
+
+    def _all_rows(self, rows: list[_Rows]) -> list[torch.Tensor]:
+        """`one_forward`: every segment's rows in one lean forward, each attending over its own cache (a prefill
+        segment causally, whole: its mask covers all its rows); -> logits [S_i, V] of the verify segments only."""
+        spans, positions, logit_rows, start = [], [], [], 0
+        for r in rows:
+            n = r.tokens.numel()
+            if r.verify:
+                mask = self._masks(r.cache_len, r.segment.tree)
+                positions.append(r.segment.tree.position_ids(r.cache_len))
+                logit_rows.append(torch.arange(start, start + n))
+            else:
+                mask = _prefill_mask(r.cache_len, n, self._window, None)
+                mask = None if mask is None else mask.to(self.device)
+                positions.append(torch.arange(r.cache_len, r.cache_len + n))
+            spans.append(Span(start, start + n, r.segment.cache.kv, mask, tree=r.verify))
+            start += n
+        input_ids = torch.cat([r.tokens for r in rows])[None]
+        keep = torch.cat(logit_rows).to(self.device) if logit_rows else None
+        with self._sdpa_backends():
+            logits = self._lean.forward(input_ids, torch.cat(positions).to(self.device)[None], spans,
+                                        logits=keep is not None, rows=keep)  # fmt: skip
+        return [] if logits is None else list(logits[0].split([r.tokens.numel() for r in rows if r.verify]))
 
     def _prefill_rows(self, rows: _Rows) -> None:
         """Append a prefill segment's tokens in chunks of PREFILL_CHUNK (EAGER_PREFILL_CHUNK for eager attention),
@@ -352,8 +386,9 @@ class TargetModel:
             cache_len = cache.length
             positions = torch.arange(cache_len, cache_len + chunk.numel(), device=self.device)
             mask = _prefill_mask(cache_len, chunk.numel(), self._window, self.dtype if self._eager else None)
-            span = Span(0, chunk.numel(), cache.kv, mask, tree=False)
-            self._lean.forward(chunk[None], positions[None], [span], logits=False)
+            span = Span(0, chunk.numel(), cache.kv, None if mask is None else mask.to(self.device), tree=False)
+            with self._sdpa_backends():
+                self._lean.forward(chunk[None], positions[None], [span], logits=False)
 
     def _hf_forward(self, tokens, positions, mask, cache: TargetCache, **kwargs):
         """The model's own forward over one segment: tokens / positions [S], mask [1, 1, S, cache + S] or None."""

@@ -1,0 +1,130 @@
+"""Continuous batching on a CUDA device (skipped without one).
+
+On CUDA the lean forward (models/lean_forward.py) carries the verify rows of every request of a step in one forward:
+each weight is one cuBLAS product for all of them, and each request attends over its own cache through sdpa. There is
+no batch-invariant path on CUDA (cuBLAS picks its kernel by the row count, so a row's rounding may depend on the rows
+beside it), so what holds there is:
+
+- the batched forward computes what HF's forward computes request by request (float64: to rounding; same argmax);
+- float64: a request's greedy tokens are the same alone and in a batch of mixed prompts, lengths, max_tokens and
+  trees (and are the target's plain greedy decoding);
+- float32: a batch leaves a request's plain greedy tokens only at near-ties (DESIGN.md, "Floating point").
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from ray_specdec.config import SamplingParams, TreeConfig  # noqa: E402
+from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
+from ray_specdec.engine import SpeculativeEngine  # noqa: E402
+from ray_specdec.models.mamba_drafter import MambaDrafter  # noqa: E402
+from ray_specdec.models.target import Segment, TargetModel  # noqa: E402
+from ray_specdec.training.corpus import heldout_prompts  # noqa: E402
+from ray_specdec.tree import build_tree  # noqa: E402
+from tests.test_engine import random_prompt  # noqa: E402
+from tests.tiny_models import tiny_gpt_neox, tiny_llama  # noqa: E402
+
+CUDA = torch.device("cuda")
+# per request of a mixed batch, cycled: the tree (None: the engine's policy) and max_tokens
+MIXED_TREES = [None, TreeConfig((2, 2, 1, 1)), TreeConfig.parse("none"), TreeConfig((1, 1, 1, 1)),
+               TreeConfig((3, 2, 2, 1, 1)), TreeConfig((4,))]  # fmt: skip
+MIXED_MAX_TOKENS = [16, 40, 64, 24, 33]
+
+
+def count_calls(obj, name: str) -> list[int]:
+    """Wrap obj.name so that every call appends to the returned list."""
+    calls, original = [], getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(obj, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("make_target", [tiny_gpt_neox, tiny_llama], ids=["neox", "llama"])
+def test_one_lean_forward_carries_every_requests_verify_rows_on_cuda(make_target):
+    target = TargetModel(make_target(torch.float64, max_positions=512, seed=4).to(CUDA))
+    assert target.lean_why is None and not target.batch_invariant
+    hf = TargetModel(target.model, lean=False)  # the same weights, HF's forward one request at a time
+    trees = [build_tree(TreeConfig(b).index_paths()) for b in [(), (1,), (2, 2, 1), (3, 2, 1), (1, 1, 1, 1)]]
+    contexts = [1, 17, 64, 150, 300]
+    caches, hf_caches = [target.new_cache(400) for _ in contexts], [hf.new_cache(400) for _ in contexts]
+    for i, (context, cache, hf_cache) in enumerate(zip(contexts, caches, hf_caches)):
+        prompt = torch.tensor(random_prompt(context, seed=i))
+        target.prefill(cache, prompt)
+        hf.prefill(hf_cache, prompt)
+    lean_calls = count_calls(target._lean, "forward")
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        segments = [torch.randint(4, 128, (1 + t.num_nodes,), generator=g) for t in trees]
+        got = target.forward_batch([Segment(c, s, t) for c, s, t in zip(caches, segments, trees)])
+        assert len(lean_calls) == step + 1  # one forward for all five requests
+        for cache, hf_cache, tokens, tree, logits in zip(caches, hf_caches, segments, trees, got):
+            want = hf.forward_batch([Segment(hf_cache, tokens, tree)])[0]
+            assert logits.device.type == "cuda" and logits.shape == want.shape
+            torch.testing.assert_close(logits, want, rtol=1e-9, atol=1e-9)
+            assert torch.equal(logits.argmax(-1), want.argmax(-1))
+            keep = [0] + ([1] if tree.num_nodes else [])  # the root and the first node: commits move rows
+            target.commit(cache, keep)
+            hf.commit(hf_cache, keep)
+
+
+@pytest.fixture(scope="module")
+def shipped64():
+    target = TargetModel.from_pretrained(str(DEFAULT_TARGET), dtype=torch.float64, device="cuda")
+    drafter = MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER), dtype=torch.float64, device="cuda")
+    return target, drafter
+
+
+def mixed_requests(tokenizer) -> tuple[list[list[int]], list[SamplingParams], list[TreeConfig | None]]:
+    """14 requests: short prompts (20-300 tokens) and two long ones (1-2k), mixed max_tokens and trees."""
+    short = heldout_prompts(12, 20, 300, seed=31, tokenizer=tokenizer)
+    long = heldout_prompts(2, 1000, 2000, seed=32, tokenizer=tokenizer)
+    prompts = [p.token_ids for p in short[:6] + long[:1] + short[6:] + long[1:]]
+    params = [SamplingParams(max_new_tokens=n) for n, _ in zip(itertools.cycle(MIXED_MAX_TOKENS), prompts)]
+    trees = [t for t, _ in zip(itertools.cycle(MIXED_TREES), prompts)]
+    return prompts, params, trees
+
+
+def test_float64_greedy_is_the_same_alone_and_in_a_mixed_batch_on_cuda(shipped64):
+    target, drafter = shipped64
+    assert target.lean_why is None
+    prompts, params, trees = mixed_requests(target.tokenizer)
+    engine = SpeculativeEngine(target, drafter, TreeConfig((2, 2, 1, 1)))
+    together = engine.generate_many(prompts, params, trees)
+    drafted = 0
+    for prompt, p, tree, gen in zip(prompts, params, trees, together):
+        alone = SpeculativeEngine(target, None).generate(prompt, p).token_ids  # plain decoding, one request
+        assert gen.token_ids == alone, (len(prompt), p.max_new_tokens, tree)
+        drafted += sum(gen.stats.accepted_lengths) - gen.stats.rounds
+    assert drafted > sum(p.max_new_tokens for p in params) // 5, "the batch must have accepted drafts"
+
+
+def test_float32_batches_leave_plain_decoding_only_at_near_ties_on_cuda():
+    """Where a request's greedy tokens in the batch first differ from its plain decoding alone, the target's logits
+    there (computed alone, float64 of float32) hold both tokens within 1e-3 of each other."""
+    target = TargetModel.from_pretrained(str(DEFAULT_TARGET), dtype=torch.float32, device="cuda")
+    drafter = MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER), dtype=torch.float32, device="cuda")
+    prompts, params, trees = mixed_requests(target.tokenizer)
+    together = SpeculativeEngine(target, drafter, TreeConfig((2, 2, 1, 1))).generate_many(prompts, params, trees)
+    same = 0
+    for prompt, p, gen in zip(prompts, params, together):
+        plain = SpeculativeEngine(target, None).generate(prompt, p).token_ids
+        if gen.token_ids == plain:
+            same += 1
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(gen.token_ids, plain)) if a != b)
+        with torch.inference_mode():
+            logits = target.model(torch.tensor([prompt + plain[:at]], device=CUDA)).logits[0, -1].double()
+        gap = abs(float(logits[plain[at]] - logits[gen.token_ids[at]]))
+        assert gap <= 1e-3, (len(prompt), at, gap)
+    assert same >= len(prompts) // 2, "near-ties should be rare: most requests must match plain decoding exactly"
