@@ -1,0 +1,210 @@
+"""The in-process scheduler under a closed load: one batched target forward per step against one forward per request.
+
+Each cell keeps `c` requests in the scheduler (a finished request is replaced by the next prompt at once) for
+`--duration` seconds after a warm-up, greedy, 64 new tokens, on held-out code windows of 32-512 tokens (the prompts
+of benchmarks/serve_peers.py). Four variants of the same engine, side by side in one run:
+
+- `batched`: the lean forward (models/lean_forward.py) carries the verify rows of every request in one forward per
+  step, each weight read once for all of them; attention runs per request over its own cache;
+- `per-request`: `lean=False`, the model's own forward once per request per step (what the GPU path ran before the
+  lean forward took CUDA);
+
+- `prefills-apart` (`none` only; asked for by name): batched verify rows, but each prefill chunk in a forward of its
+  own, as on CPU (where that keeps a chunk's K/V independent of the batch); on CUDA one forward takes both;
+
+each with the app's policy (the bandit over the default arms, goodput sizing, the speculation guard, the lookup
+branch) and with `tree none`. Every variant runs the same prompts in the same order, so their greedy tokens can be
+compared prompt by prompt: `per-request none` computes each request alone, the target's own greedy decoding, and the
+others are checked against it (on CPU the batch-invariant path makes them identical; on CUDA in float32 they may
+part at near-ties, since cuBLAS picks its kernel by the row count; the count is printed).
+
+`--synthetic-llama HIDDEN,LAYERS` swaps the shipped 13.8M-parameter target for a Llama of that size with random weights
+(the shipped tokenizer's vocabulary, heads of 128): a forward of the shipped target on a GPU costs its kernel launches,
+not its weights, while a real target's batch-1 forward reads every weight for one request. Its drafts would be
+rejected, so only the `none` variants run.
+
+Run from the repository root: python -m benchmarks.batched_loop [--device cuda] [--dtype float32]
+[--concurrency 1,8,32] [--duration 10] [--synthetic-llama 2048,16] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.serve_peers import select_prompts
+from ray_specdec.bandit import Bandit
+from ray_specdec.config import DEFAULT_LOOKUP, SamplingParams, TreeConfig
+from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.factory import resolve_device
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.target import TargetModel
+
+VARIANTS = (("batched", True, None), ("batched", True, "none"), ("prefills-apart", True, "none"),
+            ("per-request", False, None), ("per-request", False, "none"))  # fmt: skip
+REFERENCE = "per-request none"
+MAX_NEW_TOKENS = 64
+
+
+def synthetic_llama(spec: str, dtype: str, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """A random-weight Llama of `HIDDEN,LAYERS` with the shipped target's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ray_specdec.models.loading import load_tokenizer, resolve_dtype
+
+    hidden, layers = (int(x) for x in spec.split(","))
+    tokenizer = load_tokenizer(DEFAULT_TARGET)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=max(hidden // 128, 1), num_key_value_heads=max(hidden // 512, 1),
+                         intermediate_size=256 * round(hidden * 8 / 3 / 256), max_position_embeddings=4096,
+                         attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(resolve_dtype(dtype, device)).eval()
+    return model, tokenizer
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: int, tree: TreeConfig | None,
+             duration: float, device: torch.device,
+             profile_steps: int = 0) -> tuple[dict[str, Any], dict[int, list[int]]]:
+    """Closed loop for `duration` s -> the cell's numbers and each finished request's tokens by prompt index
+    (profile_steps: then that many steps under torch's profiler, its table in the numbers)."""
+    scheduler, params = engine.scheduler, SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
+    order, running, tokens = itertools.count(), {}, {}
+
+    def add() -> None:
+        index = next(order)
+        key = f"p{index}"
+        running[key] = (index % len(prompts), [])
+        scheduler.add(key, prompts[index % len(prompts)], params, tree)
+
+    for _ in range(concurrency):
+        add()
+    steps, produced, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < duration:
+        for out in scheduler.step():
+            index, ids = running[out.request_id]
+            ids += out.chunk.token_ids
+            produced += len(out.chunk.token_ids)
+            if out.chunk.finish_reason is not None:
+                tokens.setdefault(index, ids)
+                del running[out.request_id]
+                add()
+        steps += 1
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    profile = None
+    if profile_steps:  # where the time of a step goes, after the timed loop (the same load)
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(profile_steps):
+                for out in scheduler.step():
+                    if out.chunk.finish_reason is not None:
+                        del running[out.request_id]
+                        add()
+            sync(device)
+        profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48)
+    for key in running:
+        scheduler.abort(key)
+    while scheduler.has_work:  # let aborted requests leave before the next cell
+        scheduler.step()
+    guard = scheduler.guard.summary() if getattr(scheduler, "guard", None) is not None else None
+    return {"tokens_per_s": produced / elapsed, "steps_per_s": steps / elapsed, "finished": len(tokens),
+            "seconds": elapsed, "guard": guard, "profile": profile}, tokens  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when there is one)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
+    p.add_argument("--prompts", type=int, default=400, help="distinct prompts, cycled")
+    p.add_argument("--variants", default=",".join(f"{name} {tree or 'drafting'}" for name, _, tree in VARIANTS
+                                                  if name != "prefills-apart"),
+                   help="comma-separated of: batched drafting, batched none, prefills-apart none, "
+                        "per-request drafting, per-request none")
+    p.add_argument("--synthetic-llama", default=None, metavar="HIDDEN,LAYERS",
+                   help="a random-weight Llama of this size as the target (the none variants only)")
+    p.add_argument("--profile", default="", metavar="VARIANT@C",
+                   help="after that cell (e.g. 'batched none@32'), 20 steps under torch's profiler: its table")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    device = torch.device(resolve_device(args.device))
+    chosen = {v.strip() for v in args.variants.split(",")}
+    if args.synthetic_llama:
+        chosen = {v for v in chosen if v.endswith(" none")}
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    drafter = MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER), dtype=args.dtype, device=str(device))
+    texts = select_prompts(args.prompts, seed=18)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                               else platform.processor() or platform.machine(), "dtype": args.dtype,
+                               "duration_s": args.duration, "target": args.synthetic_llama or "target-neox",
+                               "cells": []}  # fmt: skip
+    outputs: dict[str, dict[int, list[int]]] = {}
+    for name, lean, tree_text in VARIANTS:
+        label = f"{name} {tree_text or 'drafting'}"
+        if label not in chosen:
+            continue
+        if args.synthetic_llama:
+            model, tokenizer = synthetic_llama(args.synthetic_llama, args.dtype, device)
+            target = TargetModel(model, tokenizer, lean=lean)
+        else:
+            target = TargetModel.from_pretrained(str(DEFAULT_TARGET), dtype=args.dtype, device=str(device), lean=lean)
+        if name == "prefills-apart":
+            target.one_forward = False
+        engine = SpeculativeEngine(target, drafter, Bandit(), lookup=DEFAULT_LOOKUP)
+        prompts = [engine.encode(t) for t in texts]
+        tree = TreeConfig.parse(tree_text) if tree_text else None
+        engine.generate_many(prompts[-4:], SamplingParams(max_new_tokens=MAX_NEW_TOKENS), tree)  # warm-up
+        for c in concurrencies:
+            profiled = 20 if args.profile == f"{label}@{c}" else 0
+            cell, tokens = run_cell(engine, prompts, c, tree, args.duration, device, profiled)
+            cell.update(variant=label, concurrency=c)
+            results["cells"].append(cell)
+            for index, ids in tokens.items():
+                outputs.setdefault(label, {}).setdefault(index, ids)
+            print(f"{label:24s} c={c:<3d} {cell['tokens_per_s']:8.1f} tok/s  {cell['steps_per_s']:7.1f} steps/s  "
+                  f"{cell['finished']} finished", flush=True)
+            if cell["profile"]:
+                print(cell["profile"], flush=True)
+    reference = outputs.get(REFERENCE, {})
+    for label, by_prompt in outputs.items():
+        if label == REFERENCE:
+            continue
+        shared = [i for i in by_prompt if i in reference]
+        differ = sum(by_prompt[i] != reference[i] for i in shared)
+        results.setdefault("greedy_vs_reference", {})[label] = {"compared": len(shared), "differ": differ}
+        print(f"greedy tokens, {label} vs {REFERENCE}: {differ} of {len(shared)} prompts differ")
+    table = {(c["variant"], c["concurrency"]): c["tokens_per_s"] for c in results["cells"]}
+    print(f"\n| variant | {' | '.join(f'c={c}' for c in concurrencies)} |")
+    print(f"|---|{'---|' * len(concurrencies)}")
+    for label in dict.fromkeys(c["variant"] for c in results["cells"]):
+        row = [f"{table[label, c]:.1f}" if (label, c) in table else "-" for c in concurrencies]
+        print(f"| {label} | {' | '.join(row)} |")
+    for c in concurrencies:
+        a, b = table.get(("batched drafting", c)), table.get(("per-request drafting", c))
+        n, m = table.get(("batched none", c)), table.get(("per-request none", c))
+        if a and b:
+            print(f"c={c}: batched / per-request, drafting {a / b:.2f}x" + (f", none {n / m:.2f}x" if n and m else ""))
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
