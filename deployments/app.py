@@ -13,6 +13,7 @@ import os
 from typing import Annotated, Any, Literal
 
 import click
+import ray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from ray.serve import Application
 
@@ -79,7 +80,10 @@ class AppArgs(BaseModel):
     upscale_delay_s: float = Field(30.0, ge=0)
     downscale_delay_s: float = Field(600.0, ge=0)
     look_back_period_s: float = Field(30.0, gt=0)  # window of the load average autoscaling acts on
-    num_cpus_per_rank: float = Field(1.0, ge=0)  # CPUs of each target rank (tp_size 1: of the engine replica)
+    # CPUs each target rank reserves and runs torch's threads on (tp_size 1: the engine replica). "auto": 1 on GPUs;
+    # on CPU this machine's cores (at most the CPUs of a Ray already started here) shared by the ranks of the most
+    # engine replicas the app may run, at least 1: on a 2-core machine one replica's target runs on both cores
+    num_cpus_per_rank: Annotated[float, Field(ge=0)] | Literal["auto"] = "auto"
     # custom resources of an engine replica; with tp_size > 1 on GPUs, name one that only the ranks' nodes have: the
     # replica's drafter uses a GPU of the node it lands on (cluster.yaml: engine_slot)
     resources: dict[str, float] = Field(default_factory=dict)
@@ -162,6 +166,19 @@ class AppArgs(BaseModel):
     def autoscaling(self) -> bool:
         return self.max_replicas is not None and self.max_replicas > (self.min_replicas or 1)
 
+    @property
+    def cpus_per_rank(self) -> float:
+        """num_cpus_per_rank with "auto" resolved (the field's comment says how)."""
+        if self.num_cpus_per_rank != "auto":
+            return float(self.num_cpus_per_rank)
+        if self.device != "cpu":
+            return 1.0
+        cores = os.cpu_count() or 1
+        if ray.is_initialized():  # a Ray started with fewer CPUs than the machine has (tests, shared hosts)
+            cores = min(cores, int(ray.cluster_resources().get("CPU", cores)))
+        replicas = self.max_replicas if self.autoscaling else self.replicas
+        return float(max(1, cores // (replicas * self.tp_size)))
+
     def scheduler_config(self) -> SchedulerConfig:
         """The fields named as SchedulerConfig's, read as the CLI's flags are (kv_budget_tokens None: the default)."""
         return scheduler_config_from_args(self)
@@ -189,7 +206,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     metrics = MetricsHubDeployment.bind()  # every replica's metrics, for GET /metrics (deployments/metrics.py)
     replica = dict(
         target=target_path, drafter=drafter_path, tp_size=args.tp_size, dtype=args.dtype, device=args.device,
-        num_cpus_per_rank=args.num_cpus_per_rank, policy=bandit or fixed or default_tree(args.device),
+        num_cpus_per_rank=args.cpus_per_rank, policy=bandit or fixed or default_tree(args.device),
         scheduler=args.scheduler_config(), kv_budget_gib=None if args.kv_budget_tokens else args.kv_budget_gib,
         max_context=args.max_context, drafter_prefill_window=args.drafter_prefill_window,
         recover_timeout_s=args.recover_timeout_s,
@@ -234,7 +251,7 @@ def _engine_options(args: AppArgs) -> dict[str, Any]:
     local_target = args.tp_size == 1  # the replica holds the target itself; with ranks, they hold the devices
     gpus = float(args.device != "cpu") if local_target else 0.0
     options: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": args.num_cpus_per_rank if local_target else 0, "num_gpus": gpus,
+        "ray_actor_options": {"num_cpus": args.cpus_per_rank if local_target else 0, "num_gpus": gpus,
                               "resources": args.resources},
         # every request in flight is one long streaming call; the scheduler queues what does not fit its batch
         "max_ongoing_requests": args.max_running + args.max_waiting,

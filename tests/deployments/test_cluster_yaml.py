@@ -21,7 +21,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from deployments import AppArgs, app
 from deployments.app import (SMALL_MACHINE_CPUS, SMALL_MACHINE_SERVE_ENV, AppError, _engine_options,
-                             small_machine_serve_env)
+                             parse_app_args, small_machine_serve_env)
 from ray_specdec.models.loading import resolve_model_path
 from tests.tiny_models import tiny_tokenizer
 
@@ -137,7 +137,7 @@ def test_gpu_serve_config_fits_the_cluster(cluster):
     assert [name for name, t in types.items() if resource in t["resources"]] == ["target_gpu"]
     per_node = int(node[resource] // per_replica)
     assert per_node >= 1 and per_node * args.tp_size <= node["GPU"]
-    assert per_node * args.tp_size * args.num_cpus_per_rank <= node["CPU"]
+    assert per_node * args.tp_size * args.cpus_per_rank <= node["CPU"]
     assert args.autoscaling and args.max_replicas <= per_node * types["target_gpu"]["max_workers"]
     assert args.min_replicas <= per_node * types["target_gpu"]["min_workers"]  # what `ray up` starts serves at once
     options = _engine_options(args)
@@ -206,6 +206,27 @@ def test_engine_replica_options():
     assert (local["num_cpus"], local["num_gpus"]) == (2, 1)
     ranked = _engine_options(AppArgs(device="cuda", tp_size=2, resources={"engine_slot": 2}))["ray_actor_options"]
     assert (ranked["num_cpus"], ranked["num_gpus"], ranked["resources"]) == (0, 0, {"engine_slot": 2})
+
+
+def test_auto_cpus_per_rank_share_this_machines_cores(monkeypatch):
+    """On CPU the replicas' torch threads share the machine's cores (one replica: all of them); on GPUs one."""
+    app_module = importlib.import_module("deployments.app")  # (the package's `app` is the builder function)
+    monkeypatch.setattr(app_module.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(app_module.ray, "is_initialized", lambda: False)
+    assert AppArgs().cpus_per_rank == 8.0
+    assert _engine_options(AppArgs())["ray_actor_options"]["num_cpus"] == 8.0
+    assert AppArgs(replicas=2).cpus_per_rank == 4.0
+    assert AppArgs(tp_size=2).cpus_per_rank == 4.0
+    assert AppArgs(min_replicas=1, max_replicas=3).cpus_per_rank == 2.0  # room for the most replicas it may run
+    assert AppArgs(replicas=16).cpus_per_rank == 1.0  # at least one
+    assert AppArgs(device="cuda").cpus_per_rank == 1.0
+    assert AppArgs(num_cpus_per_rank=0.5).cpus_per_rank == 0.5  # a number stands as given
+    # a Ray already started with fewer CPUs than the machine has: what it can place
+    monkeypatch.setattr(app_module.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(app_module.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    assert AppArgs().cpus_per_rank == 2.0
+    with pytest.raises(AppError, match="num_cpus_per_rank"):
+        parse_app_args({"num_cpus_per_rank": "-1"})
 
 
 def test_missing_default_models_is_one_clear_line(monkeypatch, tmp_path):
