@@ -1,0 +1,29 @@
+"""benchmarks/batched_loop runs end to end on CPU, and what it checks holds: every finished request's greedy tokens,
+batched with others (drafting or not), equal the same prompt decoded alone. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import batched_loop
+
+
+def test_batched_cells_give_each_prompt_its_own_greedy_tokens(tmp_path):
+    out = tmp_path / "loop.json"
+    results = batched_loop.main(["--device", "cpu", "--concurrency", "1,3", "--duration", "1.5", "--prompts", "12",
+                                 "--variants", "batched drafting,batched none,per-request none",
+                                 "--json", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == results
+    cells = {(c["variant"], c["concurrency"]) for c in results["cells"]}
+    assert cells == {(v, c) for v in ("batched drafting", "batched none", "per-request none") for c in (1, 3)}
+    assert all(c["tokens_per_s"] > 0 for c in results["cells"])
+    checked = results["greedy_vs_reference"]
+    assert set(checked) == {"batched drafting", "batched none"}
+    assert all(v["compared"] > 0 and v["differ"] == 0 for v in checked.values()), checked
+
+
+def test_a_synthetic_target_runs_the_undrafted_variants_only():
+    results = batched_loop.main(["--device", "cpu", "--concurrency", "2", "--duration", "0.5", "--prompts", "8",
+                                 "--synthetic-llama", "128,1"])  # fmt: skip
+    assert results["target"] == "128,1"
+    assert {c["variant"] for c in results["cells"]} == {"batched none", "per-request none"}
