@@ -128,3 +128,23 @@ def test_float32_batches_leave_plain_decoding_only_at_near_ties_on_cuda():
         gap = abs(float(logits[plain[at]] - logits[gen.token_ids[at]]))
         assert gap <= 1e-3, (len(prompt), at, gap)
     assert same >= len(prompts) // 2, "near-ties should be rare: most requests must match plain decoding exactly"
+
+
+def test_masks_reach_sdpa_without_being_padded_again_at_every_layer():
+    """The masks of verify rows and prefill spans are handed to sdpa aligned (TreeMasks, aligned_mask): torch pads
+    and copies a misaligned mask at every call, i.e. per layer and request. (Written after the third GPU session's
+    time ran out, from its profile: not yet run on a GPU.)"""
+    target = TargetModel(tiny_llama(torch.bfloat16, max_positions=512, seed=8).to(CUDA))
+    assert target.one_forward
+    caches = [target.new_cache(400) for _ in range(3)]
+    for i, cache in enumerate(caches):
+        target.prefill(cache, torch.tensor(random_prompt(37 + 50 * i, seed=i)))
+    tree = build_tree(TreeConfig((2, 1)).index_paths())
+    segments = [Segment(c, torch.tensor([5, 6, 7, 8, 9]), tree) for c in caches[:2]]
+    segments.append(Segment(caches[2], torch.tensor(random_prompt(23, seed=9))))  # a prefill after cached rows
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        target.forward_batch(segments)
+        torch.cuda.synchronize()
+    names = [event.name for event in prof.events()]
+    assert any("scaled_dot_product" in name for name in names)
+    assert not [name for name in names if "constant_pad_nd" in name]

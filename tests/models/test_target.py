@@ -213,3 +213,23 @@ def test_tree_masks_are_the_built_masks(window, dtype, monkeypatch):
             assert view.shape == built.shape and view.dtype == built.dtype and view.stride(-1) == 1
             assert torch.equal(view, built)
     assert len(masks._buffers) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aligned_masks_are_the_masks_in_the_layout_sdpa_reads(dtype):
+    """Off the CPU, masks are handed to sdpa with rows at multiples of 16 elements in a buffer of their own, so its
+    memory-efficient kernel does not pad and copy them again at every layer (forced on here, on the CPU)."""
+    masks = target_module.TreeMasks(dtype, torch.device("cpu"), None, aligned=True)
+    assert not target_module.TreeMasks(dtype, torch.device("cpu"), None).aligned  # the CPU's default
+    for cache_len in [0, 1, 15, 16, 17, 300]:
+        for tree in [build_tree(TreeConfig(t).index_paths()) for t in [(), (3, 2, 1)]]:
+            mask = masks(cache_len, tree)
+            built = target_module.tree_attention_mask(cache_len, tree, dtype, torch.device("cpu"))
+            assert torch.equal(mask, built) and mask.stride(-1) == 1
+            assert all(stride % 16 == 0 for stride in mask.stride()[:-1])
+            assert mask.storage_offset() == 0
+    causal = target_module._prefill_mask(40, 7, None, dtype)
+    placed = masks.place(causal)
+    assert torch.equal(placed, causal) and placed.stride(-2) % 16 == 0
+    flags = target_module._prefill_mask(40, 7, None, None)
+    assert masks.place(flags).dtype == torch.bool  # bool masks pass as they are
