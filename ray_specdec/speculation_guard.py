@@ -38,7 +38,8 @@ measured drafting 1.7x faster while the service ran at 0.57x of tree none.)
 - plain side: per plain step of the level's last WINDOW, the seconds it took to give each of its n requests one token,
   seconds * n / tokens (its seconds, when none drafted), fitted as a line a + b n (a, b >= 0; one n seen: its mean).
   Steps of different n are not comparable raw; the line makes them so.
-- policy side: per policy step of the last WINDOW, the seconds plain steps would have taken to give each of its n
+- policy side: per policy step of the last WINDOW (more where steps hold few requests: the last POLICY_ROUNDS
+  request-rounds, as what a round commits depends on its text), the seconds plain steps would have taken to give each of its n
   requests as many tokens, (tokens / n) * plain(n), against the seconds it took. speedup = the sum of the former over
   the sum of the latter: a ratio of throughputs (a mean of per-step ratios would be biased up by noisy steps).
 - stalls: on either side a step counts as at most STALL_CAP times what the side's steps of its size take (a line
@@ -80,6 +81,11 @@ from ray_specdec.bandit import DEFAULT_LOAD_EDGES, load_labels
 # Steps per side a level's comparison remembers: ~32 keeps per-step noise (~20% on a shared 2-core machine) to a few
 # percent in the ratio, while a reversed trend takes over within about one window of the losing side's runs.
 WINDOW = 32
+# The policy side keeps more steps where they hold few requests: at least this many request-rounds (steps x their
+# decoding requests), up to as many steps. What a drafted round commits depends on the text, so at one request 32
+# steps are one or two requests: one text the drafter reads badly measured 0.98 in a 20-second run whose drafting
+# won 1.6x, the level went undrafted, and the stale window kept it so for half the run (292 against 331 tokens/s).
+POLICY_ROUNDS = 256
 # Steps per side before a level's verdict may leave the policy's own choice.
 MIN_SAMPLES = 8
 # Hysteresis around speedup 1: a level changes sides only when the other is this much (relative) faster.
@@ -110,7 +116,7 @@ STALL_CAP = 2.0
 class _Level:
     # (n, tokens, seconds, drafting_s) of steps: n requests decoded `tokens` tokens in all
     plain: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
-    policy: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    policy: deque = field(default_factory=lambda: deque(maxlen=POLICY_ROUNDS))  # trimmed to POLICY_ROUNDS rounds
     clock: int = 0  # steps run at this level since its last exploration run ended
     period: int = EXPLORE_PERIOD  # steps per cycle of one exploration run, once both sides are measured
     flipped: bool = False  # whether the verdict changed since the last exploration run ended
@@ -159,6 +165,7 @@ class SpeculationGuard:
         if prefill or self._mode != self._previous or seconds <= 0 or n < 1 or tokens < 1:
             return
         (lv.plain if self._mode else lv.policy).append((n, tokens, seconds, 0.0 if self._mode else drafting_s))
+        _trim(lv.policy)
         speedup = self._speedup(lv)
         measured = min(len(lv.plain), len(lv.policy))
         if speedup is None or measured < EARLY_SAMPLES:
@@ -188,6 +195,13 @@ class SpeculationGuard:
             return None
         _, as_plain, took = _sides(lv)
         return sum(as_plain) / sum(took)
+
+
+def _trim(policy: deque) -> None:
+    """Drop the oldest policy steps while more than WINDOW remain that hold POLICY_ROUNDS request-rounds."""
+    rounds = sum(n for n, *_ in policy)
+    while len(policy) > WINDOW and rounds - policy[0][0] >= POLICY_ROUNDS:
+        rounds -= policy.popleft()[0]
 
 
 def _gap_period(speedup: float | None) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ray_specdec.speculation_guard import (EARLY_SAMPLES, EXPLORE_COST, EXPLORE_PERIOD, EXPLORE_RUN, MAX_EXPLORE_PERIOD,
-                                           MIN_SAMPLES, WINDOW, SpeculationGuard, plain_line)
+                                           MIN_SAMPLES, POLICY_ROUNDS, WINDOW, SpeculationGuard, plain_line)
 
 TOKENS_PER_ROUND = 2.5  # tokens a drafted round commits, on average
 
@@ -245,3 +245,31 @@ def test_one_stalled_step_does_not_decide_a_verdict():
                 extra = 0.01 * prefill * 3
             guard.observe(1, 1 if plain else 3, seconds, drafting_s=extra)
         assert level.undrafted != drafted, (stall, prefill, guard.speedup(guard.level(1)))
+
+
+def test_one_hard_text_at_one_request_does_not_undraft_a_level_where_drafting_wins():
+    """At one request 32 policy steps are one or two requests' texts, and what a drafted round commits depends on the
+    text. Drafting wins ~1.5x here on average (rounds of 1-4 tokens in 1.6x a plain step's time), but one request of
+    40 rounds that the drafter reads badly (one token a round) measures 0.6 alone. The policy side keeps
+    POLICY_ROUNDS request-rounds, so the level keeps drafting through it."""
+    rng = np.random.default_rng(3)
+    guard = SpeculationGuard()
+    level = guard.levels[guard.level(1)]
+    undrafted = []
+    for step in range(1500):
+        plain = guard.plain(1)
+        hard = 600 <= step < 640
+        tokens = 1 if plain or hard else int(rng.integers(1, 5))
+        guard.observe(1, tokens, 0.004 * (1.0 if plain else 1.6) * (1 + 0.1 * rng.standard_normal()))
+        undrafted.append(level.undrafted)
+    assert not any(undrafted) and len(level.policy) == POLICY_ROUNDS
+
+
+def test_the_policy_window_holds_policy_rounds_of_requests_and_at_least_window_steps():
+    guard = SpeculationGuard()
+    for load, steps in ((1, POLICY_ROUNDS), (4, POLICY_ROUNDS // 4), (16, WINDOW), (40, WINDOW)):
+        level = guard.levels[guard.level(load)]
+        for _ in range(2000):
+            plain = guard.plain(load)
+            guard.observe(load, load if plain else 2 * load, 0.01 * load)
+        assert len(level.policy) == steps, load
