@@ -10,6 +10,8 @@ Errors in the arguments are reported in one line (`serve run` prints "Error: ...
 """
 
 import os
+import types
+import typing
 from typing import Annotated, Any, Literal
 
 import click
@@ -234,9 +236,13 @@ def parse_app_args(raw: dict[str, Any]) -> AppArgs:
     try:
         return AppArgs.model_validate(raw)
     except ValidationError as exc:
-        problems = []
+        problems, alternatives = [], {}
         for error in exc.errors():
-            name = ".".join(str(part) for part in error["loc"])
+            loc = error["loc"]
+            if len(loc) == 2 and loc[0] in _UNION_FIELDS:  # one error per branch of a union: said together below
+                alternatives.setdefault(loc[0], ([], error["input"]))[0].append(error["msg"].removeprefix("Input "))
+                continue
+            name = ".".join(str(part) for part in loc)
             if error["type"] == "extra_forbidden":
                 problems.append(f"{name}: unknown argument (see AppArgs in deployments/app.py)")
                 continue
@@ -244,7 +250,21 @@ def parse_app_args(raw: dict[str, Any]) -> AppArgs:
             if error["type"] != "value_error":
                 message += f" (got {error['input']!r})"
             problems.append(f"{name}: {message}" if name else message)
+        for name, (branches, given) in alternatives.items():  # "should be a valid number, or should be 'auto'"
+            problems.append(f"{name}: {', or '.join(branches)} (got {given!r})")
         raise AppError("bad app arguments: " + "; ".join(problems).replace("\n", " ")) from None
+
+
+def _union_fields() -> frozenset[str]:
+    """AppArgs' fields whose type is a union of two or more kinds besides None (a number or a word): pydantic reports
+    one error per kind."""
+    def kinds(annotation) -> int:
+        return len([a for a in typing.get_args(annotation) if a is not type(None)])
+    return frozenset(name for name, f in AppArgs.model_fields.items()
+                     if typing.get_origin(f.annotation) in (typing.Union, types.UnionType) and kinds(f.annotation) > 1)
+
+
+_UNION_FIELDS = _union_fields()
 
 
 def _engine_options(args: AppArgs) -> dict[str, Any]:

@@ -225,8 +225,14 @@ def test_auto_cpus_per_rank_share_this_machines_cores(monkeypatch):
     monkeypatch.setattr(app_module.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(app_module.ray, "cluster_resources", lambda: {"CPU": 2.0})
     assert AppArgs().cpus_per_rank == 2.0
-    with pytest.raises(AppError, match="num_cpus_per_rank"):
-        parse_app_args({"num_cpus_per_rank": "-1"})
+    # a number or a word: one clause for the field, the kinds it takes together, not pydantic's error per kind
+    for bad, why in (("-1", "greater than or equal to 0"), ("lots", "a valid number")):
+        with pytest.raises(AppError) as info:
+            parse_app_args({"num_cpus_per_rank": bad})
+        message = info.value.format_message()
+        assert message == (f"bad app arguments: num_cpus_per_rank: should be {why}"
+                           + (", unable to parse string as a number" if bad == "lots" else "")
+                           + f", or should be 'auto' (got {bad!r})")  # fmt: skip
 
 
 def test_missing_default_models_is_one_clear_line(monkeypatch, tmp_path):
