@@ -39,9 +39,10 @@ measured drafting 1.7x faster while the service ran at 0.57x of tree none.)
   seconds * n / tokens (its seconds, when none drafted), fitted as a line a + b n (a, b >= 0; one n seen: its mean).
   Steps of different n are not comparable raw; the line makes them so.
 - policy side: per policy step of the last WINDOW (more where steps hold few requests: the last POLICY_ROUNDS
-  request-rounds, as what a round commits depends on its text), the seconds plain steps would have taken to give each of its n
-  requests as many tokens, (tokens / n) * plain(n), against the seconds it took. speedup = the sum of the former over
-  the sum of the latter: a ratio of throughputs (a mean of per-step ratios would be biased up by noisy steps).
+  request-rounds, as what a round commits depends on its text), the seconds plain steps would have taken to give
+  each of its n requests as many tokens, (tokens / n) * plain(n), against the seconds it took. speedup = the sum of
+  the former over the sum of the latter: a ratio of throughputs (a mean of per-step ratios would be biased up by
+  noisy steps).
 - stalls: on either side a step counts as at most STALL_CAP times what the side's steps of its size take (a line
   fitted over n, as for the plain side), so that one stall of the process does not decide a verdict; a policy step's
   drafter prefill charge is added after the cap, being drafting's real cost.

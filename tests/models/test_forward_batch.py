@@ -12,7 +12,8 @@ from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
 from ray_specdec.models import batch_invariant, cpu_attention, native
 from ray_specdec.models.kv_cache import CacheFull
-from ray_specdec.models.target import Segment, TargetModel, tree_attention_mask
+from ray_specdec.models.attention_masks import tree_attention_mask
+from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.tree import build_tree
 from tests.tiny_models import tiny_gpt_neox, tiny_llama, tiny_mistral
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ray_specdec.models.target as target_module
+from ray_specdec.models import attention_masks
 from ray_specdec.config import TreeConfig
 from ray_specdec.models.target import TargetModel
 from ray_specdec.tree import build_tree
@@ -203,13 +204,13 @@ def test_from_pretrained_fp16_checkpoint_loads_fp32(tmp_path):
 def test_tree_masks_are_the_built_masks(window, dtype, monkeypatch):
     """Every view TreeMasks hands out equals the mask tree_attention_mask builds for that cache length, bit for bit,
     across buffer growth (a small first width), shapes coming back after eviction, and windows."""
-    monkeypatch.setattr(target_module, "MASK_MIN_WIDTH", 4)
-    masks = target_module.TreeMasks(dtype, torch.device("cpu"), window, shapes=2)
+    monkeypatch.setattr(attention_masks, "MASK_MIN_WIDTH", 4)
+    masks = attention_masks.TreeMasks(dtype, torch.device("cpu"), window, shapes=2)
     trees = [build_tree(TreeConfig(t).index_paths()) for t in [(), (1,), (3, 2, 1), (2, 2, 1), ()]]
     for cache_len in [0, 1, 3, 4, 5, 17, 2, 100, 0, 64]:
         for tree in trees:
             view = masks(cache_len, tree)
-            built = target_module.tree_attention_mask(cache_len, tree, dtype, torch.device("cpu"), window)
+            built = attention_masks.tree_attention_mask(cache_len, tree, dtype, torch.device("cpu"), window)
             assert view.shape == built.shape and view.dtype == built.dtype and view.stride(-1) == 1
             assert torch.equal(view, built)
     assert len(masks._buffers) == 2
@@ -219,17 +220,17 @@ def test_tree_masks_are_the_built_masks(window, dtype, monkeypatch):
 def test_aligned_masks_are_the_masks_in_the_layout_sdpa_reads(dtype):
     """Off the CPU, masks are handed to sdpa with rows at multiples of 16 elements in a buffer of their own, so its
     memory-efficient kernel does not pad and copy them again at every layer (forced on here, on the CPU)."""
-    masks = target_module.TreeMasks(dtype, torch.device("cpu"), None, aligned=True)
-    assert not target_module.TreeMasks(dtype, torch.device("cpu"), None).aligned  # the CPU's default
+    masks = attention_masks.TreeMasks(dtype, torch.device("cpu"), None, aligned=True)
+    assert not attention_masks.TreeMasks(dtype, torch.device("cpu"), None).aligned  # the CPU's default
     for cache_len in [0, 1, 15, 16, 17, 300]:
         for tree in [build_tree(TreeConfig(t).index_paths()) for t in [(), (3, 2, 1)]]:
             mask = masks(cache_len, tree)
-            built = target_module.tree_attention_mask(cache_len, tree, dtype, torch.device("cpu"))
+            built = attention_masks.tree_attention_mask(cache_len, tree, dtype, torch.device("cpu"))
             assert torch.equal(mask, built) and mask.stride(-1) == 1
             assert all(stride % 16 == 0 for stride in mask.stride()[:-1])
             assert mask.storage_offset() == 0
-    causal = target_module._prefill_mask(40, 7, None, dtype)
+    causal = attention_masks.prefill_mask(40, 7, None, dtype)
     placed = masks.place(causal)
     assert torch.equal(placed, causal) and placed.stride(-2) % 16 == 0
-    flags = target_module._prefill_mask(40, 7, None, None)
+    flags = attention_masks.prefill_mask(40, 7, None, None)
     assert masks.place(flags).dtype == torch.bool  # bool masks pass as they are
