@@ -80,7 +80,15 @@ def test_greedy_matches_engine_and_target_alone(url, engine, reference):
         cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]  # prompts seen before are found whole
         assert body["usage"] == {"prompt_tokens": n, "completion_tokens": MAX_TOKENS, "total_tokens": n + MAX_TOKENS,
                                  "prompt_tokens_details": {"cached_tokens": cached}} and cached in (0, n - 1)
-        assert spec["mean_accepted_length"] > 1.5 and sum(spec["trees"].values()) == spec["rounds"]
+        # Whether a bandit-picked request drafts is the adaptive policy's call (the start rule, goodput sizing and
+        # the speculation guard act on measured step times, which a loaded machine moves): only consistency here.
+        drafted = sum(n for tree, n in spec["trees"].items() if tree != "none")
+        assert sum(spec["trees"].values()) == spec["rounds"] and spec["mean_accepted_length"] >= 1
+        assert drafted or spec["mean_accepted_length"] == 1
+    fixed = completion(post(url, {"prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "tree": "3,2,1"}))
+    spec = fixed["speculative"]  # a client's tree drafts whatever the policy measured: greedy acceptance is exact
+    assert fixed["choices"][0]["token_ids"] == reference[PROMPTS[1]] and spec["mean_accepted_length"] > 1.5
+    assert {t.split("+")[0] for t in spec["trees"]} <= {"3,2,1", "3,2", "3"} and sum(spec["trees"].values()) == spec["rounds"]
     alone = completion(post(url, {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "tree": "none"}))
     assert alone["choices"][0]["token_ids"] == reference[PROMPTS[0]]
     assert alone["speculative"]["rounds"] == MAX_TOKENS and alone["speculative"]["trees"] == {"none": MAX_TOKENS}
