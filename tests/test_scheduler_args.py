@@ -12,9 +12,9 @@ from ray_specdec.scheduler import SchedulerConfig
 from ray_specdec.scheduler_args import add_scheduler_arguments, field_comments, flag, scheduler_config_from_args
 
 # a value other than the default for every field
-CHANGED = {"kv_budget_tokens": 4096, "max_running": 8, "max_waiting": 3, "step_tokens": 1024, "prefill_chunk": 128,
+CHANGED = {"kv_budget_tokens": 4096, "max_running": 8, "max_waiting": 3, "step_tokens": 768, "prefill_chunk": 128,
            "min_path_prob": 0.05, "lookup": 4, "goodput": False, "guard": False, "prefix_cache": False}
-ARGV = ["--kv-budget-tokens", "4096", "--max-running", "8", "--max-waiting", "3", "--step-tokens", "1024",
+ARGV = ["--kv-budget-tokens", "4096", "--max-running", "8", "--max-waiting", "3", "--step-tokens", "768",
         "--prefill-chunk", "128", "--min-path-prob", "0.05", "--lookup", "4", "--no-goodput", "--no-guard",
         "--no-prefix-cache"]
 
