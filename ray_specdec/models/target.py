@@ -42,8 +42,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ray_specdec.models import batch_invariant as invariant
 from ray_specdec.models import cpu_attention, cpu_gemm, lean_forward, native
-from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.attention_masks import TreeMasks, prefill_mask
+from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.lean_forward import Span
 from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path, switched_on
 from ray_specdec.tree import TreeTensors
