@@ -300,7 +300,8 @@ class Scheduler:
             tokens = sum(len(r.verdict.new_tokens) for r in decoding)
             steered = sum(len(r.verdict.new_tokens) for r in decoding if _steered(r))
             guard.observe(admitted, tokens, t3 - t0, prefill_rows > 0, decoding=len(decoding),
-                          drafting_s=steered * self.start_rule.prefill_s_per_decoded_token())
+                          drafting_s=steered * self.start_rule.prefill_s_per_decoded_token(),
+                          drafter_prefill_s=drafter_prefill_s)
         self.steps += 1
         if not self.has_work:  # nothing will step again soon: free the caches of the requests that just ended
             self._send_pending()

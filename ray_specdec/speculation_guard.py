@@ -56,15 +56,28 @@ measured drafting 1.7x faster while the service ran at 0.57x of tree none.)
 Exploration. Of every `period` steps at a level, EXPLORE_RUN consecutive ones run the other mode, so both sides
 stay measured and a wrong verdict ends. Runs, not single steps: the first step that drafts after plain ones pays each
 request's drafter catch-up over the tokens committed meanwhile and the prefills of the requests that came meanwhile,
-a cost of switching rather than of drafting, so the first step after a switch is not measured. While a side has
-is not settled the period is two runs, to decide soon. Then it starts at EXPLORE_PERIOD and doubles after every run
-that leaves the verdict as it was, up to MAX_EXPLORE_PERIOD (exploring the losing mode costs a share of its gap, and a
-settled verdict needs it less); a verdict that changes sets it back to EXPLORE_PERIOD. And it is never shorter than
-what keeps exploration's cost, EXPLORE_RUN / period of the steps each losing `gap` (1/speedup - 1 or speedup - 1) of
-their time, within EXPLORE_COST: a wide gap is explored rarely from the start (as a bandit pulls an arm far behind
-rarely), a narrow one often, where noise could have put the verdict on the wrong side. Served at 8 requests on the
-2-core machine, a drafting step cost ~40% more than a plain one there, so exploring 4 steps in 32 cost ~5% of
-throughput; at 256, under 1%. At 32 requests a drafted step cost 2.3x: 4 in 256 at once.
+a cost of switching rather than of drafting, so the first step after a switch is on neither side (it is measured as
+the switch's cost, below). While a level is not settled the period is two runs, to decide soon. Then it starts at
+EXPLORE_PERIOD and doubles after every run that leaves the verdict as it was, up to MAX_EXPLORE_PERIOD (exploring the
+losing mode costs a share of its gap, and a settled verdict needs it less); a verdict that changes sets it back to
+EXPLORE_PERIOD. And it is never shorter than what keeps one run's cost within EXPLORE_COST of the level's time: its
+EXPLORE_RUN steps each losing `gap` (1/speedup - 1 or speedup - 1) of a step, and its two switches. A wide gap is
+explored rarely from the start (as a bandit pulls an arm far behind rarely), a narrow one often, where noise could
+have put the verdict on the wrong side. Served at 8 requests on the 2-core machine, a drafting step cost ~40% more
+than a plain one there, so exploring 4 steps in 32 cost ~5% of throughput; at 256, under 1%. At 32 requests a drafted
+step cost 2.3x: 4 in 256 at once.
+
+Switch cost. A run pays for its switches too, and they can outweigh its steps: served at T=1 and 8 requests, level
+5-16 was undrafted before and after a cell, but a flip and a flip back had reset its period to 32, and every run's
+first step paid drafter prefills for the requests that came since the last (498 steps in the cell, against 754-795 in
+the other cells of T=1 at 8). Periods sized on the gap alone left that out, so exploring cost far more than
+EXPLORE_COST. The step after a switch is measured where the level itself switched (not where the load moved between
+levels of different verdicts): the seconds it took, with the drafter prefills that ran in it if it drafts (in a plain
+step they are those of requests on trees of their own, common to both modes), beyond what a steady step of its mode at
+the level takes for its tokens (the plain line's time for them; for a policy step, that over the measured speedup,
+which holds its drafter prefill charge). The mean excess of the last SWITCHES such steps into each mode (at least 0)
+summed is one run's switch cost; the period counts it in steps of the verdict's mode. Like the sides, only steps
+without a target prefill are measured; a stall in one lengthens the period for a few runs, the cheap way to err.
 
 Clock-free and deterministic: callers hand in the seconds they measured, so tests drive it with made-up timings.
 """
@@ -103,9 +116,12 @@ EXPLORE_RUN = 4
 # The period doubles after each run that confirms the verdict, up to this (a reversed trend then still shows within
 # WINDOW / (EXPLORE_RUN - 1) runs: about 11 runs, ~2,800 steps at most).
 MAX_EXPLORE_PERIOD = 256
-# The share of a level's throughput exploration may cost once settled: the period is at least EXPLORE_RUN * gap /
-# EXPLORE_COST (up to MAX_EXPLORE_PERIOD).
+# The share of a level's throughput exploration may cost once settled: the period is at least one run's cost (its
+# EXPLORE_RUN losing steps, EXPLORE_RUN * gap, and its two switches, in the level's steps) / EXPLORE_COST (up to
+# MAX_EXPLORE_PERIOD).
 EXPLORE_COST = 0.02
+# Switch steps per level whose excess is remembered (both directions): about four exploration runs.
+SWITCHES = 8
 # A step counts as at most this many times what its side's steps of its size take (their fitted line): served at
 # concurrency 1, a level's measured speedup fell from 1.31 to 0.89 within one cell and ran it undrafted while drafting
 # won 1.3x; one stall of the process (a burst of Ray's own work, a collection) among ~6 ms steps does that. The
@@ -118,6 +134,8 @@ class _Level:
     # (n, tokens, seconds, drafting_s) of steps: n requests decoded `tokens` tokens in all
     plain: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     policy: deque = field(default_factory=lambda: deque(maxlen=POLICY_ROUNDS))  # trimmed to POLICY_ROUNDS rounds
+    # (undrafted, seconds) of the steps right after a switch into that mode: what they took beyond a steady step
+    switches: deque = field(default_factory=lambda: deque(maxlen=SWITCHES))
     clock: int = 0  # steps run at this level since its last exploration run ended
     period: int = EXPLORE_PERIOD  # steps per cycle of one exploration run, once both sides are measured
     flipped: bool = False  # whether the verdict changed since the last exploration run ended
@@ -134,6 +152,8 @@ class SpeculationGuard:
         self.plain_steps = 0  # steps the guard ran undrafted (verdict or exploration)
         self._mode: bool | None = None  # the current step's: undrafted?
         self._previous: bool | None = None  # the step before's
+        self._level: _Level | None = None  # the current step's level
+        self._previous_level: _Level | None = None  # the step before's
 
     def level(self, load: int) -> int:
         return bisect.bisect_left(self.load_edges, load)
@@ -150,24 +170,34 @@ class SpeculationGuard:
             lv.clock = 0
             if not warming:
                 lv.period = max(EXPLORE_PERIOD if lv.flipped else min(2 * lv.period, MAX_EXPLORE_PERIOD),
-                                _gap_period(self._speedup(lv)))  # fmt: skip
+                                _explore_period(lv))  # fmt: skip
             lv.flipped = False
         self._previous, self._mode = self._mode, lv.undrafted != explore
+        self._previous_level, self._level = self._level, lv
         self.plain_steps += self._mode
         return self._mode
 
-    def observe(self, load: int, tokens: int, seconds: float, prefill: bool = False,
-                decoding: int | None = None, drafting_s: float = 0.0) -> None:
-        """The step `plain` was last asked for, at `load`: `decoding` requests (None: `load`) decoded `tokens` tokens
-        in all in `seconds` (drafter prefills left out); `drafting_s`: a policy step's charge for drafter prefills
-        (ignored on a plain step); `prefill`: whether it also ran target prefill rows (then it is not measured)."""
+    def observe(self, load: int, tokens: int, seconds: float, prefill: bool = False, decoding: int | None = None,
+                drafting_s: float = 0.0, drafter_prefill_s: float = 0.0) -> None:
+        """The step `plain` was last asked for (at `load`, measured at the level `plain` chose): `decoding` requests
+        (None: `load`) decoded `tokens` tokens in all in `seconds` (drafter prefills left out); `drafting_s`: a policy
+        step's charge for drafter prefills (ignored on a plain step); `drafter_prefill_s`: the drafter prefills that
+        ran in it (counted only in a policy step right after a switch, in what the switch cost); `prefill`: whether it
+        also ran target prefill rows (then it is not measured)."""
         n = load if decoding is None else decoding
-        lv = self.levels[self.level(load)]
-        if prefill or self._mode != self._previous or seconds <= 0 or n < 1 or tokens < 1:
+        lv = self._level
+        if prefill or seconds <= 0 or n < 1 or tokens < 1:
+            return
+        if self._mode != self._previous:  # a switch's cost, not a mode's: measured apart, where the level switched
+            if self._previous_level is lv:
+                excess = _switch_excess(lv, self._mode, n, tokens,
+                                        seconds + (0.0 if self._mode else drafter_prefill_s))  # fmt: skip
+                if excess is not None:
+                    lv.switches.append((self._mode, excess))
             return
         (lv.plain if self._mode else lv.policy).append((n, tokens, seconds, 0.0 if self._mode else drafting_s))
         _trim(lv.policy)
-        speedup = self._speedup(lv)
+        speedup = _speedup(lv)
         measured = min(len(lv.plain), len(lv.policy))
         if speedup is None or measured < EARLY_SAMPLES:
             return
@@ -177,25 +207,26 @@ class SpeculationGuard:
         if (speedup < 1 - MARGIN) if not lv.undrafted else (speedup > 1 + MARGIN):
             lv.undrafted = not lv.undrafted
             lv.flipped = True
-            lv.period = max(EXPLORE_PERIOD, _gap_period(speedup))
+            lv.period = _explore_period(lv)
             lv.clock = min(lv.clock, lv.period - EXPLORE_RUN)  # a whole run next, not the tail of a longer cycle
 
     def speedup(self, level: int) -> float | None:
         """Policy steps' decode throughput over plain steps' at a level (None: a side unmeasured)."""
-        return self._speedup(self.levels[level])
+        return _speedup(self.levels[level])
 
     def summary(self) -> list[dict]:
-        """Per load level: its label, verdict, measured speedup and steps measured per side."""
-        return [{"load": label, "undrafted": lv.undrafted, "speedup": self._speedup(lv), "plain": len(lv.plain),
-                 "policy": len(lv.policy), "explore_period": lv.period}
+        """Per load level: its label, verdict, measured speedup, steps measured per side, exploration period and the
+        seconds one run's switches cost beyond steady steps."""
+        return [{"load": label, "undrafted": lv.undrafted, "speedup": _speedup(lv), "plain": len(lv.plain),
+                 "policy": len(lv.policy), "explore_period": lv.period, "switch_s": _switch_s(lv)}
                 for label, lv in zip(load_labels(self.load_edges), self.levels)]
 
-    @staticmethod
-    def _speedup(lv: _Level) -> float | None:
-        if not lv.plain or not lv.policy:
-            return None
-        _, as_plain, took = _sides(lv)
-        return sum(as_plain) / sum(took)
+
+def _speedup(lv: _Level) -> float | None:
+    if not lv.plain or not lv.policy:
+        return None
+    _, as_plain, took = _sides(lv)
+    return sum(as_plain) / sum(took)
 
 
 def _trim(policy: deque) -> None:
@@ -205,13 +236,40 @@ def _trim(policy: deque) -> None:
         rounds -= policy.popleft()[0]
 
 
-def _gap_period(speedup: float | None) -> int:
-    """The shortest exploration period that keeps its cost within EXPLORE_COST, given the measured speedup (drafted
-    over plain): each exploration step runs the losing mode, `gap` of a step slower."""
-    if speedup is None or speedup <= 0:
+def _explore_period(lv: _Level) -> int:
+    """The shortest exploration period that keeps its cost within EXPLORE_COST of the level's time: one run is
+    EXPLORE_RUN steps of the losing mode, each `gap` of a step slower, and a switch into each mode (_switch_s), in
+    steps of the verdict's mode."""
+    if not lv.plain or not lv.policy:
         return EXPLORE_PERIOD
+    (plain, _), as_plain, took = _sides(lv)
+    speedup = sum(as_plain) / sum(took)
     gap = abs(speedup - 1) / min(speedup, 1.0)  # 1/s - 1 where drafting loses, s - 1 where it wins
-    return min(MAX_EXPLORE_PERIOD, max(EXPLORE_PERIOD, math.ceil(EXPLORE_RUN * gap / EXPLORE_COST)))
+    step_s = sum(s for _, s in plain) / len(plain) if lv.undrafted else sum(took) / len(took)
+    run = EXPLORE_RUN * gap + _switch_s(lv) / step_s
+    return min(MAX_EXPLORE_PERIOD, max(EXPLORE_PERIOD, math.ceil(run / EXPLORE_COST)))
+
+
+def _switch_excess(lv: _Level, undrafted: bool, n: int, tokens: int, seconds: float) -> float | None:
+    """Seconds a step right after a switch into `undrafted`'s mode took beyond what a steady step of that mode at
+    the level takes for its tokens: the plain line's time for them, over the measured speedup for a policy step
+    (whose steady time includes its drafter prefill charge). None while a side is unmeasured."""
+    speedup = _speedup(lv)
+    if speedup is None:
+        return None
+    (_, plain_s), _, _ = _sides(lv)
+    return seconds - tokens / n * plain_s(n) / (1.0 if undrafted else speedup)
+
+
+def _switch_s(lv: _Level) -> float:
+    """Seconds an exploration run's two switches cost beyond steady steps: per mode, the mean excess of the steps
+    after a switch into it (at least 0; 0 where none measured), summed."""
+    total = 0.0
+    for undrafted in (False, True):
+        excess = [seconds for mode, seconds in lv.switches if mode == undrafted]
+        if excess:
+            total += max(0.0, sum(excess) / len(excess))
+    return total
 
 
 def _clear(lv: _Level, speedup: float) -> bool:

@@ -1,7 +1,7 @@
 """The speculation guard on made-up timings: a load level where drafted steps decode slower than plain ones goes
 undrafted, others keep drafting; exploration keeps the losing side measured so a reversed trend flips the verdict back,
-and grows rarer while the verdict holds; prefill steps and the first step after a switch are not measured; steps of
-different sizes are normalised."""
+and grows rarer while the verdict holds; prefill steps and the first step after a switch are not measured as either
+side, the latter's excess counting in what exploring costs; steps of different sizes are normalised."""
 
 from __future__ import annotations
 
@@ -273,3 +273,32 @@ def test_the_policy_window_holds_policy_rounds_of_requests_and_at_least_window_s
             plain = guard.plain(load)
             guard.observe(load, load if plain else 2 * load, 0.01 * load)
         assert len(level.policy) == steps, load
+
+
+def test_what_a_switch_costs_lengthens_the_exploration_period():
+    """Drafting loses narrowly (0.88: EXPLORE_RUN steps in EXPLORE_PERIOD cost ~2%), but the first drafted step of
+    each exploration run pays drafter prefills worth three plain steps (the requests that came since the last run),
+    handed in apart from the step's seconds. Counted with the run, the period the verdict starts from keeps
+    exploration within EXPLORE_COST of the level's time, prefills included; left out (as the guard once did), it
+    started at EXPLORE_PERIOD and the first runs cost ~3.5%. Prefills handed in with a plain step after a switch (a
+    client tree's: common to both modes) are not a switch's cost."""
+    guard = SpeculationGuard()
+    level = guard.levels[2]
+    speedup, switch_s = 0.88, 3 * plain_seconds(8)
+    spent, as_plain, previous, settled = [], [], None, None
+    for step in range(1000):
+        plain = guard.plain(8)
+        tokens = 8 if plain else 20
+        seconds = plain_seconds(8) * tokens / 8 / (1.0 if plain else speedup)
+        prefills = switch_s if plain != previous else 0.0  # into plain: a client tree's session, into drafting: ours
+        guard.observe(8, tokens, seconds, drafter_prefill_s=prefills)
+        spent.append(seconds + (0.0 if plain else prefills))
+        as_plain.append(plain_seconds(8) * tokens / 8)
+        previous = plain
+        if settled is None and level.settled:
+            settled, period = step + 1, level.period
+    run = EXPLORE_RUN * (1 / speedup - 1) + 3  # in plain steps: the losing steps' gap and the switch into drafting
+    assert level.undrafted and period == math.ceil(run / EXPLORE_COST) > EXPLORE_PERIOD
+    assert guard.summary()[2]["switch_s"] == pytest.approx(switch_s)
+    cost = sum(spent[settled:settled + 600]) / sum(as_plain[settled:settled + 600]) - 1
+    assert 0 < cost <= 1.1 * EXPLORE_COST
