@@ -11,6 +11,9 @@ of benchmarks/serve_peers.py). Four variants of the same engine, side by side in
 
 - `prefills-apart` (`none` only; asked for by name): batched verify rows, but each prefill chunk in a forward of its
   own, as on CPU (where that keeps a chunk's K/V independent of the batch); on CUDA one forward takes both;
+- `own-caches` (asked for by name): batched products, but every request's K/V in a cache of its own and its
+  attention one call per request per layer (`kv_pool=False`); `batched` pools the caches where the target does
+  (models/kv_pool.py: CUDA), so its verify rows attend in one call per layer;
 
 each with the app's policy (the bandit over the default arms, goodput sizing, the speculation guard, the lookup
 branch) and with `tree none`. Every variant runs the same prompts in the same order, so their greedy tokens can be
@@ -48,8 +51,10 @@ from ray_specdec.factory import resolve_device
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 
-VARIANTS = (("batched", True, None), ("batched", True, "none"), ("prefills-apart", True, "none"),
-            ("per-request", False, None), ("per-request", False, "none"))  # fmt: skip
+VARIANTS = (("batched", True, None), ("batched", True, "none"), ("own-caches", True, None),
+            ("own-caches", True, "none"), ("prefills-apart", True, "none"), ("per-request", False, None),
+            ("per-request", False, "none"))  # fmt: skip
+OPT_IN = ("prefills-apart", "own-caches")  # variants that run only when named
 REFERENCE = "per-request none"
 MAX_NEW_TOKENS = 64
 
@@ -135,9 +140,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--duration", type=float, default=10.0, help="seconds per cell")
     p.add_argument("--prompts", type=int, default=400, help="distinct prompts, cycled")
     p.add_argument("--variants", default=",".join(f"{name} {tree or 'drafting'}" for name, _, tree in VARIANTS
-                                                  if name != "prefills-apart"),
-                   help="comma-separated of: batched drafting, batched none, prefills-apart none, "
-                        "per-request drafting, per-request none")
+                                                  if name not in OPT_IN),
+                   help="comma-separated of: batched drafting, batched none, own-caches drafting, own-caches none, "
+                        "prefills-apart none, per-request drafting, per-request none")
     p.add_argument("--synthetic-llama", default=None, metavar="HIDDEN,LAYERS",
                    help="a random-weight Llama of this size as the target (the none variants only)")
     p.add_argument("--profile", default="", metavar="VARIANT@C",
@@ -160,11 +165,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         label = f"{name} {tree_text or 'drafting'}"
         if label not in chosen:
             continue
+        pool = False if name == "own-caches" else None
         if args.synthetic_llama:
             model, tokenizer = synthetic_llama(args.synthetic_llama, args.dtype, device)
-            target = TargetModel(model, tokenizer, lean=lean)
+            target = TargetModel(model, tokenizer, lean=lean, kv_pool=pool)
         else:
-            target = TargetModel.from_pretrained(str(DEFAULT_TARGET), dtype=args.dtype, device=str(device), lean=lean)
+            target = TargetModel.from_pretrained(str(DEFAULT_TARGET), dtype=args.dtype, device=str(device), lean=lean,
+                                                 kv_pool=pool)  # fmt: skip
         if name == "prefills-apart":
             target.one_forward = False
         engine = SpeculativeEngine(target, drafter, Bandit(), lookup=DEFAULT_LOOKUP)

@@ -72,7 +72,9 @@ class TargetCaches:
         for request_id, keep in work.commits:
             self.target.commit(self._cache(request_id), keep)
         for request_id in work.releases:
-            self.caches.pop(request_id, None)
+            cache = self.caches.pop(request_id, None)
+            if cache is not None:
+                self.target.release(cache)
         for request_id, capacity in work.allocations:
             if request_id in self.caches:
                 raise ValueError(f"request {request_id!r} already has a cache")
@@ -108,6 +110,8 @@ class TargetCaches:
         return cache
 
     def reset(self) -> None:
+        for cache in self.caches.values():
+            self.target.release(cache)
         self.caches.clear()
         self.chunks.clear()
 

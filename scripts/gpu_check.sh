@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks to run when a GPU is at hand (CI has none): the CUDA tests, then the batched loop on the GPU, with the
-# shipped models and with a Llama-7B-sized target of random weights (tree none). Needs torch with CUDA, transformers
+# shipped models and with a Llama-7B-sized target of random weights (tree none); pooled caches (`batched`, the default
+# on CUDA) against caches of their own (`own-caches`). Needs torch with CUDA, transformers
 # and triton; no Ray. Logs and the benchmarks' JSON go to $OUT (default gpu_out/).
 # Run from the repository root: bash scripts/gpu_check.sh   (DURATION / DURATION_7B: seconds per cell, 8 / 12)
 set -u
@@ -12,11 +13,12 @@ quiet() { grep -v "Loading weights\|Warning\|_warn_once\|output = func\|forward_
 nvidia-smi -L
 python3 -c "import torch, transformers, triton
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/test_cuda_batching.py tests/test_cuda.py 2>&1 \
+python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/test_cuda_batching.py tests/test_cuda.py \
+  tests/models/test_kv_pool.py 2>&1 \
   | tee "$out/tests.log" | quiet | tail -25
 python3 -m benchmarks.batched_loop --device cuda --dtype float32 --duration "${DURATION:-8}" \
-  --variants "batched drafting,batched none,prefills-apart none,per-request none" \
+  --variants "batched drafting,batched none,own-caches none,per-request none" \
   --json "$out/batched_loop.json" 2>&1 | tee "$out/batched_loop.log" | quiet
 python3 -m benchmarks.batched_loop --device cuda --dtype bfloat16 --synthetic-llama 4096,32 \
-  --duration "${DURATION_7B:-12}" --variants "batched none,prefills-apart none,per-request none" \
+  --duration "${DURATION_7B:-12}" --variants "batched none,own-caches none" \
   --profile "batched none@32" --json "$out/batched_loop_7b.json" 2>&1 | tee "$out/batched_loop_7b.log" | quiet

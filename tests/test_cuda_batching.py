@@ -130,12 +130,14 @@ def test_float32_batches_leave_plain_decoding_only_at_near_ties_on_cuda():
     assert same >= len(prompts) // 2, "near-ties should be rare: most requests must match plain decoding exactly"
 
 
-def test_masks_reach_sdpa_without_being_padded_again_at_every_layer():
-    """The masks of verify rows and prefill spans are handed to sdpa aligned (TreeMasks, aligned_mask): torch pads
-    and copies a misaligned mask at every call, i.e. per layer and request. (Written after the third GPU session's
-    time ran out, from its profile: not yet run on a GPU.)"""
-    target = TargetModel(tiny_llama(torch.bfloat16, max_positions=512, seed=8).to(CUDA))
-    assert target.one_forward
+@pytest.mark.parametrize("pool", [None, False], ids=["pooled", "own_caches"])
+def test_masks_reach_sdpa_without_being_padded_again_at_every_layer(pool):
+    """The masks of verify rows and prefill spans are handed to sdpa aligned (TreeMasks, aligned_mask, and the pooled
+    batch's mask): torch pads and copies a misaligned mask at every call, i.e. per layer and request. Pooled caches
+    (the default on CUDA) attend in one sdpa call per layer for all verify rows; caches of their own, one per request.
+    (Written after the third GPU session's time ran out, from its profile.)"""
+    target = TargetModel(tiny_llama(torch.bfloat16, max_positions=512, seed=8).to(CUDA), kv_pool=pool)
+    assert target.one_forward and (target.kv_pool_why is None) == (pool is None)
     caches = [target.new_cache(400) for _ in range(3)]
     for i, cache in enumerate(caches):
         target.prefill(cache, torch.tensor(random_prompt(37 + 50 * i, seed=i)))
@@ -146,5 +148,6 @@ def test_masks_reach_sdpa_without_being_padded_again_at_every_layer():
         target.forward_batch(segments)
         torch.cuda.synchronize()
     names = [event.name for event in prof.events()]
-    assert any("scaled_dot_product" in name for name in names)
+    calls = names.count("aten::scaled_dot_product_attention")
+    assert calls == 2 * (2 if pool is None else 3)  # per layer: the pooled verify rows and the prefill, or each alone
     assert not [name for name in names if "constant_pad_nd" in name]

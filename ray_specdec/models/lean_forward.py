@@ -37,7 +37,7 @@ from transformers.models.gpt_neox import modeling_gpt_neox
 from transformers.models.llama import modeling_llama
 
 from ray_specdec.models import batch_invariant as invariant
-from ray_specdec.models import cpu_attention
+from ray_specdec.models import cpu_attention, kv_pool
 from ray_specdec.models.kv_cache import GrowableKVCache
 
 # Exactly these classes: a subclass may change what a layer does.
@@ -79,6 +79,9 @@ class Span:
     # batch-invariant path's native attention takes without a mask).
     mask: torch.Tensor | None
     tree: bool  # a verify's rows (tree mask, additive); else a prefill chunk's (causal)
+    # A verify's tree [S, S] bool (row i sees row j): where set and the cache is pooled (kv_pool.py), the span attends
+    # with the step's other pooled spans in one call per layer, and `mask` is not read.
+    tree_mask: torch.Tensor | None = None
 
 
 def _call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -196,11 +199,15 @@ class LeanForward:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         # Verify spans of the batch-invariant path attend all in one native call per layer.
         ragged = _RaggedAttention(spans, len(self._layers)) if invariant_rows else None
-        attend = partial(self._attend, spans=spans, attention=attention) if ragged is None else ragged
+        # Verify spans over pooled caches (the GPU path) attend all in one call per layer.
+        pooled = None if invariant_rows else kv_pool.pooled_spans(spans)
+        pooled = kv_pool.PooledAttention(pooled) if pooled else None
+        attend = partial(self._attend, spans=spans, attention=attention, pooled=pooled) if ragged is None else ragged
         for layer in self._layers:
             hidden = self._step(layer, hidden, cos, sin, attend, ops)
-        if ragged is not None:
-            ragged.finish()
+        for batched in (ragged, pooled):
+            if batched is not None:
+                batched.finish()
         if not logits:
             return None
         if rows is not None:  # the norm and the head work row by row: the rest need neither
@@ -208,17 +215,29 @@ class LeanForward:
         return ops.product(self._head, ops.normalize(self._norm, hidden))
 
     @staticmethod
-    def _attend(module, query, key, value, spans: Sequence[Span], attention) -> torch.Tensor:
-        """query [1, H, R, D], key / value [1, Hkv, R, D] of all rows -> [1, R, H * D]: each span writes its K/V to
-        its cache and attends over it through the model's attention function."""
+    def _attend(module, query, key, value, spans: Sequence[Span], attention,
+                pooled: kv_pool.PooledAttention | None = None) -> torch.Tensor:
+        """query [1, H, R, D], key / value [1, Hkv, R, D] of all rows -> [1, R, H * D]: the pooled spans attend in
+        one call; every other span writes its K/V to its cache and attends over it through the model's attention
+        function."""
+        together = None if pooled is None else pooled(module, query, key, value)  # [Rp, H * D]
+        if together is not None and len(pooled.spans) == len(spans):
+            return together[None]  # the spans cover the rows in order
         outs = []
         for span in spans:
+            if together is not None and id(span) in pooled.members:
+                continue
             rows = slice(span.start, span.end)
             keys, values = span.cache.update(key[:, :, rows], value[:, :, rows], module.layer_idx)
             out, _ = attention(module, query[:, :, rows], keys, values, span.mask, dropout=0.0, scaling=module.scaling)
-            outs.append(out)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return out.reshape(*query.shape[:1], query.shape[2], -1).contiguous()
+            outs.append((span, out))
+        if together is None:
+            out = outs[0][1] if len(outs) == 1 else torch.cat([out for _, out in outs], dim=1)
+            return out.reshape(*query.shape[:1], query.shape[2], -1).contiguous()
+        out = together.new_empty(query.shape[2], together.shape[-1]).index_copy_(0, pooled.source_d, together)
+        for span, rows in outs:
+            out[span.start : span.end] = rows.reshape(span.end - span.start, -1)
+        return out[None]
 
     def _neox_layer(self, layer, hidden, cos, sin, attend, ops: _Ops) -> torch.Tensor:
         """GPTNeoXLayer.forward (eval: its dropouts are identities)."""

@@ -41,7 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ray_specdec.models import batch_invariant as invariant
-from ray_specdec.models import cpu_attention, cpu_gemm, lean_forward, native
+from ray_specdec.models import cpu_attention, cpu_gemm, kv_pool, lean_forward, native
 from ray_specdec.models.attention_masks import TreeMasks, prefill_mask
 from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.lean_forward import Span
@@ -120,6 +120,7 @@ class TargetModel:
         native_attention: bool | None = None,
         lean: bool | None = None,
         batch_invariant: bool | None = None,
+        kv_pool: bool | None = None,
     ) -> "TargetModel":
         """Load from a hub id or a local directory; float32 on CPU unless `dtype` says otherwise."""
         path = resolve_model_path(name_or_path)
@@ -127,7 +128,8 @@ class TargetModel:
             path, dtype=resolve_dtype(dtype, device), attn_implementation=ATTN_IMPLEMENTATION
         )
         return cls(model.to(device).eval(), load_tokenizer(path), planned_gemm=planned_gemm,
-                   native_attention=native_attention, lean=lean, batch_invariant=batch_invariant)
+                   native_attention=native_attention, lean=lean, batch_invariant=batch_invariant,
+                   kv_pool=kv_pool)
 
     def __init__(
         self,
@@ -138,6 +140,7 @@ class TargetModel:
         native_attention: bool | None = None,
         lean: bool | None = None,
         batch_invariant: bool | None = None,
+        kv_pool: bool | None = None,
     ):
         """planned_gemm: the Linear layers take the fastest measured GEMM path per row count (models/cpu_gemm.py).
         None: on for a float32 model on CPU (not for a DeepSpeed engine's shard), unless the environment sets
@@ -154,7 +157,11 @@ class TargetModel:
         batch_invariant: verify rows take models/batch_invariant.py's operations, so a segment's results do not
         depend on what shares its forward (the planned GEMM paths still serve prefill chunks). None: on where the lean
         loop and the native attention are (float32 on CPU) unless RAY_SPECDEC_BATCH_INVARIANT=0; True insists; False
-        keeps the planned paths. `batch_invariant_why` says why it is off."""
+        keeps the planned paths. `batch_invariant_why` says why it is off.
+        kv_pool: caches with a capacity (a KV budget's share) live in one pool per layer and a step's verify rows
+        attend in one call per layer (models/kv_pool.py). None: on where the lean loop runs without batch invariance
+        and without a sliding window (CUDA) unless RAY_SPECDEC_KV_POOL=0; True insists; False: a cache of its own per
+        request. `kv_pool_why` says why it is off."""
         sharded = not isinstance(model, PreTrainedModel)
         # A DeepSpeed InferenceEngine keeps the (AutoTP-sharded) HF model as `.module`; call that one directly.
         self.model = model.module if sharded else model
@@ -198,6 +205,9 @@ class TargetModel:
         # (CUDA): on CPU each prefill chunk runs alone, so that its K/V never depend on what shares its step.
         self.one_forward = self._lean is not None and not self.batch_invariant and not self._eager and (
             self.device.type == "cuda")
+        self.kv_pool_why: str | None = _switch_why(
+            "kv_pool", kv_pool, "RAY_SPECDEC_KV_POOL", lambda: self._kv_pool_blocker(insisted=kv_pool is True))
+        self._pool: kv_pool.KVPool | None = None  # made on the first cache with a capacity
 
     @property
     def native_attention(self) -> bool:
@@ -216,6 +226,19 @@ class TargetModel:
             return f"the native attention is off ({self.native_attention_why})"
         return invariant.why_unsupported(self.model)
 
+    def _kv_pool_blocker(self, insisted: bool) -> str | None:
+        if self._lean is None:
+            return f"the lean forward is off ({self.lean_why})"
+        if self.batch_invariant:
+            return "the forward is batch-invariant (the native CPU attention serves every request in one call)"
+        if self._eager:
+            return "the model's attention is eager"
+        if self._window is not None:
+            return "the model attends through a sliding window"
+        if self.device.type == "cpu" and not insisted:
+            return "on the CPU the verify rows batch through the native attention (kv_pool=True pools anyway)"
+        return None
+
     @property
     def kv_bytes_per_token(self) -> int:
         """K + V bytes one cached token takes over all layers (the whole model's: a tensor-parallel rank holds its
@@ -233,7 +256,22 @@ class TargetModel:
             return TargetCache(GrowableKVCache(max_capacity=self.max_context))
         if capacity < 1:
             raise ValueError(f"a cache needs a capacity of at least one row, got {capacity}")
+        if self.kv_pool_why is None:
+            if self._pool is None:
+                c = self._config
+                kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+                head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+                self._pool = kv_pool.KVPool(c.num_hidden_layers, kv_heads, head_dim, head_dim, self.dtype,
+                                            self.device)  # fmt: skip
+            kv = self._pool.new_cache(capacity)
+            if kv is not None:  # else the device had no memory to grow the pool: a cache of its own
+                return TargetCache(kv)
         return TargetCache(GrowableKVCache(max_capacity=capacity, preallocate=True))
+
+    def release(self, cache: TargetCache) -> None:
+        """The request is done with the cache: a pooled one's rows are free at once (else when it is collected)."""
+        if self._pool is not None:
+            self._pool.free(cache.kv)
 
     @torch.inference_mode()
     def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
@@ -313,8 +351,11 @@ class TargetModel:
         spans, start = [], 0
         for r in verify:
             tree, end = r.segment.tree, start + r.tokens.numel()
-            mask = None if maskless and tree.num_nodes == 0 else self._masks(r.cache_len, tree)
-            spans.append(Span(start, end, r.segment.cache.kv, mask, tree=True))
+            if kv_pool.pool_of(r.segment.cache.kv) is not None:  # attends with the other pooled spans
+                spans.append(Span(start, end, r.segment.cache.kv, None, tree=True, tree_mask=tree.attn_mask))
+            else:
+                mask = None if maskless and tree.num_nodes == 0 else self._masks(r.cache_len, tree)
+                spans.append(Span(start, end, r.segment.cache.kv, mask, tree=True))
             start = end
         input_ids = torch.cat([r.tokens for r in verify])[None]
         with self._sdpa_backends():
@@ -327,15 +368,19 @@ class TargetModel:
         spans, positions, logit_rows, start = [], [], [], 0
         for r in rows:
             n = r.tokens.numel()
+            tree_mask = None
             if r.verify:
-                mask = self._masks(r.cache_len, r.segment.tree)
+                if kv_pool.pool_of(r.segment.cache.kv) is not None:  # attends with the other pooled spans
+                    mask, tree_mask = None, r.segment.tree.attn_mask
+                else:
+                    mask = self._masks(r.cache_len, r.segment.tree)
                 positions.append(r.segment.tree.position_ids(r.cache_len))
                 logit_rows.append(torch.arange(start, start + n))
             else:  # additive and aligned off the CPU: a bool mask would be converted and padded at every layer
                 mask = prefill_mask(r.cache_len, n, self._window, None if self.device.type == "cpu" else self.dtype)
                 mask = None if mask is None else self._masks.place(mask)
                 positions.append(torch.arange(r.cache_len, r.cache_len + n))
-            spans.append(Span(start, start + n, r.segment.cache.kv, mask, tree=r.verify))
+            spans.append(Span(start, start + n, r.segment.cache.kv, mask, tree=r.verify, tree_mask=tree_mask))
             start += n
         input_ids = torch.cat([r.tokens for r in rows])[None]
         keep = torch.cat(logit_rows).to(self.device) if logit_rows else None

@@ -1,0 +1,227 @@
+"""The requests' K/V in one pooled tensor per layer, and the verify rows of a whole step attending over it in one call
+per layer (`PooledAttention`): the GPU path of continuous batching.
+
+Why. With a cache of its own per request, a batched forward attends request by request: per layer and request a
+write of the new K/V and one sdpa call. Profiled on an H200 (docs/BENCHMARKS.md, third GPU session), a 7B-sized
+Llama at 32 requests launched ~7,200 kernels a step, 1,024 of them sdpa calls, and the step took ~180 ms of host time
+against ~37 ms of GPU time: bound by its launches, not its arithmetic. vLLM's answer is a paged KV pool read by a
+varlen kernel. Here: every request's cache is a contiguous range of rows of one pool per layer, so a step's verify
+rows write their K/V with one `index_copy_` per layer, gather every request's cached rows into a padded batch
+`[B, Hkv, L, D]` with one indexing op, and attend in one sdpa call with a `[B, 1, Q, L]` mask built once per forward
+(each request's cached columns and its own tree's ancestors). A few launches per layer, whatever the batch size.
+
+Layout. Per layer, keys `[rows, Hkv, Dk]` and values `[rows, Hkv, Dv]`. A request's range is its KV budget share (the
+scheduler's allocation: prompt, max_tokens and tree rows), placed first fit. Its `GrowableKVCache` sees it as
+`[1, Hkv, capacity, D]` views, so every other path (prefill chunks through the model's attention, compaction after
+acceptance, prefix-cache copies, HF's forward) works on it unchanged. When no free range fits, the pool doubles (one
+copy of its rows; every live cache's views are rebound between forwards); where the device has no memory left for
+that, the request gets a cache of its own and attends on its own, as before. A range is freed when the request's cache
+is released (`free`), or at the latest when the cache is garbage-collected.
+
+Exactness. The gathered keys, values and queries are copies of the same numbers, and masked columns add the dtype's
+minimum as the per-request masks do, so the result is sdpa's over the same inputs; only the batch shape differs,
+which (as for cuBLAS's row count) can change the last bits on CUDA. tests/models/test_kv_pool.py checks it against
+the per-request path in float64 on the CPU (logits to 1e-10, the same greedy tokens for a mixed batch).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Sequence
+
+import torch
+
+from ray_specdec.models.kv_cache import GrowableKVCache, GrowableLayer
+
+# Rows of a pool's first allocation (at least 8 of the first request's capacity): for a 7B-sized Llama in bfloat16,
+# 16,384 rows are 8 GiB; the pool doubles when a range does not fit.
+MIN_POOL_ROWS = 16384
+# The gathered key length is rounded up to this many columns: the mask's rows then start at sdpa's memory-efficient
+# kernel's alignment (attention_masks.MASK_ALIGNMENT) with no padding copy per call.
+KEY_ALIGNMENT = 16
+
+
+class KVPool:
+    """Per-layer K/V pools; `new_cache(capacity)` places a request's cache in them (None when the device is full)."""
+
+    def __init__(self, layers: int, kv_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, rows: int = 0):
+        self.layers, self.kv_heads, self.key_dim, self.value_dim = layers, kv_heads, key_dim, value_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.rows = 0
+        self.keys: list[torch.Tensor] = []  # per layer [rows, Hkv, Dk]
+        self.values: list[torch.Tensor] = []  # per layer [rows, Hkv, Dv]
+        self._free: list[tuple[int, int]] = []  # free ranges [start, end), ascending, never adjacent
+        self._caches: weakref.WeakValueDictionary[int, GrowableKVCache] = weakref.WeakValueDictionary()
+        if rows:
+            self._grow(rows)
+
+    @property
+    def free_rows(self) -> int:
+        return sum(end - start for start, end in self._free)
+
+    def new_cache(self, capacity: int) -> GrowableKVCache | None:
+        """A cache of `capacity` rows in the pool (growing it if no free range fits), or None where the device has no
+        memory for that."""
+        if capacity < 1:
+            raise ValueError(f"a cache needs a capacity of at least one row, got {capacity}")
+        offset = self._place(capacity)
+        if offset is None:
+            try:
+                self._grow(max(2 * self.rows, self.rows + capacity, MIN_POOL_ROWS, 8 * capacity))
+            except torch.OutOfMemoryError:
+                return None
+            offset = self._place(capacity)
+        cache = GrowableKVCache(max_capacity=capacity, preallocate=True)
+        cache.pool, cache.pool_offset = self, offset
+        cache.layers = [_pooled_layer(capacity) for _ in range(self.layers)]
+        self._bind(cache)
+        self._caches[offset] = cache
+        cache.pool_release = weakref.finalize(cache, self._release, offset, capacity)
+        return cache
+
+    def free(self, cache: GrowableKVCache) -> None:
+        """Give the cache's rows back now (the cache must not be used after this); a cache not of this pool: no-op."""
+        if getattr(cache, "pool", None) is self:
+            cache.pool_release()
+
+    def _place(self, capacity: int) -> int | None:
+        """First fit: the start of a free range of `capacity` rows, taken out of the free list (None: none fits)."""
+        for i, (start, end) in enumerate(self._free):
+            if end - start >= capacity:
+                if end - start == capacity:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + capacity, end)
+                return start
+        return None
+
+    def _release(self, offset: int, capacity: int) -> None:
+        """Rows [offset, offset + capacity) are free again (merged with free neighbours)."""
+        self._caches.pop(offset, None)
+        start, end = offset, offset + capacity
+        kept = []
+        for s, e in self._free:
+            if e == start:
+                start = s
+            elif s == end:
+                end = e
+            else:
+                kept.append((s, e))
+        kept.append((start, end))
+        self._free = sorted(kept)
+
+    def _grow(self, rows: int) -> None:
+        """Pools of `rows` rows holding the old ones; every live cache's views rebound to them."""
+        old = self.rows
+        keys = [torch.empty(rows, self.kv_heads, self.key_dim, dtype=self.dtype, device=self.device)
+                for _ in range(self.layers)]  # fmt: skip
+        values = [torch.empty(rows, self.kv_heads, self.value_dim, dtype=self.dtype, device=self.device)
+                  for _ in range(self.layers)]  # fmt: skip
+        for new, previous in zip(keys + values, self.keys + self.values):
+            new[:old] = previous
+        self.keys, self.values, self.rows = keys, values, rows
+        for cache in list(self._caches.values()):
+            self._bind(cache)
+        self._release(old, rows - old)
+
+    def _bind(self, cache: GrowableKVCache) -> None:
+        """Point the cache's layers at its rows: views [1, Hkv, capacity, D] of the pools (lengths kept)."""
+        rows = slice(cache.pool_offset, cache.pool_offset + cache.fixed_capacity)
+        for layer, keys, values in zip(cache.layers, self.keys, self.values):
+            layer._keys = keys[rows].transpose(0, 1)[None]
+            layer._values = values[rows].transpose(0, 1)[None]
+            layer.dtype, layer.device = self.dtype, self.device
+        cache._buffers = None  # addresses handed out earlier are stale
+
+
+def _pooled_layer(capacity: int) -> GrowableLayer:
+    """A layer whose buffers are views of a pool (bound by `KVPool._bind`): never reallocated."""
+    layer = GrowableLayer(max_capacity=capacity, preallocate=True)
+    layer.is_initialized = True
+    return layer
+
+
+def pool_of(cache) -> KVPool | None:
+    """The pool a cache lives in (None: a cache of its own)."""
+    return getattr(cache, "pool", None)
+
+
+class PooledAttention:
+    """One forward's verify spans over pooled caches: per layer, one write of their new K/V into the pool, one gather
+    of each request's rows into a padded batch, one sdpa call. Built before the first layer (the caches' lengths are
+    those before this forward); `finish` advances every span's cache by its rows."""
+
+    def __init__(self, spans: Sequence):
+        """spans: lean_forward.Span of verify rows whose caches share one pool (`pooled_spans` picks them)."""
+        self.spans = list(spans)
+        self.members = {id(s) for s in self.spans}
+        pool = pool_of(self.spans[0].cache)
+        if any(pool_of(s.cache) is not pool for s in self.spans):
+            raise ValueError("pooled spans of one forward must share one pool")
+        self.pool = pool
+        device = pool.device
+        sizes = [s.end - s.start for s in self.spans]
+        lengths = [s.cache.get_seq_length() for s in self.spans]
+        offsets = [s.cache.pool_offset for s in self.spans]
+        batch, width = len(self.spans), max(sizes)
+        keys = -(-max(c + q for c, q in zip(lengths, sizes)) // KEY_ALIGNMENT) * KEY_ALIGNMENT
+        self.source = torch.cat([torch.arange(s.start, s.end) for s in self.spans])  # rows of the forward, [Rp]
+        self.contiguous = bool(self.source[0] == 0 and torch.equal(self.source, torch.arange(len(self.source))))
+        dest = torch.cat([torch.arange(o + c, o + c + q) for o, c, q in zip(offsets, lengths, sizes)])
+        # Per request, its pool rows [offset, offset + L) (past its last row: its last row again, masked).
+        columns = torch.arange(keys)
+        ends = torch.tensor([o + c + q - 1 for o, c, q in zip(offsets, lengths, sizes)])
+        gather = torch.minimum(torch.tensor(offsets)[:, None] + columns[None], ends[:, None])
+        # Queries [B, Q]: padding rows repeat a request's last row (its mask too: finite, and dropped after).
+        slot = torch.arange(width)
+        query = torch.stack([s.start + torch.clamp(slot, max=q - 1) for s, q in zip(self.spans, sizes)])
+        self.out = torch.cat([b * width + torch.arange(q) for b, q in enumerate(sizes)])  # [Rp] rows of [B * Q]
+        # The mask: a row sees its request's cached columns and, past them, its tree's ancestors (itself included).
+        ancestors = torch.zeros(batch, width, width, dtype=torch.bool)
+        for b, (span, q) in enumerate(zip(self.spans, sizes)):
+            tree = span.tree_mask
+            ancestors[b, :q, :q] = tree
+            ancestors[b, q:, :q] = tree[q - 1]
+        cached = torch.tensor(lengths)
+        offset = columns[None] - cached[:, None]  # [B, L] column - cache length: the tree row it holds, if >= 0
+        in_tree = (offset >= 0) & (offset < torch.tensor(sizes)[:, None])
+        seen = ancestors.gather(2, offset.clamp(0, width - 1)[:, None].expand(batch, width, keys))
+        visible = (columns[None, None] < cached[:, None, None]) | (seen & in_tree[:, None])
+        mask = torch.zeros(batch, 1, width, keys, dtype=pool.dtype)
+        self.mask = mask.masked_fill_(~visible[:, None], torch.finfo(pool.dtype).min).to(device)
+        self.source_d = self.source.to(device)
+        self.dest = dest.to(device)
+        self.gather = gather.to(device)
+        self.query = query.to(device)
+        self.out_d = self.out.to(device)
+        self.shape = (batch, width)
+
+    def __call__(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query [1, H, R, D], key / value [1, Hkv, R, D] of the forward's rows -> [Rp, H * Dv] of the spans' rows."""
+        layer = module.layer_idx
+        pool_k, pool_v = self.pool.keys[layer], self.pool.values[layer]
+        new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [R, Hkv, D]
+        if not self.contiguous or new_k.shape[0] != len(self.source):
+            new_k, new_v = new_k[self.source_d], new_v[self.source_d]
+        pool_k.index_copy_(0, self.dest, new_k)
+        pool_v.index_copy_(0, self.dest, new_v)
+        k = pool_k[self.gather].transpose(1, 2)  # [B, Hkv, L, D]
+        v = pool_v[self.gather].transpose(1, 2)
+        groups = query.shape[1] // k.shape[1]
+        if groups > 1:  # grouped-query attention: each key head serves `groups` query heads (HF's repeat_kv)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        q = query[0].transpose(0, 1)[self.query].transpose(1, 2)  # [B, H, Q, D]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=module.scaling)
+        batch, width = self.shape
+        return out.transpose(1, 2).reshape(batch * width, -1).index_select(0, self.out_d)
+
+    def finish(self) -> None:
+        """Every span's cache holds its rows (each layer wrote them)."""
+        for span in self.spans:
+            span.cache.advance(span.end - span.start)
+
+
+def pooled_spans(spans: Sequence) -> list:
+    """The verify spans whose caches live in a pool (those PooledAttention serves)."""
+    return [s for s in spans if s.tree and pool_of(s.cache) is not None and s.tree_mask is not None]
