@@ -276,7 +276,8 @@ class Scheduler:
         # the guard measures its own choice: a step where no decoding request's rounds follow it (each runs a tree
         # its client asked for, or the start rule keeps it undrafted) would score two identical modes
         guard = self.guard if self.drafter is not None and any(_steered(r) for r in decoding) else None
-        self.guarded = guard is not None and guard.plain(admitted)
+        sampled = any(r.sampled for r in decoding if _steered(r))  # drafting pays less at T > 0: verdicts apart
+        self.guarded = guard is not None and guard.plain(admitted, sampled)
         self._choose_trees(decoding)
         draft_rows, drafter_prefill_s = self._draft(decoding)
         t0 += drafter_prefill_s  # the rounds' time leaves the drafter's prefills out (request costs, in prefill_s)

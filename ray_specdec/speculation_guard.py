@@ -1,17 +1,24 @@
-"""A measured guard on speculation: at each load level, the policy's trees run only while steps with them are
-measured to decode no slower than steps whose rounds run undrafted.
+"""A measured guard on speculation: at each load level, greedy or sampled, the policy's trees run only while steps
+with them are measured to decode no slower than steps whose rounds run undrafted.
 
 Why. Goodput sizing (goodput.py) and the bandit choose trees from models, a step cost model and acceptance estimates.
 Under load both have been optimistic (issue 18: closed loop at 8 and 32 requests, the service's own choice 9-20%
 slower than tree none) and nothing checked the realised result. The guard does, per load level of the bandit
-(`BanditConfig.load_edges`, of the requests admitted to the step), and where drafting loses it has the scheduler run
-that level's rounds undrafted.
+(`BanditConfig.load_edges`, of the requests admitted to the step) and per greedy or sampled step, and where drafting
+loses it has the scheduler run that level's rounds undrafted.
 
 Load. A level is the bandit's load level (`BanditConfig.load_edges`) of the requests admitted to the step, decoding
 or prefilling: under steady traffic that count holds still while the decoding count dips whenever requests end and
 their successors prefill. Keyed by the decoding count, such dips fell into a lower level with a verdict of its own,
 and its drafted steps paid every request's drafter catch-up over the tokens of the plain steps before (measured
 served at 8 requests: steps of 3 decoding requests took 35-90 ms drafted, against 6 ms plain).
+
+Greedy and sampled. Each level keeps two verdicts (two `_Level`s): one for steps whose steered requests (below) are
+all greedy, one for steps with a sampled one among them. Drafting pays less at T=1, where fewer drafted tokens are
+accepted; under one verdict per level, T=1 traffic ran the greedy traffic's verdict and exploration period and
+measured its steps into the same windows (served at T=1 and 8 requests, drafting measured 0.45-0.86x). A step of
+both kinds goes with the sampled set: it drafts or not as a whole, and its sampled requests gain the least from it,
+so the greedy verdict stays one measured on greedy steps alone.
 
 What is compared. The guard's two modes, step by step: *policy* steps, whose trees the policy and goodput choose as
 always, against *plain* steps, whose rounds it runs undrafted (what forcing tree none does). A request with a tree the
@@ -53,19 +60,19 @@ measured drafting 1.7x faster while the service ran at 0.57x of tree none.)
   steps: at 32 requests on the 2-core machine, where a drafted step cost 2.3x a plain one, waiting for MIN_SAMPLES cost
   ~7% of a 15-second run; a 2x gap is clear after three steps a side.
 
-Exploration. Of every `period` steps at a level, EXPLORE_RUN consecutive ones run the other mode, so both sides
-stay measured and a wrong verdict ends. Runs, not single steps: the first step that drafts after plain ones pays each
-request's drafter catch-up over the tokens committed meanwhile and the prefills of the requests that came meanwhile,
-a cost of switching rather than of drafting, so the first step after a switch is on neither side (it is measured as
-the switch's cost, below). While a level is not settled the period is two runs, to decide soon. Then it starts at
+Exploration. Of every `period` steps at a level, EXPLORE_RUN consecutive ones run the other mode, so both sides stay
+measured and a wrong verdict ends. Runs, not single steps: the first step that drafts after plain ones pays each
+request's drafter catch-up over the tokens committed meanwhile and the prefills of the requests that came meanwhile, a
+cost of switching rather than of drafting, so the first step after a switch is on neither side (it is measured as the
+switch's cost, below). While a level is not settled the period is two runs, to decide soon. Once settled it starts at
 EXPLORE_PERIOD and doubles after every run that leaves the verdict as it was, up to MAX_EXPLORE_PERIOD (exploring the
 losing mode costs a share of its gap, and a settled verdict needs it less); a verdict that changes sets it back to
 EXPLORE_PERIOD. And it is never shorter than what keeps one run's cost within EXPLORE_COST of the level's time: its
 EXPLORE_RUN steps each losing `gap` (1/speedup - 1 or speedup - 1) of a step, and its two switches. A wide gap is
-explored rarely from the start (as a bandit pulls an arm far behind rarely), a narrow one often, where noise could
-have put the verdict on the wrong side. Served at 8 requests on the 2-core machine, a drafting step cost ~40% more
-than a plain one there, so exploring 4 steps in 32 cost ~5% of throughput; at 256, under 1%. At 32 requests a drafted
-step cost 2.3x: 4 in 256 at once.
+explored rarely from the start (as a bandit pulls an arm far behind rarely), a narrow one often, where noise could have
+put the verdict on the wrong side. Served at 8 requests on the 2-core machine, a drafting step cost ~40% more than a
+plain one there, so exploring 4 steps in 32 cost ~5% of throughput; at 256, under 1%. At 32 requests a drafted step cost
+2.3x: 4 in 256 at once.
 
 Switch cost. A run pays for its switches too, and they can outweigh its steps: served at T=1 and 8 requests, level
 5-16 was undrafted before and after a cell, but a flip and a flip back had reset its period to 32, and every run's
@@ -144,11 +151,13 @@ class _Level:
 
 
 class SpeculationGuard:
-    """Per load level: whether this step's rounds run undrafted (`plain`), fed every step's result (`observe`)."""
+    """Per load level, greedy or sampled: whether this step's rounds run undrafted (`plain`), fed every step's result
+    (`observe`)."""
 
     def __init__(self, load_edges: tuple[int, ...] = DEFAULT_LOAD_EDGES):
         self.load_edges = tuple(load_edges)
-        self.levels = [_Level() for _ in range(len(self.load_edges) + 1)]
+        self.levels = [_Level() for _ in range(len(self.load_edges) + 1)]  # of steps whose steered requests are greedy
+        self.sampled_levels = [_Level() for _ in self.levels]  # of steps with a sampled one
         self.plain_steps = 0  # steps the guard ran undrafted (verdict or exploration)
         self._mode: bool | None = None  # the current step's: undrafted?
         self._previous: bool | None = None  # the step before's
@@ -158,17 +167,18 @@ class SpeculationGuard:
     def level(self, load: int) -> int:
         return bisect.bisect_left(self.load_edges, load)
 
-    def plain(self, load: int) -> bool:
-        """Whether the rounds of this step, of `load` decoding requests, run undrafted. Once per step, before it runs:
-        it advances the level's exploration clock."""
-        lv = self.levels[self.level(load)]
+    def plain(self, load: int, sampled: bool = False) -> bool:
+        """Whether the rounds of this step, of `load` decoding requests, run undrafted; `sampled`: whether any request
+        it steers samples. Once per step, before it runs: it advances the level's exploration clock."""
+        index = self.level(load)
+        lv = self._set(sampled)[index]
         warming = not lv.settled
         period = 2 * EXPLORE_RUN if warming else lv.period
         explore = lv.clock >= period - EXPLORE_RUN
         lv.clock += 1
         if lv.clock >= period:  # the run ends with this step
             lv.clock = 0
-            if not warming:
+            if lv.settled:
                 lv.period = max(EXPLORE_PERIOD if lv.flipped else min(2 * lv.period, MAX_EXPLORE_PERIOD),
                                 _explore_period(lv))  # fmt: skip
             lv.flipped = False
@@ -210,16 +220,24 @@ class SpeculationGuard:
             lv.period = _explore_period(lv)
             lv.clock = min(lv.clock, lv.period - EXPLORE_RUN)  # a whole run next, not the tail of a longer cycle
 
-    def speedup(self, level: int) -> float | None:
+    def _set(self, sampled: bool) -> list[_Level]:
+        return self.sampled_levels if sampled else self.levels
+
+    def speedup(self, level: int, sampled: bool = False) -> float | None:
         """Policy steps' decode throughput over plain steps' at a level (None: a side unmeasured)."""
-        return _speedup(self.levels[level])
+        return _speedup(self._set(sampled)[level])
 
     def summary(self) -> list[dict]:
-        """Per load level: its label, verdict, measured speedup, steps measured per side, exploration period and the
-        seconds one run's switches cost beyond steady steps."""
-        return [{"load": label, "undrafted": lv.undrafted, "speedup": _speedup(lv), "plain": len(lv.plain),
-                 "policy": len(lv.policy), "explore_period": lv.period, "switch_s": _switch_s(lv)}
-                for label, lv in zip(load_labels(self.load_edges), self.levels)]
+        """Per load level: its label and the greedy steps' verdict, measured speedup, steps measured per side,
+        exploration period and the seconds one run's switches cost beyond steady steps; the sampled steps' under
+        "sampled"."""
+        return [{"load": label, **_summary(greedy), "sampled": _summary(sampled)}
+                for label, greedy, sampled in zip(load_labels(self.load_edges), self.levels, self.sampled_levels)]
+
+
+def _summary(lv: _Level) -> dict:
+    return {"undrafted": lv.undrafted, "speedup": _speedup(lv), "plain": len(lv.plain), "policy": len(lv.policy),
+            "explore_period": lv.period, "switch_s": _switch_s(lv), "settled": lv.settled}
 
 
 def _speedup(lv: _Level) -> float | None:

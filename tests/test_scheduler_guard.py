@@ -1,6 +1,7 @@
 """The speculation guard inside the scheduler: it runs a load undrafted where drafted steps measure slower (on a
-made-up clock), learns nothing from steps it does not steer, and charges drafting its drafter prefills at their
-steady-state share; every request's tokens stay target-alone greedy decoding's."""
+made-up clock), learns nothing from steps it does not steer, charges drafting its drafter prefills at their
+steady-state share, and keeps steps with a sampled request it steers apart from greedy ones; every greedy request's
+tokens stay target-alone greedy decoding's."""
 
 from __future__ import annotations
 
@@ -169,3 +170,37 @@ def test_the_guard_learns_nothing_from_steps_its_mode_does_not_steer(tiny, monke
         scheduler.step()
     level = guard.levels[guard.level(1)]
     assert level.plain or level.policy
+
+
+def test_a_step_with_a_sampled_request_it_steers_takes_the_sampled_verdicts(tiny, monkeypatch):
+    """Two greedy requests and a shorter sampled one the policy steers, and a sampled one on its client's tree (not
+    steered: its rounds are the same in both modes): steps go to the sampled verdict set while the steered sampled
+    request decodes, and to the greedy set once it has ended. Greedy tokens stay target-alone greedy decoding's."""
+    target, drafter = tiny
+    scheduler = Scheduler(LocalTarget(target), drafter, None, AlwaysDrafts(), SchedulerConfig(goodput=False))
+    guard, asked = scheduler.guard, []
+    plain = guard.plain
+    monkeypatch.setattr(guard, "plain", lambda load, sampled=False: (asked.append(sampled), plain(load, sampled))[1])
+    greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0, seed=5)
+    fixed = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=1.0, seed=6)
+    scheduler.add("fixed", random_prompt(9, seed=70), fixed, TreeConfig((1,)))
+    scheduler.add("sampled", random_prompt(11, seed=71), sampled)
+    for i in range(2):
+        scheduler.add(f"g{i}", random_prompt(10 + i, seed=72 + i), greedy)
+    tokens, steps = {"g0": [], "g1": []}, []
+    while scheduler.has_work:
+        asked.clear()
+        outputs = scheduler.step()
+        for out in outputs:
+            if out.request_id in tokens:
+                tokens[out.request_id] += out.chunk.token_ids
+        if asked:  # a step that decoded a steered request: the set asked for, whether the sampled one decoded in it
+            steps.append((asked[0], any(out.request_id == "sampled" for out in outputs)))
+    assert [in_sampled for in_sampled, _ in steps] == [decoded for _, decoded in steps]
+    assert sum(in_sampled for in_sampled, _ in steps) >= 3 and not steps[-1][0]
+    levels = guard.sampled_levels, guard.levels
+    assert all(any(lv.plain or lv.policy for lv in side) for side in levels)
+    plain_engine = SpeculativeEngine(target, None)
+    for i in range(2):
+        assert tokens[f"g{i}"] == plain_engine.generate(random_prompt(10 + i, seed=72 + i), greedy).token_ids

@@ -302,3 +302,22 @@ def test_what_a_switch_costs_lengthens_the_exploration_period():
     assert guard.summary()[2]["switch_s"] == pytest.approx(switch_s)
     cost = sum(spent[settled:settled + 600]) / sum(as_plain[settled:settled + 600]) - 1
     assert 0 < cost <= 1.1 * EXPLORE_COST
+
+
+def test_greedy_and_sampled_steps_keep_verdicts_of_their_own():
+    """At one load, greedy steps draft 1.3x faster and sampled ones (lower acceptance at T=1) 0.7x as fast,
+    interleaved: the greedy level keeps drafting and the sampled one goes undrafted (one verdict for both measured
+    their mix and drafted both, or neither). summary() has both, the greedy set's at the row's top."""
+    guard = SpeculationGuard()
+    for step in range(2000):
+        sampled = step % 3 == 0
+        plain = guard.plain(8, sampled)
+        tokens = 8 if plain else 20
+        speedup = 0.7 if sampled else 1.3
+        guard.observe(8, tokens, plain_seconds(8) * tokens / 8 / (1.0 if plain else speedup))
+    assert not guard.levels[2].undrafted and guard.sampled_levels[2].undrafted
+    assert guard.speedup(2) == pytest.approx(1.3) and guard.speedup(2, sampled=True) == pytest.approx(0.7)
+    row = guard.summary()[2]
+    assert row["load"] == "5-16" and not row["undrafted"] and row["speedup"] == pytest.approx(1.3)
+    assert row["sampled"]["undrafted"] and row["sampled"]["speedup"] == pytest.approx(0.7)
+    assert row["sampled"]["settled"] and row["sampled"]["policy"] > 0 and row["sampled"]["plain"] > 0
