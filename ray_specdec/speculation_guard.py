@@ -64,15 +64,15 @@ Exploration. Of every `period` steps at a level, EXPLORE_RUN consecutive ones ru
 measured and a wrong verdict ends. Runs, not single steps: the first step that drafts after plain ones pays each
 request's drafter catch-up over the tokens committed meanwhile and the prefills of the requests that came meanwhile, a
 cost of switching rather than of drafting, so the first step after a switch is on neither side (it is measured as the
-switch's cost, below). While a level is not settled the period is two runs, to decide soon. Once settled it starts at
-EXPLORE_PERIOD and doubles after every run that leaves the verdict as it was, up to MAX_EXPLORE_PERIOD (exploring the
-losing mode costs a share of its gap, and a settled verdict needs it less); a verdict that changes sets it back to
-EXPLORE_PERIOD. And it is never shorter than what keeps one run's cost within EXPLORE_COST of the level's time: its
-EXPLORE_RUN steps each losing `gap` (1/speedup - 1 or speedup - 1) of a step, and its two switches. A wide gap is
-explored rarely from the start (as a bandit pulls an arm far behind rarely), a narrow one often, where noise could have
-put the verdict on the wrong side. Served at 8 requests on the 2-core machine, a drafting step cost ~40% more than a
-plain one there, so exploring 4 steps in 32 cost ~5% of throughput; at 256, under 1%. At 32 requests a drafted step cost
-2.3x: 4 in 256 at once.
+switch's cost, below). While a level warms up (not settled, no prior: below) the period is two runs, to decide soon;
+with a prior, the one the prior level's gap and switches call for. Once settled it starts at EXPLORE_PERIOD and doubles
+after every run that leaves the verdict as it was, up to MAX_EXPLORE_PERIOD (exploring the losing mode costs a share of
+its gap, and a settled verdict needs it less); a verdict that changes sets it back to EXPLORE_PERIOD. And it is never
+shorter than what keeps one run's cost within EXPLORE_COST of the level's time: its EXPLORE_RUN steps each losing `gap`
+(1/speedup - 1 or speedup - 1) of a step, and its two switches. A wide gap is explored rarely from the start (as a
+bandit pulls an arm far behind rarely), a narrow one often, where noise could have put the verdict on the wrong side.
+Served at 8 requests on the 2-core machine, a drafting step cost ~40% more than a plain one there, so exploring 4 steps
+in 32 cost ~5% of throughput; at 256, under 1%. At 32 requests a drafted step cost 2.3x: 4 in 256 at once.
 
 Switch cost. A run pays for its switches too, and they can outweigh its steps: served at T=1 and 8 requests, level
 5-16 was undrafted before and after a cell, but a flip and a flip back had reset its period to 32, and every run's
@@ -85,6 +85,17 @@ the level takes for its tokens (the plain line's time for them; for a policy ste
 which holds its drafter prefill charge). The mean excess of the last SWITCHES such steps into each mode (at least 0)
 summed is one run's switch cost; the period counts it in steps of the verdict's mode. Like the sides, only steps
 without a target prefill are measured; a stall in one lengthens the period for a few runs, the cheap way to err.
+
+Priors. A level not settled yet runs the verdict of the nearest settled level at lower load of its own set (a sampled
+level: of the nearest settled greedy level at its load or lower instead, where that one is undrafted), and explores at
+the period the prior level's gap and switches call for (not its doubled one: here the verdict is unconfirmed). Drafting
+gains less with more requests in a step and less when sampling, so those verdicts are the best guess at hand (a greedy
+level's drafted verdict says little of sampled steps, and does not carry over). Warming up from scratch drafts half the
+steps until the level settles, and under load few steps are measured: served at 32 requests, level 17+ had never been
+visited while 5-16 was settled undrafted, only 8 policy steps were measured by the end of the 15-second cell (with fresh
+prompts most steps carry a prefill chunk), and the whole cell ran half drafted where drafting was 2x slower, at 0.79x of
+undrafted throughput. The exploration runs still measure the level, so a wrong prior ends when it settles (a clear gap
+after one run). With no settled level to learn from, a level warms up as before.
 
 Clock-free and deterministic: callers hand in the seconds they measured, so tests drive it with made-up timings.
 """
@@ -172,7 +183,12 @@ class SpeculationGuard:
         it steers samples. Once per step, before it runs: it advances the level's exploration clock."""
         index = self.level(load)
         lv = self._set(sampled)[index]
-        warming = not lv.settled
+        prior = None if lv.settled else self._prior(index, sampled)
+        if prior is not None:  # its verdict, explored at the period the prior's own gap and switches call for
+            lv.undrafted = prior.undrafted
+            if lv.clock == 0:
+                lv.period = _explore_period(prior)
+        warming = not lv.settled and prior is None
         period = 2 * EXPLORE_RUN if warming else lv.period
         explore = lv.clock >= period - EXPLORE_RUN
         lv.clock += 1
@@ -222,6 +238,13 @@ class SpeculationGuard:
 
     def _set(self, sampled: bool) -> list[_Level]:
         return self.sampled_levels if sampled else self.levels
+
+    def _prior(self, index: int, sampled: bool) -> _Level | None:
+        """The settled level whose verdict an unsettled one at `index` runs: the nearest at lower load of its own set;
+        for a sampled level, the nearest greedy one at its load or lower instead where that one is undrafted."""
+        own = next((lv for lv in reversed(self._set(sampled)[:index]) if lv.settled), None)
+        greedy = next((lv for lv in reversed(self.levels[:index + 1]) if lv.settled), None) if sampled else None
+        return greedy if greedy is not None and greedy.undrafted else own
 
     def speedup(self, level: int, sampled: bool = False) -> float | None:
         """Policy steps' decode throughput over plain steps' at a level (None: a side unmeasured)."""

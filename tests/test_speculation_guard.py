@@ -321,3 +321,41 @@ def test_greedy_and_sampled_steps_keep_verdicts_of_their_own():
     assert row["load"] == "5-16" and not row["undrafted"] and row["speedup"] == pytest.approx(1.3)
     assert row["sampled"]["undrafted"] and row["sampled"]["speedup"] == pytest.approx(0.7)
     assert row["sampled"]["settled"] and row["sampled"]["policy"] > 0 and row["sampled"]["plain"] > 0
+
+
+def test_a_level_not_yet_settled_starts_from_the_verdict_of_a_settled_one_below():
+    """Load 5-16 is settled undrafted (drafting 0.5x). The first steps at 17+, never visited, run undrafted too,
+    drafting only in exploration runs at the period 5-16's gap calls for (warming up from scratch drafted half of
+    them: served at 32 requests, a whole 15 s cell at 0.79x of undrafted throughput). The runs still measure it: where
+    drafting wins there (a wrong prior), the level settles and drafts after its first run. Sampled steps at 5-16 start
+    from the greedy level's undrafted verdict (drafting gains less when sampling); a greedy level's drafted verdict
+    does not carry over, and with nothing settled below a level warms up as before."""
+    period = math.ceil(EXPLORE_RUN * (1 / 0.5 - 1) / EXPLORE_COST)
+    for speedup in (0.5, 1.5):
+        guard = SpeculationGuard()
+        drive(guard, [8] * 600, {2: 0.5})
+        assert guard.levels[2].settled and guard.levels[2].undrafted and not guard.levels[3].settled
+        modes = drive(guard, [32] * 259, {3: speedup})  # as many steps as the served cell ran
+        level = guard.levels[3]
+        first_run = modes.index(False)
+        assert first_run == period - EXPLORE_RUN and all(modes[:first_run])
+        if speedup < 1:
+            assert modes.count(False) == EXPLORE_RUN and level.undrafted
+        else:
+            assert level.settled and not level.undrafted and not any(modes[first_run:first_run + EXPLORE_PERIOD])
+        assert sum(drive_sampled(guard, [8] * 40, 0.5)) == 40 and guard.sampled_levels[2].undrafted
+    guard = SpeculationGuard()
+    drive(guard, [1] * 600, {0: 1.5})
+    assert guard.levels[0].settled and not guard.levels[0].undrafted
+    assert sum(drive_sampled(guard, [1] * (2 * EXPLORE_RUN), 1.5)) == EXPLORE_RUN  # warming up: half plain
+
+
+def drive_sampled(guard: SpeculationGuard, loads, speedup: float) -> list[bool]:
+    """As `drive`, of steps with a sampled request: drafting at `speedup`."""
+    modes = []
+    for n in loads:
+        plain = guard.plain(n, sampled=True)
+        tokens = n if plain else round(n * TOKENS_PER_ROUND)
+        guard.observe(n, tokens, plain_seconds(n) * tokens / n / (1.0 if plain else speedup))
+        modes.append(plain)
+    return modes
