@@ -155,7 +155,7 @@ class _Level:
     # (undrafted, seconds) of the steps right after a switch into that mode: what they took beyond a steady step
     switches: deque = field(default_factory=lambda: deque(maxlen=SWITCHES))
     clock: int = 0  # steps run at this level since its last exploration run ended
-    period: int = EXPLORE_PERIOD  # steps per cycle of one exploration run, once both sides are measured
+    period: int = EXPLORE_PERIOD  # steps per cycle of one exploration run, once settled or from a prior
     flipped: bool = False  # whether the verdict changed since the last exploration run ended
     undrafted: bool = False  # the verdict: run this level's rounds undrafted
     settled: bool = False  # enough steps measured for a verdict (MIN_SAMPLES a side, or a clear gap)
@@ -295,11 +295,10 @@ def _switch_excess(lv: _Level, undrafted: bool, n: int, tokens: int, seconds: fl
     """Seconds a step right after a switch into `undrafted`'s mode took beyond what a steady step of that mode at
     the level takes for its tokens: the plain line's time for them, over the measured speedup for a policy step
     (whose steady time includes its drafter prefill charge). None while a side is unmeasured."""
-    speedup = _speedup(lv)
-    if speedup is None:
+    if not lv.plain or not lv.policy:
         return None
-    (_, plain_s), _, _ = _sides(lv)
-    return seconds - tokens / n * plain_s(n) / (1.0 if undrafted else speedup)
+    (_, plain_s), as_plain, took = _sides(lv)
+    return seconds - tokens / n * plain_s(n) * (1.0 if undrafted else sum(took) / sum(as_plain))
 
 
 def _switch_s(lv: _Level) -> float:

@@ -105,7 +105,7 @@ def test_exploration_is_not_charged_the_drafter_sessions_its_switch_builds(monke
     steps (as the guard once was), that one prefill weighed as if every three rounds paid one, and the level stayed
     undrafted (in process at concurrency 1: most of a run). Charged at its share per decoded token, the run measures
     drafting as it is and the level drafts again. The guard is handed step times without the prefills that ran in
-    them. Every token is target-alone greedy decoding's."""
+    them, and those prefills apart (a switch's cost). Every token is target-alone greedy decoding's."""
     import ray_specdec.scheduler as scheduler_module
 
     target, drafter = agreeing_pair(torch.float32, 512)
@@ -145,6 +145,7 @@ def test_exploration_is_not_charged_the_drafter_sessions_its_switch_builds(monke
     assert any(not mode for mode, *_ in seen) and all(seconds < session_s for _, _, seconds, _, _ in seen)
     assert 0 < charge() < session_s / 100
     assert all(k["drafting_s"] == pytest.approx(tokens * rate) for _, tokens, _, k, rate in seen)
+    assert sum(k["drafter_prefill_s"] for *_, k, _ in seen) == pytest.approx(2 * session_s)  # a switch's cost, apart
 
 
 def test_the_guard_learns_nothing_from_steps_its_mode_does_not_steer(tiny, monkeypatch):
