@@ -36,6 +36,9 @@ from ray_specdec.models.kv_cache import GrowableKVCache, GrowableLayer
 # Rows of a pool's first allocation (at least 8 of the first request's capacity): for a 7B-sized Llama in bfloat16,
 # 16,384 rows are 8 GiB; the pool doubles when a range does not fit.
 MIN_POOL_ROWS = 16384
+# Verify spans a forward pools at least: one request alone attends over its own rows without gathering them (on an
+# H200 with a 7B-sized Llama at one request, the gather made a step ~15% slower than the request's own sdpa call).
+MIN_BATCH = 2
 # The gathered key length is rounded up to this many columns: the mask's rows then start at sdpa's memory-efficient
 # kernel's alignment (attention_masks.MASK_ALIGNMENT) with no padding copy per call.
 KEY_ALIGNMENT = 16
@@ -196,6 +199,7 @@ class PooledAttention:
         self.query = query.to(device)
         self.out_d = self.out.to(device)
         self.shape = (batch, width)
+        self._grouped: torch.Tensor | None = None  # the mask for grouped-query attention (`_mask`)
 
     def __call__(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [1, H, R, D], key / value [1, Hkv, R, D] of the forward's rows -> [Rp, H * Dv] of the spans' rows."""
@@ -208,13 +212,27 @@ class PooledAttention:
         pool_v.index_copy_(0, self.dest, new_v)
         k = pool_k[self.gather].transpose(1, 2)  # [B, Hkv, L, D]
         v = pool_v[self.gather].transpose(1, 2)
-        groups = query.shape[1] // k.shape[1]
-        if groups > 1:  # grouped-query attention: each key head serves `groups` query heads (HF's repeat_kv)
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        q = query[0].transpose(0, 1)[self.query].transpose(1, 2)  # [B, H, Q, D]
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=module.scaling)
         batch, width = self.shape
-        return out.transpose(1, 2).reshape(batch * width, -1).index_select(0, self.out_d)
+        heads, kv_heads = query.shape[1], k.shape[1]
+        groups = heads // kv_heads
+        q = query[0].transpose(0, 1)[self.query]  # [B, Q, H, D]
+        # Grouped-query attention: query head h reads key head h // groups (HF's repeat_kv). Rather than copying
+        # every key and value `groups` times, each key head takes its query heads' rows one after another: queries
+        # [B, Hkv, groups * Q, D] (row g * Q + i: head kv * groups + g, row i) under the mask repeated `groups` times.
+        q = q.reshape(batch, width, kv_heads, groups, -1).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads,
+                                                                                         groups * width, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(groups),
+                                                               scale=module.scaling)  # fmt: skip
+        out = out.reshape(batch, heads, width, -1).transpose(1, 2)  # [B, Q, H, D]
+        return out.reshape(batch * width, -1).index_select(0, self.out_d)
+
+    def _mask(self, groups: int) -> torch.Tensor:
+        """The mask [B, 1, groups * Q, L] of grouped queries (made once a forward)."""
+        if groups == 1:
+            return self.mask
+        if self._grouped is None:
+            self._grouped = self.mask.repeat(1, 1, groups, 1)
+        return self._grouped
 
     def finish(self) -> None:
         """Every span's cache holds its rows (each layer wrote them)."""
@@ -223,5 +241,11 @@ class PooledAttention:
 
 
 def pooled_spans(spans: Sequence) -> list:
-    """The verify spans whose caches live in a pool (those PooledAttention serves)."""
-    return [s for s in spans if s.tree and pool_of(s.cache) is not None and s.tree_mask is not None]
+    """The verify spans PooledAttention serves: those given their tree (`Span.tree_mask`) over a pooled cache."""
+    return [s for s in spans if s.tree and s.tree_mask is not None and pool_of(s.cache) is not None]
+
+
+def attend_together(caches: Sequence) -> bool:
+    """Whether verify segments over these caches attend together: at least MIN_BATCH of them pooled (else each
+    attends over its cache's views of the pool, with its own mask)."""
+    return sum(pool_of(c) is not None for c in caches) >= MIN_BATCH

@@ -349,9 +349,10 @@ class TargetModel:
         # bits: adding 0.0 changes no score); the model's attention functions keep theirs (another kernel without).
         maskless = self._lean.batch_invariant and self._window is None
         spans, start = [], 0
+        together = kv_pool.attend_together([r.segment.cache.kv for r in verify])
         for r in verify:
             tree, end = r.segment.tree, start + r.tokens.numel()
-            if kv_pool.pool_of(r.segment.cache.kv) is not None:  # attends with the other pooled spans
+            if together and kv_pool.pool_of(r.segment.cache.kv) is not None:  # attends with the other pooled spans
                 spans.append(Span(start, end, r.segment.cache.kv, None, tree=True, tree_mask=tree.attn_mask))
             else:
                 mask = None if maskless and tree.num_nodes == 0 else self._masks(r.cache_len, tree)
@@ -366,11 +367,12 @@ class TargetModel:
         """`one_forward`: every segment's rows in one lean forward, each attending over its own cache (a prefill
         segment causally, whole: its mask covers all its rows); -> logits [S_i, V] of the verify segments only."""
         spans, positions, logit_rows, start = [], [], [], 0
+        together = kv_pool.attend_together([r.segment.cache.kv for r in rows if r.verify])
         for r in rows:
             n = r.tokens.numel()
             tree_mask = None
             if r.verify:
-                if kv_pool.pool_of(r.segment.cache.kv) is not None:  # attends with the other pooled spans
+                if together and kv_pool.pool_of(r.segment.cache.kv) is not None:  # with the other pooled spans
                     mask, tree_mask = None, r.segment.tree.attn_mask
                 else:
                     mask = self._masks(r.cache_len, r.segment.tree)

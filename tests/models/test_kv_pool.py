@@ -163,3 +163,18 @@ def test_where_the_pool_is_off():
     # a cache without a capacity grows on its own, pool or not
     pooled, _ = targets(tiny_gpt_neox)
     assert kv_pool.pool_of(pooled.new_cache().kv) is None
+
+
+def test_a_verify_alone_attends_over_its_pooled_rows_without_the_gather(monkeypatch):
+    pooled, own = targets(tiny_llama)
+    calls = count_pooled_calls(monkeypatch)
+    tree = build_tree(TreeConfig((2, 1)).index_paths())
+    cache, other = pooled.new_cache(300), own.new_cache(300)
+    prompt = torch.tensor(random_prompt(90, seed=2))
+    pooled.prefill(cache, prompt)
+    own.prefill(other, prompt)
+    tokens = torch.tensor([5, 6, 7, 8, 9])
+    got = pooled.forward_batch([Segment(cache, tokens, tree)])[0]
+    want = own.forward_batch([Segment(other, tokens, tree)])[0]
+    assert calls == [] and kv_pool.pool_of(cache.kv) is pooled._pool  # its own sdpa call, over the pool's rows
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
