@@ -1,7 +1,8 @@
 """Continuous batching on a CUDA device (skipped without one).
 
 On CUDA the lean forward (models/lean_forward.py) carries the verify rows of every request of a step in one forward:
-each weight is one cuBLAS product for all of them, and each request attends over its own cache through sdpa. There is
+each weight is one cuBLAS product for all of them, and the requests' verify rows attend over their caches, ranges of
+one pool per layer, in one sdpa call per layer (models/kv_pool.py; with caches of their own, one call per request). There is
 no batch-invariant path on CUDA (cuBLAS picks its kernel by the row count, so a row's rounding may depend on the rows
 beside it), so what holds there is:
 

@@ -20,7 +20,8 @@ otherwise they are the model's own calls (HF's logits bit for bit).
 `why_unsupported(model)` names what keeps a model on HF's forward: other architectures (a family whose layers do
 anything else, e.g. Qwen3's q/k norms, needs its own loop here), training mode, DeepSpeed shards (their Linear layers
 all-reduce and hold a shard of the heads) and devices other than the CPU and CUDA. On CUDA the products of all rows
-are one cuBLAS call per weight and each span attends through the model's sdpa (the target picks its backends); the
+are one cuBLAS call per weight; verify spans over pooled caches (kv_pool.py, the default there) attend together in
+one sdpa call per layer, every other span through the model's sdpa (the target picks its backends); the
 batch-invariant operations are CPU-only.
 """
 

@@ -27,7 +27,8 @@ float64), so a greedy argmax can change only at such near-ties.
 
 After acceptance, ``commit`` keeps the root and the accepted path and drops the other tree rows, compacting each
 layer's K/V so the cache is again one contiguous prefix. The K/V live in a `GrowableKVCache` (kv_cache.py): rows are
-written in place into preallocated buffers, so a round costs O(new rows), not a copy of the whole context.
+written in place into preallocated buffers, so a round costs O(new rows), not a copy of the whole context. On CUDA
+those buffers are views of one pool per layer (kv_pool.py), so that a step's verify rows attend in one call per layer.
 """
 
 from __future__ import annotations
