@@ -86,11 +86,13 @@ which holds its drafter prefill charge). The mean excess of the last SWITCHES su
 summed is one run's switch cost; the period counts it in steps of the verdict's mode. Like the sides, only steps
 without a target prefill are measured; a stall in one lengthens the period for a few runs, the cheap way to err.
 
-Priors. A level not settled yet runs the verdict of the nearest settled level at lower load of its own set (a sampled
-level: of the nearest settled greedy level at its load or lower instead, where that one is undrafted), and explores at
-the period the prior level's gap and switches call for (not its doubled one: here the verdict is unconfirmed). Drafting
-gains less with more requests in a step and less when sampling, so those verdicts are the best guess at hand (a greedy
-level's drafted verdict says little of sampled steps, and does not carry over). Warming up from scratch drafts half the
+Priors. A level not settled yet runs undrafted where the nearest settled level at lower load of its own set is
+undrafted (a sampled level: or the nearest settled greedy level at its load or lower), and explores at the period the
+prior level's gap and switches call for (not its doubled one: here the verdict is unconfirmed). Drafting gains less
+with more requests in a step and less when sampling, so where it lost with fewer requests, or greedy, it is the best
+guess at hand. A drafted verdict carries over nowhere: that drafting won with fewer requests says little of more (a
+first version took drafted priors too; served, greedy at 8 requests then started from concurrency 1's drafted verdict,
+explored it at concurrency 1's long period, and ran 0.85x of undrafted for both cells). Warming up from scratch drafts half the
 steps until the level settles, and under load few steps are measured: served at 32 requests, level 17+ had never been
 visited while 5-16 was settled undrafted, only 8 policy steps were measured by the end of the 15-second cell (with fresh
 prompts most steps carry a prefill chunk), and the whole cell ran half drafted where drafting was 2x slower, at 0.79x of
@@ -240,11 +242,12 @@ class SpeculationGuard:
         return self.sampled_levels if sampled else self.levels
 
     def _prior(self, index: int, sampled: bool) -> _Level | None:
-        """The settled level whose verdict an unsettled one at `index` runs: the nearest at lower load of its own set;
-        for a sampled level, the nearest greedy one at its load or lower instead where that one is undrafted."""
+        """The settled undrafted level whose verdict an unsettled one at `index` runs: the nearest settled one at
+        lower load of its own set, or for a sampled level the nearest settled greedy one at its load or lower, where
+        that one is undrafted (a drafted verdict carries to no other level)."""
         own = next((lv for lv in reversed(self._set(sampled)[:index]) if lv.settled), None)
         greedy = next((lv for lv in reversed(self.levels[:index + 1]) if lv.settled), None) if sampled else None
-        return greedy if greedy is not None and greedy.undrafted else own
+        return next((lv for lv in (greedy, own) if lv is not None and lv.undrafted), None)
 
     def speedup(self, level: int, sampled: bool = False) -> float | None:
         """Policy steps' decode throughput over plain steps' at a level (None: a side unmeasured)."""

@@ -328,8 +328,8 @@ def test_a_level_not_yet_settled_starts_from_the_verdict_of_a_settled_one_below(
     drafting only in exploration runs at the period 5-16's gap calls for (warming up from scratch drafted half of
     them: served at 32 requests, a whole 15 s cell at 0.79x of undrafted throughput). The runs still measure it: where
     drafting wins there (a wrong prior), the level settles and drafts after its first run. Sampled steps at 5-16 start
-    from the greedy level's undrafted verdict (drafting gains less when sampling); a greedy level's drafted verdict
-    does not carry over, and with nothing settled below a level warms up as before."""
+    from the greedy level's undrafted verdict (drafting gains less when sampling); a drafted verdict carries over
+    neither to sampled steps nor to a level at higher load, which warm up as with nothing settled below."""
     period = math.ceil(EXPLORE_RUN * (1 / 0.5 - 1) / EXPLORE_COST)
     for speedup in (0.5, 1.5):
         guard = SpeculationGuard()
@@ -348,6 +348,12 @@ def test_a_level_not_yet_settled_starts_from_the_verdict_of_a_settled_one_below(
     drive(guard, [1] * 600, {0: 1.5})
     assert guard.levels[0].settled and not guard.levels[0].undrafted
     assert sum(drive_sampled(guard, [1] * (2 * EXPLORE_RUN), 1.5)) == EXPLORE_RUN  # warming up: half plain
+    # nor to a level at higher load: 5-16 warms up (half its first steps plain), and settles undrafted where drafting
+    # loses there, soon
+    modes = drive(guard, [8] * (2 * EXPLORE_RUN), {2: 0.85})
+    assert sum(modes) == EXPLORE_RUN and not guard.levels[2].settled
+    drive(guard, [8] * 200, {2: 0.85})
+    assert guard.levels[2].settled and guard.levels[2].undrafted
 
 
 def drive_sampled(guard: SpeculationGuard, loads, speedup: float) -> list[bool]:

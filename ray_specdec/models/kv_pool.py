@@ -33,9 +33,10 @@ import torch
 
 from ray_specdec.models.kv_cache import GrowableKVCache, GrowableLayer
 
-# Rows of a pool's first allocation (at least 8 of the first request's capacity): for a 7B-sized Llama in bfloat16,
-# 16,384 rows are 8 GiB; the pool doubles when a range does not fit.
-MIN_POOL_ROWS = 16384
+# Rows of a pool's first allocation, and at least 8 times the first request's capacity (for a 7B-sized Llama in
+# bfloat16, 8 requests of 600 rows are 2.3 GiB); the pool doubles when no free range fits, so it grows with the load in
+# flight instead of taking the whole KV budget up front.
+MIN_POOL_ROWS = 1024
 # Verify spans a forward pools at least: one request alone attends over its own rows without gathering them (on an
 # H200 with a 7B-sized Llama at one request, the gather made a step ~15% slower than the request's own sdpa call).
 MIN_BATCH = 2
