@@ -117,9 +117,11 @@ METRICS = {m.name: m for m in (
     Metric(BANDIT_BEST, GAUGE, "1 for the bandit's current best tree of each context bucket and load level.",
            ("bucket", "load", "tree")),
     Metric(GUARD_UNDRAFTED, GAUGE, "1 where the speculation guard runs a load level's rounds undrafted (its drafted "
-           "steps measured slower than undrafted ones), else 0.", ("load", "replica")),
+           "steps measured slower than undrafted ones), else 0; greedy steps and steps with a sampled request apart.",
+           ("load", "sampling", "replica")),
     Metric(GUARD_SPEEDUP, GAUGE, "Decode throughput of a load level's drafted steps over its undrafted ones, as the "
-           "speculation guard measured it (absent until both are measured).", ("load", "replica")),
+           "speculation guard measured it (absent until both are measured); greedy and sampled steps apart.",
+           ("load", "sampling", "replica")),
 )}  # fmt: skip
 
 
@@ -219,11 +221,14 @@ class EngineMetrics(Recorder):
             self._set(PREFIX_HITS, hits)
 
     def guard(self, summary: list[dict]) -> None:
-        """The speculation guard's state (`SpeculationGuard.summary()`)."""
+        """The speculation guard's state (`SpeculationGuard.summary()`: per load level the greedy steps' verdict, the
+        sampled steps' under "sampled")."""
+        sets = [((row["load"], "greedy"), row) for row in summary]
+        sets += [((row["load"], "sampled"), row["sampled"]) for row in summary if "sampled" in row]
         with self._lock:
-            self._values[GUARD_UNDRAFTED] = {(row["load"],): float(row["undrafted"]) for row in summary}
-            self._values[GUARD_SPEEDUP] = {(row["load"],): row["speedup"] for row in summary
-                                           if row["speedup"] is not None}  # fmt: skip
+            self._values[GUARD_UNDRAFTED] = {key: float(level["undrafted"]) for key, level in sets}
+            self._values[GUARD_SPEEDUP] = {key: level["speedup"] for key, level in sets
+                                           if level["speedup"] is not None}  # fmt: skip
 
     def _end(self, request_id: str, reason: str, t: float) -> None:
         live = self._live.pop(request_id)

@@ -308,10 +308,14 @@ def test_the_guards_verdicts_reach_the_metrics_and_the_stats():
     level = summary[2]  # 6 requests admitted
     assert level["plain"] >= 1 and level["policy"] >= 1 and level["speedup"] is not None
     snap = loop.metrics.snapshot()
-    assert snap[m.GUARD_UNDRAFTED] == {(row["load"],): float(row["undrafted"]) for row in summary}
-    assert snap[m.GUARD_SPEEDUP] == {(row["load"],): row["speedup"] for row in summary if row["speedup"] is not None}
+    sets = [((row["load"], "greedy"), row) for row in summary] + [((row["load"], "sampled"), row["sampled"])
+                                                                  for row in summary]  # fmt: skip
+    assert snap[m.GUARD_UNDRAFTED] == {key: float(level["undrafted"]) for key, level in sets}
+    assert snap[m.GUARD_SPEEDUP] == {key: level["speedup"] for key, level in sets if level["speedup"] is not None}
+    assert all(row["sampled"]["policy"] == 0 for row in summary)  # greedy requests only: the sampled set is idle
     text = m.render({"engine-1": snap}).decode()
-    assert f'ray_specdec:speculation_guard_speedup{{load="5-16",replica="engine-1"}} {level["speedup"]!r}' in text
+    assert (f'ray_specdec:speculation_guard_speedup{{load="5-16",replica="engine-1",sampling="greedy"}} '
+            f'{level["speedup"]!r}') in text
     fixed = EngineLoop(Scheduler(LocalTarget(TargetModel(target)), MambaDrafter(drafter), None, POLICY,
                                  SchedulerConfig()))  # fmt: skip
     try:
