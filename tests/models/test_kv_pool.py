@@ -178,3 +178,23 @@ def test_a_verify_alone_attends_over_its_pooled_rows_without_the_gather(monkeypa
     want = own.forward_batch([Segment(other, tokens, tree)])[0]
     assert calls == [] and kv_pool.pool_of(cache.kv) is pooled._pool  # its own sdpa call, over the pool's rows
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_released_requests_give_their_rows_back_at_once():
+    """TargetCaches (the scheduler's target side) frees a released request's rows in the same step, not when the
+    garbage collector gets to its cache; a reset (a restarted target) frees them all."""
+    from ray_specdec.target_backend import StepWork, TargetCaches
+
+    pooled, _ = targets(tiny_gpt_neox)
+    caches = TargetCaches(pooled)
+    caches.run(StepWork(allocations=[("a", 100), ("b", 200), ("c", 50)]))
+    pool = pooled._pool
+    assert pool.rows - pool.free_rows == 350
+    gc.disable()
+    try:
+        caches.run(StepWork(releases=["b"]))
+        assert pool.rows - pool.free_rows == 150
+        caches.reset()
+        assert pool.free_rows == pool.rows and caches.caches == {}
+    finally:
+        gc.enable()
