@@ -26,6 +26,7 @@ the per-request path in float64 on the CPU (logits to 1e-10, the same greedy tok
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Sequence
 
@@ -57,6 +58,8 @@ class KVPool:
         self.values: list[torch.Tensor] = []  # per layer [rows, Hkv, Dv]
         self._free: list[tuple[int, int]] = []  # free ranges [start, end), ascending, never adjacent
         self._caches: weakref.WeakValueDictionary[int, GrowableKVCache] = weakref.WeakValueDictionary()
+        # A collected cache's rows come back from whichever thread the garbage collector runs on.
+        self._lock = threading.RLock()
         if rows:
             self._grow(rows)
 
@@ -69,20 +72,21 @@ class KVPool:
         memory for that."""
         if capacity < 1:
             raise ValueError(f"a cache needs a capacity of at least one row, got {capacity}")
-        offset = self._place(capacity)
-        if offset is None:
-            try:
-                self._grow(max(2 * self.rows, self.rows + capacity, MIN_POOL_ROWS, 8 * capacity))
-            except torch.OutOfMemoryError:
-                return None
+        with self._lock:
             offset = self._place(capacity)
-        cache = GrowableKVCache(max_capacity=capacity, preallocate=True)
-        cache.pool, cache.pool_offset = self, offset
-        cache.layers = [_pooled_layer(capacity) for _ in range(self.layers)]
-        self._bind(cache)
-        self._caches[offset] = cache
-        cache.pool_release = weakref.finalize(cache, self._release, offset, capacity)
-        return cache
+            if offset is None:
+                try:
+                    self._grow(max(2 * self.rows, self.rows + capacity, MIN_POOL_ROWS, 8 * capacity))
+                except torch.OutOfMemoryError:
+                    return None
+                offset = self._place(capacity)
+            cache = GrowableKVCache(max_capacity=capacity, preallocate=True)
+            cache.pool, cache.pool_offset = self, offset
+            cache.layers = [_pooled_layer(capacity) for _ in range(self.layers)]
+            self._bind(cache)
+            self._caches[offset] = cache
+            cache.pool_release = weakref.finalize(cache, self._release, offset, capacity)
+            return cache
 
     def free(self, cache: GrowableKVCache) -> None:
         """Give the cache's rows back now (the cache must not be used after this); a cache not of this pool: no-op."""
@@ -102,18 +106,19 @@ class KVPool:
 
     def _release(self, offset: int, capacity: int) -> None:
         """Rows [offset, offset + capacity) are free again (merged with free neighbours)."""
-        self._caches.pop(offset, None)
-        start, end = offset, offset + capacity
-        kept = []
-        for s, e in self._free:
-            if e == start:
-                start = s
-            elif s == end:
-                end = e
-            else:
-                kept.append((s, e))
-        kept.append((start, end))
-        self._free = sorted(kept)
+        with self._lock:
+            self._caches.pop(offset, None)
+            start, end = offset, offset + capacity
+            kept = []
+            for s, e in self._free:
+                if e == start:
+                    start = s
+                elif s == end:
+                    end = e
+                else:
+                    kept.append((s, e))
+            kept.append((start, end))
+            self._free = sorted(kept)
 
     def _grow(self, rows: int) -> None:
         """Pools of `rows` rows holding the old ones; every live cache's views rebound to them."""
