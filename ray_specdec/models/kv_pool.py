@@ -175,8 +175,9 @@ class PooledAttention:
         offsets = [s.cache.pool_offset for s in self.spans]
         batch, width = len(self.spans), max(sizes)
         keys = -(-max(c + q for c, q in zip(lengths, sizes)) // KEY_ALIGNMENT) * KEY_ALIGNMENT
-        self.source = torch.cat([torch.arange(s.start, s.end) for s in self.spans])  # rows of the forward, [Rp]
-        self.contiguous = bool(self.source[0] == 0 and torch.equal(self.source, torch.arange(len(self.source))))
+        source = torch.cat([torch.arange(s.start, s.end) for s in self.spans])  # rows of the forward, [Rp]
+        # whether the spans are rows [0, Rp) in order (then, where the forward has no other rows, K/V need no pick)
+        self.leading = bool(torch.equal(source, torch.arange(len(source))))
         dest = torch.cat([torch.arange(o + c, o + c + q) for o, c, q in zip(offsets, lengths, sizes)])
         # Per request, its pool rows [offset, offset + L) (past its last row: its last row again, masked).
         columns = torch.arange(keys)
@@ -185,7 +186,7 @@ class PooledAttention:
         # Queries [B, Q]: padding rows repeat a request's last row (its mask too: finite, and dropped after).
         slot = torch.arange(width)
         query = torch.stack([s.start + torch.clamp(slot, max=q - 1) for s, q in zip(self.spans, sizes)])
-        self.out = torch.cat([b * width + torch.arange(q) for b, q in enumerate(sizes)])  # [Rp] rows of [B * Q]
+        out = torch.cat([b * width + torch.arange(q) for b, q in enumerate(sizes)])  # [Rp] rows of [B * Q]
         # The mask: a row sees its request's cached columns and, past them, its tree's ancestors (itself included).
         ancestors = torch.zeros(batch, width, width, dtype=torch.bool)
         for b, (span, q) in enumerate(zip(self.spans, sizes)):
@@ -199,11 +200,8 @@ class PooledAttention:
         visible = (columns[None, None] < cached[:, None, None]) | (seen & in_tree[:, None])
         mask = torch.zeros(batch, 1, width, keys, dtype=pool.dtype)
         self.mask = mask.masked_fill_(~visible[:, None], torch.finfo(pool.dtype).min).to(device)
-        self.source_d = self.source.to(device)
-        self.dest = dest.to(device)
-        self.gather = gather.to(device)
-        self.query = query.to(device)
-        self.out_d = self.out.to(device)
+        self.source, self.dest, self.gather, self.query, self.out = (
+            t.to(device) for t in (source, dest, gather, query, out))
         self.shape = (batch, width)
         self._grouped: torch.Tensor | None = None  # the mask for grouped-query attention (`_mask`)
 
@@ -212,8 +210,8 @@ class PooledAttention:
         layer = module.layer_idx
         pool_k, pool_v = self.pool.keys[layer], self.pool.values[layer]
         new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [R, Hkv, D]
-        if not self.contiguous or new_k.shape[0] != len(self.source):
-            new_k, new_v = new_k[self.source_d], new_v[self.source_d]
+        if not self.leading or new_k.shape[0] != len(self.source):
+            new_k, new_v = new_k[self.source], new_v[self.source]
         pool_k.index_copy_(0, self.dest, new_k)
         pool_v.index_copy_(0, self.dest, new_v)
         k = pool_k[self.gather].transpose(1, 2)  # [B, Hkv, L, D]
@@ -230,7 +228,7 @@ class PooledAttention:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(groups),
                                                                scale=module.scaling)  # fmt: skip
         out = out.reshape(batch, heads, width, -1).transpose(1, 2)  # [B, Q, H, D]
-        return out.reshape(batch * width, -1).index_select(0, self.out_d)
+        return out.reshape(batch * width, -1).index_select(0, self.out)
 
     def _mask(self, groups: int) -> torch.Tensor:
         """The mask [B, 1, groups * Q, L] of grouped queries (made once a forward)."""

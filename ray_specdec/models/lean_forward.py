@@ -235,7 +235,7 @@ class LeanForward:
         if together is None:
             out = outs[0][1] if len(outs) == 1 else torch.cat([out for _, out in outs], dim=1)
             return out.reshape(*query.shape[:1], query.shape[2], -1).contiguous()
-        out = together.new_empty(query.shape[2], together.shape[-1]).index_copy_(0, pooled.source_d, together)
+        out = together.new_empty(query.shape[2], together.shape[-1]).index_copy_(0, pooled.source, together)
         for span, rows in outs:
             out[span.start : span.end] = rows.reshape(span.end - span.start, -1)
         return out[None]

@@ -244,10 +244,16 @@ class TargetModel:
     def kv_bytes_per_token(self) -> int:
         """K + V bytes one cached token takes over all layers (the whole model's: a tensor-parallel rank holds its
         share of the heads), for sizing a KV budget."""
+        layers, kv_heads, head_dim = self._kv_shape
+        return 2 * layers * kv_heads * head_dim * self.dtype.itemsize
+
+    @property
+    def _kv_shape(self) -> tuple[int, int, int]:
+        """(layers, key / value heads, head size) of the whole model's cache."""
         c = self._config
         kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return 2 * c.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
+        return c.num_hidden_layers, kv_heads, head_dim
 
     def new_cache(self, capacity: int | None = None) -> TargetCache:
         """A request's cache. capacity: rows allocated on its first forward and never grown past (a request's share
@@ -259,11 +265,8 @@ class TargetModel:
             raise ValueError(f"a cache needs a capacity of at least one row, got {capacity}")
         if self.kv_pool_why is None:
             if self._pool is None:
-                c = self._config
-                kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-                head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-                self._pool = kv_pool.KVPool(c.num_hidden_layers, kv_heads, head_dim, head_dim, self.dtype,
-                                            self.device)  # fmt: skip
+                layers, kv_heads, head_dim = self._kv_shape
+                self._pool = kv_pool.KVPool(layers, kv_heads, head_dim, head_dim, self.dtype, self.device)
             kv = self._pool.new_cache(capacity)
             if kv is not None:  # else the device had no memory to grow the pool: a cache of its own
                 return TargetCache(kv)
@@ -350,10 +353,10 @@ class TargetModel:
         # bits: adding 0.0 changes no score); the model's attention functions keep theirs (another kernel without).
         maskless = self._lean.batch_invariant and self._window is None
         spans, start = [], 0
-        together = kv_pool.attend_together([r.segment.cache.kv for r in verify])
+        pooled = _attending_together(verify)
         for r in verify:
             tree, end = r.segment.tree, start + r.tokens.numel()
-            if together and kv_pool.pool_of(r.segment.cache.kv) is not None:  # attends with the other pooled spans
+            if id(r) in pooled:
                 spans.append(Span(start, end, r.segment.cache.kv, None, tree=True, tree_mask=tree.attn_mask))
             else:
                 mask = None if maskless and tree.num_nodes == 0 else self._masks(r.cache_len, tree)
@@ -368,12 +371,12 @@ class TargetModel:
         """`one_forward`: every segment's rows in one lean forward, each attending over its own cache (a prefill
         segment causally, whole: its mask covers all its rows); -> logits [S_i, V] of the verify segments only."""
         spans, positions, logit_rows, start = [], [], [], 0
-        together = kv_pool.attend_together([r.segment.cache.kv for r in rows if r.verify])
+        pooled = _attending_together([r for r in rows if r.verify])
         for r in rows:
             n = r.tokens.numel()
             tree_mask = None
             if r.verify:
-                if together and kv_pool.pool_of(r.segment.cache.kv) is not None:  # with the other pooled spans
+                if id(r) in pooled:
                     mask, tree_mask = None, r.segment.tree.attn_mask
                 else:
                     mask = self._masks(r.cache_len, r.segment.tree)
@@ -444,6 +447,14 @@ def _switch_why(name: str, requested: bool | None, variable: str, blocker) -> st
     if requested and why is not None:
         raise RuntimeError(f"{name}=True but {why}")
     return why
+
+
+def _attending_together(verify: Sequence[_Rows]) -> set[int]:
+    """ids of the verify segments over pooled caches that attend together (kv_pool.attend_together): they go to the
+    lean forward with their tree (`Span.tree_mask`) instead of a mask of their own."""
+    if not kv_pool.attend_together([r.segment.cache.kv for r in verify]):
+        return set()
+    return {id(r) for r in verify if kv_pool.pool_of(r.segment.cache.kv) is not None}
 
 
 def _positions(verify: Sequence[_Rows]) -> torch.Tensor:
