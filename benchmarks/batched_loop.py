@@ -14,6 +14,8 @@ of benchmarks/serve_peers.py). Four variants of the same engine, side by side in
 - `own-caches` (asked for by name): batched products, but every request's K/V in a cache of its own and its
   attention one call per request per layer (`kv_pool=False`); `batched` pools the caches where the target does
   (models/kv_pool.py: CUDA), so its verify rows attend in one call per layer;
+- `eager` (asked for by name): `batched` without the target's CUDA graphs (`cuda_graphs=False`; models/step_graphs.py
+  graphs the work around each attention on CUDA);
 
 each with the app's policy (the bandit over the default arms, goodput sizing, the speculation guard, the lookup
 branch) and with `tree none`. Every variant runs the same prompts in the same order, so their greedy tokens can be
@@ -51,10 +53,10 @@ from ray_specdec.factory import resolve_device
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 
-VARIANTS = (("batched", True, None), ("batched", True, "none"), ("own-caches", True, None),
-            ("own-caches", True, "none"), ("prefills-apart", True, "none"), ("per-request", False, None),
-            ("per-request", False, "none"))  # fmt: skip
-OPT_IN = ("prefills-apart", "own-caches")  # variants that run only when named
+VARIANTS = (("batched", True, None), ("batched", True, "none"), ("eager", True, None), ("eager", True, "none"),
+            ("own-caches", True, None), ("own-caches", True, "none"), ("prefills-apart", True, "none"),
+            ("per-request", False, None), ("per-request", False, "none"))  # fmt: skip
+OPT_IN = ("prefills-apart", "own-caches", "eager")  # variants that run only when named
 REFERENCE = "per-request none"
 MAX_NEW_TOKENS = 64
 
@@ -141,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prompts", type=int, default=400, help="distinct prompts, cycled")
     p.add_argument("--variants", default=",".join(f"{name} {tree or 'drafting'}" for name, _, tree in VARIANTS
                                                   if name not in OPT_IN),
-                   help="comma-separated of: batched drafting, batched none, own-caches drafting, own-caches none, "
+                   help="comma-separated of: batched drafting, batched none, eager drafting, eager none, own-caches drafting, "
+                        "own-caches none, "
                         "prefills-apart none, per-request drafting, per-request none")
     p.add_argument("--synthetic-llama", default=None, metavar="HIDDEN,LAYERS",
                    help="a random-weight Llama of this size as the target (the none variants only)")
@@ -165,13 +168,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         label = f"{name} {tree_text or 'drafting'}"
         if label not in chosen:
             continue
-        pool = False if name == "own-caches" else None
+        switches = dict(lean=lean, kv_pool=False if name == "own-caches" else None,
+                        cuda_graphs=False if name == "eager" else None)  # fmt: skip
         if args.synthetic_llama:
             model, tokenizer = synthetic_llama(args.synthetic_llama, args.dtype, device)
-            target = TargetModel(model, tokenizer, lean=lean, kv_pool=pool)
+            target = TargetModel(model, tokenizer, **switches)
         else:
-            target = TargetModel.from_pretrained(str(DEFAULT_TARGET), dtype=args.dtype, device=str(device), lean=lean,
-                                                 kv_pool=pool)  # fmt: skip
+            target = TargetModel.from_pretrained(str(DEFAULT_TARGET), dtype=args.dtype, device=str(device), **switches)
         if name == "prefills-apart":
             target.one_forward = False
         engine = SpeculativeEngine(target, drafter, Bandit(), lookup=DEFAULT_LOOKUP)

@@ -131,6 +131,45 @@ def test_float32_batches_leave_plain_decoding_only_at_near_ties_on_cuda():
     assert same >= len(prompts) // 2, "near-ties should be rare: most requests must match plain decoding exactly"
 
 
+@pytest.mark.parametrize("make_target", [tiny_gpt_neox, tiny_llama], ids=["neox", "llama"])
+def test_graphed_forwards_compute_the_eager_forwards_on_cuda(make_target):
+    """The target's CUDA graphs (models/step_graphs.py), captured at load for every bucket, replay what the eager lean
+    forward computes (float64: to rounding, same argmax; caches too), over steps of five verifies, with and without
+    a prefill chunk beside them, and past the largest bucket (eager)."""
+    model = make_target(torch.float64, max_positions=1024, seed=4).to(CUDA)
+    graphed, eager = TargetModel(model), TargetModel(model, cuda_graphs=False)
+    assert graphed.cuda_graphs_why is None and eager.cuda_graphs_why == "cuda_graphs=False"
+    graphs = graphed._lean.graphs
+    assert sorted(graphs._graphs) == list(graphs.buckets)  # every bucket captured at load
+    runs = count_calls(graphs, "run")
+    trees = [build_tree(TreeConfig(b).index_paths()) for b in [(), (1,), (2, 2, 1), (3, 2, 1), (1, 1, 1, 1)]]
+    contexts = [1, 17, 64, 150, 700]  # 700: a prefill past the largest bucket, eager
+    caches = [graphed.new_cache(900) for _ in contexts]
+    mine = [eager.new_cache(900) for _ in contexts]
+    for i, (context, cache, other) in enumerate(zip(contexts, caches, mine)):
+        prompt = torch.tensor(random_prompt(context, seed=i))
+        graphed.prefill(cache, prompt)
+        eager.prefill(other, prompt)
+    late, late_own = graphed.new_cache(900), eager.new_cache(900)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        segments = [torch.randint(4, 128, (1 + t.num_nodes,), generator=g) for t in trees]
+        chunk = [torch.randint(4, 128, (40,), generator=g)] if step % 2 == 0 else []
+        got = graphed.forward_batch([Segment(c, s, t) for c, s, t in zip(caches, segments, trees)]
+                                    + [Segment(late, x) for x in chunk])  # fmt: skip
+        want = eager.forward_batch([Segment(c, s, t) for c, s, t in zip(mine, segments, trees)]
+                                   + [Segment(late_own, x) for x in chunk])  # fmt: skip
+        for cache, other, tree, a, b in zip(caches, mine, trees, got, want):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+            keep = [0] + ([1 + step % tree.num_nodes] if tree.num_nodes else [])
+            graphed.commit(cache, keep)
+            eager.commit(other, keep)
+            for x, y in zip(cache.kv.layers, other.kv.layers):
+                torch.testing.assert_close(x.keys, y.keys, rtol=1e-9, atol=1e-9)
+    assert len(runs) >= 4 + len(contexts) - 1  # every step and every prefill but the 700-token one replayed graphs
+
+
 @pytest.mark.parametrize("pool", [None, False], ids=["pooled", "own_caches"])
 def test_masks_reach_sdpa_without_being_padded_again_at_every_layer(pool):
     """The masks of verify rows and prefill spans are handed to sdpa aligned (TreeMasks, aligned_mask, and the pooled

@@ -27,6 +27,7 @@ batch-invariant operations are CPU-only.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, NamedTuple, Sequence
@@ -83,6 +84,14 @@ class Span:
     # A verify's tree [S, S] bool (row i sees row j): where set and the cache is pooled (kv_pool.py), the span attends
     # with the step's other pooled spans in one call per layer, and `mask` is not read.
     tree_mask: torch.Tensor | None = None
+
+
+def _neox_attention(layer) -> torch.nn.Module:
+    return layer.attention
+
+
+def _llama_attention(layer) -> torch.nn.Module:
+    return layer.self_attn
 
 
 def _call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +172,11 @@ class LeanForward:
         self._rotary = body.rotary_emb
         self._layers = body.layers if neox else body.layers[: model.config.num_hidden_layers]
         self._norm = body.final_layer_norm if neox else body.norm
-        self._step = self._neox_layer if neox else self._llama_layer
+        # A layer is the work before its attention, the attention, and the work after it (step_graphs.py graphs the
+        # two around the attention).
+        self.before = self._neox_before if neox else self._llama_before
+        self.after = self._neox_after if neox else self._llama_after
+        self.attention_of = _neox_attention if neox else _llama_attention
         self._eager = (modeling_gpt_neox if neox else modeling_llama).eager_attention_forward
         self._head = model.get_output_embeddings()
         # What batch invariance changes for verify rows, resolved once: products, activations, rotary values, tree
@@ -171,6 +184,8 @@ class LeanForward:
         # each chunk runs alone, so its K/V depend on its own rows anyway.
         self.batch_invariant = batch_invariant
         self._table = None
+        # CUDA graphs of the work around each attention (step_graphs.py), where the target installs them.
+        self.graphs = None
         if batch_invariant:
             why = invariant.why_unsupported(model)
             if why is not None:
@@ -192,28 +207,40 @@ class LeanForward:
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, self._eager)
         invariant_rows = self.batch_invariant and all(span.tree for span in spans)
         ops = _INVARIANT_OPS if invariant_rows else _MODEL_OPS
-        hidden = self._embed(input_ids)
-        if invariant_rows:
-            cos, sin = self._table(position_ids, int(position_ids.max()) + 1)
-        else:
-            cos, sin = self._rotary(hidden, position_ids=position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         # Verify spans of the batch-invariant path attend all in one native call per layer.
         ragged = _RaggedAttention(spans, len(self._layers)) if invariant_rows else None
         # Verify spans over pooled caches (the GPU path) attend all in one call per layer.
         pooled = None if invariant_rows else kv_pool.pooled_spans(spans)
         pooled = kv_pool.PooledAttention(pooled) if pooled else None
         attend = partial(self._attend, spans=spans, attention=attention, pooled=pooled) if ragged is None else ragged
+        graphs = self.graphs
+        if graphs is None or invariant_rows or not graphs.covers(input_ids.shape[1]):
+            graphs = None
+        with contextlib.nullcontext() if graphs is None else graphs.lock:  # its buffers, until the head has run
+            if graphs is not None:
+                hidden = graphs.run(input_ids, position_ids, attend)
+            else:
+                hidden = self._layers_eagerly(input_ids, position_ids, attend, ops, invariant_rows)
+            for batched in (ragged, pooled):
+                if batched is not None:
+                    batched.finish()
+            if not logits:
+                return None
+            if rows is not None:  # the norm and the head work row by row: the rest need neither
+                hidden = hidden[:, rows]
+            return ops.product(self._head, ops.normalize(self._norm, hidden))
+
+    def _layers_eagerly(self, input_ids, position_ids, attend, ops: _Ops, invariant_rows: bool) -> torch.Tensor:
+        hidden = self._embed(input_ids)
+        if invariant_rows:
+            cos, sin = self._table(position_ids, int(position_ids.max()) + 1)
+        else:
+            cos, sin = self._rotary(hidden, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for layer in self._layers:
-            hidden = self._step(layer, hidden, cos, sin, attend, ops)
-        for batched in (ragged, pooled):
-            if batched is not None:
-                batched.finish()
-        if not logits:
-            return None
-        if rows is not None:  # the norm and the head work row by row: the rest need neither
-            hidden = hidden[:, rows]
-        return ops.product(self._head, ops.normalize(self._norm, hidden))
+            attended = attend(self.attention_of(layer), *self.before(layer, hidden, cos, sin, ops))
+            hidden = self.after(layer, hidden, attended, ops)
+        return hidden
 
     @staticmethod
     def _attend(module, query, key, value, spans: Sequence[Span], attention,
@@ -240,14 +267,20 @@ class LeanForward:
             out[span.start : span.end] = rows.reshape(span.end - span.start, -1)
         return out[None]
 
-    def _neox_layer(self, layer, hidden, cos, sin, attend, ops: _Ops) -> torch.Tensor:
-        """GPTNeoXLayer.forward (eval: its dropouts are identities)."""
-        attn, mlp = layer.attention, layer.mlp
+    @staticmethod
+    def _neox_before(layer, hidden, cos, sin, ops: _Ops):
+        """A GPTNeoX layer up to its attention -> query [1, H, R, D], key, value [1, Hkv, R, D]."""
+        attn = layer.attention
         rows = hidden.shape[:-1]
         qkv = ops.product(attn.query_key_value, ops.normalize(layer.input_layernorm, hidden))
         query, key, value = qkv.view(*rows, -1, 3 * attn.head_size).transpose(1, 2).chunk(3, dim=-1)
-        query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        out = ops.product(attn.dense, attend(attn, query, key, value))
+        return _rotate(query, cos, sin), _rotate(key, cos, sin), value
+
+    @staticmethod
+    def _neox_after(layer, hidden, attended, ops: _Ops) -> torch.Tensor:
+        """A GPTNeoX layer from its attention's output [1, R, H * D] on -> the layer's output."""
+        mlp = layer.mlp
+        out = ops.product(layer.attention.dense, attended)
 
         def feed_forward(x):  # GPTNeoXMLP.forward
             return ops.product(mlp.dense_4h_to_h, ops.activate(mlp.act, ops.product(mlp.dense_h_to_4h, x)))
@@ -257,17 +290,23 @@ class LeanForward:
         out = out + hidden
         return feed_forward(ops.normalize(layer.post_attention_layernorm, out)) + out
 
-    def _llama_layer(self, layer, hidden, cos, sin, attend, ops: _Ops) -> torch.Tensor:
-        """LlamaDecoderLayer.forward."""
-        attn, mlp = layer.self_attn, layer.mlp
+    @staticmethod
+    def _llama_before(layer, hidden, cos, sin, ops: _Ops):
+        """A Llama layer up to its attention -> query [1, H, R, D], key, value [1, Hkv, R, D]."""
+        attn = layer.self_attn
         rows = hidden.shape[:-1]
         normed = ops.normalize(layer.input_layernorm, hidden)
         shape = (*rows, -1, attn.head_dim)
         query = ops.product(attn.q_proj, normed).view(shape).transpose(1, 2)
         key = ops.product(attn.k_proj, normed).view(shape).transpose(1, 2)
         value = ops.product(attn.v_proj, normed).view(shape).transpose(1, 2)
-        query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-        hidden = hidden + ops.product(attn.o_proj, attend(attn, query, key, value))
+        return _rotate(query, cos, sin), _rotate(key, cos, sin), value
+
+    @staticmethod
+    def _llama_after(layer, hidden, attended, ops: _Ops) -> torch.Tensor:
+        """A Llama layer from its attention's output [1, R, H * D] on -> the layer's output."""
+        attn, mlp = layer.self_attn, layer.mlp
+        hidden = hidden + ops.product(attn.o_proj, attended)
         normed = ops.normalize(layer.post_attention_layernorm, hidden)
         gate = ops.activate(mlp.act_fn, ops.product(mlp.gate_proj, normed))
         return hidden + ops.product(mlp.down_proj, gate * ops.product(mlp.up_proj, normed))  # LlamaMLP.forward

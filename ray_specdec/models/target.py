@@ -34,6 +34,7 @@ those buffers are views of one pool per layer (kv_pool.py), so that a step's ver
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -42,12 +43,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ray_specdec.models import batch_invariant as invariant
-from ray_specdec.models import cpu_attention, cpu_gemm, kv_pool, lean_forward, native
+from ray_specdec.models import cpu_attention, cpu_gemm, kv_pool, lean_forward, native, step_graphs
 from ray_specdec.models.attention_masks import TreeMasks, prefill_mask
 from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.lean_forward import Span
 from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path, switched_on
 from ray_specdec.tree import TreeTensors
+
+logger = logging.getLogger(__name__)
 
 # sdpa takes an arbitrary float mask, is exact against eager (float64 agrees to ~1e-15) and is faster on CPU.
 ATTN_IMPLEMENTATION = "sdpa"
@@ -122,6 +125,7 @@ class TargetModel:
         lean: bool | None = None,
         batch_invariant: bool | None = None,
         kv_pool: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> "TargetModel":
         """Load from a hub id or a local directory; float32 on CPU unless `dtype` says otherwise."""
         path = resolve_model_path(name_or_path)
@@ -130,7 +134,7 @@ class TargetModel:
         )
         return cls(model.to(device).eval(), load_tokenizer(path), planned_gemm=planned_gemm,
                    native_attention=native_attention, lean=lean, batch_invariant=batch_invariant,
-                   kv_pool=kv_pool)
+                   kv_pool=kv_pool, cuda_graphs=cuda_graphs)
 
     def __init__(
         self,
@@ -142,6 +146,7 @@ class TargetModel:
         lean: bool | None = None,
         batch_invariant: bool | None = None,
         kv_pool: bool | None = None,
+        cuda_graphs: bool | None = None,
     ):
         """planned_gemm: the Linear layers take the fastest measured GEMM path per row count (models/cpu_gemm.py).
         None: on for a float32 model on CPU (not for a DeepSpeed engine's shard), unless the environment sets
@@ -162,7 +167,11 @@ class TargetModel:
         kv_pool: caches with a capacity (a KV budget's share) live in one pool per layer and a step's verify rows
         attend in one call per layer (models/kv_pool.py). None: on where the lean loop runs without batch invariance
         and without a sliding window (CUDA) unless RAY_SPECDEC_KV_POOL=0; True insists; False: a cache of its own per
-        request. `kv_pool_why` says why it is off."""
+        request. `kv_pool_why` says why it is off.
+        cuda_graphs: the lean forward's work around each attention replays CUDA graphs, one set per padded row count,
+        captured here (models/step_graphs.py). None: on for CUDA devices where the lean loop runs unless
+        RAY_SPECDEC_CUDA_GRAPHS=0 (eager where a capture fails); True insists; False: eager. `cuda_graphs_why` says
+        why it is off. The graphs hold the weights' addresses: move or replace no weight after loading."""
         sharded = not isinstance(model, PreTrainedModel)
         # A DeepSpeed InferenceEngine keeps the (AutoTP-sharded) HF model as `.module`; call that one directly.
         self.model = model.module if sharded else model
@@ -209,6 +218,10 @@ class TargetModel:
         self.kv_pool_why: str | None = _switch_why(
             "kv_pool", kv_pool, "RAY_SPECDEC_KV_POOL", lambda: self._kv_pool_blocker(insisted=kv_pool is True))
         self._pool: kv_pool.KVPool | None = None  # made on the first cache with a capacity
+        self.cuda_graphs_why: str | None = _switch_why(
+            "cuda_graphs", cuda_graphs, "RAY_SPECDEC_CUDA_GRAPHS", self._cuda_graphs_blocker)
+        if self.cuda_graphs_why is None:
+            self._start_graphs(insisted=cuda_graphs is True)
 
     @property
     def native_attention(self) -> bool:
@@ -239,6 +252,27 @@ class TargetModel:
         if self.device.type == "cpu" and not insisted:
             return "on the CPU the verify rows batch through the native attention (kv_pool=True pools anyway)"
         return None
+
+    def _cuda_graphs_blocker(self) -> str | None:
+        if self._lean is None:
+            return f"the lean forward is off ({self.lean_why})"
+        if self.device.type != "cuda":
+            return f"CUDA graphs run on CUDA devices, not {self.device.type}"
+        return None
+
+    def _start_graphs(self, insisted: bool) -> None:
+        """Capture every bucket's graphs now (seconds for a 7B model; none in any request)."""
+        try:
+            graphs = step_graphs.PiecewiseGraphs(self._lean)
+            with self._sdpa_backends():
+                graphs.capture()
+        except (RuntimeError, ValueError) as exc:
+            if insisted:
+                raise
+            self.cuda_graphs_why = f"CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            logger.warning("the target's forwards run eagerly: %s", self.cuda_graphs_why)
+            return
+        self._lean.graphs = graphs
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -1,0 +1,197 @@
+"""CUDA graphs of the target's forward around its attention ("piecewise" graphs, as vLLM captures its model with
+attention left out): per padded row count, one graph from the token ids to the first layer's attention inputs, then
+one from each layer's attention output to the next layer's attention inputs, the last ending at the final hidden
+state. Attention runs eagerly between the graphs: it reads every request's own cache rows under its own tree mask,
+whose lengths change every step, while everything else in a layer works row by row.
+
+Why. A step of a 7B-sized Llama at 32 requests launched ~1,700 kernels (norms, projections, rotary, MLP, residuals:
+~45 a layer, ~9 of them attention), and its host spent 42 ms a step launching them against 10 ms of GPU work (fourth
+GPU session, docs/BENCHMARKS.md). A replay issues a piece's ~20-35 kernels for about the host cost of one launch.
+
+How. The graphs read and write fixed buffers sized for the largest bucket: token ids, positions, the rotary tables,
+the hidden state (two, alternating by layer), the attention inputs (query, key, value) and its output. A forward of
+R rows takes the smallest bucket P >= R: its ids and positions go to the first R rows of their buffers (rows R..P-1
+keep earlier values: every piece works row by row, so padding rows never reach a real row), the graphs replay, and
+attention reads rows [0, R) of the query / key / value buffers and writes its output to rows [0, R) of its buffer.
+A piece copies its results into the buffers inside its graph, so nothing a graph allocates outlives its replay and
+all graphs share one memory pool, replayed in any order.
+
+Exactness. A replay runs the eager forward's kernels, on P rows rather than R: cuBLAS picks kernels by shape, so a
+row may round differently than in an eager forward of R rows (as it already may with other requests beside it; on
+CUDA nothing is batch-invariant, lean_forward.py). Greedy tokens match the target's own in float64 (the CUDA tests).
+With capture=False the pieces run eagerly through the same buffers (the CPU tests check the data flow that way).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ray_specdec.models.lean_forward import _MODEL_OPS
+
+# Padded row counts with a graph; a forward of more rows (a long prefill chunk, whose kernels are big enough to keep
+# the GPU busy) runs eagerly. Spaced by ~1.5x: at most a third of a bucket's rows are padding.
+ROW_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+class PiecewiseGraphs:
+    """`run(input_ids, position_ids, attend)` -> the final hidden state of LeanForward's layers, through graphs."""
+
+    def __init__(self, lean, buckets: tuple[int, ...] = ROW_BUCKETS, capture: bool = True):
+        """lean: a LeanForward (not batch-invariant: its verify rows take the model's own calls). capture: False runs
+        the pieces eagerly through the same buffers (for tests off CUDA)."""
+        model = lean.model
+        self.device = next(model.parameters()).device
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+        if lean.batch_invariant:
+            raise ValueError("the batch-invariant forward has no graphs (it runs on CPU)")
+        self.lean, self.buckets, self.graphed = lean, tuple(sorted(set(buckets))), capture
+        self._layers = lean._layers
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._pool = None  # one memory pool shared by every graph
+        self.lock = threading.RLock()  # the buffers serve one forward at a time
+        self._allocate(self.buckets[-1])
+
+    @property
+    def max_rows(self) -> int:
+        return self.buckets[-1]
+
+    def covers(self, rows: int) -> bool:
+        return 1 <= rows <= self.max_rows
+
+    def bucket(self, rows: int) -> int:
+        """The padded row count of a forward of `rows` rows."""
+        if not self.covers(rows):
+            raise ValueError(f"no graph for {rows} rows (1..{self.max_rows})")
+        return self.buckets[bisect.bisect_left(self.buckets, rows)]
+
+    @torch.inference_mode()
+    def _allocate(self, rows: int) -> None:
+        """The storage of every buffer, for `rows` rows; shapes from one eager pass of the first piece over `rows`
+        zero tokens. Each bucket views the start of each storage (`_at`)."""
+        ids = torch.zeros(1, rows, dtype=torch.long, device=self.device)
+        hidden = self.lean._embed(ids)
+        cos, sin = self.lean._rotary(hidden, position_ids=ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        query, key, value = self.lean.before(self._layers[0], hidden, cos, sin, _MODEL_OPS)
+        attended = hidden.new_empty(1, rows, query.shape[1] * value.shape[-1])
+        # name -> (dtype, shape with the rows at dimension `dim`, dim)
+        self._shapes = {
+            "ids": (torch.long, ids.shape, 1), "positions": (torch.long, ids.shape, 1),
+            "cos": (cos.dtype, cos.shape, 2), "sin": (sin.dtype, sin.shape, 2),
+            "hidden0": (hidden.dtype, hidden.shape, 1), "hidden1": (hidden.dtype, hidden.shape, 1),
+            "query": (query.dtype, query.shape, 2), "key": (key.dtype, key.shape, 2),
+            "value": (value.dtype, value.shape, 2), "attended": (attended.dtype, attended.shape, 1),
+        }  # fmt: skip
+        self._storage = {name: torch.zeros(shape.numel(), dtype=dtype, device=self.device)
+                         for name, (dtype, shape, _) in self._shapes.items()}  # fmt: skip
+        self._views: dict[int, _Buffers] = {}
+
+    def _at(self, rows: int) -> "_Buffers":
+        """Every buffer as a contiguous tensor of `rows` rows (a bucket's)."""
+        if rows not in self._views:
+            views = {}
+            for name, (_, shape, dim) in self._shapes.items():
+                shape = (*shape[:dim], rows, *shape[dim + 1 :])
+                views[name] = self._storage[name][: math.prod(shape)].view(shape)
+            self._views[rows] = _Buffers(**views)
+        return self._views[rows]
+
+    def _pieces(self, rows: int) -> list[Callable[[], None]]:
+        """The forward of a bucket of `rows` rows as pieces, each from buffers to buffers: the first from the ids to
+        the first layer's attention inputs, then one per layer from its attention output on."""
+        b = self._at(rows)
+
+        def first():
+            hidden = self.lean._embed(b.ids)
+            cos, sin = self.lean._rotary(hidden, position_ids=b.positions)
+            b.cos.copy_(cos.unsqueeze(1))
+            b.sin.copy_(sin.unsqueeze(1))
+            enter(0, hidden)
+
+        def enter(index: int, hidden: torch.Tensor) -> None:  # layer `index` up to its attention
+            b.hidden(index).copy_(hidden)
+            if index == len(self._layers):
+                return
+            query, key, value = self.lean.before(self._layers[index], hidden, b.cos, b.sin, _MODEL_OPS)
+            b.query.copy_(query)
+            b.key.copy_(key)
+            b.value.copy_(value)
+
+        def leave(index: int) -> None:  # layer `index` from its attention's output, then the next one's start
+            enter(index + 1, self.lean.after(self._layers[index], b.hidden(index), b.attended, _MODEL_OPS))
+
+        return [first, *(lambda i=i: leave(i) for i in range(len(self._layers)))]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket's graphs now (the largest first), so that no request pays a capture."""
+        if not self.graphed:
+            return
+        with self.lock:
+            for rows in reversed(self.buckets):
+                if rows in self._graphs:
+                    continue
+                pieces = self._pieces(rows)
+                # Warm up on a side stream first (lazy cuBLAS handles and workspaces must not be made during capture).
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        for piece in pieces:
+                            piece()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graphs = []
+                for piece in pieces:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        piece()
+                    self._pool = graph.pool()
+                    graphs.append(graph)
+                self._graphs[rows] = graphs
+
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+        """input_ids / position_ids [1, R] -> the last layer's output [1, R, d]: a view of a buffer that the next run
+        overwrites (hold `lock` until it is used). attend(module, query, key, value) -> [1, R, H * Dv]: the layer's
+        attention over rows [0, R), as LeanForward's loop calls it."""
+        rows = input_ids.shape[1]
+        padded = self.bucket(rows)
+        if self.graphed and padded not in self._graphs:
+            self.capture()
+        steps = [g.replay for g in self._graphs[padded]] if self.graphed else self._pieces(padded)
+        b = self._at(padded)
+        b.ids[:, :rows].copy_(input_ids)
+        b.positions[:, :rows].copy_(position_ids)
+        steps[0]()
+        for layer, step in zip(self._layers, steps[1:]):
+            out = attend(self.lean.attention_of(layer), b.query[:, :, :rows], b.key[:, :, :rows],
+                         b.value[:, :, :rows])  # fmt: skip
+            b.attended[:, :rows].copy_(out)
+            step()
+        return b.hidden(len(self._layers))[:, :rows]
+
+
+@dataclass
+class _Buffers:
+    """A bucket's views of the buffers (`PiecewiseGraphs._at`)."""
+
+    ids: torch.Tensor  # [1, P]
+    positions: torch.Tensor  # [1, P]
+    cos: torch.Tensor  # [1, 1, P, rotary dims]
+    sin: torch.Tensor
+    hidden0: torch.Tensor  # [1, P, d]: the input of even layers (and the output of odd ones)
+    hidden1: torch.Tensor  # [1, P, d]: the input of odd layers
+    query: torch.Tensor  # [1, H, P, D]: attention's inputs
+    key: torch.Tensor  # [1, Hkv, P, D]
+    value: torch.Tensor  # [1, Hkv, P, Dv]
+    attended: torch.Tensor  # [1, P, H * Dv]: attention's output
+
+    def hidden(self, layer: int) -> torch.Tensor:
+        """The input of layer `layer` (the output of layer `layer - 1`)."""
+        return self.hidden1 if layer % 2 else self.hidden0
