@@ -22,7 +22,8 @@ anything else, e.g. Qwen3's q/k norms, needs its own loop here), training mode, 
 all-reduce and hold a shard of the heads) and devices other than the CPU and CUDA. On CUDA the products of all rows
 are one cuBLAS call per weight; verify spans over pooled caches (kv_pool.py, the default there) attend together in
 one sdpa call per layer, every other span through the model's sdpa (the target picks its backends); the
-batch-invariant operations are CPU-only.
+batch-invariant operations are CPU-only. A layer is `before` (norm, projections, rotary), the attention, and `after`
+(output projection, residuals, MLP): on CUDA, `graphs` (step_graphs.py) replays the parts around the attention.
 """
 
 from __future__ import annotations

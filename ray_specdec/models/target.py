@@ -4,8 +4,8 @@ A verify forward takes ``[root, *tree nodes]`` (root = the previous bonus token,
 ids ``cache length + depth`` and a 4D mask: causal over everything cached plus the tree's ancestor mask. HF's masking
 code uses a caller-supplied 4D mask as-is (eager and sdpa alike), so this adapter relies only on the model's forward
 (``past_key_values`` / ``attention_mask`` / ``position_ids``). That keeps it working when DeepSpeed AutoTP has
-replaced the Linear layers: every rank runs the same calls and keeps its own shard of the cache. On CPU, GPTNeoX and
-Llama forwards run `lean_forward.LeanForward` instead: the same computation over the same modules without the model
+replaced the Linear layers: every rank runs the same calls and keeps its own shard of the cache. On CPU and CUDA,
+GPTNeoX and Llama forwards run `lean_forward.LeanForward` instead: the same computation over the same modules without the model
 forward's per-call overhead (HF's logits bit for bit, except that batch invariance takes other products for verify
 rows).
 
@@ -13,7 +13,8 @@ rows).
 rows (``[root, *tree nodes]`` with its tree mask) or prefill chunk. On the lean loop all verify rows share every
 product (each weight is read once per step) and attend per request over their own caches; each prefill chunk runs
 its own products (compute-bound: its weight reads are amortised over its rows, and its K/V depend on its own rows
-only). Where the lean loop does not run (other architectures, DeepSpeed shards, CUDA, training mode) every segment
+only); on CUDA a step's prefill chunks ride in its verify forward (`one_forward`). Where the lean loop does not run
+(other architectures, DeepSpeed shards, training mode) every segment
 runs its own HF forward inside `forward_batch`: correct, not batched. `verify` and `prefill` are `forward_batch`
 over one segment.
 
@@ -28,7 +29,8 @@ float64), so a greedy argmax can change only at such near-ties.
 After acceptance, ``commit`` keeps the root and the accepted path and drops the other tree rows, compacting each
 layer's K/V so the cache is again one contiguous prefix. The K/V live in a `GrowableKVCache` (kv_cache.py): rows are
 written in place into preallocated buffers, so a round costs O(new rows), not a copy of the whole context. On CUDA
-those buffers are views of one pool per layer (kv_pool.py), so that a step's verify rows attend in one call per layer.
+those buffers are views of one pool per layer (kv_pool.py), so that a step's verify rows attend in one call per layer,
+and the work around each layer's attention replays CUDA graphs captured at load (step_graphs.py).
 """
 
 from __future__ import annotations
