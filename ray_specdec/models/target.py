@@ -14,9 +14,8 @@ rows (``[root, *tree nodes]`` with its tree mask) or prefill chunk. On the lean 
 product (each weight is read once per step) and attend per request over their own caches; each prefill chunk runs
 its own products (compute-bound: its weight reads are amortised over its rows, and its K/V depend on its own rows
 only); on CUDA a step's prefill chunks ride in its verify forward (`one_forward`). Where the lean loop does not run
-(other architectures, DeepSpeed shards, training mode) every segment
-runs its own HF forward inside `forward_batch`: correct, not batched. `verify` and `prefill` are `forward_batch`
-over one segment.
+(other architectures, DeepSpeed shards, training mode) every segment runs its own HF forward inside `forward_batch`:
+correct, not batched. `verify` and `prefill` are `forward_batch` over one segment.
 
 Batch invariance (float32 on CPU with the native kernels and the lean loop, on by default there): a segment's logits
 and K/V are the same bits whatever shares its forward, and a verify's root row gives the same logits under a tree of
