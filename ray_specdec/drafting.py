@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -34,6 +35,7 @@ from ray_specdec.drafter_cache import DrafterStates
 from ray_specdec.logits_processing import apply_logit_bias
 from ray_specdec.lookup import LookupIndex
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
+from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.sampling import gumbel_top_k, logits_to_probs, sample
 from ray_specdec.tree import TreeTensors, build_tree
 
@@ -134,13 +136,20 @@ class DrafterSession:
     """One request's drafter state: the root state, its logits, and the per-depth states of the open round."""
 
     def __init__(self, drafter: MambaDrafter, token_ids: Sequence[int], vocab_size: int,
-                 states: DrafterStates | None = None):
-        """states: the drafter's prefix cache (drafter_cache.py), where a prompt prefilled before is copied."""
+                 states: DrafterStates | None = None, slots: StateSlots | None = None):
+        """states: the drafter's prefix cache (drafter_cache.py), where a prompt prefilled before is copied. slots: a
+        slot pool of this drafter's states: the root state lives in a slot until `close` (or until the session is
+        collected); a state of its own where every slot is taken (or the pool is another drafter's)."""
         self.drafter = drafter
         self.vocab_size = vocab_size  # the target's: draft distributions live in its vocabulary
         self.history = [int(t) for t in token_ids]  # every token so far: the lookup branch searches it
         ids = prefill_input(drafter, self.history)
         self.root_state, logits = drafter.prefill(ids) if states is None else states.prefill(drafter, ids)
+        self.slots = slots if slots is not None and slots.drafter is drafter else None
+        self.slot = None if self.slots is None else self.slots.acquire()
+        if self.slot is not None:
+            self.root_state = drafter.copy_rows(self.root_state, [0], out=slots.state(self.slot))
+            self._release = weakref.finalize(self, slots.release, self.slot)
         self.root_logits = _align_vocab(logits.unsqueeze(0), vocab_size)  # [1, V]
         self._lookup: LookupIndex | None = None  # built on the first lookup, then kept up to date
         self._depth_states: list[MambaState] = []
@@ -203,14 +212,20 @@ class DrafterSession:
                             tuple(proposal))  # fmt: skip
         return self._draft
 
+    def close(self) -> None:
+        """The request is done: its slot is free at once (else when the session is collected)."""
+        if self.slot is not None:
+            self._release()
+
     def commit(self, verdict: Verdict) -> None:
         self.commit_all([verdict])
 
     def commit_all(self, verdicts: Sequence[Verdict]) -> None:
         """Apply the open round's verdict, then those of rounds run without a draft (bonus tokens only).
 
-        The root moves to the deepest accepted node whose state the draft holds (a row copy); the tokens after it
-        (an unstepped leaf, lookup tokens, every bonus token) go through the drafter in one `extend`.
+        The root moves to the deepest accepted node whose state the draft holds (a row copy, into the session's slot
+        where it has one); the tokens after it (an unstepped leaf, lookup tokens, every bonus token) go through the
+        drafter in one `extend`.
         """
         if not verdicts:
             return
@@ -223,7 +238,8 @@ class DrafterSession:
                 if where is not None:
                     depth, row = where
                     index = torch.tensor([row], dtype=torch.long)  # on the host: copy_rows checks it there
-                    state, start = self.drafter.copy_rows(self._depth_states[depth], index), i + 1
+                    into = {} if self.slot is None else {"out": self.root_state}  # the slot, or a new state
+                    state, start = self.drafter.copy_rows(self._depth_states[depth], index, **into), i + 1
                     break
         pending = [*first.accepted_tokens[start:], first.bonus_token]
         for later in verdicts[1:]:
@@ -354,12 +370,17 @@ def _grow(trees: Sequence[_Growth], min_path_prob: float) -> None:
     depth = 1
     while growing := [t for t in growing if t.pick(depth, min_path_prob)]:
         drafter = growing[0].request.session.drafter
-        if source is None:  # depth 1: the parents are the roots
-            source = MambaState.cat([t.states[0] for t in growing])
-            for i, t in enumerate(growing):
-                t.first_row = i
-        index = torch.cat([t.tree.parents_at_depth(depth) + t.first_row for t in growing])  # [rows of all trees]
-        source = drafter.copy_rows(source, index)
+        slots = _common_slots(growing) if source is None else None
+        if slots is not None:  # depth 1 from a slot pool: the roots' rows, each once per child, in one gather
+            index = torch.cat([t.tree.parents_at_depth(1) + t.request.session.slot for t in growing])
+            source = drafter.copy_rows(slots.rows(), index)
+        else:
+            if source is None:  # depth 1: the parents are the roots
+                source = MambaState.cat([t.states[0] for t in growing])
+                for i, t in enumerate(growing):
+                    t.first_row = i
+            index = torch.cat([t.tree.parents_at_depth(depth) + t.first_row for t in growing])  # [rows of all trees]
+            source = drafter.copy_rows(source, index)
         logits = drafter.step(source, torch.cat([t.tokens[-1] for t in growing]))  # [rows of all trees, V_d]
         start = 0
         for t in growing:
@@ -369,6 +390,14 @@ def _grow(trees: Sequence[_Growth], min_path_prob: float) -> None:
             t.logits = _align_vocab(logits[start:stop], t.request.session.vocab_size)
             start = stop
         depth += 1
+
+
+def _common_slots(trees: Sequence[_Growth]) -> StateSlots | None:
+    """The slot pool every tree's root lives in, if there is one."""
+    slots = trees[0].request.session.slots
+    if slots is None or any(t.request.session.slot is None or t.request.session.slots is not slots for t in trees):
+        return None
+    return slots
 
 
 def what_if(

@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 from ray_specdec.config import DEFAULT_LOOKUP, SamplingParams, TreeConfig
 from ray_specdec.logits_processing import TokenLogprob
 from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.models.target import TargetModel
 from ray_specdec.rounds import Generation, StreamChunk
 from ray_specdec.scheduler import RequestTooLarge, Scheduler, SchedulerConfig
@@ -86,6 +87,7 @@ class SpeculativeEngine:
     def drafter(self, drafter: MambaDrafter | None) -> None:
         """Another drafter for the requests added from now on (tests swap one in)."""
         self.scheduler.drafter = drafter
+        self.scheduler.drafter_slots = StateSlots(drafter, self.scheduler.config.max_running)  # of its shapes
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

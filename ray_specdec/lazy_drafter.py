@@ -10,6 +10,7 @@ from ray_specdec.acceptance import Verdict
 from ray_specdec.drafter_cache import DrafterStates
 from ray_specdec.drafting import DrafterSession
 from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.mamba_state import StateSlots
 
 
 class LazyDrafter:
@@ -20,8 +21,10 @@ class LazyDrafter:
     the drafter in one `commit_all` (one sequence pass over their tokens).
     """
 
-    def __init__(self, drafter: MambaDrafter, vocab_size: int, states: DrafterStates | None = None):
-        self.drafter, self.vocab_size, self.states = drafter, vocab_size, states
+    def __init__(self, drafter: MambaDrafter, vocab_size: int, states: DrafterStates | None = None,
+                 slots: StateSlots | None = None):
+        """states: the drafter's prefix cache; slots: the slot pool its root state lives in (DrafterSession)."""
+        self.drafter, self.vocab_size, self.states, self.slots = drafter, vocab_size, states, slots
         self.session: DrafterSession | None = None
         self.pending: list[Verdict] = []  # verdicts since the last draft, that draft's own first
 
@@ -29,7 +32,7 @@ class LazyDrafter:
         """Bring the session up to date before a draft: -> seconds spent on a first prefill (0 if none)."""
         if self.session is None:
             t0, hits = time.perf_counter(), self.states.hits if self.states is not None else 0
-            self.session = DrafterSession(self.drafter, tokens, self.vocab_size, self.states)
+            self.session = DrafterSession(self.drafter, tokens, self.vocab_size, self.states, self.slots)
             self.pending = []
             if self.states is not None and self.states.hits > hits:
                 return 0.0  # a kept state, copied: no prefill to pay or to measure
@@ -41,3 +44,8 @@ class LazyDrafter:
     def commit(self, verdict: Verdict) -> None:
         if self.session is not None:
             self.pending.append(verdict)
+
+    def close(self) -> None:
+        """The request is done: its drafter slot is free at once."""
+        if self.session is not None:
+            self.session.close()

@@ -46,6 +46,7 @@ from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, Step
 from ray_specdec.lazy_drafter import LazyDrafter
 from ray_specdec.logits_processing import TokenHistory
 from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.prefill_plan import PrefillPlan
 from ray_specdec.prefix_cache import ROOT, PrefixIndex
 from ray_specdec.rounds import NO_TREE, FixedTree, StreamChunk, empty_draft, judge, make_generators, round_logprobs
@@ -165,6 +166,8 @@ class Scheduler:
         self.kv = PrefillPlan(config.kv_budget_tokens, config.prefill_chunk, config.prefix_cache)
         # the drafter's states after prompts it prefilled (drafter_cache.py)
         self.drafter_states = DrafterStates() if config.prefix_cache and drafter is not None else None
+        # the drafting requests' root states, one slot each (mamba_state.StateSlots; allocated on the first draft)
+        self.drafter_slots = StateSlots(drafter, config.max_running)
         self.cost = StepCostModel()
         self.acceptance = AcceptanceModel()
         self.start_rule = StartRule()  # whether a request starts its drafter (start_rule.py)
@@ -335,7 +338,7 @@ class Scheduler:
             r.admitted = True
             self.kv.admit(r, self._work)
             if self.drafter is not None:
-                r.drafter = LazyDrafter(self.drafter, self.target.vocab_size, self.drafter_states)
+                r.drafter = LazyDrafter(self.drafter, self.target.vocab_size, self.drafter_states, self.drafter_slots)
                 if r.tree is None:  # the request will decode alongside every running one (itself included)
                     prefill = self._drafter_prefill(r.tokens)
                     r.start = self.start_rule.decide(self.policy, prefill, len(r.tokens), r.stop.remaining, r.sampled,
@@ -450,6 +453,8 @@ class Scheduler:
                            load=self.load)  # fmt: skip
 
     def _free(self, r: Request) -> None:
+        if r.drafter is not None:
+            r.drafter.close()
         if r.admitted:
             self.kv.release(r)
             # an allocation not sent yet (after reset_target) must not follow the release: the target runs releases

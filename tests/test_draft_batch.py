@@ -10,6 +10,7 @@ draft one after the other, and the results must still be the same).
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from ray_specdec.defaults import DEFAULT_DRAFTER
 from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, draft_many
 from ray_specdec.models import native
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
+from ray_specdec.models.mamba_state import StateSlots
 from tests.models.test_mamba_drafter import perturbed_mamba
 
 TINY = dict(vocab_size=77, hidden_size=40, state_size=6, num_hidden_layers=3, expand=2, conv_kernel=4,
@@ -220,3 +222,72 @@ def test_native_step_is_row_invariant(name, rows, threads):
 def test_torch_step_is_not_declared_row_invariant():
     assert not drafter("tiny-torch").steps_row_invariant
     assert not MambaDrafter(perturbed_mamba(MambaConfig(**TINY)).float(), native=False).steps_row_invariant
+
+
+# ----- the slot pool of root states (mamba_state.StateSlots) -----
+
+
+def test_slots_are_handed_out_released_and_viewed_in_place():
+    d = drafter("tiny")
+    slots = StateSlots(d, 3)
+    assert [slots.acquire() for _ in range(3)] == [0, 1, 2] and slots.acquire() is None
+    slots.release(1)
+    slots.release(1)  # twice: no-op
+    assert slots.free_slots == 1 and slots.acquire() == 1
+    one = slots.state(2)
+    assert one.rows == 1 and one.conv.is_contiguous() and one.ssm.is_contiguous()
+    one.ssm.fill_(3.0)  # a view: the pool holds what the state holds
+    rows = slots.rows()
+    assert rows.rows == 3 and torch.equal(rows.ssm[:, 2], one.ssm[:, 0]) and float(rows.ssm[:, 1].abs().sum()) == 0
+    with pytest.raises(ValueError, match="at least one slot"):
+        StateSlots(d, 0)
+
+
+def slotted_sessions(d: MambaDrafter, n: int, slots: StateSlots) -> list[DrafterSession]:
+    return [DrafterSession(d, prompt(i, d.vocab_size), d.vocab_size + (0, 3, -2)[i % 3], slots=slots)
+            for i in range(n)]  # fmt: skip
+
+
+def test_root_states_in_slots_draft_and_commit_as_states_of_their_own(named_drafter, monkeypatch):
+    """Sessions whose roots live in a slot pool (all of them, or all but two when the pool runs out: those take the
+    batch's other path) give every draft, random draw and commit of sessions with states of their own; at depth 1 the
+    roots' rows come from the pool in one gather."""
+    d = named_drafter
+    for size in (len(MIX), len(MIX) - 2):
+        slots = StateSlots(d, size)
+        slotted, own = slotted_sessions(d, len(MIX), slots), sessions(d, len(MIX))
+        assert [s.slot for s in slotted] == [*range(size), *[None] * (len(MIX) - size)]
+        for round_ in range(3):
+            batch, single = requests(slotted, 10 * round_), requests(own, 10 * round_)
+            sources = []
+            copy_rows = d.copy_rows
+            monkeypatch.setattr(d, "copy_rows", lambda src, *a, **k: sources.append(src) or copy_rows(src, *a, **k))
+            drafts = draft_many(batch)
+            monkeypatch.undo()
+            if d.steps_row_invariant:  # one batch: its first copy reads the pool itself, or the roots' cat
+                assert (sources[0].ssm.data_ptr() == slots.ssm.data_ptr()) == (size == len(MIX))
+            for a, b, ra, rb in zip(drafts, draft_many(single), batch, single):
+                assert_same_draft(a, b)
+                assert torch.equal(ra.generator.get_state(), rb.generator.get_state())
+            for i, (a, b, draft) in enumerate(zip(slotted, own, drafts)):
+                v = verdict(draft, a.vocab_size, seed=round_ * 31 + i)
+                a.commit(v)
+                b.commit(v)
+                assert torch.equal(a.root_logits, b.root_logits)
+                assert torch.equal(a.root_state.ssm, b.root_state.ssm) and torch.equal(a.root_state.conv,
+                                                                                       b.root_state.conv)
+                if a.slot is not None:  # the root is still the slot, advanced in place
+                    assert a.root_state.ssm.data_ptr() == slots.state(a.slot).ssm.data_ptr()
+
+
+def test_a_closed_or_collected_session_gives_its_slot_back():
+    d = drafter("tiny")
+    slots = StateSlots(d, 2)
+    a, b = slotted_sessions(d, 2, slots)
+    assert slots.free_slots == 0 and DrafterSession(d, [1, 2], d.vocab_size, slots=slots).slot is None
+    a.close()
+    a.close()
+    assert slots.free_slots == 1
+    del b
+    gc.collect()
+    assert slots.free_slots == 2

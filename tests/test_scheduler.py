@@ -387,3 +387,28 @@ def test_greedy_requests_without_processing_get_argmaxes_and_the_others_logits(t
     assert tokens["greedy"] == plain.generate(random_prompt(9, seed=200), kinds["greedy"]).token_ids
     with pytest.raises(ValueError, match="argmaxes"):
         judge(torch.zeros(3, dtype=torch.long), empty_draft(), kinds["sampled"], None)
+
+
+def test_drafting_requests_keep_their_roots_in_slots_and_give_them_back():
+    """The scheduler's drafting requests keep their drafter roots in its slot pool (mamba_state.StateSlots): a batch
+    drafts and commits exactly as with states of their own (the same tokens and the same accepted lengths, round by
+    round), and every slot is free once the requests end."""
+    target, drafter = agreeing_pair(torch.float32, max_positions=2300)
+    requests = workload(SHIPPED_PROMPTS, target.vocab_size)
+    trees = [t if t is not None else TreeConfig((2, 1, 1)) for *_, t in requests]  # fixed: no timing decides them
+    prompts, params = [r[1] for r in requests], [r[2] for r in requests]
+    slotted = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=SMALL)
+    own = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=SMALL)
+    own.scheduler.drafter_slots = None
+    slots = slotted.scheduler.drafter_slots
+    taken = []
+    acquire = slots.acquire
+    slots.acquire = lambda: taken.append(acquire()) or taken[-1]
+    a = slotted.generate_many(prompts, params, trees)
+    b = own.generate_many(prompts, params, trees)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.stats.accepted_lengths for g in a] == [g.stats.accepted_lengths for g in b]
+    assert sum(sum(g.stats.accepted_lengths) - g.stats.rounds for g in a) > 0  # drafts were accepted
+    # a slot per request that drafted (at most those with a tree: one with max_tokens 1 never drafts), reused
+    assert 0 < len(taken) <= sum(t.depth > 0 for t in trees) and None not in taken and len(set(taken)) < len(taken)
+    assert slots.free_slots == slots.slots == SMALL.max_running

@@ -70,3 +70,57 @@ class MixerWeights:
             out_proj=param(mixer.out_proj.weight),
             out_proj_bias=param(mixer.out_proj.bias),
         )
+
+
+class StateSlots:
+    """One-row drafter states preallocated for `slots` requests (mamba_ssm's `state_batch_indices` idea): a request's
+    root state is a slot, a batched draft gathers every request's root rows at depth 1 by slot index in one copy, and
+    a commit copies the accepted row into the slot and advances it there in place. Nothing is allocated per request
+    or per round for the roots, and memory is bounded by the slot count.
+
+    Slot-major (`conv` [slots, L, d_inner, d_conv], `ssm` [slots, L, d_inner, d_state]) so that a slot is a contiguous
+    one-row state [L, 1, ...], as the native kernels and graphs take it; `rows()` is the whole pool as a state of
+    `slots` rows (strided), which the state-copy path gathers from by index.
+    """
+
+    def __init__(self, drafter, slots: int):
+        """drafter: the MambaDrafter whose states the slots hold (`new_state` gives their shapes, dtypes and device).
+        The pool is allocated on the first `acquire`: a scheduler whose requests never draft never allocates it."""
+        if slots < 1:
+            raise ValueError(f"a slot pool needs at least one slot, got {slots}")
+        self.drafter, self.slots = drafter, slots
+        self.conv: torch.Tensor | None = None  # [slots, L, d_inner, d_conv]
+        self.ssm: torch.Tensor | None = None  # [slots, L, d_inner, d_state]
+        self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._used: set[int] = set()
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int | None:
+        """A free slot (its state is whatever it last held), or None when every slot is taken."""
+        new_state = getattr(self.drafter, "new_state", None)
+        if not self._free or new_state is None:  # (a drafter that keeps no MambaState: a test's stand-in)
+            return None
+        if self.conv is None:
+            template = new_state(1)  # [L, 1, ...]
+            self.conv = template.conv.new_zeros(self.slots, template.conv.shape[0], *template.conv.shape[2:])
+            self.ssm = template.ssm.new_zeros(self.slots, template.ssm.shape[0], *template.ssm.shape[2:])
+        slot = self._free.pop()
+        self._used.add(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """The slot is free again (releasing a free slot does nothing)."""
+        if slot in self._used:
+            self._used.remove(slot)
+            self._free.append(slot)
+
+    def state(self, slot: int) -> MambaState:
+        """The slot as a one-row state [L, 1, ...]: a contiguous view, written in place by whatever advances it."""
+        return MambaState(self.conv[slot].unsqueeze(1), self.ssm[slot].unsqueeze(1))
+
+    def rows(self) -> MambaState:
+        """Every slot as one state of `slots` rows (row i is slot i): a strided view, to gather rows from."""
+        return MambaState(self.conv.transpose(0, 1), self.ssm.transpose(0, 1))
