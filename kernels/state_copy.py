@@ -43,9 +43,17 @@ def state_copy_ref(
     dst_ssm: torch.Tensor,  # [L, R_out, d_inner, d_state]
 ) -> None:
     """Plain-torch reference (and CPU path): two gathers over the row dimension, straight into dst where it is
-    contiguous (a gather then a copy moves every byte twice: 2-3x slower on CPU for tree states of 12-96 rows)."""
+    contiguous (a gather then a copy moves every byte twice: 2-3x slower on CPU for tree states of 12-96 rows). A
+    source whose layers are not one block (a slot-major pool's [L, slots, ...] view, mamba_state.StateSlots) is
+    gathered layer by layer: one gather over such a view takes torch's element-wise path, ~5x slower."""
     for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm)):
-        if dst.is_contiguous():
+        if not src.is_contiguous():
+            for layer in range(src.shape[0]):
+                if dst[layer].is_contiguous():
+                    torch.index_select(src[layer], 0, index, out=dst[layer])
+                else:
+                    dst[layer].copy_(src[layer].index_select(0, index))
+        elif dst.is_contiguous():
             torch.index_select(src, 1, index, out=dst)
         else:
             dst.copy_(src.index_select(1, index))

@@ -109,6 +109,24 @@ def test_reference_gathers_rows():
             assert torch.equal(dst_ssm[layer, i], src_ssm[layer, j])
 
 
+def test_reference_gathers_from_a_slot_major_pool_layer_by_layer():
+    """A source whose layers are not one block (a slot pool viewed as [L, slots, ...]) into a contiguous destination
+    and into a strided one: the same rows as from a contiguous copy of it."""
+    pool_conv = torch.randn(5, 3, 4, 2)  # [slots, L, d_inner, d_conv]
+    pool_ssm = torch.randn(5, 3, 4, 6)
+    src_conv, src_ssm = pool_conv.transpose(0, 1), pool_ssm.transpose(0, 1)  # [L, slots, ...] views
+    assert not src_conv.is_contiguous()
+    index = torch.tensor([4, 4, 0, 2])
+    want_conv, want_ssm = src_conv.contiguous().index_select(1, index), src_ssm.contiguous().index_select(1, index)
+    dst_conv, dst_ssm = torch.empty(3, 4, 4, 2), torch.empty(3, 4, 4, 6)
+    state_copy_ref(src_conv, src_ssm, index, dst_conv, dst_ssm)
+    assert torch.equal(dst_conv, want_conv) and torch.equal(dst_ssm, want_ssm)
+    wide_conv, wide_ssm = torch.zeros(3, 6, 4, 2), torch.zeros(3, 6, 4, 6)  # rows 1..4 of wider buffers: strided
+    state_copy_ref(src_conv, src_ssm, index, wide_conv[:, 1:5], wide_ssm[:, 1:5])
+    assert torch.equal(wide_conv[:, 1:5], want_conv) and torch.equal(wide_ssm[:, 1:5], want_ssm)
+    assert not wide_conv[:, 0].any() and not wide_ssm[:, 5].any()
+
+
 def _valid_args() -> dict:
     return {
         "src_conv": torch.zeros(2, 3, 4, 4),
