@@ -45,9 +45,10 @@ def state_copy_ref(
     """Plain-torch reference (and CPU path): two gathers over the row dimension, straight into dst where it is
     contiguous (a gather then a copy moves every byte twice: 2-3x slower on CPU for tree states of 12-96 rows). A
     source whose layers are not one block (a slot-major pool's [L, slots, ...] view, mamba_state.StateSlots) is
-    gathered layer by layer: one gather over such a view takes torch's element-wise path, ~5x slower."""
+    gathered layer by layer on CPU: one gather over such a view takes torch's element-wise path there, ~5x slower
+    (a GPU's gather takes the strides in one launch)."""
     for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm)):
-        if not src.is_contiguous():
+        if not src.is_contiguous() and src.device.type == "cpu":
             for layer in range(src.shape[0]):
                 if dst[layer].is_contiguous():
                     torch.index_select(src[layer], 0, index, out=dst[layer])
