@@ -15,7 +15,9 @@ of benchmarks/serve_peers.py). Four variants of the same engine, side by side in
   attention one call per request per layer (`kv_pool=False`); `batched` pools the caches where the target does
   (models/kv_pool.py: CUDA), so its verify rows attend in one call per layer;
 - `eager` (asked for by name): `batched` without the target's CUDA graphs (`cuda_graphs=False`; models/step_graphs.py
-  graphs the work around each attention on CUDA);
+  graphs the work around each attention on CUDA, and a forward over pooled caches with its attention in one graph);
+- `pieces` (asked for by name): the graphs around each attention only, the attention eager between them (no fused
+  forward: kernels/pooled_attention.py unused);
 
 each with the app's policy (the bandit over the default arms, goodput sizing, the speculation guard, the lookup
 branch) and with `tree none`. Every variant runs the same prompts in the same order, so their greedy tokens can be
@@ -53,10 +55,11 @@ from ray_specdec.factory import resolve_device
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 
-VARIANTS = (("batched", True, None), ("batched", True, "none"), ("eager", True, None), ("eager", True, "none"),
+VARIANTS = (("batched", True, None), ("batched", True, "none"), ("pieces", True, None), ("pieces", True, "none"),
+            ("eager", True, None), ("eager", True, "none"),
             ("own-caches", True, None), ("own-caches", True, "none"), ("prefills-apart", True, "none"),
             ("per-request", False, None), ("per-request", False, "none"))  # fmt: skip
-OPT_IN = ("prefills-apart", "own-caches", "eager")  # variants that run only when named
+OPT_IN = ("prefills-apart", "own-caches", "eager", "pieces")  # variants that run only when named
 REFERENCE = "per-request none"
 MAX_NEW_TOKENS = 64
 
@@ -143,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prompts", type=int, default=400, help="distinct prompts, cycled")
     p.add_argument("--variants", default=",".join(f"{name} {tree or 'drafting'}" for name, _, tree in VARIANTS
                                                   if name not in OPT_IN),
-                   help="comma-separated of: batched drafting, batched none, eager drafting, eager none, own-caches drafting, "
+                   help="comma-separated of: batched drafting, batched none, pieces drafting, pieces none, eager drafting, "
+                        "eager none, own-caches drafting, "
                         "own-caches none, "
                         "prefills-apart none, per-request drafting, per-request none")
     p.add_argument("--synthetic-llama", default=None, metavar="HIDDEN,LAYERS",
@@ -177,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             target = TargetModel.from_pretrained(str(DEFAULT_TARGET), dtype=args.dtype, device=str(device), **switches)
         if name == "prefills-apart":
             target.one_forward = False
+        if name == "pieces" and target._lean is not None and target._lean.graphs is not None:
+            target._lean.graphs.fused = False
         engine = SpeculativeEngine(target, drafter, Bandit(), lookup=DEFAULT_LOOKUP)
         prompts = [engine.encode(t) for t in texts]
         tree = TreeConfig.parse(tree_text) if tree_text else None

@@ -131,17 +131,20 @@ def test_float32_batches_leave_plain_decoding_only_at_near_ties_on_cuda():
     assert same >= len(prompts) // 2, "near-ties should be rare: most requests must match plain decoding exactly"
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pieces"])
 @pytest.mark.parametrize("make_target", [tiny_gpt_neox, tiny_llama], ids=["neox", "llama"])
-def test_graphed_forwards_compute_the_eager_forwards_on_cuda(make_target):
+def test_graphed_forwards_compute_the_eager_forwards_on_cuda(make_target, fused):
     """The target's CUDA graphs (models/step_graphs.py), captured at load for every bucket, replay what the eager lean
     forward computes (float64: to rounding, same argmax; caches too), over steps of five verifies, with and without
-    a prefill chunk beside them, and past the largest bucket (eager)."""
+    a prefill chunk beside them, and past the largest bucket (eager). Fused (the default over pooled caches): each
+    forward is one graph, its attention the Triton kernel of kernels/pooled_attention.py."""
     model = make_target(torch.float64, max_positions=1024, seed=4).to(CUDA)
     graphed, eager = TargetModel(model), TargetModel(model, cuda_graphs=False)
     assert graphed.cuda_graphs_why is None and eager.cuda_graphs_why == "cuda_graphs=False"
     graphs = graphed._lean.graphs
     assert sorted(graphs._graphs) == list(graphs.buckets)  # every bucket captured at load
-    runs = count_calls(graphs, "run")
+    graphs.fused = fused
+    runs = count_calls(graphs, "run_fused" if fused else "run")
     trees = [build_tree(TreeConfig(b).index_paths()) for b in [(), (1,), (2, 2, 1), (3, 2, 1), (1, 1, 1, 1)]]
     contexts = [1, 17, 64, 150, 700]  # 700: a prefill past the largest bucket, eager
     caches = [graphed.new_cache(900) for _ in contexts]
@@ -176,7 +179,8 @@ def test_masks_reach_sdpa_without_being_padded_again_at_every_layer(pool):
     batch's mask): torch pads and copies a misaligned mask at every call, i.e. per layer and request. Pooled caches
     (the default on CUDA) attend in one sdpa call per layer for all verify rows; caches of their own, one per request.
     (Written after the third GPU session's time ran out, from its profile.)"""
-    target = TargetModel(tiny_llama(torch.bfloat16, max_positions=512, seed=8).to(CUDA), kv_pool=pool)
+    target = TargetModel(tiny_llama(torch.bfloat16, max_positions=512, seed=8).to(CUDA), kv_pool=pool,
+                         cuda_graphs=False)  # (graphs over pooled caches attend in their own kernel: no sdpa)
     assert target.one_forward and (target.kv_pool_why is None) == (pool is None)
     caches = [target.new_cache(400) for _ in range(3)]
     for i, cache in enumerate(caches):

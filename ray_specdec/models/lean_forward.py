@@ -85,6 +85,9 @@ class Span:
     # A verify's tree [S, S] bool (row i sees row j): where set and the cache is pooled (kv_pool.py), the span attends
     # with the step's other pooled spans in one call per layer, and `mask` is not read.
     tree_mask: torch.Tensor | None = None
+    # A verify's tree [S, S] bool whatever attends how (None for a prefill chunk: causal): what a fused forward over
+    # pooled caches (step_graphs.py) lets each row see of its request's new rows.
+    ancestors: torch.Tensor | None = None
 
 
 def _neox_attention(layer) -> torch.nn.Module:
@@ -208,20 +211,26 @@ class LeanForward:
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, self._eager)
         invariant_rows = self.batch_invariant and all(span.tree for span in spans)
         ops = _INVARIANT_OPS if invariant_rows else _MODEL_OPS
-        # Verify spans of the batch-invariant path attend all in one native call per layer.
-        ragged = _RaggedAttention(spans, len(self._layers)) if invariant_rows else None
-        # Verify spans over pooled caches (the GPU path) attend all in one call per layer.
-        pooled = None if invariant_rows else kv_pool.pooled_spans(spans)
-        pooled = kv_pool.PooledAttention(pooled) if pooled else None
-        attend = partial(self._attend, spans=spans, attention=attention, pooled=pooled) if ragged is None else ragged
         graphs = self.graphs
         if graphs is None or invariant_rows or not graphs.covers(input_ids.shape[1]):
             graphs = None
+        fused = None if graphs is None else graphs.fuses(spans)  # the pool that every span lives in, if one does
+        ragged = pooled = None
         with contextlib.nullcontext() if graphs is None else graphs.lock:  # its buffers, until the head has run
-            if graphs is not None:
-                hidden = graphs.run(input_ids, position_ids, attend)
-            else:
-                hidden = self._layers_eagerly(input_ids, position_ids, attend, ops, invariant_rows)
+            # one graph with the attention in it (None: not here, or its capture failed and the graphs stopped fusing)
+            hidden = None if fused is None else graphs.run_fused(input_ids, position_ids, spans, fused)
+            if hidden is None:
+                # Verify spans of the batch-invariant path attend all in one native call per layer.
+                ragged = _RaggedAttention(spans, len(self._layers)) if invariant_rows else None
+                # Verify spans over pooled caches (the GPU path) attend all in one call per layer.
+                pooled = None if invariant_rows else kv_pool.pooled_spans(spans)
+                pooled = kv_pool.PooledAttention(pooled) if pooled else None
+                attend = (partial(self._attend, spans=spans, attention=attention, pooled=pooled) if ragged is None
+                          else ragged)  # fmt: skip
+                if graphs is not None:
+                    hidden = graphs.run(input_ids, position_ids, attend)
+                else:
+                    hidden = self._layers_eagerly(input_ids, position_ids, attend, ops, invariant_rows)
             for batched in (ragged, pooled):
                 if batched is not None:
                     batched.finish()

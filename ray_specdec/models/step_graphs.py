@@ -25,14 +25,20 @@ With capture=False the pieces run eagerly through the same buffers (the CPU test
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 
+from kernels import pooled_attention as fused_attention
+from ray_specdec.models import kv_pool
 from ray_specdec.models.lean_forward import _MODEL_OPS
+
+logger = logging.getLogger(__name__)
 
 # Padded row counts with a graph; a forward of more rows (a long prefill chunk, whose kernels are big enough to keep
 # the GPU busy) runs eagerly. Spaced by ~1.5x: at most a third of a bucket's rows are padding.
@@ -42,9 +48,11 @@ ROW_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 class PiecewiseGraphs:
     """`run(input_ids, position_ids, attend)` -> the final hidden state of LeanForward's layers, through graphs."""
 
-    def __init__(self, lean, buckets: tuple[int, ...] = ROW_BUCKETS, capture: bool = True):
+    def __init__(self, lean, buckets: tuple[int, ...] = ROW_BUCKETS, capture: bool = True, fused: bool = True):
         """lean: a LeanForward (not batch-invariant: its verify rows take the model's own calls). capture: False runs
-        the pieces eagerly through the same buffers (for tests off CUDA)."""
+        the pieces eagerly through the same buffers (for tests off CUDA). fused: a forward whose spans all live in
+        one KV pool runs as one graph, its attention through kernels/pooled_attention.py (the Triton kernel on CUDA,
+        its torch reference elsewhere)."""
         model = lean.model
         self.device = next(model.parameters()).device
         if capture and self.device.type != "cuda":
@@ -54,6 +62,11 @@ class PiecewiseGraphs:
         self.lean, self.buckets, self.graphed = lean, tuple(sorted(set(buckets))), capture
         self._layers = lean._layers
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.fused = fused and (self.device.type != "cuda" or fused_attention.triton is not None)
+        on_gpu = self.device.type == "cuda" and fused_attention.triton is not None
+        self._attention = fused_attention.pooled_attention if on_gpu else fused_attention.pooled_attention_ref
+        self._fused: dict[int, tuple[tuple, torch.cuda.CUDAGraph]] = {}  # bucket -> (the pool it was captured on, graph)
+        self.fused_why: str | None = None if self.fused else "fused=False, or no triton"
         self._pool = None  # one memory pool shared by every graph
         self.lock = threading.RLock()  # the buffers serve one forward at a time
         self._allocate(self.buckets[-1])
@@ -88,6 +101,8 @@ class PiecewiseGraphs:
             "hidden0": (hidden.dtype, hidden.shape, 1), "hidden1": (hidden.dtype, hidden.shape, 1),
             "query": (query.dtype, query.shape, 2), "key": (key.dtype, key.shape, 2),
             "value": (value.dtype, value.shape, 2), "attended": (attended.dtype, attended.shape, 1),
+            "meta": (torch.int32, torch.Size((rows, fused_attention.META_FIELDS)), 0),
+            "visible": (torch.int8, torch.Size((rows, rows)), 0),
         }  # fmt: skip
         self._storage = {name: torch.zeros(shape.numel(), dtype=dtype, device=self.device)
                          for name, (dtype, shape, _) in self._shapes.items()}  # fmt: skip
@@ -99,6 +114,8 @@ class PiecewiseGraphs:
             views = {}
             for name, (_, shape, dim) in self._shapes.items():
                 shape = (*shape[:dim], rows, *shape[dim + 1 :])
+                if name == "visible":
+                    shape = (rows, rows)
                 views[name] = self._storage[name][: math.prod(shape)].view(shape)
             self._views[rows] = _Buffers(**views)
         return self._views[rows]
@@ -156,6 +173,94 @@ class PiecewiseGraphs:
                     graphs.append(graph)
                 self._graphs[rows] = graphs
 
+    def fuses(self, spans) -> "kv_pool.KVPool | None":
+        """The pool a fused forward of these spans attends over: they all live in it (else None)."""
+        if not self.fused or not spans:
+            return None
+        pool = kv_pool.pool_of(spans[0].cache)
+        if pool is None or any(kv_pool.pool_of(s.cache) is not pool or (s.tree and s.ancestors is None)
+                               for s in spans):  # fmt: skip
+            return None
+        return pool
+
+    def _fused_steps(self, rows: int, pool) -> list[Callable[[], None]]:
+        """The forward of a bucket as one sequence: the pieces with each layer's attention between them."""
+        b = self._at(rows)
+        pieces = self._pieces(rows)
+
+        def attend(index: int) -> None:
+            module = self.lean.attention_of(self._layers[index])
+            heads = b.query.shape[1]
+            self._attention(b.query[0].transpose(0, 1), b.key[0].transpose(0, 1), b.value[0].transpose(0, 1),
+                            pool.keys[module.layer_idx], pool.values[module.layer_idx], b.meta, b.visible,
+                            module.scaling, b.attended[0].view(rows, heads, -1))  # fmt: skip
+
+        steps = [pieces[0]]
+        for index, piece in enumerate(pieces[1:]):
+            steps += [partial(attend, index), piece]
+        return steps
+
+    def _fused_graph(self, rows: int, pool) -> torch.cuda.CUDAGraph:
+        """The bucket's whole forward as one graph over this pool's tensors (captured again after the pool grew)."""
+        key = (id(pool), pool.rows, pool.keys[0].data_ptr())
+        kept = self._fused.get(rows)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        with torch.inference_mode():
+            b = self._at(rows)
+            b.meta.zero_()  # every row padding while warming up and capturing: no pool row is written
+            steps = self._fused_steps(rows, pool)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    for step in steps:
+                        step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                for step in steps:
+                    step()
+            self._pool = graph.pool()
+        self._fused[rows] = (key, graph)
+        return graph
+
+    def run_fused(self, input_ids: torch.Tensor, position_ids: torch.Tensor, spans, pool) -> torch.Tensor | None:
+        """`run` for spans that all live in `pool` (`fuses`): the attention too is in the graph, one replay for the
+        whole forward; every span's cache advances by its rows. None (nothing run) where the graph cannot be made:
+        `fused` is then off, `fused_why` says why."""
+        rows = input_ids.shape[1]
+        padded = self.bucket(rows)
+        graph = None
+        if self.graphed:
+            try:
+                graph = self._fused_graph(padded, pool)
+            except Exception as exc:  # (a Triton build, a capture): the pieces serve from now on
+                self.fused, self.fused_why = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                logger.warning("the fused forward is off: %s", self.fused_why)
+                return None
+        meta = torch.zeros(padded, fused_attention.META_FIELDS, dtype=torch.int32)
+        visible = torch.zeros(padded, padded, dtype=torch.int8)
+        for span in spans:
+            n = span.end - span.start
+            meta[span.start : span.end] = torch.tensor([span.cache.pool_offset, span.cache.get_seq_length(),
+                                                        span.start, n], dtype=torch.int32)  # fmt: skip
+            seen = span.ancestors if span.tree else torch.ones(n, n, dtype=torch.bool).tril()
+            visible[span.start : span.end, :n] = seen
+        b = self._at(padded)
+        b.meta.copy_(meta)
+        b.visible.copy_(visible)
+        b.ids[:, :rows].copy_(input_ids)
+        b.positions[:, :rows].copy_(position_ids)
+        if graph is not None:
+            graph.replay()
+        else:
+            for step in self._fused_steps(padded, pool):
+                step()
+        for span in spans:
+            span.cache.advance(span.end - span.start)
+        return b.hidden(len(self._layers))[:, :rows]
+
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
         """input_ids / position_ids [1, R] -> the last layer's output [1, R, d]: a view of a buffer that the next run
         overwrites (hold `lock` until it is used). attend(module, query, key, value) -> [1, R, H * Dv]: the layer's
@@ -191,6 +296,8 @@ class _Buffers:
     key: torch.Tensor  # [1, Hkv, P, D]
     value: torch.Tensor  # [1, Hkv, P, Dv]
     attended: torch.Tensor  # [1, P, H * Dv]: attention's output
+    meta: torch.Tensor  # int32 [P, META_FIELDS]: the fused attention's rows (kernels/pooled_attention.py)
+    visible: torch.Tensor  # int8 [P, P]: which of its request's new rows a row sees
 
     def hidden(self, layer: int) -> torch.Tensor:
         """The input of layer `layer` (the output of layer `layer - 1`)."""

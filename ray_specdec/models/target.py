@@ -172,7 +172,9 @@ class TargetModel:
         cuda_graphs: the lean forward's work around each attention replays CUDA graphs, one set per padded row count,
         captured here (models/step_graphs.py). None: on for CUDA devices where the lean loop runs unless
         RAY_SPECDEC_CUDA_GRAPHS=0 (eager where a capture fails); True insists; False: eager. `cuda_graphs_why` says
-        why it is off. The graphs hold the weights' addresses: move or replace no weight after loading."""
+        why it is off. The graphs hold the weights' addresses: move or replace no weight after loading. A forward
+        whose caches all live in the KV pool replays one graph with the attention in it (kernels/pooled_attention.py;
+        captured on first use per bucket, again after the pool grows) unless RAY_SPECDEC_FUSED_ATTENTION=0."""
         sharded = not isinstance(model, PreTrainedModel)
         # A DeepSpeed InferenceEngine keeps the (AutoTP-sharded) HF model as `.module`; call that one directly.
         self.model = model.module if sharded else model
@@ -264,7 +266,7 @@ class TargetModel:
     def _start_graphs(self, insisted: bool) -> None:
         """Capture every bucket's graphs now (seconds for a 7B model; none in any request)."""
         try:
-            graphs = step_graphs.PiecewiseGraphs(self._lean)
+            graphs = step_graphs.PiecewiseGraphs(self._lean, fused=switched_on("RAY_SPECDEC_FUSED_ATTENTION"))
             with self._sdpa_backends():
                 graphs.capture()
         except (RuntimeError, ValueError) as exc:
@@ -392,10 +394,11 @@ class TargetModel:
         for r in verify:
             tree, end = r.segment.tree, start + r.tokens.numel()
             if id(r) in pooled:
-                spans.append(Span(start, end, r.segment.cache.kv, None, tree=True, tree_mask=tree.attn_mask))
+                spans.append(Span(start, end, r.segment.cache.kv, None, tree=True, tree_mask=tree.attn_mask,
+                                  ancestors=tree.attn_mask))  # fmt: skip
             else:
                 mask = None if maskless and tree.num_nodes == 0 else self._masks(r.cache_len, tree)
-                spans.append(Span(start, end, r.segment.cache.kv, mask, tree=True))
+                spans.append(Span(start, end, r.segment.cache.kv, mask, tree=True, ancestors=tree.attn_mask))
             start = end
         input_ids = torch.cat([r.tokens for r in verify])[None]
         with self._sdpa_backends():
@@ -421,7 +424,8 @@ class TargetModel:
                 mask = prefill_mask(r.cache_len, n, self._window, None if self.device.type == "cpu" else self.dtype)
                 mask = None if mask is None else self._masks.place(mask)
                 positions.append(torch.arange(r.cache_len, r.cache_len + n))
-            spans.append(Span(start, start + n, r.segment.cache.kv, mask, tree=r.verify, tree_mask=tree_mask))
+            spans.append(Span(start, start + n, r.segment.cache.kv, mask, tree=r.verify, tree_mask=tree_mask,
+                              ancestors=r.segment.tree.attn_mask if r.verify else None))  # fmt: skip
             start += n
         input_ids = torch.cat([r.tokens for r in rows])[None]
         keep = torch.cat(logit_rows).to(self.device) if logit_rows else None

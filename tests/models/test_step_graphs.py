@@ -18,39 +18,44 @@ from tests.tiny_models import tiny_gpt_neox, tiny_llama
 TREES = [(), (1,), (2, 2, 1), (3, 2, 1)]
 
 
-def targets(make, buckets, kv_pool=True):
-    """The same float64 model with the pieces (eager, through the buffers) and without: each its own caches."""
+def targets(make, buckets, kv_pool=True, fused=False):
+    """The same float64 model with the pieces (eager, through the buffers; fused: pooled forwards with the pooled
+    attention's reference between them) and without: each its own caches."""
     model = make(torch.float64, max_positions=1024, seed=4)
     pieces = TargetModel(model, lean=True, batch_invariant=False, kv_pool=kv_pool)
     plain = TargetModel(model, lean=True, batch_invariant=False, kv_pool=kv_pool)
-    graphs = PiecewiseGraphs(pieces._lean, buckets=buckets, capture=False)
+    graphs = PiecewiseGraphs(pieces._lean, buckets=buckets, capture=False, fused=fused)
     pieces._lean.graphs = graphs
     for t in (pieces, plain):
         t.one_forward = True  # the CUDA path: prefill chunks in the verify rows' forward
     return pieces, plain, graphs
 
 
-def count_runs(graphs: PiecewiseGraphs, monkeypatch) -> list[int]:
+def count_runs(graphs: PiecewiseGraphs, monkeypatch, fused: bool = False) -> list[int]:
+    """Rows of every forward through the pieces (fused: through the fused forward only)."""
     rows = []
-    original = graphs.run
+    name = "run_fused" if fused else "run"
+    original = getattr(graphs, name)
 
     def counted(input_ids, *args):
         rows.append(input_ids.shape[1])
         return original(input_ids, *args)
 
-    monkeypatch.setattr(graphs, "run", counted)
+    monkeypatch.setattr(graphs, name, counted)
     return rows
 
 
 @pytest.mark.parametrize("make", [tiny_gpt_neox, tiny_llama], ids=["neox", "llama_gqa"])
-@pytest.mark.parametrize("kv_pool", [True, False], ids=["pooled", "own_caches"])
-def test_the_pieces_compute_the_eager_forward(make, kv_pool, monkeypatch):
-    """Steps of five verifies and a prefill chunk, in buckets that pad them or fit them exactly, after a bigger
-    forward has left its rows in the buffers: the logits and the caches are the eager forward's."""
+@pytest.mark.parametrize("kv_pool, fused", [(True, False), (False, False), (True, True)],
+                         ids=["pooled", "own_caches", "fused"])  # fmt: skip
+def test_the_pieces_compute_the_eager_forward(make, kv_pool, fused, monkeypatch):
+    """Steps of four verifies and a prefill chunk, in buckets that pad them or fit them exactly, after a bigger
+    forward has left its rows in the buffers: the logits and the caches are the eager forward's. Fused: every forward
+    over pooled caches attends through the pooled attention (its reference here) and writes its K/V there."""
     trees = [build_tree(TreeConfig(b).index_paths()) for b in TREES]
     rows = sum(1 + t.num_nodes for t in trees)  # the verify rows of a step (30); a 40-token chunk beside them
-    pieces, plain, graphs = targets(make, buckets=(8, rows + 40, 512), kv_pool=kv_pool)
-    runs = count_runs(graphs, monkeypatch)
+    pieces, plain, graphs = targets(make, buckets=(8, rows + 40, 512), kv_pool=kv_pool, fused=fused)
+    runs = count_runs(graphs, monkeypatch, fused)
     contexts = [1, 17, 150, 300]
     caches = [pieces.new_cache(500) for _ in contexts]
     mine = [plain.new_cache(500) for _ in contexts]
@@ -95,11 +100,12 @@ def test_an_unpadded_forward_is_the_eager_forward_bit_for_bit(make):
     assert torch.equal(got, want)
 
 
-def test_float64_greedy_through_the_pieces_is_each_requests_own(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["pieces", "fused"])
+def test_float64_greedy_through_the_pieces_is_each_requests_own(fused, monkeypatch):
     """A mixed batch through the scheduler (prompts of 3-700 tokens, trees of several shapes and none): forwards of
     every size, padded into small buckets or, past the largest, eager; every request gets its plain greedy tokens."""
-    pieces, plain, graphs = targets(tiny_llama, buckets=(4, 16, 48))
-    runs = count_runs(graphs, monkeypatch)
+    pieces, plain, graphs = targets(tiny_llama, buckets=(4, 16, 48), fused=fused)
+    runs = count_runs(graphs, monkeypatch, fused)
     drafter = tiny_mamba(torch.float64, seed=5)
     prompts = [random_prompt(n, seed=60 + n) for n in (3, 40, 700, 120, 9, 31)]
     params = [SamplingParams(max_new_tokens=n) for n in (9, 40, 17, 33, 24, 20)]
