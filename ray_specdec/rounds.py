@@ -112,3 +112,14 @@ class Generation:
     stats: GenerationStats
     prompt_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asks (params.logprobs)
+
+
+def fit_tree(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:
+    """The tree (and engine lookup tokens) cut until its verify rows fit the `room` left in the request's KV
+    reservation (a pick larger than the reservation foresaw, e.g. of a policy whose picks are not its arms)."""
+    while arm.depth and 1 + arm.num_nodes + max(arm.lookup, lookup) > room:
+        if lookup:
+            lookup = max(0, room - 1 - arm.num_nodes)
+        else:
+            arm = arm.truncated(arm.depth - 1)
+    return arm, lookup

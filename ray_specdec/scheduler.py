@@ -49,7 +49,8 @@ from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.prefill_plan import PrefillPlan
 from ray_specdec.prefix_cache import ROOT, PrefixIndex
-from ray_specdec.rounds import NO_TREE, FixedTree, StreamChunk, empty_draft, judge, make_generators, round_logprobs
+from ray_specdec.rounds import (NO_TREE, FixedTree, StreamChunk, empty_draft, fit_tree, judge, make_generators,
+                                round_logprobs)
 from ray_specdec.speculation_guard import SpeculationGuard
 # START_ANYWAY_EVERY: callers name it here
 from ray_specdec.start_rule import DRAFT, EXPLORE, PLAIN, START_ANYWAY_EVERY, StartRule, drafting_arm, prefill_tokens
@@ -356,7 +357,7 @@ class Scheduler:
             choice = [0] * len(decoding)
         for r, c, i in zip(decoding, candidates, choice):
             lookup = min(self.config.lookup if r.params.greedy else 0, r.stop.remaining - 1)
-            r.arm, r.lookup = _fit(c.trees[i], lookup, room=r.reserved - (len(r.tokens) - 1))
+            r.arm, r.lookup = fit_tree(c.trees[i], lookup, room=r.reserved - (len(r.tokens) - 1))
 
     def _candidate(self, r: Request) -> Candidate:
         """The request's trees for this step: its policy's pick, then the policy's smaller arms (goodput may take
@@ -495,13 +496,3 @@ def _steered(r: Request) -> bool:
     """Whether r's rounds follow the speculation guard's mode (the policy's trees, or none in its plain steps)."""
     return r.tree is None and r.start != PLAIN
 
-
-def _fit(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:
-    """The tree (and engine lookup tokens) cut until its verify rows fit the `room` left in the request's KV
-    reservation (a pick larger than the reservation foresaw, e.g. of a policy whose picks are not its arms)."""
-    while arm.depth and 1 + arm.num_nodes + max(arm.lookup, lookup) > room:
-        if lookup:
-            lookup = max(0, room - 1 - arm.num_nodes)
-        else:
-            arm = arm.truncated(arm.depth - 1)
-    return arm, lookup
