@@ -43,7 +43,7 @@ from ray_specdec.models.target import TargetModel
 from ray_specdec.prefill_plan import kv_budget_rows
 from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
-from ray_specdec.serving.target_worker import TargetWorker, free_port
+from ray_specdec.serving.target_worker import TargetWorker, free_port, widened
 from ray_specdec.target_backend import LocalTarget, StepWork
 
 logger = logging.getLogger("ray.serve")
@@ -132,7 +132,7 @@ class RankGroup:
         except BaseException:
             self.shutdown()
             raise
-        return ray.get(refs[0])
+        return [widened(x) for x in ray.get(refs[0])]  # (half-precision models' logits ship narrowed)
 
     def reset(self) -> None:
         """Fresh caches on every rank (none to reset once a failed step shut them down: start() makes new ones)."""

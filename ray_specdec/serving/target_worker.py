@@ -92,6 +92,26 @@ def _use_process_group_all_reduce() -> None:
     deepspeed.ops.__compatible_ops__[name] = False
 
 
+def narrowed(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 logits as `dtype` (a half-precision model's own) where that holds them exactly, else as they are.
+
+    A bfloat16 or float16 model computes its logits in that dtype, and the target hands them on as float32: every
+    value survives the way back, so rank 0 ships half the bytes of a sampled request's rows through Ray (the loop
+    widens them again: `widened`). Checked, not assumed: a model whose head computes in float32 ships float32.
+    """
+    if logits.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16):
+        return logits
+    narrow = logits.to(dtype)
+    return narrow if torch.equal(narrow.to(torch.float32), logits) else logits
+
+
+def widened(logits: torch.Tensor | None) -> torch.Tensor | None:
+    """What rank 0 shipped, as the loop takes it: half-precision logits back to float32 (exactly)."""
+    if logits is not None and logits.dtype in (torch.bfloat16, torch.float16):
+        return logits.to(torch.float32)
+    return logits
+
+
 class TargetWorker:
     """One rank: the (sharded) target and its shard of every request's KV cache, driven one step at a time."""
 
@@ -131,11 +151,11 @@ class TargetWorker:
 
     def run(self, work: StepWork) -> list[torch.Tensor | None] | None:
         """One step (collective: every rank gets the same work in the same order); rank 0 -> the logits on the
-        CPU, other ranks -> None."""
+        CPU (in the model's dtype where they are exactly that: `narrowed`), other ranks -> None."""
         logits = self.caches.run(work)
         if self.rank != 0:
             return None
-        return [None if x is None else x.cpu() for x in logits]
+        return [None if x is None else narrowed(x, self.target.dtype).cpu() for x in logits]
 
     def request_ids(self) -> list[str]:
         return list(self.caches.caches)

@@ -19,7 +19,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.scheduler import Scheduler, SchedulerConfig
-from ray_specdec.serving.target_worker import TargetWorker, check_tp_dtype
+from ray_specdec.serving.target_worker import TargetWorker, check_tp_dtype, narrowed, widened
 from ray_specdec.target_backend import LocalTarget, SegmentSpec, StepWork
 from ray_specdec.tree import build_tree
 from tests.deployments.conftest import greedy_margin, word_tokenizer
@@ -104,6 +104,27 @@ def test_worker_runs_the_steps_of_forward_batch(tiny_dirs, family):
     assert (info["tp_size"], info["vocab_size"], info["dtype"]) == (1, VOCAB, "float64")
     with pytest.raises(KeyError, match="no cache for request 'b'"):
         worker.run(StepWork(segments=[SegmentSpec("b", torch.tensor([1]), ())]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bfloat16_worker_ships_its_logits_in_half_the_bytes_exactly(tiny_dirs, family):
+    """Rank 0 of a bfloat16 target ships its verify logits as bfloat16 (what the model computed); widened again they
+    are the in-process forward_batch's float32 logits, bit for bit. Values a half dtype cannot hold stay float32."""
+    works = step_works([[5, 17, 33, 12, 9, 40], [71, 4]])
+    worker = TargetWorker(tiny_dirs[family, torch.float32], dtype="bfloat16")
+    twin = TargetWorker(tiny_dirs[family, torch.float32], dtype="bfloat16")  # its target's own float32 logits
+    shipped = 0
+    for work in works:
+        for got, e in zip(worker.run(work), twin.caches.run(work), strict=True):
+            if e is None:
+                continue
+            assert got.dtype == torch.bfloat16 and e.dtype == torch.float32
+            assert torch.equal(widened(got), e)
+            shipped += 1
+    assert shipped == 3
+    wide = torch.tensor([1.0, 1.0 + 2**-12])  # the second is no bfloat16
+    assert narrowed(wide, torch.bfloat16) is wide and narrowed(wide, torch.float32) is wide
+    assert narrowed(wide[:1], torch.float16).dtype == torch.float16 and widened(None) is None
 
 
 def test_tensor_parallel_refuses_float64_on_cpu(tiny_dirs):
