@@ -23,7 +23,8 @@ all-reduce and hold a shard of the heads) and devices other than the CPU and CUD
 are one cuBLAS call per weight; verify spans over pooled caches (kv_pool.py, the default there) attend together in
 one sdpa call per layer, every other span through the model's sdpa (the target picks its backends); the
 batch-invariant operations are CPU-only. A layer is `before` (norm, projections, rotary), the attention, and `after`
-(output projection, residuals, MLP): on CUDA, `graphs` (step_graphs.py) replays the parts around the attention.
+(output projection, residuals, MLP): on CUDA, `graphs` (step_graphs.py) replays the parts around the attention, or,
+where every span's cache is pooled, the whole forward with its attention in one Triton launch per layer.
 """
 
 from __future__ import annotations

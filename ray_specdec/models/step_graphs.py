@@ -16,10 +16,19 @@ attention reads rows [0, R) of the query / key / value buffers and writes its ou
 A piece copies its results into the buffers inside its graph, so nothing a graph allocates outlives its replay and
 all graphs share one memory pool, replayed in any order.
 
+Fused. Where every span of a forward lives in the KV pool (kv_pool.py: every admitted request's cache on CUDA), the
+attention goes into the graph too: the forward is one graph per bucket, each layer's attention one launch of
+kernels/pooled_attention.py, which reads every request's pool rows in place and writes the forward's new K/V rows.
+What changes per step are the graph's inputs: per row its request's pool offset, cached keys and span, and which of
+its request's new rows it sees (its tree, or causal for a prefill chunk). The pool's tensors are the graph's too, so
+a bucket's graph is captured on first use and again after the pool grows. Where a graph cannot be made (no Triton, a
+failed build or capture), `fused` goes off and the pieces serve.
+
 Exactness. A replay runs the eager forward's kernels, on P rows rather than R: cuBLAS picks kernels by shape, so a
 row may round differently than in an eager forward of R rows (as it already may with other requests beside it; on
-CUDA nothing is batch-invariant, lean_forward.py). Greedy tokens match the target's own in float64 (the CUDA tests).
-With capture=False the pieces run eagerly through the same buffers (the CPU tests check the data flow that way).
+CUDA nothing is batch-invariant, lean_forward.py); the fused attention sums in its own order. Greedy tokens match the
+target's own in float64 (the CUDA tests). With capture=False the pieces run eagerly through the same buffers, the
+fused attention through its torch reference (the CPU tests check the data flow that way).
 """
 
 from __future__ import annotations
