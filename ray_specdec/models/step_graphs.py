@@ -74,7 +74,8 @@ class PiecewiseGraphs:
         self.fused = fused and (self.device.type != "cuda" or fused_attention.triton is not None)
         on_gpu = self.device.type == "cuda" and fused_attention.triton is not None
         self._attention = fused_attention.pooled_attention if on_gpu else fused_attention.pooled_attention_ref
-        self._fused: dict[int, tuple[tuple, torch.cuda.CUDAGraph]] = {}  # bucket -> (the pool it was captured on, graph)
+        # bucket -> (the pool it was captured on, the graph)
+        self._fused: dict[int, tuple[tuple, torch.cuda.CUDAGraph]] = {}
         self.fused_why: str | None = None if self.fused else "fused=False, or no triton"
         self._pool = None  # one memory pool shared by every graph
         self.lock = threading.RLock()  # the buffers serve one forward at a time
@@ -245,7 +246,8 @@ class PiecewiseGraphs:
             try:
                 graph = self._fused_graph(padded, pool)
             except Exception as exc:  # (a Triton build, a capture): the pieces serve from now on
-                self.fused, self.fused_why = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                first_line = str(exc).splitlines()[0] if str(exc) else ""
+                self.fused, self.fused_why = False, f"{type(exc).__name__}: {first_line}"
                 logger.warning("the fused forward is off: %s", self.fused_why)
                 return None
         meta = torch.zeros(padded, fused_attention.META_FIELDS, dtype=torch.int32)

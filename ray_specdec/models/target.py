@@ -5,9 +5,9 @@ ids ``cache length + depth`` and a 4D mask: causal over everything cached plus t
 code uses a caller-supplied 4D mask as-is (eager and sdpa alike), so this adapter relies only on the model's forward
 (``past_key_values`` / ``attention_mask`` / ``position_ids``). That keeps it working when DeepSpeed AutoTP has
 replaced the Linear layers: every rank runs the same calls and keeps its own shard of the cache. On CPU and CUDA,
-GPTNeoX and Llama forwards run `lean_forward.LeanForward` instead: the same computation over the same modules without the model
-forward's per-call overhead (HF's logits bit for bit, except that batch invariance takes other products for verify
-rows).
+GPTNeoX and Llama forwards run `lean_forward.LeanForward` instead: the same computation over the same modules without
+the model forward's per-call overhead (HF's logits bit for bit, except that batch invariance takes other products for
+verify rows).
 
 `forward_batch` runs one forward over the segments of many requests (continuous batching): each request's verify
 rows (``[root, *tree nodes]`` with its tree mask) or prefill chunk. On the lean loop all verify rows share every
@@ -29,7 +29,7 @@ After acceptance, ``commit`` keeps the root and the accepted path and drops the 
 layer's K/V so the cache is again one contiguous prefix. The K/V live in a `GrowableKVCache` (kv_cache.py): rows are
 written in place into preallocated buffers, so a round costs O(new rows), not a copy of the whole context. On CUDA
 those buffers are views of one pool per layer (kv_pool.py), so that a step's verify rows attend in one call per layer,
-and the work around each layer's attention replays CUDA graphs captured at load (step_graphs.py).
+and the forward replays CUDA graphs (step_graphs.py): the whole of it, attention included, where every cache is pooled.
 """
 
 from __future__ import annotations
