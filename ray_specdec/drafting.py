@@ -370,8 +370,10 @@ def _grow(trees: Sequence[_Growth], min_path_prob: float) -> None:
     depth = 1
     while growing := [t for t in growing if t.pick(depth, min_path_prob)]:
         drafter = growing[0].request.session.drafter
-        slots = _common_slots(growing) if source is None else None
-        if slots is not None:  # depth 1 from a slot pool: the roots' rows, each once per child, in one gather
+        # depth 1 of several trees from a slot pool: the roots' rows, each once per child, in one gather (a lone tree's
+        # root is its slot's contiguous view: the plain path copies from it as cheaply)
+        slots = _common_slots(growing) if source is None and len(growing) > 1 else None
+        if slots is not None:
             index = torch.cat([t.tree.parents_at_depth(1) + t.request.session.slot for t in growing])
             source = drafter.copy_rows(slots.rows(), index)
         else:
