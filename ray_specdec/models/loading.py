@@ -7,6 +7,12 @@ import os
 
 import torch
 
+def failure(exc: BaseException) -> str:
+    """An exception in one line, for a `..._why` reason: its type and the first line of its message."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def switched_on(variable: str) -> bool:
     """An on/off environment switch (RAY_SPECDEC_NATIVE and the like): on unless set to 0 / off / false / no."""
     return os.environ.get(variable, "1").strip().lower() not in ("0", "off", "false", "no")

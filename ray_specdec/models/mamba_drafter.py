@@ -26,7 +26,8 @@ from kernels.state_copy import copy_state_rows
 from ray_specdec.models import cpu_gemm
 from ray_specdec.models.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs
 from ray_specdec.models import native as native_kernels
-from ray_specdec.models.loading import resolve_dtype, resolve_model_path, resolve_prefill_window, switched_on
+from ray_specdec.models.loading import (failure, resolve_dtype, resolve_model_path, resolve_prefill_window,
+                                        switched_on)
 from ray_specdec.models.mamba_ops import causal_conv, contract_state, rms_norm, scan_block
 from ray_specdec.models.mamba_state import MambaState, MixerWeights
 
@@ -190,7 +191,7 @@ class MambaDrafter:
         except (RuntimeError, ValueError) as exc:
             if insist:
                 raise
-            self.graphs_why = f"CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            self.graphs_why = f"CUDA graph capture failed: {failure(exc)}"
             logger.warning("drafter steps run eagerly: %s", self.graphs_why)
             return
         self.graphs, self.extend_graphs = graphs, extend

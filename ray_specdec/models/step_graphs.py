@@ -46,6 +46,7 @@ import torch
 from kernels import pooled_attention as fused_attention
 from ray_specdec.models import kv_pool
 from ray_specdec.models.lean_forward import _MODEL_OPS
+from ray_specdec.models.loading import failure
 
 logger = logging.getLogger(__name__)
 
@@ -165,23 +166,28 @@ class PiecewiseGraphs:
             for rows in reversed(self.buckets):
                 if rows in self._graphs:
                     continue
-                pieces = self._pieces(rows)
-                # Warm up on a side stream first (lazy cuBLAS handles and workspaces must not be made during capture).
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        for piece in pieces:
-                            piece()
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graphs = []
-                for piece in pieces:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool):
-                        piece()
-                    self._pool = graph.pool()
-                    graphs.append(graph)
+                graphs = self._captured([[piece] for piece in self._pieces(rows)])
                 self._graphs[rows] = graphs
+
+    def _captured(self, groups: list[list[Callable[[], None]]]) -> list[torch.cuda.CUDAGraph]:
+        """One graph per group of steps (run in order), all in the shared memory pool. Every step runs twice first,
+        on a side stream: lazy cuBLAS handles and workspaces (and Triton builds) must not happen during a capture."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for step in (step for group in groups for step in group):
+                    step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graphs = []
+        for group in groups:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                for step in group:
+                    step()
+            self._pool = graph.pool()
+            graphs.append(graph)
+        return graphs
 
     def fuses(self, spans) -> "kv_pool.KVPool | None":
         """The pool a fused forward of these spans attends over: they all live in it (else None)."""
@@ -219,19 +225,7 @@ class PiecewiseGraphs:
         with torch.inference_mode():
             b = self._at(rows)
             b.meta.zero_()  # every row padding while warming up and capturing: no pool row is written
-            steps = self._fused_steps(rows, pool)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    for step in steps:
-                        step()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                for step in steps:
-                    step()
-            self._pool = graph.pool()
+            (graph,) = self._captured([self._fused_steps(rows, pool)])
         self._fused[rows] = (key, graph)
         return graph
 
@@ -246,8 +240,7 @@ class PiecewiseGraphs:
             try:
                 graph = self._fused_graph(padded, pool)
             except Exception as exc:  # (a Triton build, a capture): the pieces serve from now on
-                first_line = str(exc).splitlines()[0] if str(exc) else ""
-                self.fused, self.fused_why = False, f"{type(exc).__name__}: {first_line}"
+                self.fused, self.fused_why = False, failure(exc)
                 logger.warning("the fused forward is off: %s", self.fused_why)
                 return None
         meta = torch.zeros(padded, fused_attention.META_FIELDS, dtype=torch.int32)

@@ -48,7 +48,7 @@ from ray_specdec.models import cpu_attention, cpu_gemm, kv_pool, lean_forward, n
 from ray_specdec.models.attention_masks import TreeMasks, prefill_mask
 from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.lean_forward import Span
-from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path, switched_on
+from ray_specdec.models.loading import failure, load_tokenizer, resolve_dtype, resolve_model_path, switched_on
 from ray_specdec.tree import TreeTensors
 
 logger = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ class TargetModel:
         except (RuntimeError, ValueError) as exc:
             if insisted:
                 raise
-            self.cuda_graphs_why = f"CUDA graph capture failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            self.cuda_graphs_why = f"CUDA graph capture failed: {failure(exc)}"
             logger.warning("the target's forwards run eagerly: %s", self.cuda_graphs_why)
             return
         self._lean.graphs = graphs

@@ -1,22 +1,17 @@
 """Pooled tree attention kernel vs its torch reference, and the reference vs attention written out by hand.
 
-The Triton kernel runs on CPU only under TRITON_INTERPRET=1, read when a kernel is defined: as in test_state_copy.py,
-the kernel runs in a child process (this file as a script) on inputs the parent builds, and the parent compares.
+The Triton kernel runs on CPU only under TRITON_INTERPRET=1: in a child process (tests/kernels/interpreted.py).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.pooled_attention import META_FIELDS, pooled_attention, pooled_attention_ref
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.interpreted import run_interpreted
 
 # (name, heads, kv heads, head size, value size, dtype, requests as (pool offset, cached keys, new rows, kind))
 CASES = [
@@ -66,22 +61,8 @@ def run(case: dict, fn) -> dict:
 
 @pytest.fixture(scope="module")
 def kernel_outputs(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("pooled_attention")
-    torch.save([build(case, seed) for seed, case in enumerate(CASES)], tmp / "in.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, __file__, str(tmp / "in.pt"), str(tmp / "out.pt")], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    if proc.returncode and "only 0-dimensional arrays can be converted" in proc.stderr:
-        # triton 3.6's interpreter cannot loop to a bound read from memory (3.9's can; compiled kernels can)
-        pytest.skip(f"triton {_triton_version()}'s interpreter cannot run loops with a bound read from memory")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(tmp / "out.pt")
-
-
-def _triton_version() -> str:
-    import triton
-
-    return triton.__version__
+    inputs = [build(case, seed) for seed, case in enumerate(CASES)]
+    return run_interpreted(__file__, inputs, tmp_path_factory.mktemp("pooled_attention"), timeout=600)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c[0] for c in CASES])

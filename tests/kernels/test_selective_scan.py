@@ -6,10 +6,7 @@ the parent builds the inputs, the child scans them, the parent compares. On a GP
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +14,8 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.selective_scan import selective_scan, selective_scan_ref  # noqa: E402
+from tests.kernels.interpreted import run_interpreted  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # (name, tokens, d_inner, d_state, dt_rank): ragged channel blocks, a d_state below its power of two, no tokens
 CASES = [
@@ -68,18 +65,8 @@ def _reference(case: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("selective_scan")
-    torch.save([_make_case(case, seed) for seed, case in enumerate(CASES)], tmp / "in.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, __file__, str(tmp / "in.pt"), str(tmp / "out.pt")], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    if proc.returncode and "only 0-dimensional arrays can be converted" in proc.stderr:
-        # Triton 3.6's interpreter turns a runtime loop bound into an int through a 1-element NumPy array, which
-        # NumPy 2.x refuses (seen on the GPU machine; Triton 3.9 interprets the loop): the compiled kernel is still
-        # tested on CUDA below.
-        pytest.skip("this Triton's interpreter cannot loop to a runtime bound under this NumPy")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(tmp / "out.pt")
+    inputs = [_make_case(case, seed) for seed, case in enumerate(CASES)]
+    return run_interpreted(__file__, inputs, tmp_path_factory.mktemp("selective_scan"))
 
 
 def _check(got: dict, want: dict, tokens: int, d_inner: int) -> None:
