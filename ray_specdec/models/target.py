@@ -35,7 +35,6 @@ and the forward replays CUDA graphs (step_graphs.py): the whole of it, attention
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -43,15 +42,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ray_specdec.models import batch_invariant as invariant
-from ray_specdec.models import cpu_attention, cpu_gemm, kv_pool, lean_forward, native, step_graphs
+from ray_specdec.models import cpu_attention, cpu_gemm, fast_paths, kv_pool, lean_forward
 from ray_specdec.models.attention_masks import TreeMasks, prefill_mask
 from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.lean_forward import Span
-from ray_specdec.models.loading import failure, load_tokenizer, resolve_dtype, resolve_model_path, switched_on
+from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path
 from ray_specdec.tree import TreeTensors
-
-logger = logging.getLogger(__name__)
 
 # sdpa takes an arbitrary float mask, is exact against eager (float64 agrees to ~1e-15) and is faster on CPU.
 ATTN_IMPLEMENTATION = "sdpa"
@@ -199,17 +195,18 @@ class TargetModel:
         if planned_gemm is None:
             planned_gemm = not sharded and cpu_gemm.supported(self.model) and cpu_gemm.enabled_by_environment()
         self.gemm_plan: cpu_gemm.GemmPlan | None = cpu_gemm.install(self.model) if planned_gemm else None
-        self.native_attention_why: str | None = _native_attention_why(self.model, sharded)
+        self.native_attention_why: str | None = fast_paths.native_attention_why(self.model, sharded)
         if native_attention and self.native_attention_why is not None:
             raise RuntimeError(f"native_attention=True but {self.native_attention_why}")
         if native_attention is False:
             self.native_attention_why = "native_attention=False"
         if self.native_attention_why is None:
             cpu_attention.install(self.model)
-        self.lean_why: str | None = _switch_why("lean", lean, "RAY_SPECDEC_LEAN", lambda: (
+        self.lean_why: str | None = fast_paths.switch_why("lean", lean, "RAY_SPECDEC_LEAN", lambda: (
             "the model is a DeepSpeed shard" if sharded else lean_forward.why_unsupported(self.model)))
-        self.batch_invariant_why: str | None = _switch_why(
-            "batch_invariant", batch_invariant, "RAY_SPECDEC_BATCH_INVARIANT", self._batch_invariance_blocker)
+        self.batch_invariant_why: str | None = fast_paths.switch_why(
+            "batch_invariant", batch_invariant, "RAY_SPECDEC_BATCH_INVARIANT",
+            lambda: fast_paths.batch_invariance_blocker(self))
         self._lean = (
             lean_forward.LeanForward(self.model, batch_invariant=self.batch_invariant_why is None)
             if self.lean_why is None else None
@@ -218,13 +215,13 @@ class TargetModel:
         # (CUDA): on CPU each prefill chunk runs alone, so that its K/V never depend on what shares its step.
         self.one_forward = self._lean is not None and not self.batch_invariant and not self._eager and (
             self.device.type == "cuda")
-        self.kv_pool_why: str | None = _switch_why(
-            "kv_pool", kv_pool, "RAY_SPECDEC_KV_POOL", lambda: self._kv_pool_blocker(insisted=kv_pool is True))
+        self.kv_pool_why: str | None = fast_paths.switch_why(
+            "kv_pool", kv_pool, "RAY_SPECDEC_KV_POOL", lambda: fast_paths.kv_pool_blocker(self, insisted=kv_pool is True))
         self._pool: kv_pool.KVPool | None = None  # made on the first cache with a capacity
-        self.cuda_graphs_why: str | None = _switch_why(
-            "cuda_graphs", cuda_graphs, "RAY_SPECDEC_CUDA_GRAPHS", self._cuda_graphs_blocker)
+        self.cuda_graphs_why: str | None = fast_paths.switch_why(
+            "cuda_graphs", cuda_graphs, "RAY_SPECDEC_CUDA_GRAPHS", lambda: fast_paths.cuda_graphs_blocker(self))
         if self.cuda_graphs_why is None:
-            self._start_graphs(insisted=cuda_graphs is True)
+            fast_paths.start_graphs(self, insisted=cuda_graphs is True)
 
     @property
     def native_attention(self) -> bool:
@@ -235,47 +232,6 @@ class TargetModel:
     def batch_invariant(self) -> bool:
         """Whether a segment's logits and K/V are the same bits whatever shares its forward."""
         return self.batch_invariant_why is None
-
-    def _batch_invariance_blocker(self) -> str | None:
-        if self.lean_why is not None:
-            return f"the lean forward is off ({self.lean_why})"
-        if self.native_attention_why is not None:
-            return f"the native attention is off ({self.native_attention_why})"
-        return invariant.why_unsupported(self.model)
-
-    def _kv_pool_blocker(self, insisted: bool) -> str | None:
-        if self._lean is None:
-            return f"the lean forward is off ({self.lean_why})"
-        if self.batch_invariant:
-            return "the forward is batch-invariant (the native CPU attention serves every request in one call)"
-        if self._eager:
-            return "the model's attention is eager"
-        if self._window is not None:
-            return "the model attends through a sliding window"
-        if self.device.type == "cpu" and not insisted:
-            return "on the CPU the verify rows batch through the native attention (kv_pool=True pools anyway)"
-        return None
-
-    def _cuda_graphs_blocker(self) -> str | None:
-        if self._lean is None:
-            return f"the lean forward is off ({self.lean_why})"
-        if self.device.type != "cuda":
-            return f"CUDA graphs run on CUDA devices, not {self.device.type}"
-        return None
-
-    def _start_graphs(self, insisted: bool) -> None:
-        """Capture every bucket's graphs now (seconds for a 7B model; none in any request)."""
-        try:
-            graphs = step_graphs.PiecewiseGraphs(self._lean, fused=switched_on("RAY_SPECDEC_FUSED_ATTENTION"))
-            with self._sdpa_backends():
-                graphs.capture()
-        except (RuntimeError, ValueError) as exc:
-            if insisted:
-                raise
-            self.cuda_graphs_why = f"CUDA graph capture failed: {failure(exc)}"
-            logger.warning("the target's forwards run eagerly: %s", self.cuda_graphs_why)
-            return
-        self._lean.graphs = graphs
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -369,7 +325,6 @@ class TargetModel:
         if tree is None:
             what = f"prefill of {tokens.numel()} tokens"
             self._check_length(cache_len + tokens.numel(), what)
-            positions = mask = None
         else:
             if tokens.numel() != 1 + tree.num_nodes:
                 raise ValueError(f"tree has {tree.num_nodes} nodes but {tokens.numel() - 1} tokens were given")
@@ -475,19 +430,6 @@ class TargetModel:
             )
 
 
-def _switch_why(name: str, requested: bool | None, variable: str, blocker) -> str | None:
-    """Why an on/off/auto feature is off (None: on). requested None: on unless `variable` switches it off or
-    `blocker()` names a reason; True: on, or a RuntimeError with the reason; False: off."""
-    if requested is False:
-        return f"{name}=False"
-    if requested is None and not switched_on(variable):
-        return f"{variable}=0"
-    why = blocker()
-    if requested and why is not None:
-        raise RuntimeError(f"{name}=True but {why}")
-    return why
-
-
 def _attending_together(verify: Sequence[_Rows]) -> set[int]:
     """ids of the verify segments over pooled caches that attend together (kv_pool.attend_together): they go to the
     lean forward with their tree (`Span.tree_mask`) instead of a mask of their own."""
@@ -503,17 +445,6 @@ def _positions(verify: Sequence[_Rows]) -> torch.Tensor:
         return lengths
     sizes = torch.tensor([r.tokens.numel() for r in verify])
     return torch.cat([r.segment.tree.depths for r in verify]) + lengths.repeat_interleave(sizes)
-
-
-def _native_attention_why(model: PreTrainedModel, sharded: bool) -> str | None:
-    """Why the native attention cannot serve this model, or None when it can."""
-    if sharded:
-        return "the model is a DeepSpeed shard"
-    if not cpu_attention.supported(model):
-        return "it takes a float32 model on CPU with sdpa attention"
-    if native.load() is None:
-        return f"native kernels unavailable: {native.why_unavailable()}"
-    return None
 
 
 def _eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
