@@ -35,7 +35,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ray_specdec.models import cpu_gemm
+from ray_specdec.models import cpu_gemm, tp_shards
 
 # Elements per vector step of torch's elementwise loops: two vectors of 16 floats (AVX-512); AVX2 / NEON take fewer.
 VECTOR_MULTIPLE = 32
@@ -47,19 +47,35 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 def why_unsupported(model) -> str | None:
     """Why a (lean-supported) model's forward cannot be made batch-invariant here, or None when it can."""
-    width = int(model.config.intermediate_size)
+    width = _mlp_width(model)
     if width % VECTOR_MULTIPLE:
         return f"its MLP width {width} is not a multiple of {VECTOR_MULTIPLE} (activations would take scalar tails)"
     rope = getattr(model.base_model.rotary_emb, "rope_type", "default")
     if rope in _LENGTH_DEPENDENT_ROPE:
         return f"its rotary embedding ({rope!r}) depends on the sequence length"
-    return None
+    return tp_shards.why_unsupported(model)
 
 
-def product(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """linear(x) through the native GEMM, for x [..., in] (float32 on CPU) -> [..., out]."""
+def _mlp_width(model) -> int:
+    """The width the MLP's activation runs over on this process: a tensor-parallel shard's share of it."""
+    mlp = model.base_model.layers[0].mlp
+    first = getattr(mlp, "dense_h_to_4h", None) or getattr(mlp, "up_proj", None)
+    return int(first.weight.shape[0]) if first is not None else int(model.config.intermediate_size)
+
+
+def product(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(x) through the native GEMM, for x [..., in] (float32 on CPU) -> [..., out]. On a tensor-parallel
+    shard's row-parallel layer (tp_shards.py): this rank's partial product, the ranks' partials added in rank order,
+    then the bias, as the layer's own forward does with an all-reduce."""
     rows = x.numel() // x.shape[-1]
-    out = cpu_gemm.PATHS[cpu_gemm.NATIVE](x.reshape(rows, x.shape[-1]), linear.weight, linear.bias)
+    flat = x.reshape(rows, x.shape[-1])
+    shard = tp_shards.row_shard(linear)
+    if shard is None:
+        out = cpu_gemm.PATHS[cpu_gemm.NATIVE](flat, linear.weight, linear.bias)
+    else:
+        out = shard.sum(cpu_gemm.PATHS[cpu_gemm.NATIVE](flat[:, shard.inputs], linear.weight, None))
+        if linear.bias is not None:
+            out += linear.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

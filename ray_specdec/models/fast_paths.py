@@ -14,6 +14,10 @@ from ray_specdec.models.loading import failure, switched_on
 
 logger = logging.getLogger(__name__)
 
+# A tensor-parallel shard's lean forward runs eagerly over caches of its own: the pool's sizes and the graphs (which
+# would capture the ranks' all-reduces) have not been run on a shard.
+SHARD_UNTESTED = "the model is a DeepSpeed shard (its forward runs eagerly, over caches of its own)"
+
 
 def switch_why(name: str, requested: bool | None, variable: str, blocker) -> str | None:
     """Why an on/off/auto feature is off (None: on). requested None: on unless `variable` switches it off or
@@ -28,10 +32,8 @@ def switch_why(name: str, requested: bool | None, variable: str, blocker) -> str
     return why
 
 
-def native_attention_why(model: PreTrainedModel, sharded: bool) -> str | None:
-    """Why the native attention cannot serve this model, or None when it can."""
-    if sharded:
-        return "the model is a DeepSpeed shard"
+def native_attention_why(model: PreTrainedModel) -> str | None:
+    """Why the native attention cannot serve this model (a DeepSpeed shard's heads included), or None when it can."""
     if not cpu_attention.supported(model):
         return "it takes a float32 model on CPU with sdpa attention"
     if native.load() is None:
@@ -52,6 +54,8 @@ def kv_pool_blocker(target, insisted: bool) -> str | None:
     """Why the target's caches cannot live in a KV pool (None: they can)."""
     if target._lean is None:
         return f"the lean forward is off ({target.lean_why})"
+    if target.sharded:
+        return SHARD_UNTESTED
     if target.batch_invariant:
         return "the forward is batch-invariant (the native CPU attention serves every request in one call)"
     if target._eager:
@@ -67,6 +71,8 @@ def cuda_graphs_blocker(target) -> str | None:
     """Why the target's forwards cannot replay CUDA graphs (None: they can)."""
     if target._lean is None:
         return f"the lean forward is off ({target.lean_why})"
+    if target.sharded:
+        return SHARD_UNTESTED
     if target.device.type != "cuda":
         return f"CUDA graphs run on CUDA devices, not {target.device.type}"
     return None

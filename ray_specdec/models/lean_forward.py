@@ -18,8 +18,10 @@ rotary tables and tree attention are batch_invariant.py's, so a row's result doe
 otherwise they are the model's own calls (HF's logits bit for bit).
 
 `why_unsupported(model)` names what keeps a model on HF's forward: other architectures (a family whose layers do
-anything else, e.g. Qwen3's q/k norms, needs its own loop here), training mode, DeepSpeed shards (their Linear layers
-all-reduce and hold a shard of the heads) and devices other than the CPU and CUDA. On CUDA the products of all rows
+anything else, e.g. Qwen3's q/k norms, needs its own loop here), training mode and devices other than the CPU and
+CUDA. A DeepSpeed AutoTP shard runs here as it is: its Linear layers, called as modules, hold its share of the heads
+and all-reduce where HF's forward would, and the head counts come from the tensors' shapes (tp_shards.py says how the
+batch-invariant products go through them). On CUDA the products of all rows
 are one cuBLAS call per weight; verify spans over pooled caches (kv_pool.py, the default there) attend together in
 one sdpa call per layer, every other span through the model's sdpa (the target picks its backends); the
 batch-invariant operations are CPU-only. A layer is `before` (norm, projections, rotary), the attention, and `after`

@@ -14,10 +14,12 @@ rows (``[root, *tree nodes]`` with its tree mask) or prefill chunk. On the lean 
 product (each weight is read once per step) and attend per request over their own caches; each prefill chunk runs
 its own products (compute-bound: its weight reads are amortised over its rows, and its K/V depend on its own rows
 only); on CUDA a step's prefill chunks ride in its verify forward (`one_forward`). Where the lean loop does not run
-(other architectures, DeepSpeed shards, training mode) every segment runs its own HF forward inside `forward_batch`:
-correct, not batched. `verify` and `prefill` are `forward_batch` over one segment.
+(other architectures, training mode) every segment runs its own HF forward inside `forward_batch`: correct, not
+batched. A DeepSpeed AutoTP shard runs the lean loop too, over its share of the heads (tp_shards.py), eagerly and
+over caches of its own. `verify` and `prefill` are `forward_batch` over one segment.
 
-Batch invariance (float32 on CPU with the native kernels and the lean loop, on by default there): a segment's logits
+Batch invariance (float32 on CPU with the native kernels and the lean loop, on by default there, tensor-parallel shards
+included: their row-parallel products are summed over the ranks in rank order): a segment's logits
 and K/V are the same bits whatever shares its forward, and a verify's root row gives the same logits under a tree of
 any size (models/batch_invariant.py says how). Elsewhere what holds instead: in the per-segment fallback a segment's
 results depend on its own rows only, not on the other segments, but a root row's logits depend on its tree's size
@@ -42,7 +44,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ray_specdec.models import cpu_attention, cpu_gemm, fast_paths, kv_pool, lean_forward
+from ray_specdec.models import cpu_attention, cpu_gemm, fast_paths, kv_pool, lean_forward, tp_shards
 from ray_specdec.models.attention_masks import TreeMasks, prefill_mask
 from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.lean_forward import Span
@@ -146,17 +148,18 @@ class TargetModel:
         cuda_graphs: bool | None = None,
     ):
         """planned_gemm: the Linear layers take the fastest measured GEMM path per row count (models/cpu_gemm.py).
-        None: on for a float32 model on CPU (not for a DeepSpeed engine's shard), unless the environment sets
-        RAY_SPECDEC_PLANNED_GEMM=0; True insists (an error where unsupported); False leaves the model as loaded.
+        None: on for a float32 model on CPU (not for a DeepSpeed shard, whose Linear layers are DeepSpeed's), unless
+        the environment sets RAY_SPECDEC_PLANNED_GEMM=0; True insists (an error where unsupported); False leaves the
+        model as loaded.
         native_attention: verify rows attend through the C kernel (models/cpu_attention.py). None: on for a float32
-        sdpa model on CPU (not a shard) where the native kernels build (RAY_SPECDEC_NATIVE=0 turns them off);
+        sdpa model on CPU (a shard's heads too) where the native kernels build (RAY_SPECDEC_NATIVE=0 turns them off);
         True insists; False leaves the model's attention as loaded. `native_attention_why` says why it is off.
         lean: verify forwards run as models/lean_forward.py's loop over the model's modules (the same logits, bit
         for bit, without HF's per-call machinery), one forward for the verify rows of all requests of a step. None:
-        on where it supports the model (GPTNeoX and Llama on CPU and CUDA, not a shard) unless RAY_SPECDEC_LEAN=0;
-        True insists; False keeps HF's forward, one per request. `lean_why` says why it is off. (Without batch
-        invariance, e.g. on CUDA, a request's rows may round differently with other rows beside them: cuBLAS picks
-        its kernel by the row count.)
+        on where it supports the model (GPTNeoX and Llama on CPU and CUDA, their AutoTP shards too) unless
+        RAY_SPECDEC_LEAN=0; True insists; False keeps HF's forward, one per request. `lean_why` says why it is off.
+        (Without batch invariance, e.g. on CUDA, a request's rows may round differently with other rows beside them:
+        cuBLAS picks its kernel by the row count.)
         batch_invariant: verify rows take models/batch_invariant.py's operations, so a segment's results do not
         depend on what shares its forward (the planned GEMM paths still serve prefill chunks). None: on where the lean
         loop and the native attention are (float32 on CPU) unless RAY_SPECDEC_BATCH_INVARIANT=0; True insists; False
@@ -171,9 +174,9 @@ class TargetModel:
         why it is off. The graphs hold the weights' addresses: move or replace no weight after loading. A forward
         whose caches all live in the KV pool replays one graph with the attention in it (kernels/pooled_attention.py;
         captured on first use per bucket, again after the pool grows) unless RAY_SPECDEC_FUSED_ATTENTION=0."""
-        sharded = not isinstance(model, PreTrainedModel)
         # A DeepSpeed InferenceEngine keeps the (AutoTP-sharded) HF model as `.module`; call that one directly.
-        self.model = model.module if sharded else model
+        self.model = model if isinstance(model, PreTrainedModel) else model.module
+        sharded = tp_shards.is_shard(self.model)
         self.tokenizer = tokenizer
         config = self.model.config.get_text_config(decoder=True)
         attn = self.model.config._attn_implementation
@@ -195,15 +198,16 @@ class TargetModel:
         if planned_gemm is None:
             planned_gemm = not sharded and cpu_gemm.supported(self.model) and cpu_gemm.enabled_by_environment()
         self.gemm_plan: cpu_gemm.GemmPlan | None = cpu_gemm.install(self.model) if planned_gemm else None
-        self.native_attention_why: str | None = fast_paths.native_attention_why(self.model, sharded)
+        self.sharded = sharded
+        self.native_attention_why: str | None = fast_paths.native_attention_why(self.model)
         if native_attention and self.native_attention_why is not None:
             raise RuntimeError(f"native_attention=True but {self.native_attention_why}")
         if native_attention is False:
             self.native_attention_why = "native_attention=False"
         if self.native_attention_why is None:
             cpu_attention.install(self.model)
-        self.lean_why: str | None = fast_paths.switch_why("lean", lean, "RAY_SPECDEC_LEAN", lambda: (
-            "the model is a DeepSpeed shard" if sharded else lean_forward.why_unsupported(self.model)))
+        self.lean_why: str | None = fast_paths.switch_why("lean", lean, "RAY_SPECDEC_LEAN",
+                                                          lambda: lean_forward.why_unsupported(self.model))
         self.batch_invariant_why: str | None = fast_paths.switch_why(
             "batch_invariant", batch_invariant, "RAY_SPECDEC_BATCH_INVARIANT",
             lambda: fast_paths.batch_invariance_blocker(self))

@@ -4,7 +4,9 @@ With world_size > 1 a worker joins a torch.distributed group (gloo on CPU, nccl 
 DeepSpeed AutoTP (`init_inference(..., replace_with_kernel_inject=False)`): Linear layers are split across ranks and
 all-reduced, so every rank runs the same calls on the same inputs and ends up with the same full logits. The
 scheduler's target side reaches the ranks with one call per step (`run(StepWork)`: commits, frees, allocations and
-the batched forward); every rank gets the same work in the same order, and only rank 0 returns logits.
+the batched forward); every rank gets the same work in the same order, and only rank 0 returns logits. Each rank's
+target runs the lean forward over its shard (GPTNeoX and Llama): one forward for the verify rows of every request of
+the step, batch-invariant on CPU (models/tp_shards.py).
 
 With world_size == 1 DeepSpeed is not used at all: the plain HF module is exactly what the in-process engine runs
 (bit-identical logits, float64 allowed), and there is nothing to shard. `init_inference` with tp_size 1 would only

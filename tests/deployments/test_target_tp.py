@@ -141,23 +141,59 @@ def batch_prompts() -> list[list[int]]:
     return [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n, _, _ in BATCH]
 
 
-def run_batch(backend, drafter: MambaDrafter) -> tuple[list[dict[str, list[int]]], int]:
+def run_batch(backend, drafter: MambaDrafter, alone: bool = False) -> tuple[list[dict[str, list[int]]], int]:
     """Every request of BATCH added at once, the scheduler stepped until all finish; then the same batch again, its
-    prompts now in the prefix cache -> (tokens per request of each run, prompt rows the cache gave)."""
-    config = SchedulerConfig(prefill_chunk=PREFILL_CHUNK, step_tokens=64)
-    scheduler = Scheduler(backend, drafter, word_tokenizer(), TreeConfig((2, 1, 1)), config)
+    prompts now in the prefix cache -> (tokens per request of each run, prompt rows the cache gave). alone: one run,
+    each request on its own (a scheduler of its own, stepped until it finishes before the next is added)."""
+    def new_scheduler() -> Scheduler:
+        config = SchedulerConfig(prefill_chunk=PREFILL_CHUNK, step_tokens=64)
+        return Scheduler(backend, drafter, word_tokenizer(), TreeConfig((2, 1, 1)), config)
+
+    scheduler = new_scheduler()
     runs = []
-    for run in range(2):
+    for run in range(1 if alone else 2):
         out: dict[str, list[int]] = {}
         for i, (prompt, (_, max_new, tree)) in enumerate(zip(batch_prompts(), BATCH)):
             params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
             scheduler.add(f"{run}-{i}", prompt, params, None if tree is None else TreeConfig.parse(tree))
             out[str(i)] = []
+            while alone and scheduler.has_work:
+                for step_out in scheduler.step():
+                    out[str(i)] += step_out.chunk.token_ids
+            if alone:
+                scheduler = new_scheduler()
         while scheduler.has_work:
             for step_out in scheduler.step():
                 out[step_out.request_id.split("-")[1]] += step_out.chunk.token_ids
         runs.append(out)
     return runs, scheduler.prefix.hit_rows
+
+
+def rank_paths(group: RankGroup) -> list[tuple[str | None, str | None, str | None]]:
+    """Each rank's (lean_why, batch_invariant_why, native_attention_why): None where the path runs."""
+
+    def paths(rank) -> tuple:  # nested: pickled by value into the rank actor
+        t = rank.worker.target
+        return t.lean_why, t.batch_invariant_why, t.native_attention_why
+
+    return ray.get([rank.__ray_call__.remote(paths) for rank in group._ranks])
+
+
+def verify_logits(group: RankGroup, prompts: list[list[int]], together: bool) -> list[torch.Tensor]:
+    """Each prompt prefilled into a request of its own, then one verify tree per request: all in one step
+    (together) or one step each -> rank 0's logits per request."""
+    tag = "t" if together else "a"
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    group.run(StepWork(allocations=[(i, 128) for i in ids],
+                       segments=[SegmentSpec(i, torch.tensor(p[:-1])) for i, p in zip(ids, prompts)]))  # fmt: skip
+    verifies = [SegmentSpec(i, torch.tensor(p[-1:] + [9, 11, 13, 15, 17, 19]), TREE_PATHS)
+                for i, p in zip(ids, prompts)]  # fmt: skip
+    if together:
+        logits = group.run(StepWork(segments=verifies))
+    else:
+        logits = [group.run(StepWork(segments=[v]))[0] for v in verifies]
+    group.run(StepWork(releases=ids))
+    return logits
 
 
 def assert_auto_tp_sharded(group: RankGroup, model) -> None:
@@ -190,9 +226,18 @@ def test_tp2_batch_gives_the_greedy_tokens_of_tp1(tiny_dirs, model_dirs, family,
     group = RankGroup(path, tp_size=2, dtype=None, device="cpu", num_cpus_per_rank=0.5)
     try:
         assert_auto_tp_sharded(group, model)
+        # every rank runs the lean forward over the step's rows, batch-invariant, verify rows through the native
+        # attention (tp_shards.py: its row-parallel products summed in rank order)
+        assert rank_paths(group) == [(None, None, None)] * 2
         (tp2, tp2_cached), tp2_hits = run_batch(group, drafter)  # the second run copies each rank's own shard
+        (tp2_alone,), _ = run_batch(group, drafter, alone=True)
         assert group.request_ids() == [[], []]  # every request's cache released on both ranks
+        prompts = batch_prompts()[:4]
+        together, alone = verify_logits(group, prompts, together=True), verify_logits(group, prompts, together=False)
     finally:
         group.shutdown()
     assert (group.info["tp_size"], group.vocab_size, group.info["dtype"]) == (2, VOCAB, "float32")
     assert tp2 == tp2_cached == tp1 and tp2_hits == hits
+    # batch invariance over the ranks: each request's tokens, and a verify's logits, do not depend on the batch
+    assert tp2_alone == tp2
+    assert all(a.shape == (7, VOCAB) and torch.equal(a, b) for a, b in zip(alone, together, strict=True))

@@ -227,7 +227,7 @@ def test_when_the_target_is_batch_invariant(monkeypatch):
     with pytest.raises(RuntimeError, match="batch_invariant=True but the lean forward is off"):
         TargetModel(tiny_llama(), lean=False, batch_invariant=True)
     odd = tiny_llama()
-    odd.config.intermediate_size = 100
+    odd.model.layers[0].mlp.up_proj = torch.nn.Linear(64, 100)  # the width the activation runs over (a shard's own)
     assert "MLP width 100" in batch_invariant.why_unsupported(odd)
     monkeypatch.setenv("RAY_SPECDEC_BATCH_INVARIANT", "0")
     assert TargetModel(tiny_gpt_neox()).batch_invariant_why == "RAY_SPECDEC_BATCH_INVARIANT=0"
