@@ -1,0 +1,131 @@
+"""The scheduler over tensor-parallel target ranks (Ray actors, DeepSpeed AutoTP) under a closed load: the ranks' lean
+forward (one forward per step for every request's verify rows) against HF's forward once per request per step.
+
+Each variant starts its own local Ray and `RankGroup` (`--tp` rank actors of one thread each, gloo on CPU, NCCL on
+GPU), and runs the same prompts in the same order: held-out code windows of 32-512 tokens (benchmarks/serve_peers.py's),
+64 new tokens, greedy, a finished request replaced by the next prompt at once. `hf` turns the lean loop off in the
+ranks (RAY_SPECDEC_LEAN=0 in their environment), which is what every rank ran before the lean loop took shards.
+Each cell runs the app's policy (the bandit, goodput sizing, the guard, the lookup branch) and `tree none`; the
+greedy tokens of the two variants are compared prompt by prompt (they may part at near-ties: the per-request path's
+products take other row counts, so other roundings).
+
+Run from the repository root: python -m benchmarks.tp_loop [--tp 2] [--concurrency 1,8] [--duration 15]
+[--device cpu] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from benchmarks.serve_peers import select_prompts
+from deployments.engine import RankGroup
+from ray_specdec.bandit import Bandit
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ray_specdec.engine import DEFAULT_SCHEDULER
+from ray_specdec.models.loading import load_tokenizer
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.scheduler import Scheduler
+
+VARIANTS = {"lean": {}, "hf": {"RAY_SPECDEC_LEAN": "0"}}
+MAX_NEW_TOKENS = 64
+
+
+def run_cell(scheduler: Scheduler, prompts: list[list[int]], concurrency: int, tree: TreeConfig | None,
+             duration: float, start: int) -> tuple[dict[str, Any], dict[int, list[int]]]:  # fmt: skip
+    """Closed loop for `duration` s from prompt `start` on -> the cell's numbers, each finished request's tokens."""
+    params, order, running, tokens = SamplingParams(max_new_tokens=MAX_NEW_TOKENS), itertools.count(start), {}, {}
+
+    def add() -> None:
+        index = next(order)
+        running[f"p{index}"] = (index, [])
+        scheduler.add(f"p{index}", prompts[index % len(prompts)], params, tree)
+
+    for _ in range(concurrency):
+        add()
+    produced, steps, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < duration:
+        for out in scheduler.step():
+            index, ids = running[out.request_id]
+            ids += out.chunk.token_ids
+            produced += len(out.chunk.token_ids)
+            if out.chunk.finish_reason is not None:
+                tokens[index] = ids
+                del running[out.request_id]
+                add()
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    for key in running:
+        scheduler.abort(key)
+    while scheduler.has_work:
+        scheduler.step()
+    return {"tokens_per_s": produced / elapsed, "steps_per_s": steps / elapsed, "finished": len(tokens)}, tokens
+
+
+def run_variant(name: str, args: argparse.Namespace, texts: list[str]) -> tuple[list[dict], dict[str, dict]]:
+    ray.init(num_cpus=args.tp, include_dashboard=False, runtime_env={"env_vars": VARIANTS[name]})
+    try:
+        group = RankGroup(str(DEFAULT_TARGET), tp_size=args.tp, dtype=args.dtype, device=args.device,
+                          num_cpus_per_rank=1)  # fmt: skip
+        try:
+            tokenizer = load_tokenizer(str(DEFAULT_TARGET))
+            drafter = MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER), dtype=args.dtype, device=args.device)
+            prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+            scheduler = Scheduler(group, drafter, tokenizer, Bandit(), DEFAULT_SCHEDULER)
+            run_cell(scheduler, prompts, 4, None, 5.0, len(prompts) - 8)  # warm-up
+            cells, outputs = [], {}
+            for c, (label, tree) in itertools.product(args.concurrency, (("drafting", None), ("none", "none"))):
+                cell, tokens = run_cell(scheduler, prompts, c, tree and TreeConfig.parse(tree), args.duration, 0)
+                cells.append(cell | {"variant": f"{name} {label}", "concurrency": c})
+                outputs.setdefault(f"{label} c={c}", {}).update(tokens)
+                print(f"{name} {label:8s} c={c:<3d} {cell['tokens_per_s']:8.1f} tok/s  {cell['steps_per_s']:6.1f} "
+                      f"steps/s", flush=True)  # fmt: skip
+            return cells, outputs
+        finally:
+            group.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--duration", type=float, default=15.0, help="seconds per cell")
+    p.add_argument("--prompts", type=int, default=400)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    texts = select_prompts(args.prompts, seed=18)
+    results: dict[str, Any] = {"tp": args.tp, "device": args.device, "dtype": args.dtype, "cells": []}
+    outputs = {}
+    for name in VARIANTS:
+        cells, outputs[name] = run_variant(name, args, texts)
+        results["cells"] += cells
+    table = {(c["variant"], c["concurrency"]): c["tokens_per_s"] for c in results["cells"]}
+    for c, label in itertools.product(args.concurrency, ("drafting", "none")):
+        lean, hf = table[f"lean {label}", c], table[f"hf {label}", c]
+        mine, theirs = outputs["lean"][f"{label} c={c}"], outputs["hf"][f"{label} c={c}"]
+        shared = sorted(set(mine) & set(theirs))
+        differ = sum(mine[i] != theirs[i] for i in shared)
+        results.setdefault("ratios", {})[f"{label} c={c}"] = lean / hf
+        results.setdefault("greedy", {})[f"{label} c={c}"] = {"compared": len(shared), "differ": differ}
+        print(f"c={c} {label}: lean / hf {lean / hf:.2f}x ({lean:.1f} / {hf:.1f} tok/s); greedy tokens differ on "
+              f"{differ} of {len(shared)} prompts")  # fmt: skip
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
