@@ -3,7 +3,7 @@ forward (one forward per step for every request's verify rows) against HF's forw
 
 Each variant starts its own local Ray and `RankGroup` (`--tp` rank actors of one thread each, gloo on CPU, NCCL on
 GPU), and runs the same prompts in the same order: held-out code windows of 32-512 tokens (benchmarks/serve_peers.py's),
-64 new tokens, greedy, a finished request replaced by the next prompt at once. `hf` turns the lean loop off in the
+64 new tokens (`--max-tokens`), greedy, a finished request replaced by the next prompt at once. `hf` turns the lean loop off in the
 ranks (RAY_SPECDEC_LEAN=0 in their environment), which is what every rank ran before the lean loop took shards.
 Each cell runs the app's policy (the bandit, goodput sizing, the guard, the lookup branch) and `tree none`; the
 greedy tokens of the two variants are compared prompt by prompt (they may part at near-ties: the per-request path's
@@ -36,13 +36,12 @@ from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.scheduler import Scheduler
 
 VARIANTS = {"lean": {}, "hf": {"RAY_SPECDEC_LEAN": "0"}}
-MAX_NEW_TOKENS = 64
 
 
 def run_cell(scheduler: Scheduler, prompts: list[list[int]], concurrency: int, tree: TreeConfig | None,
-             duration: float, start: int) -> tuple[dict[str, Any], dict[int, list[int]]]:  # fmt: skip
+             duration: float, start: int, max_tokens: int) -> tuple[dict[str, Any], dict[int, list[int]]]:  # fmt: skip
     """Closed loop for `duration` s from prompt `start` on -> the cell's numbers, each finished request's tokens."""
-    params, order, running, tokens = SamplingParams(max_new_tokens=MAX_NEW_TOKENS), itertools.count(start), {}, {}
+    params, order, running, tokens = SamplingParams(max_new_tokens=max_tokens), itertools.count(start), {}, {}
 
     def add() -> None:
         index = next(order)
@@ -71,6 +70,8 @@ def run_cell(scheduler: Scheduler, prompts: list[list[int]], concurrency: int, t
 
 
 def run_variant(name: str, args: argparse.Namespace, texts: list[str]) -> tuple[list[dict], dict[str, dict]]:
+    if ray.is_initialized():
+        raise RuntimeError("tp_loop starts a Ray of its own per variant; run it in a process without one")
     ray.init(num_cpus=args.tp, include_dashboard=False, runtime_env={"env_vars": VARIANTS[name]})
     try:
         group = RankGroup(str(DEFAULT_TARGET), tp_size=args.tp, dtype=args.dtype, device=args.device,
@@ -80,10 +81,11 @@ def run_variant(name: str, args: argparse.Namespace, texts: list[str]) -> tuple[
             drafter = MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER), dtype=args.dtype, device=args.device)
             prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
             scheduler = Scheduler(group, drafter, tokenizer, Bandit(), DEFAULT_SCHEDULER)
-            run_cell(scheduler, prompts, 4, None, 5.0, len(prompts) - 8)  # warm-up
+            run_cell(scheduler, prompts, 4, None, min(5.0, args.duration), len(prompts) - 8, args.max_tokens)  # warm-up
             cells, outputs = [], {}
             for c, (label, tree) in itertools.product(args.concurrency, (("drafting", None), ("none", "none"))):
-                cell, tokens = run_cell(scheduler, prompts, c, tree and TreeConfig.parse(tree), args.duration, 0)
+                cell, tokens = run_cell(scheduler, prompts, c, tree and TreeConfig.parse(tree), args.duration, 0,
+                                        args.max_tokens)  # fmt: skip
                 cells.append(cell | {"variant": f"{name} {label}", "concurrency": c})
                 outputs.setdefault(f"{label} c={c}", {}).update(tokens)
                 print(f"{name} {label:8s} c={c:<3d} {cell['tokens_per_s']:8.1f} tok/s  {cell['steps_per_s']:6.1f} "
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--duration", type=float, default=15.0, help="seconds per cell")
     p.add_argument("--prompts", type=int, default=400)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
