@@ -1,13 +1,15 @@
 """The scheduler over tensor-parallel target ranks (Ray actors, DeepSpeed AutoTP) under a closed load: the ranks' lean
-forward (one forward per step for every request's verify rows) against HF's forward once per request per step.
+forward (one forward per step for every request's verify rows) against HF's forward once per request per step, and
+the ranks' sums through shared memory against gloo's all-reduce.
 
 Each variant starts its own local Ray and `RankGroup` (`--tp` rank actors of one thread each, gloo on CPU, NCCL on
 GPU), and runs the same prompts in the same order: held-out code windows of 32-512 tokens (benchmarks/serve_peers.py's),
 64 new tokens (`--max-tokens`), greedy, a finished request replaced by the next prompt at once. `hf` turns the lean loop off in the
-ranks (RAY_SPECDEC_LEAN=0 in their environment), which is what every rank ran before the lean loop took shards.
+ranks (RAY_SPECDEC_LEAN=0 in their environment); `-gloo` keeps gloo's all-reduce on CPU
+(RAY_SPECDEC_SHM_ALLREDUCE=0, models/shm_collective.py). `hf-gloo` is what every rank ran before either.
 Each cell runs the app's policy (the bandit, goodput sizing, the guard, the lookup branch) and `tree none`; the
-greedy tokens of the two variants are compared prompt by prompt (they may part at near-ties: the per-request path's
-products take other row counts, so other roundings).
+greedy tokens of each variant are compared with `hf-gloo`'s prompt by prompt (they may part at near-ties: the
+per-request path's products take other row counts, so other roundings).
 
 Run from the repository root: python -m benchmarks.tp_loop [--tp 2] [--concurrency 1,8] [--duration 15]
 [--device cpu] [--json results.json]
@@ -35,7 +37,10 @@ from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.scheduler import Scheduler
 
-VARIANTS = {"lean": {}, "hf": {"RAY_SPECDEC_LEAN": "0"}}
+# name -> the ranks' environment
+VARIANTS = {"lean": {}, "lean-gloo": {"RAY_SPECDEC_SHM_ALLREDUCE": "0"},
+            "hf-gloo": {"RAY_SPECDEC_LEAN": "0", "RAY_SPECDEC_SHM_ALLREDUCE": "0"}}
+REFERENCE = "hf-gloo"
 
 
 def run_cell(scheduler: Scheduler, prompts: list[list[int]], concurrency: int, tree: TreeConfig | None,
@@ -106,25 +111,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--duration", type=float, default=15.0, help="seconds per cell")
     p.add_argument("--prompts", type=int, default=400)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {','.join(VARIANTS)}")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.variants = [v for v in args.variants.split(",") if v]
+    if unknown := set(args.variants) - set(VARIANTS):
+        p.error(f"unknown variants {sorted(unknown)}; choose from {','.join(VARIANTS)}")
+    if REFERENCE not in args.variants:
+        p.error(f"the variants must include {REFERENCE}, the reference of the ratios and greedy tokens")
     texts = select_prompts(args.prompts, seed=18)
     results: dict[str, Any] = {"tp": args.tp, "device": args.device, "dtype": args.dtype, "cells": []}
     outputs = {}
-    for name in VARIANTS:
+    for name in args.variants:
         cells, outputs[name] = run_variant(name, args, texts)
         results["cells"] += cells
     table = {(c["variant"], c["concurrency"]): c["tokens_per_s"] for c in results["cells"]}
-    for c, label in itertools.product(args.concurrency, ("drafting", "none")):
-        lean, hf = table[f"lean {label}", c], table[f"hf {label}", c]
-        mine, theirs = outputs["lean"][f"{label} c={c}"], outputs["hf"][f"{label} c={c}"]
+    for name, c, label in itertools.product(args.variants, args.concurrency, ("drafting", "none")):
+        if name == REFERENCE:
+            continue
+        key, ours, ref = f"{name} {label} c={c}", table[f"{name} {label}", c], table[f"{REFERENCE} {label}", c]
+        mine, theirs = outputs[name][f"{label} c={c}"], outputs[REFERENCE][f"{label} c={c}"]
         shared = sorted(set(mine) & set(theirs))
         differ = sum(mine[i] != theirs[i] for i in shared)
-        results.setdefault("ratios", {})[f"{label} c={c}"] = lean / hf
-        results.setdefault("greedy", {})[f"{label} c={c}"] = {"compared": len(shared), "differ": differ}
-        print(f"c={c} {label}: lean / hf {lean / hf:.2f}x ({lean:.1f} / {hf:.1f} tok/s); greedy tokens differ on "
-              f"{differ} of {len(shared)} prompts")  # fmt: skip
+        results.setdefault("ratios", {})[key] = ours / ref
+        results.setdefault("greedy", {})[key] = {"compared": len(shared), "differ": differ}
+        print(f"c={c} {label}: {name} / {REFERENCE} {ours / ref:.2f}x ({ours:.1f} / {ref:.1f} tok/s); greedy tokens "
+              f"differ on {differ} of {len(shared)} prompts")  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
     return results

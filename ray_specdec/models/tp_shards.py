@@ -14,8 +14,9 @@ all-reduces inside them. A batch-invariant product (batch_invariant.py) cannot c
 native one, and the sum over the ranks must not depend on the batch either. An all-reduce's order per element can
 (ring algorithms cut the tensor into chunks by its size, so with more than two ranks an element's partial sums meet in
 an order that moves with the row count), so `RowShard.sum` gathers every rank's partial product and adds them in
-rank order: every rank gets the same bits, whatever the batch. The gather moves (ranks - 1) / ranks more bytes than
-an all-reduce's reduce-scatter and gather halves; verify rows are few.
+rank order: every rank gets the same bits, whatever the batch. On one machine's CPU the ranks do that through shared
+memory (shm_collective.py); elsewhere the gather moves (ranks - 1) / ranks more bytes than an all-reduce's
+reduce-scatter and gather halves, and verify rows are few.
 
 Class names are matched, not DeepSpeed's classes imported (importing DeepSpeed costs seconds, and only a shard's
 process has it loaded). A TP layer of any other kind (vocabulary-parallel embeddings, gathered outputs, sub-parameter
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ray_specdec.models import shm_collective
 
 COLUMN_PARALLEL = ("LinearLayer", "fused_LinearLayer")
 ROW_PARALLEL = ("LinearAllreduce",)
@@ -74,6 +77,9 @@ class RowShard:
         world = dist.get_world_size(self.group)
         if world == 1:
             return partial
+        total = shm_collective.ranks_sum(partial, self.group)  # the same order, through shared memory
+        if total is not None:
+            return total
         parts = [torch.empty_like(partial) for _ in range(world)]
         dist.all_gather(parts, partial.contiguous(), group=self.group)
         total = parts[0]

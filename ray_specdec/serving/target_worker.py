@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from ray_specdec.models import shm_collective
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path
 from ray_specdec.models.target import ATTN_IMPLEMENTATION, TargetModel
 from ray_specdec.target_backend import StepWork, TargetCaches
@@ -132,9 +133,13 @@ class TargetWorker:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.rank, self.world_size = rank, world_size
         device = torch.device(device)
+        # where the ranks sum over shared memory instead of gloo (None: they do; CPU ranks of one machine)
+        self.shm_allreduce_why: str | None = "one rank" if world_size == 1 else "NCCL on GPUs"
         if world_size > 1:
             check_tp_dtype(resolve_dtype(dtype, device))  # before the rendezvous: fail at once, not after it
             init_distributed(rank, world_size, master_addr, master_port, device)
+            if device.type == "cpu":
+                self.shm_allreduce_why = shm_collective.install()
         self.target = load_target(model, dtype=dtype, device=device, tp_size=world_size)
         self.model_name = model
         self.caches = TargetCaches(self.target)
@@ -149,6 +154,7 @@ class TargetWorker:
             "tp_size": self.world_size,
             "dtype": str(t.dtype).removeprefix("torch."),
             "kv_bytes_per_token": t.kv_bytes_per_token * self.world_size,
+            "shm_allreduce_why": self.shm_allreduce_why,
         }
 
     def run(self, work: StepWork) -> list[torch.Tensor | None] | None:
