@@ -1,18 +1,21 @@
-"""The scheduler over tensor-parallel target ranks (Ray actors, DeepSpeed AutoTP) under a closed load: the ranks' lean
-forward (one forward per step for every request's verify rows) against HF's forward once per request per step, and
-the ranks' sums through shared memory against gloo's all-reduce.
+"""The scheduler over tensor-parallel target ranks (Ray actors, DeepSpeed AutoTP) under a closed load: what each of
+the ranks' fast paths is worth, each variant turning one more off.
+
+- `now`: the ranks' lean forward (one forward per step for every request's verify rows; models/tp_shards.py), their
+  sums through shared memory on CPU (models/shm_collective.py), and a step as one Ray compiled graph call;
+- `tasks`: the same, a step as one Ray task per rank (RAY_SPECDEC_COMPILED_STEPS=0);
+- `tasks+gloo`: and gloo's all-reduce (RAY_SPECDEC_SHM_ALLREDUCE=0);
+- `before`: and HF's forward once per request per step (RAY_SPECDEC_LEAN=0): what the ranks ran before all three.
 
 Each variant starts its own local Ray and `RankGroup` (`--tp` rank actors of one thread each, gloo on CPU, NCCL on
 GPU), and runs the same prompts in the same order: held-out code windows of 32-512 tokens (benchmarks/serve_peers.py's),
-64 new tokens (`--max-tokens`), greedy, a finished request replaced by the next prompt at once. `hf` turns the lean loop off in the
-ranks (RAY_SPECDEC_LEAN=0 in their environment); `-gloo` keeps gloo's all-reduce on CPU
-(RAY_SPECDEC_SHM_ALLREDUCE=0, models/shm_collective.py). `hf-gloo` is what every rank ran before either.
-Each cell runs the app's policy (the bandit, goodput sizing, the guard, the lookup branch) and `tree none`; the
-greedy tokens of each variant are compared with `hf-gloo`'s prompt by prompt (they may part at near-ties: the
-per-request path's products take other row counts, so other roundings).
+64 new tokens (`--max-tokens`), greedy, a finished request replaced by the next prompt at once. Each cell runs the
+app's policy (the bandit, goodput sizing, the guard, the lookup branch) and `tree none`; the greedy tokens of each
+variant are compared with `before`'s prompt by prompt (they may part at near-ties: the per-request path's products
+take other row counts, so other roundings).
 
 Run from the repository root: python -m benchmarks.tp_loop [--tp 2] [--concurrency 1,8] [--duration 15]
-[--device cpu] [--json results.json]
+[--device cpu] [--variants now,before] [--json results.json]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -37,10 +41,14 @@ from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.scheduler import Scheduler
 
-# name -> the ranks' environment
-VARIANTS = {"lean": {}, "lean-gloo": {"RAY_SPECDEC_SHM_ALLREDUCE": "0"},
-            "hf-gloo": {"RAY_SPECDEC_LEAN": "0", "RAY_SPECDEC_SHM_ALLREDUCE": "0"}}
-REFERENCE = "hf-gloo"
+# name -> the switches it turns off (in the ranks' environment and this process's, where the RankGroup lives)
+VARIANTS = {
+    "now": {},
+    "tasks": {"RAY_SPECDEC_COMPILED_STEPS": "0"},  # one Ray task per rank per step, not a compiled graph
+    "tasks+gloo": {"RAY_SPECDEC_COMPILED_STEPS": "0", "RAY_SPECDEC_SHM_ALLREDUCE": "0"},  # and gloo's all-reduce
+    "before": {"RAY_SPECDEC_COMPILED_STEPS": "0", "RAY_SPECDEC_SHM_ALLREDUCE": "0", "RAY_SPECDEC_LEAN": "0"},
+}
+REFERENCE = "before"  # HF's forward per request, over gloo, one task per rank: the ranks before this benchmark
 
 
 def run_cell(scheduler: Scheduler, prompts: list[list[int]], concurrency: int, tree: TreeConfig | None,
@@ -77,6 +85,8 @@ def run_cell(scheduler: Scheduler, prompts: list[list[int]], concurrency: int, t
 def run_variant(name: str, args: argparse.Namespace, texts: list[str]) -> tuple[list[dict], dict[str, dict]]:
     if ray.is_initialized():
         raise RuntimeError("tp_loop starts a Ray of its own per variant; run it in a process without one")
+    saved = dict(os.environ)
+    os.environ.update(VARIANTS[name])
     ray.init(num_cpus=args.tp, include_dashboard=False, runtime_env={"env_vars": VARIANTS[name]})
     try:
         group = RankGroup(str(DEFAULT_TARGET), tp_size=args.tp, dtype=args.dtype, device=args.device,
@@ -100,6 +110,8 @@ def run_variant(name: str, args: argparse.Namespace, texts: list[str]) -> tuple[
             group.shutdown()
     finally:
         ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -4,8 +4,9 @@ One replica serves a request from start to end (data parallel: more replicas ser
 stays on its replica). Inside it, `EngineLoop` steps the `Scheduler` on a thread of its own:
 - tp_size 1: the target is loaded in this process (`LocalTarget`): a step makes no remote call at all;
 - tp_size > 1: the target's ranks are Ray actors in one placement group (STRICT_PACK), each a `TargetWorker` with
-  DeepSpeed AutoTP over gloo / nccl; a step is one call to every rank (`RankGroup.run`), and rank 0's logits come back
-  (for a greedy request without logit processing or logprobs, only its rows' argmaxes: `SegmentSpec.argmax_only`).
+  DeepSpeed AutoTP over gloo / nccl (on CPU their sums go through shared memory); a step is one call to every rank
+  (`RankGroup.run`, a Ray compiled graph), and rank 0's logits come back (for a greedy request without logit
+  processing or logprobs, only its rows' argmaxes: `SegmentSpec.argmax_only`).
 The drafter (a Mamba model of a few million parameters on CPU, ~100M on GPU) runs in this process too: a remote call
 per step would cost far more than its step (docs/BENCHMARKS.md, "Serving: where the time goes").
 
@@ -37,7 +38,7 @@ from deployments.bandit import BanditSync
 from deployments.metrics import MetricsPush, replica_name
 from ray_specdec.bandit import Bandit, BanditConfig
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.models.loading import load_tokenizer
+from ray_specdec.models.loading import failure, load_tokenizer, switched_on
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 from ray_specdec.prefill_plan import kv_budget_rows
@@ -52,6 +53,10 @@ logger = logging.getLogger("ray.serve")
 PLACEMENT_TIMEOUT_S = 600.0
 # A step the ranks have not finished by then is a hung rank (a step is at most step_tokens rows: well under this).
 RANK_STEP_TIMEOUT_S = 300.0
+# A step reaches the ranks through a Ray compiled graph (shared-memory channels between this process and the rank
+# actors) unless this switch is off or the graph cannot be compiled: ~0.9 ms a call on the 2-core machine, against
+# ~5.2 ms for a put of the StepWork, one task per rank and a get (docs/BENCHMARKS.md, "Tensor-parallel ranks").
+COMPILED_STEPS_ENV = "RAY_SPECDEC_COMPILED_STEPS"
 
 
 class RankActor:
@@ -86,6 +91,8 @@ class RankGroup:
         self.gpus = 0 if device == "cpu" else 1
         self._ranks: list = []
         self._pg = None
+        self._steps = None  # the compiled graph of a step (None: one task per rank)
+        self.compiled_why: str | None = None  # why steps are not a compiled graph (None: they are)
         self.info = self.start()
         self.vocab_size = self.info["vocab_size"]
         self.max_context = self.info["max_context"]
@@ -112,13 +119,30 @@ class RankGroup:
                              master_addr=addr, master_port=port)
             for i, rank in enumerate(self._ranks)
         ])  # fmt: skip
+        self._steps, self.compiled_why = self._compile()
         return infos[0]
+
+    def _compile(self):
+        """A step as a compiled graph over the ranks' `run` -> (the graph, None), or (None, why not)."""
+        if not switched_on(COMPILED_STEPS_ENV):
+            return None, f"{COMPILED_STEPS_ENV}=0"
+        try:
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as work:
+                graph = MultiOutputNode([rank.run.bind(work) for rank in self._ranks])
+            return graph.experimental_compile(), None
+        except Exception as exc:  # an older Ray, or a setting it refuses: one task per rank still works
+            logger.warning("target ranks: steps stay one task per rank (no compiled graph: %s)", failure(exc))
+            return None, failure(exc)
 
     def run(self, work: StepWork):
         """One step on every rank -> rank 0's logits. A failed step shuts every rank down: a surviving peer would
         otherwise wait in the collective of the dead one (gloo: for half an hour) and hold the group's resources."""
         if not self._ranks:
             raise RuntimeError("the target's ranks are down")
+        if self._steps is not None:
+            return self._run_compiled(work)
         ref = ray.put(work)  # one copy in the object store for every rank
         refs = [rank.run.remote(ref) for rank in self._ranks]
         pending, deadline = refs, time.monotonic() + RANK_STEP_TIMEOUT_S
@@ -134,6 +158,20 @@ class RankGroup:
             raise
         return [widened(x) for x in ray.get(refs[0])]  # (half-precision models' logits ship narrowed)
 
+    def _run_compiled(self, work: StepWork):
+        """run() through the compiled graph: a dead rank closes its channels (the step fails at once), a hung one
+        fails it after RANK_STEP_TIMEOUT_S."""
+        try:
+            outputs = ray.get(self._steps.execute(work), timeout=RANK_STEP_TIMEOUT_S)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayChannelTimeoutError) as exc:
+            self.shutdown()
+            raise TimeoutError(f"the {self.tp_size} target ranks did not finish a step within "
+                               f"{RANK_STEP_TIMEOUT_S:.0f} s") from exc  # fmt: skip
+        except BaseException:
+            self.shutdown()
+            raise
+        return [widened(x) for x in outputs[0]]
+
     def reset(self) -> None:
         """Fresh caches on every rank (none to reset once a failed step shut them down: start() makes new ones)."""
         ray.get([rank.reset.remote() for rank in self._ranks])
@@ -142,8 +180,14 @@ class RankGroup:
         return ray.get([rank.request_ids.remote() for rank in self._ranks])
 
     def shutdown(self) -> None:
-        for rank in self._ranks:
+        for rank in self._ranks:  # first, so that a graph waiting on a hung rank is torn down at once
             ray.kill(rank)
+        if self._steps is not None:
+            try:
+                self._steps.teardown()
+            except Exception as exc:  # its actors are gone already; nothing else holds it
+                logger.debug("compiled step graph teardown: %s", failure(exc))
+            self._steps = None
         self._ranks = []
         if self._pg is not None:
             remove_placement_group(self._pg)

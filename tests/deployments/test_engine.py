@@ -19,6 +19,7 @@ import time
 import pytest
 import ray
 
+from deployments import engine as engine_module
 from deployments.engine import EngineReplica
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.rounds import StreamChunk
@@ -60,18 +61,18 @@ def rank_pids(replica: EngineReplica) -> list[int]:
     return ray.get([rank.__ray_call__.remote(lambda actor: os.getpid()) for rank in replica.backend._ranks])
 
 
-def kill_rank_at(replica: EngineReplica, step: int, rank: int) -> list[int]:
-    """SIGKILL rank `rank`'s process after the loop's `step`-th step from now; -> the requests running then (filled
-    in)."""
+def kill_rank_at(replica: EngineReplica, step: int, rank: int, sig: int = signal.SIGKILL) -> list[int]:
+    """Signal rank `rank`'s process (SIGKILL: dead; SIGSTOP: hung) after the loop's `step`-th step from now; -> the
+    requests running then (filled in)."""
     pid, running, at = rank_pids(replica)[rank], [], replica.loop.scheduler.steps + step
 
     def on_step(scheduler, seconds: float) -> None:
         if scheduler.steps != at or running:
             return
         running.append(scheduler.num_running)
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         deadline = time.monotonic() + 30
-        while _alive(pid) and time.monotonic() < deadline:
+        while sig == signal.SIGKILL and _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
 
     replica.loop.on_step = on_step
@@ -140,6 +141,26 @@ def test_a_killed_rank_is_restarted_and_every_request_finishes_exactly(replica, 
     assert asyncio.run(replica.health()) == {"healthy": True, "recovering": False}
     assert set(rank_pids(replica)).isdisjoint(before)  # both ranks are new processes
     assert replica.backend.request_ids() == [[], []]
+    assert replica.backend.compiled_why is None  # the restarted ranks' steps run as a compiled graph again
+
+
+def test_a_hung_rank_times_out_and_every_request_finishes_exactly(replica, engine, reference, monkeypatch):
+    """A rank that stops (SIGSTOP: alive, never answering) fails its step after the step timeout; the ranks are
+    replaced (the stopped process killed) and every request finishes with its exact tokens."""
+    monkeypatch.setattr(engine_module, "RANK_STEP_TIMEOUT_S", 3.0)
+    faults, before = replica.loop.faults, rank_pids(replica)
+    running = kill_rank_at(replica, KILL_AT_STEP, rank=1, sig=signal.SIGSTOP)
+    try:
+        outputs = asyncio.run(generate_all(replica, engine))
+    finally:
+        replica.loop.on_step = None
+    assert running == [len(REQUESTS)] and outputs == reference
+    assert replica.loop.faults == faults + 1
+    assert set(rank_pids(replica)).isdisjoint(before)
+    deadline = time.monotonic() + 30
+    while _alive(before[1]) and time.monotonic() < deadline:  # the stopped process was killed, not left behind
+        time.sleep(0.05)
+    assert not _alive(before[1])
 
 
 def test_a_target_that_cannot_come_back_answers_503(replica, engine):

@@ -238,6 +238,7 @@ def test_tp2_batch_gives_the_greedy_tokens_of_tp1(tiny_dirs, model_dirs, family,
         group.shutdown()
     assert (group.info["tp_size"], group.vocab_size, group.info["dtype"]) == (2, VOCAB, "float32")
     assert group.info["shm_allreduce_why"] is None  # the ranks sum through shared memory (models/shm_collective.py)
+    assert group.compiled_why is None  # every step went through the compiled graph
     assert tp2 == tp2_cached == tp1 and tp2_hits == hits
     # batch invariance over the ranks: each request's tokens, and a verify's logits, do not depend on the batch
     assert tp2_alone == tp2
