@@ -1,11 +1,11 @@
 """The scheduler over tensor-parallel target ranks (Ray actors, DeepSpeed AutoTP) under a closed load: what each of
-the ranks' fast paths is worth, each variant turning one more off.
+the ranks' fast paths is worth.
 
-- `now`: the ranks' lean forward (one forward per step for every request's verify rows; models/tp_shards.py), their
-  sums through shared memory on CPU (models/shm_collective.py), and a step as one Ray compiled graph call;
-- `tasks`: the same, a step as one Ray task per rank (RAY_SPECDEC_COMPILED_STEPS=0);
-- `tasks+gloo`: and gloo's all-reduce (RAY_SPECDEC_SHM_ALLREDUCE=0);
-- `before`: and HF's forward once per request per step (RAY_SPECDEC_LEAN=0): what the ranks ran before all three.
+- `now`: the defaults: the ranks' lean forward (one forward per step for every request's verify rows;
+  models/tp_shards.py), their sums through shared memory on CPU (models/shm_collective.py), a Ray task per rank a step;
+- `compiled`: a step as one Ray compiled graph call instead (RAY_SPECDEC_COMPILED_STEPS=1, off by default);
+- `gloo`: gloo's all-reduce instead of shared memory (RAY_SPECDEC_SHM_ALLREDUCE=0);
+- `before`: gloo and HF's forward once per request per step (RAY_SPECDEC_LEAN=0): what the ranks ran before.
 
 Each variant starts its own local Ray and `RankGroup` (`--tp` rank actors of one thread each, gloo on CPU, NCCL on
 GPU), and runs the same prompts in the same order: held-out code windows of 32-512 tokens (benchmarks/serve_peers.py's),
@@ -44,11 +44,11 @@ from ray_specdec.scheduler import Scheduler
 # name -> the switches it turns off (in the ranks' environment and this process's, where the RankGroup lives)
 VARIANTS = {
     "now": {},
-    "tasks": {"RAY_SPECDEC_COMPILED_STEPS": "0"},  # one Ray task per rank per step, not a compiled graph
-    "tasks+gloo": {"RAY_SPECDEC_COMPILED_STEPS": "0", "RAY_SPECDEC_SHM_ALLREDUCE": "0"},  # and gloo's all-reduce
-    "before": {"RAY_SPECDEC_COMPILED_STEPS": "0", "RAY_SPECDEC_SHM_ALLREDUCE": "0", "RAY_SPECDEC_LEAN": "0"},
+    "compiled": {"RAY_SPECDEC_COMPILED_STEPS": "1"},  # a step as one Ray compiled graph call, not a task per rank
+    "gloo": {"RAY_SPECDEC_SHM_ALLREDUCE": "0"},  # gloo's all-reduce, not shared memory
+    "before": {"RAY_SPECDEC_SHM_ALLREDUCE": "0", "RAY_SPECDEC_LEAN": "0"},  # and HF's forward once per request
 }
-REFERENCE = "before"  # HF's forward per request, over gloo, one task per rank: the ranks before this benchmark
+REFERENCE = "before"  # HF's forward per request, over gloo: the ranks before this benchmark
 
 
 def run_cell(scheduler: Scheduler, prompts: list[list[int]], concurrency: int, tree: TreeConfig | None,

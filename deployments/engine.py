@@ -5,7 +5,7 @@ stays on its replica). Inside it, `EngineLoop` steps the `Scheduler` on a thread
 - tp_size 1: the target is loaded in this process (`LocalTarget`): a step makes no remote call at all;
 - tp_size > 1: the target's ranks are Ray actors in one placement group (STRICT_PACK), each a `TargetWorker` with
   DeepSpeed AutoTP over gloo / nccl (on CPU their sums go through shared memory); a step is one call to every rank
-  (`RankGroup.run`, a Ray compiled graph), and rank 0's logits come back (for a greedy request without logit
+  (`RankGroup.run`; a Ray compiled graph with RAY_SPECDEC_COMPILED_STEPS=1), and rank 0's logits come back (for a greedy request without logit
   processing or logprobs, only its rows' argmaxes: `SegmentSpec.argmax_only`).
 The drafter (a Mamba model of a few million parameters on CPU, ~100M on GPU) runs in this process too: a remote call
 per step would cost far more than its step (docs/BENCHMARKS.md, "Serving: where the time goes").
@@ -53,9 +53,11 @@ logger = logging.getLogger("ray.serve")
 PLACEMENT_TIMEOUT_S = 600.0
 # A step the ranks have not finished by then is a hung rank (a step is at most step_tokens rows: well under this).
 RANK_STEP_TIMEOUT_S = 300.0
-# A step reaches the ranks through a Ray compiled graph (shared-memory channels between this process and the rank
-# actors) unless this switch is off or the graph cannot be compiled: ~0.9 ms a call on the 2-core machine, against
-# ~5.2 ms for a put of the StepWork, one task per rank and a get (docs/BENCHMARKS.md, "Tensor-parallel ranks").
+# RAY_SPECDEC_COMPILED_STEPS=1: a step reaches the ranks through a Ray compiled graph (shared-memory channels between
+# this process and the rank actors) instead of a put of the StepWork, one task per rank and a get. Off by default:
+# an idle call took ~0.9 ms against ~5.2 ms on the 2-core machine, but the channels' readers poll, and there the
+# polling took the cores the ranks and the loop compute on: the TP=2 loop ran 0.88-0.91x of one task per rank
+# (docs/BENCHMARKS.md, "Tensor-parallel ranks batch their steps"). Not measured where the ranks have cores to spare.
 COMPILED_STEPS_ENV = "RAY_SPECDEC_COMPILED_STEPS"
 
 
@@ -124,8 +126,8 @@ class RankGroup:
 
     def _compile(self):
         """A step as a compiled graph over the ranks' `run` -> (the graph, None), or (None, why not)."""
-        if not switched_on(COMPILED_STEPS_ENV):
-            return None, f"{COMPILED_STEPS_ENV}=0"
+        if not switched_on(COMPILED_STEPS_ENV, default=False):
+            return None, f"{COMPILED_STEPS_ENV} is not set to 1"
         try:
             from ray.dag import InputNode, MultiOutputNode
 
@@ -164,11 +166,11 @@ class RankGroup:
         try:
             outputs = ray.get(self._steps.execute(work), timeout=RANK_STEP_TIMEOUT_S)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayChannelTimeoutError) as exc:
-            self.shutdown()
+            self.shutdown(failed=True)
             raise TimeoutError(f"the {self.tp_size} target ranks did not finish a step within "
                                f"{RANK_STEP_TIMEOUT_S:.0f} s") from exc  # fmt: skip
         except BaseException:
-            self.shutdown()
+            self.shutdown(failed=True)
             raise
         return [widened(x) for x in outputs[0]]
 
@@ -179,8 +181,13 @@ class RankGroup:
     def request_ids(self) -> list[list[str]]:
         return ray.get([rank.request_ids.remote() for rank in self._ranks])
 
-    def shutdown(self) -> None:
-        for rank in self._ranks:  # first, so that a graph waiting on a hung rank is torn down at once
+    def shutdown(self, failed: bool = False) -> None:
+        """Stop every rank (failed: after a failed step, when a rank may hang: killed before the graph's teardown,
+        which would wait for it)."""
+        if self._steps is not None and not failed:
+            self._steps.teardown()
+            self._steps = None
+        for rank in self._ranks:
             ray.kill(rank)
         if self._steps is not None:
             try:
