@@ -56,8 +56,8 @@ RANK_STEP_TIMEOUT_S = 300.0
 # RAY_SPECDEC_COMPILED_STEPS=1: a step reaches the ranks through a Ray compiled graph (shared-memory channels between
 # this process and the rank actors) instead of a put of the StepWork, one task per rank and a get. Off by default:
 # an idle call took ~0.9 ms against ~5.2 ms on the 2-core machine, but the channels' readers poll, and there the
-# polling took the cores the ranks and the loop compute on: the TP=2 loop ran 0.88-0.91x of one task per rank
-# (docs/BENCHMARKS.md, "Tensor-parallel ranks batch their steps"). Not measured where the ranks have cores to spare.
+# polling took the cores the ranks and the loop compute on: the TP=2 loop ran 0.67-0.91x of one task per rank in two
+# runs (docs/BENCHMARKS.md, "Tensor-parallel ranks batch their steps"). Not measured where ranks have cores to spare.
 COMPILED_STEPS_ENV = "RAY_SPECDEC_COMPILED_STEPS"
 
 
