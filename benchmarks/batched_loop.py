@@ -88,12 +88,13 @@ def sync(device: torch.device) -> None:
 
 
 def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: int, tree: TreeConfig | None,
-             duration: float, device: torch.device,
-             profile_steps: int = 0) -> tuple[dict[str, Any], dict[int, list[int]]]:
-    """Closed loop for `duration` s -> the cell's numbers and each finished request's tokens by prompt index
-    (profile_steps: then that many steps under torch's profiler, its table in the numbers)."""
-    scheduler, params = engine.scheduler, SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
-    order, running, tokens = itertools.count(), {}, {}
+             duration: float, device: torch.device, profile_steps: int = 0, max_new_tokens: int = MAX_NEW_TOKENS,
+             start: int = 0) -> tuple[dict[str, Any], dict[int, list[int]]]:  # fmt: skip
+    """Closed loop for `duration` s, requests from prompt `start` on -> the cell's numbers and each finished request's
+    tokens by prompt index (profile_steps: then that many steps under torch's profiler, its table in the numbers).
+    `engine`: anything with a `scheduler` (benchmarks/tp_loop.py hands its scheduler over rank actors)."""
+    scheduler, params = engine.scheduler, SamplingParams(max_new_tokens=max_new_tokens)
+    order, running, tokens = itertools.count(start), {}, {}
 
     def add() -> None:
         index = next(order)

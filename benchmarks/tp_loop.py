@@ -24,17 +24,18 @@ import argparse
 import itertools
 import json
 import os
-import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import ray
 import torch
 
+from benchmarks.batched_loop import run_cell
 from benchmarks.serve_peers import select_prompts
 from deployments.engine import RankGroup
 from ray_specdec.bandit import Bandit
-from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine import DEFAULT_SCHEDULER
 from ray_specdec.models.loading import load_tokenizer
@@ -51,37 +52,6 @@ VARIANTS = {
 REFERENCE = "before"  # HF's forward per request, over gloo: the ranks before this benchmark
 
 
-def run_cell(scheduler: Scheduler, prompts: list[list[int]], concurrency: int, tree: TreeConfig | None,
-             duration: float, start: int, max_tokens: int) -> tuple[dict[str, Any], dict[int, list[int]]]:  # fmt: skip
-    """Closed loop for `duration` s from prompt `start` on -> the cell's numbers, each finished request's tokens."""
-    params, order, running, tokens = SamplingParams(max_new_tokens=max_tokens), itertools.count(start), {}, {}
-
-    def add() -> None:
-        index = next(order)
-        running[f"p{index}"] = (index, [])
-        scheduler.add(f"p{index}", prompts[index % len(prompts)], params, tree)
-
-    for _ in range(concurrency):
-        add()
-    produced, steps, t0 = 0, 0, time.perf_counter()
-    while time.perf_counter() - t0 < duration:
-        for out in scheduler.step():
-            index, ids = running[out.request_id]
-            ids += out.chunk.token_ids
-            produced += len(out.chunk.token_ids)
-            if out.chunk.finish_reason is not None:
-                tokens[index] = ids
-                del running[out.request_id]
-                add()
-        steps += 1
-    elapsed = time.perf_counter() - t0
-    for key in running:
-        scheduler.abort(key)
-    while scheduler.has_work:
-        scheduler.step()
-    return {"tokens_per_s": produced / elapsed, "steps_per_s": steps / elapsed, "finished": len(tokens)}, tokens
-
-
 def run_variant(name: str, args: argparse.Namespace, texts: list[str]) -> tuple[list[dict], dict[str, dict]]:
     if ray.is_initialized():
         raise RuntimeError("tp_loop starts a Ray of its own per variant; run it in a process without one")
@@ -96,11 +66,13 @@ def run_variant(name: str, args: argparse.Namespace, texts: list[str]) -> tuple[
             drafter = MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER), dtype=args.dtype, device=args.device)
             prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
             scheduler = Scheduler(group, drafter, tokenizer, Bandit(), DEFAULT_SCHEDULER)
-            run_cell(scheduler, prompts, 4, None, min(5.0, args.duration), len(prompts) - 8, args.max_tokens)  # warm-up
+            loop, device = SimpleNamespace(scheduler=scheduler), torch.device("cpu")  # the loop's side is on the CPU
+            run_cell(loop, prompts, 4, None, min(5.0, args.duration), device, max_new_tokens=args.max_tokens,
+                     start=len(prompts) - 8)  # warm-up
             cells, outputs = [], {}
             for c, (label, tree) in itertools.product(args.concurrency, (("drafting", None), ("none", "none"))):
-                cell, tokens = run_cell(scheduler, prompts, c, tree and TreeConfig.parse(tree), args.duration, 0,
-                                        args.max_tokens)  # fmt: skip
+                cell, tokens = run_cell(loop, prompts, c, tree and TreeConfig.parse(tree), args.duration, device,
+                                        max_new_tokens=args.max_tokens)  # fmt: skip
                 cells.append(cell | {"variant": f"{name} {label}", "concurrency": c})
                 outputs.setdefault(f"{label} c={c}", {}).update(tokens)
                 print(f"{name} {label:8s} c={c:<3d} {cell['tokens_per_s']:8.1f} tok/s  {cell['steps_per_s']:6.1f} "
