@@ -5,8 +5,8 @@ stays on its replica). Inside it, `EngineLoop` steps the `Scheduler` on a thread
 - tp_size 1: the target is loaded in this process (`LocalTarget`): a step makes no remote call at all;
 - tp_size > 1: the target's ranks are Ray actors in one placement group (STRICT_PACK), each a `TargetWorker` with
   DeepSpeed AutoTP over gloo / nccl (on CPU their sums go through shared memory); a step is one call to every rank
-  (`RankGroup.run`; a Ray compiled graph with RAY_SPECDEC_COMPILED_STEPS=1), and rank 0's logits come back (for a greedy request without logit
-  processing or logprobs, only its rows' argmaxes: `SegmentSpec.argmax_only`).
+  (`RankGroup.run`; a Ray compiled graph with RAY_SPECDEC_COMPILED_STEPS=1), and rank 0's logits come back (for a
+  greedy request without logit processing or logprobs, only its rows' argmaxes: `SegmentSpec.argmax_only`).
 The drafter (a Mamba model of a few million parameters on CPU, ~100M on GPU) runs in this process too: a remote call
 per step would cost far more than its step (docs/BENCHMARKS.md, "Serving: where the time goes").
 
@@ -180,6 +180,14 @@ class RankGroup:
             raise
         return [widened(x) for x in outputs[0]]
 
+    def _teardown(self) -> None:
+        if self._steps is not None:
+            try:
+                self._steps.teardown()
+            except Exception as exc:  # a rank is gone already; nothing else holds the graph
+                logger.debug("compiled step graph teardown: %s", failure(exc))
+            self._steps = None
+
     def reset(self) -> None:
         """Fresh caches on every rank (none to reset once a failed step shut them down: start() makes new ones)."""
         ray.get([rank.reset.remote() for rank in self._ranks])
@@ -190,17 +198,11 @@ class RankGroup:
     def shutdown(self, failed: bool = False) -> None:
         """Stop every rank (failed: after a failed step, when a rank may hang: killed before the graph's teardown,
         which would wait for it)."""
-        if self._steps is not None and not failed:
-            self._steps.teardown()
-            self._steps = None
+        if not failed:
+            self._teardown()
         for rank in self._ranks:
             ray.kill(rank)
-        if self._steps is not None:
-            try:
-                self._steps.teardown()
-            except Exception as exc:  # its actors are gone already; nothing else holds it
-                logger.debug("compiled step graph teardown: %s", failure(exc))
-            self._steps = None
+        self._teardown()
         self._ranks = []
         if self._pg is not None:
             remove_placement_group(self._pg)

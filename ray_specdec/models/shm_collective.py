@@ -16,9 +16,9 @@ all-reduce gives only for two ranks. Vectors larger than a slot (CAPACITY_FLOATS
 process group as before (every rank decides alike: they hold the same shapes).
 
 Where. `install(group)` on each rank after the process group exists (serving/target_worker.py), then
-`ranks_sum(x, group)` (tp_shards.RowShard.sum) and DeepSpeed's `inference_all_reduce` (its row-parallel layers, patched to
-come here) take it. RAY_SPECDEC_SHM_ALLREDUCE=0 keeps gloo. A peer that does not arrive within TIMEOUT_S (it died)
-raises, and the RankGroup restarts the ranks, as for any failed step.
+`ranks_sum(x, group)` (tp_shards.RowShard.sum) and DeepSpeed's `inference_all_reduce` (its row-parallel layers,
+patched to come here) take it. RAY_SPECDEC_SHM_ALLREDUCE=0 keeps gloo. A peer that does not arrive within TIMEOUT_S
+raises; a RankGroup has already failed that step at its own timeout and restarts the ranks, killing the waiting one.
 """
 
 from __future__ import annotations
