@@ -9,6 +9,7 @@ the same batch again with every prompt chunk copied from the prefix cache (each 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -19,7 +20,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.scheduler import Scheduler, SchedulerConfig
-from ray_specdec.serving.target_worker import TargetWorker, check_tp_dtype, narrowed, widened
+from ray_specdec.serving.target_worker import TargetWorker, check_tp_dtype, narrowed, shipped, widened
 from ray_specdec.target_backend import LocalTarget, SegmentSpec, StepWork
 from ray_specdec.tree import build_tree
 from tests.deployments.conftest import greedy_margin, word_tokenizer
@@ -96,7 +97,7 @@ def test_worker_runs_the_steps_of_forward_batch(tiny_dirs, family):
     want = forward_batch_reference(FAMILIES[family](torch.float64), works)
     worker = TargetWorker(tiny_dirs[family, torch.float64], dtype="float64")
     for work, expected in zip(works, want, strict=True):
-        got = worker.run(work)
+        got = [widened(x) for x in worker.run(work)]
         assert [g is None for g in got] == [e is None for e in expected]
         assert all(g is None or torch.equal(g, e) for g, e in zip(got, expected))
     assert [x.shape for x in want[1]] == [(7, VOCAB), (1, VOCAB)] and worker.request_ids() == ["a"]
@@ -118,13 +119,33 @@ def test_a_bfloat16_worker_ships_its_logits_in_half_the_bytes_exactly(tiny_dirs,
         for got, e in zip(worker.run(work), twin.caches.run(work), strict=True):
             if e is None:
                 continue
-            assert got.dtype == torch.bfloat16 and e.dtype == torch.float32
-            assert torch.equal(widened(got), e)
+            assert got.dtype == np.int16 and e.dtype == torch.float32  # bfloat16's bits (NumPy has no bfloat16)
+            assert got.nbytes == e.numel() * 2 and torch.equal(widened(got), e)
             shipped += 1
     assert shipped == 3
     wide = torch.tensor([1.0, 1.0 + 2**-12])  # the second is no bfloat16
     assert narrowed(wide, torch.bfloat16) is wide and narrowed(wide, torch.float32) is wide
     assert narrowed(wide[:1], torch.float16).dtype == torch.float16 and widened(None) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.long])
+def test_rank_zero_rows_cross_ray_as_arrays_bit_for_bit(ray_cluster, dtype):
+    """What rank 0 returns travels as NumPy arrays (out of band through the object store, not pickled tensors) and
+    comes back as the same bits, in a writable tensor of the loop's own; half precision comes back as float32."""
+    torch.manual_seed(0)
+    small, large = torch.randn(3, VOCAB), torch.randn(64, 4096)  # inline in the reply, and through the object store
+    sent = [(x * 1000).to(dtype) if dtype == torch.long else x.to(dtype) for x in (small, large)]
+
+    @ray.remote
+    def rank_zero():
+        return [shipped(x) for x in sent] + [None]
+
+    got = [widened(x) for x in ray.get(rank_zero.remote())]
+    assert got[-1] is None
+    for g, x in zip(got, sent):
+        half = x.dtype in (torch.bfloat16, torch.float16)
+        assert g.dtype == (torch.float32 if half else x.dtype) and torch.equal(g, x.to(g.dtype))
+        g.add_(1)  # the loop's own memory: writable
 
 
 def test_tensor_parallel_refuses_float64_on_cpu(tiny_dirs):
