@@ -107,6 +107,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -278,9 +279,14 @@ def _speedup(lv: _Level) -> float | None:
 
 def _trim(policy: deque) -> None:
     """Drop the oldest policy steps while more than WINDOW remain that hold POLICY_ROUNDS request-rounds."""
-    rounds = sum(n for n, *_ in policy)
+    if len(policy) <= WINDOW:
+        return
+    rounds = sum(map(_requests, policy))
     while len(policy) > WINDOW and rounds - policy[0][0] >= POLICY_ROUNDS:
         rounds -= policy.popleft()[0]
+
+
+_requests = operator.itemgetter(0)  # a step's requests (n)
 
 
 def _explore_period(lv: _Level) -> int:
