@@ -114,15 +114,15 @@ def test_a_bfloat16_worker_ships_its_logits_in_half_the_bytes_exactly(tiny_dirs,
     works = step_works([[5, 17, 33, 12, 9, 40], [71, 4]])
     worker = TargetWorker(tiny_dirs[family, torch.float32], dtype="bfloat16")
     twin = TargetWorker(tiny_dirs[family, torch.float32], dtype="bfloat16")  # its target's own float32 logits
-    shipped = 0
+    compared = 0
     for work in works:
         for got, e in zip(worker.run(work), twin.caches.run(work), strict=True):
             if e is None:
                 continue
             assert got.dtype == np.int16 and e.dtype == torch.float32  # bfloat16's bits (NumPy has no bfloat16)
             assert got.nbytes == e.numel() * 2 and torch.equal(widened(got), e)
-            shipped += 1
-    assert shipped == 3
+            compared += 1
+    assert compared == 3
     wide = torch.tensor([1.0, 1.0 + 2**-12])  # the second is no bfloat16
     assert narrowed(wide, torch.bfloat16) is wide and narrowed(wide, torch.float32) is wide
     assert narrowed(wide[:1], torch.float16).dtype == torch.float16 and widened(None) is None
