@@ -34,11 +34,12 @@ MODES = {"off": "none", "on": None, "chain": "1,1,1,1"}
 
 
 def ray_env() -> dict[str, str]:
-    """RAY_ENV, and the Serve settings `serve run deployments:app` gives a small machine (deployments/app.py,
-    small_machine_serve_env), for the Ray these benchmarks start before they build the app."""
-    from deployments.app import small_machine_serve_env
+    """RAY_ENV, and the Serve settings `serve run deployments:app` gives a small machine and its ingress
+    (deployments/app.py: small_machine_serve_env, direct_ingress_env), for the Ray these benchmarks start before they
+    build the app."""
+    from deployments.app import direct_ingress_env, small_machine_serve_env
 
-    return RAY_ENV | small_machine_serve_env(dict(os.environ))
+    return RAY_ENV | small_machine_serve_env(dict(os.environ)) | direct_ingress_env(True, dict(os.environ), False)
 
 
 def free_port() -> int:

@@ -192,12 +192,28 @@ def ours_server(args: argparse.Namespace) -> Iterator[Endpoint]:
         # the engine replica gets both cores (its torch threads follow the CPUs it reserves), as vLLM's worker does
         serve.run(app(AppArgs(target=str(TARGET), dtype="float32", num_cpus_per_rank=2)), name="specdec",
                   route_prefix="/")  # fmt: skip
-        yield Endpoint(f"http://127.0.0.1:{port}", None, stats="/v1/stats")
+        url = f"http://127.0.0.1:{port}"
+        if args.ours_ingress == "direct":
+            url = direct_url(url)
+        print(f"ours: requests go to {url} ({args.ours_ingress})", flush=True)
+        yield Endpoint(url, None, stats="/v1/stats")
     finally:
         serve.shutdown()
         ray.shutdown()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def direct_url(proxy_url: str, wait_s: float = 60.0) -> str:
+    """The engine replica's own HTTP address (Serve's direct ingress, as `serve run` starts the app), read from
+    /v1/stats once Serve has given it its port."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        urls = httpx.get(f"{proxy_url}/v1/stats", timeout=30, trust_env=False).json().get("direct_urls") or []
+        if urls:
+            return urls[0]
+        time.sleep(1.0)
+    raise RuntimeError(f"the engine replica named no direct ingress address within {wait_s:.0f} s")
 
 
 @contextlib.contextmanager
@@ -390,6 +406,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-bin", type=Path, default=_hf_bin(),
                         help="the `transformers` CLI that runs `hf` (default: benchmarks/peers/hf_serve.sh's "
                              "environment where installed, else this Python's)")  # fmt: skip
+    parser.add_argument("--ours-ingress", choices=("direct", "proxy"), default="direct",
+                        help="where requests to ours go: the engine replica's own port (Serve's direct ingress, as "
+                             "`serve run deployments:app` starts it) or Serve's HTTP proxy, a hop before it")
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 s cells, concurrency 1 and 8")
     parser.add_argument("--out", type=Path, default=Path("docs/bench/serve-peers"))
     args = parser.parse_args(argv)

@@ -44,6 +44,21 @@ SMALL_MACHINE_CPUS = 4
 SMALL_MACHINE_SERVE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 
 
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+
+
+def direct_ingress_env(on: bool, environ: dict | None = None, ray_running: bool | None = None) -> dict[str, str]:
+    """DIRECT_INGRESS_ENV=1 in `environ` when `on`, unless it is set already (a user's value stands) or Ray runs
+    already (its Serve read its environment when it started; setting it here would only reach a later Ray of this
+    process); -> what was set."""
+    environ = os.environ if environ is None else environ
+    ray_running = ray.is_initialized() if ray_running is None else ray_running
+    if not on or ray_running or DIRECT_INGRESS_ENV in environ:
+        return {}
+    environ[DIRECT_INGRESS_ENV] = "1"
+    return {DIRECT_INGRESS_ENV: "1"}
+
+
 def small_machine_serve_env(environ: dict | None = None, cpus: int | None = None) -> dict[str, str]:
     """SMALL_MACHINE_SERVE_ENV where this machine has at most SMALL_MACHINE_CPUS cores, set in `environ` unless it
     sets them already (a user's values stand); -> what was set. `serve run` builds the app before it starts Ray, so
@@ -118,6 +133,12 @@ class AppArgs(BaseModel):
     # request whose engine replica dies mid-stream continues on another (docs/INTERFACES.md, "Serving")
     ingress: Literal["engine", "router"] = "engine"
     router_replicas: int = Field(1, ge=1)  # router mode only
+    # the ingress replicas also answer HTTP on ports of their own (Ray Serve's direct ingress, 30000 and up, on the
+    # same host as the proxy), where a request skips the proxy and its hop: at 32 requests on the 2-core machine that
+    # served 1.3x the tokens/s (docs/BENCHMARKS.md). The proxy's port keeps working. Set from here when Ray is not
+    # running yet (`serve run`); a cluster started beforehand reads RAY_SERVE_ENABLE_DIRECT_INGRESS from its own
+    # environment (cluster.yaml)
+    direct_ingress: bool = True
     max_ongoing_requests: int = Field(256, ge=1)  # per router replica (router mode only)
     max_queued_requests: int = Field(256, ge=0)  # waiting for a replica; beyond this Serve answers 503
     request_timeout_s: float = Field(600.0, gt=0)
@@ -191,6 +212,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     so the validation error is ours to word (one line) rather than Serve's traceback."""
     args = args if isinstance(args, AppArgs) else parse_app_args(args)
     small_machine_serve_env()
+    direct_ingress_env(args.direct_ingress)
     target_path = _model_path(args.target, "target")
     drafter_path = None if (args.drafter or "").lower() == "none" else _model_path(args.drafter, "drafter")
     if drafter_path is not None:

@@ -150,6 +150,16 @@ def _downstream_error(exc: BaseException) -> tuple[int, str]:
     return 500, f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
+def direct_ingress_on() -> bool:
+    """Whether this Serve runs replicas' own HTTP servers (its direct ingress: RAY_SERVE_ENABLE_DIRECT_INGRESS=1,
+    or set by RAY_SERVE_THROUGHPUT_OPTIMIZED=1 or RAY_SERVE_ENABLE_HA_PROXY=1), as the process's Serve read it."""
+    try:
+        from ray.serve._private import constants
+    except ImportError:
+        return False
+    return bool(getattr(constants, "RAY_SERVE_ENABLE_DIRECT_INGRESS", False))
+
+
 @serve.ingress(fastapi_app)
 class OpenAIServer:
     """The routes, over either engine: `engine_handle` (router mode: the engine deployment's replicas, a hop away) or
@@ -179,6 +189,8 @@ class OpenAIServer:
             self.metrics_push = MetricsPush(metrics_hub, self.replica_name, self._metrics_snapshot)
         self.app_name = serve.get_replica_context().app_name
         logger.info("ray_specdec is ready. Try:\n%s", await self._curl_example())
+        if direct_ingress_on():
+            self._announcing = asyncio.get_running_loop().create_task(self._announce_direct())
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, body: api.CompletionRequest, request: Request):
@@ -379,7 +391,38 @@ class OpenAIServer:
         else:
             engine = await asyncio.wait_for(_result(self.engine.stats.remote()), 30.0)
         return {"replicas": replicas, "in_flight": self.core.in_flight, "continued": self.core.continued,
-                "engine": engine}
+                "engine": engine, "direct_urls": await self._direct_urls()}
+
+    async def _direct_urls(self) -> list[str]:
+        """Base URLs of this app's replicas' own HTTP servers under Ray Serve's direct ingress (`direct_ingress`,
+        RAY_SERVE_ENABLE_DIRECT_INGRESS=1), sorted; [] when it is off. A client there skips the proxy: no hop between
+        the HTTP connection and the replica (docs/INTERFACES.md, "Serving")."""
+        if not direct_ingress_on():
+            return []
+        try:
+            controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+            details, groups = await asyncio.gather(controller.get_serve_instance_details.remote(),
+                                                   controller.get_target_groups.remote(self.app_name))  # fmt: skip
+        except Exception as exc:  # an older Ray without target groups: the proxy's address still serves
+            logger.debug("direct ingress addresses unavailable: %s", exc)
+            return []
+        host = (details.get("http_options") or {}).get("host")
+        urls = set()
+        for group in groups:
+            if group.app_name == self.app_name and str(getattr(group.protocol, "value", group.protocol)) == "HTTP":
+                prefix = group.route_prefix.rstrip("/")
+                for t in group.targets:  # a replica binds the app's HTTP host: the loopback one unless opened up
+                    urls.add(f"http://{t.ip if host in (None, '0.0.0.0', '::', '') else host}:{t.port}{prefix}")
+        return sorted(urls)
+
+    async def _announce_direct(self, wait_s: float = 60.0) -> None:
+        """Log the direct ingress addresses once Serve has given this replica its port (after __init__)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+            if urls := await self._direct_urls():
+                logger.info("direct ingress (no proxy hop; POST <url>/v1/completions): %s", " ".join(urls))
+                return
 
     async def _curl_example(self) -> str:
         """A ready-to-paste request against this app's HTTP address (read from the Serve controller)."""

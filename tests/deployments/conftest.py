@@ -139,20 +139,24 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(args, address: str | None = None, num_cpus: int = 2, more: dict[str, object] | None = None):
+def serve_app(args, address: str | None = None, num_cpus: int = 2, more: dict[str, object] | None = None,
+              env: dict[str, str] | None = None):
     """Start Ray (or join `address`), Serve on a free loopback port and the app; yield its base URL. `more`: other
-    apps, by name, served beside it at /<name>."""
+    apps, by name, served beside it at /<name>; `env`: more environment for this Ray alone (Serve's own settings)."""
     import ray
     from ray import serve
 
     from deployments import app
 
     os.environ.update(RAY_ENV)  # for the driver's own handles too
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # a Ray started here inherits them; the workers get them with RAY_ENV
+    ray_env = RAY_ENV | (env or {})
     if address is None:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": RAY_ENV},
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": ray_env},
                  _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
     else:
-        ray.init(address=address, runtime_env={"env_vars": RAY_ENV})
+        ray.init(address=address, runtime_env={"env_vars": ray_env})
     port = free_port()
     try:
         # one HTTP proxy, on the head: simulated nodes share this machine's ports
@@ -164,6 +168,11 @@ def serve_app(args, address: str | None = None, num_cpus: int = 2, more: dict[st
     finally:
         serve.shutdown()
         ray.shutdown()
+        for k, v in saved.items():  # the next Ray of this test session starts without them
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def post(url: str, body, timeout: float = 120.0) -> httpx.Response:

@@ -20,8 +20,8 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from deployments import AppArgs, app
-from deployments.app import (SMALL_MACHINE_CPUS, SMALL_MACHINE_SERVE_ENV, AppError, _engine_options,
-                             parse_app_args, small_machine_serve_env)
+from deployments.app import (DIRECT_INGRESS_ENV, SMALL_MACHINE_CPUS, SMALL_MACHINE_SERVE_ENV, AppError,
+                             _engine_options, direct_ingress_env, parse_app_args, small_machine_serve_env)
 from ray_specdec.models.loading import resolve_model_path
 from tests.tiny_models import tiny_tokenizer
 
@@ -312,3 +312,25 @@ def test_a_small_machine_gets_quieter_serve_settings_and_a_users_own_stand(monke
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     app(AppArgs())
     assert {k: environ[k] for k in SMALL_MACHINE_SERVE_ENV} == SMALL_MACHINE_SERVE_ENV
+
+
+def test_direct_ingress_is_set_before_ray_starts_and_a_users_own_value_stands(monkeypatch):
+    """`serve run` builds the app before it starts Ray: the builder turns Serve's direct ingress on there. Not when
+    Ray runs already (its Serve read its environment), not over a user's own value, not when switched off."""
+    env: dict = {}
+    assert direct_ingress_env(True, env, ray_running=False) == {DIRECT_INGRESS_ENV: "1"}
+    assert env[DIRECT_INGRESS_ENV] == "1"
+    for on, running, given in ((True, True, {}), (False, False, {}), (True, False, {DIRECT_INGRESS_ENV: "0"})):
+        env = dict(given)
+        assert direct_ingress_env(on, env, ray_running=running) == {} and env == given
+    environ = {"PATH": os.environ.get("PATH", "")}
+    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    app(AppArgs())
+    assert environ[DIRECT_INGRESS_ENV] == "1"
+    off = {"PATH": environ["PATH"]}
+    monkeypatch.setattr(os, "environ", off)
+    app(AppArgs(direct_ingress=False))
+    assert DIRECT_INGRESS_ENV not in off
+    with pytest.raises(AppError, match="direct_ingress"):
+        parse_app_args({"direct_ingress": "sometimes"})

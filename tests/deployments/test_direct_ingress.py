@@ -1,0 +1,57 @@
+"""Serve's direct ingress (`direct_ingress`, on for `serve run`): the engine replica answers HTTP on a port of its own,
+and a request there gives exactly what it gives through the proxy, errors included."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from deployments import AppArgs
+from tests.deployments.conftest import PROMPTS, greedy_reference, post, serve_app, sse_chunks
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def urls(model_dirs):
+    """(the proxy's URL, the engine replica's own), from a Ray whose Serve runs direct ingress."""
+    target, drafter = model_dirs
+    args = AppArgs(target=str(target), drafter=str(drafter), num_cpus_per_rank=0.5)
+    with serve_app(args, env={"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}) as proxy:
+        from benchmarks.serve_peers import direct_url
+
+        yield proxy, direct_url(proxy)
+
+
+@pytest.fixture(scope="module")
+def reference(engine) -> dict[str, list[int]]:
+    return greedy_reference(engine, MAX_TOKENS)
+
+
+def test_the_replica_names_its_own_loopback_address(urls):
+    proxy, direct = urls
+    assert direct.startswith("http://127.0.0.1:") and direct != proxy
+    stats = httpx.get(f"{direct}/v1/stats", timeout=60, trust_env=False).json()
+    assert stats["direct_urls"] == [direct] and stats["replicas"]["engine"] == 1
+    assert httpx.get(f"{direct}/health", timeout=60, trust_env=False).status_code == 200
+
+
+def test_greedy_through_the_replicas_port_is_the_target_alone(urls, reference):
+    proxy, direct = urls
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        there = post(direct, body)
+        assert there.status_code == 200, there.text
+        assert there.json()["choices"][0]["token_ids"] == reference[prompt]
+        streamed = sse_chunks(post(direct, body | {"stream": True}))
+        assert [t for c in streamed for t in c["choices"][0]["token_ids"]] == reference[prompt]
+        assert post(proxy, body).json()["choices"][0]["token_ids"] == reference[prompt]
+
+
+@pytest.mark.parametrize("body, status", [({"prompt": PROMPTS[0], "max_tokens": 0}, 422),
+                                          ({"prompt": PROMPTS[0], "max_tokens": 10**6}, 400)])
+def test_bad_input_gets_the_same_error_there(urls, body, status):
+    proxy, direct = urls
+    there, via_proxy = post(direct, body), post(proxy, body)
+    assert there.status_code == via_proxy.status_code == status
+    assert there.json() == via_proxy.json() and there.json()["error"]["message"]
