@@ -45,18 +45,23 @@ SMALL_MACHINE_SERVE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1", "RAY_SERVE_
 
 
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+# A replica of Serve's direct ingress that stops (Ctrl-C of `serve run`, a downscale) first keeps answering for this
+# long, so that a load balancer in front can take it out of its list: 30 s by default. The Ray this app starts itself
+# is one machine's, with no balancer in front: 2 s (a user's own value stands).
+DIRECT_INGRESS_DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
 def direct_ingress_env(on: bool, environ: dict | None = None, ray_running: bool | None = None) -> dict[str, str]:
-    """DIRECT_INGRESS_ENV=1 in `environ` when `on`, unless it is set already (a user's value stands) or Ray runs
-    already (its Serve read its environment when it started; setting it here would only reach a later Ray of this
-    process); -> what was set."""
+    """DIRECT_INGRESS_ENV=1 (and DIRECT_INGRESS_DRAIN_ENV) in `environ` when `on`, unless it is set already (a
+    user's value stands) or Ray runs already (its Serve read its environment when it started; setting it here would
+    only reach a later Ray of this process); -> what was set."""
     environ = os.environ if environ is None else environ
     ray_running = ray.is_initialized() if ray_running is None else ray_running
     if not on or ray_running or DIRECT_INGRESS_ENV in environ:
         return {}
-    environ[DIRECT_INGRESS_ENV] = "1"
-    return {DIRECT_INGRESS_ENV: "1"}
+    added = {DIRECT_INGRESS_ENV: "1"} | {k: v for k, v in DIRECT_INGRESS_DRAIN_ENV.items() if k not in environ}
+    environ.update(added)
+    return added
 
 
 def small_machine_serve_env(environ: dict | None = None, cpus: int | None = None) -> dict[str, str]:

@@ -160,6 +160,19 @@ def direct_ingress_on() -> bool:
     return bool(getattr(constants, "RAY_SERVE_ENABLE_DIRECT_INGRESS", False))
 
 
+def target_urls(groups, app_name: str, host: str | None) -> list[str]:
+    """The base URLs of `app_name`'s HTTP targets among Serve's target groups (TargetGroup: protocol, route_prefix,
+    targets of ip and port), sorted. A replica binds the app's HTTP host: Serve's default, the loopback one (None:
+    `serve run` leaves it unset), unless opened up to every interface (then a target is reached at its node's IP)."""
+    host = host or "127.0.0.1"
+    urls = set()
+    for group in groups:
+        if group.app_name == app_name and str(getattr(group.protocol, "value", group.protocol)) == "HTTP":
+            prefix = group.route_prefix.rstrip("/")
+            urls.update(f"http://{t.ip if host in ('0.0.0.0', '::') else host}:{t.port}{prefix}" for t in group.targets)
+    return sorted(urls)
+
+
 @serve.ingress(fastapi_app)
 class OpenAIServer:
     """The routes, over either engine: `engine_handle` (router mode: the engine deployment's replicas, a hop away) or
@@ -406,14 +419,7 @@ class OpenAIServer:
         except Exception as exc:  # an older Ray without target groups: the proxy's address still serves
             logger.debug("direct ingress addresses unavailable: %s", exc)
             return []
-        host = (details.get("http_options") or {}).get("host")
-        urls = set()
-        for group in groups:
-            if group.app_name == self.app_name and str(getattr(group.protocol, "value", group.protocol)) == "HTTP":
-                prefix = group.route_prefix.rstrip("/")
-                for t in group.targets:  # a replica binds the app's HTTP host: the loopback one unless opened up
-                    urls.add(f"http://{t.ip if host in (None, '0.0.0.0', '::', '') else host}:{t.port}{prefix}")
-        return sorted(urls)
+        return target_urls(groups, self.app_name, (details.get("http_options") or {}).get("host"))
 
     async def _announce_direct(self, wait_s: float = 60.0) -> None:
         """Log the direct ingress addresses once Serve has given this replica its port (after __init__)."""

@@ -20,8 +20,8 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from deployments import AppArgs, app
-from deployments.app import (DIRECT_INGRESS_ENV, SMALL_MACHINE_CPUS, SMALL_MACHINE_SERVE_ENV, AppError,
-                             _engine_options, direct_ingress_env, parse_app_args, small_machine_serve_env)
+from deployments.app import (DIRECT_INGRESS_DRAIN_ENV, DIRECT_INGRESS_ENV, SMALL_MACHINE_CPUS, SMALL_MACHINE_SERVE_ENV,
+                             AppError, _engine_options, direct_ingress_env, parse_app_args, small_machine_serve_env)
 from ray_specdec.models.loading import resolve_model_path
 from tests.tiny_models import tiny_tokenizer
 
@@ -318,8 +318,10 @@ def test_direct_ingress_is_set_before_ray_starts_and_a_users_own_value_stands(mo
     """`serve run` builds the app before it starts Ray: the builder turns Serve's direct ingress on there. Not when
     Ray runs already (its Serve read its environment), not over a user's own value, not when switched off."""
     env: dict = {}
-    assert direct_ingress_env(True, env, ray_running=False) == {DIRECT_INGRESS_ENV: "1"}
-    assert env[DIRECT_INGRESS_ENV] == "1"
+    assert direct_ingress_env(True, env, ray_running=False) == env
+    assert env == {DIRECT_INGRESS_ENV: "1"} | DIRECT_INGRESS_DRAIN_ENV
+    drained = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "30"}  # a user's drain period stands
+    assert direct_ingress_env(True, drained, ray_running=False) == {DIRECT_INGRESS_ENV: "1"}
     for on, running, given in ((True, True, {}), (False, False, {}), (True, False, {DIRECT_INGRESS_ENV: "0"})):
         env = dict(given)
         assert direct_ingress_env(on, env, ray_running=running) == {} and env == given

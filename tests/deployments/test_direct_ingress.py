@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from ray.serve.schema import Target, TargetGroup
 
 from deployments import AppArgs
+from deployments.app import DIRECT_INGRESS_DRAIN_ENV, DIRECT_INGRESS_ENV
+from deployments.router import target_urls
 from tests.deployments.conftest import PROMPTS, greedy_reference, post, serve_app, sse_chunks
 
 MAX_TOKENS = 24
@@ -17,7 +20,7 @@ def urls(model_dirs):
     """(the proxy's URL, the engine replica's own), from a Ray whose Serve runs direct ingress."""
     target, drafter = model_dirs
     args = AppArgs(target=str(target), drafter=str(drafter), num_cpus_per_rank=0.5)
-    with serve_app(args, env={"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}) as proxy:
+    with serve_app(args, env={DIRECT_INGRESS_ENV: "1"} | DIRECT_INGRESS_DRAIN_ENV) as proxy:
         from benchmarks.serve_peers import direct_url
 
         yield proxy, direct_url(proxy)
@@ -55,3 +58,19 @@ def test_bad_input_gets_the_same_error_there(urls, body, status):
     there, via_proxy = post(direct, body), post(proxy, body)
     assert there.status_code == via_proxy.status_code == status
     assert there.json() == via_proxy.json() and there.json()["error"]["message"]
+
+
+def test_target_urls_follow_the_host_the_replicas_bind():
+    """Serve's target groups name each replica by its node's IP; a replica binds the app's HTTP host, which
+    `serve run` leaves unset (Serve's loopback default)."""
+    def group(app, protocol, *ports, prefix="/"):
+        targets = [Target(ip="10.0.0.7", port=p, instance_id="node", name=f"r{p}") for p in ports]
+        return TargetGroup(targets=targets, route_prefix=prefix, protocol=protocol, app_name=app)
+
+    groups = [group("specdec", "HTTP", 30001, 30000), group("specdec", "gRPC", 40000), group("other", "HTTP", 30002)]
+    assert target_urls(groups, "specdec", None) == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
+    assert target_urls(groups, "specdec", "127.0.0.1") == target_urls(groups, "specdec", None)
+    assert target_urls(groups, "specdec", "0.0.0.0") == ["http://10.0.0.7:30000", "http://10.0.0.7:30001"]
+    assert target_urls([group("other", "HTTP", 30002, prefix="/other/")], "other", None) == [
+        "http://127.0.0.1:30002/other"]
+    assert target_urls(groups, "missing", None) == []
