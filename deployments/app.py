@@ -140,9 +140,9 @@ class AppArgs(BaseModel):
     router_replicas: int = Field(1, ge=1)  # router mode only
     # the ingress replicas also answer HTTP on ports of their own (Ray Serve's direct ingress, 30000 and up, on the
     # same host as the proxy), where a request skips the proxy and its hop: at 32 requests on the 2-core machine that
-    # served 1.2x the tokens/s (docs/BENCHMARKS.md, "Direct ingress"). The proxy's port keeps working. Set from here when Ray is not
-    # running yet (`serve run`); a cluster started beforehand reads RAY_SERVE_ENABLE_DIRECT_INGRESS from its own
-    # environment (cluster.yaml)
+    # served 1.2x the tokens/s (docs/BENCHMARKS.md, "Direct ingress"). The proxy's port keeps working. Set from here
+    # when Ray is not running yet (`serve run`); a cluster started beforehand reads RAY_SERVE_ENABLE_DIRECT_INGRESS
+    # from its own environment (cluster.yaml)
     direct_ingress: bool = True
     max_ongoing_requests: int = Field(256, ge=1)  # per router replica (router mode only)
     max_queued_requests: int = Field(256, ge=0)  # waiting for a replica; beyond this Serve answers 503

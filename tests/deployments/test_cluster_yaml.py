@@ -27,6 +27,20 @@ from tests.tiny_models import tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CONFIGS = ["serve_config.yaml", "serve_config.gpu.yaml"]
+
+
+@pytest.fixture(autouse=True)
+def _direct_ingress_env_restored():
+    """app() outside a running Ray turns Serve's direct ingress on in this process's environment, as it should for
+    `serve run`: here that would reach every Ray the later test modules start."""
+    keys = (DIRECT_INGRESS_ENV, *DIRECT_INGRESS_DRAIN_ENV)
+    saved = {k: os.environ.get(k) for k in keys}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 # The paper's pairing, as the hub has it (tests never reach the hub: CI's network is package registries only): the
 # target's attention heads bound tp_size; both models pad the GPT-NeoX tokenizer's 50,277 tokens to these sizes.
 PAPER_MODELS = {
