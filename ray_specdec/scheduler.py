@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -288,8 +288,10 @@ class Scheduler:
         t1 = time.perf_counter()
         work, self._work = self._work, StepWork()
         verify_rows = 0
-        for r in decoding:
-            tokens = torch.cat([torch.tensor([r.tokens[-1]]), r.draft.tokens.reshape(-1).cpu()])
+        for r, drafted in zip(decoding, on_host([r.draft.tokens for r in decoding])):
+            if r.params.argmax_only:  # judged on the host, on the target's argmaxes (target_backend.row_argmaxes)
+                r.draft = replace(r.draft, tokens=drafted)
+            tokens = torch.cat([torch.tensor([r.tokens[-1]]), drafted.reshape(-1)])
             work.segments.append(SegmentSpec(r.request_id, tokens, tuple(r.draft.tree.paths),
                                               r.params.argmax_only))
             verify_rows += tokens.numel()
@@ -496,3 +498,15 @@ def _steered(r: Request) -> bool:
     """Whether r's rounds follow the speculation guard's mode (the policy's trees, or none in its plain steps)."""
     return r.tree is None and r.start != PLAIN
 
+
+def on_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the CPU: those on a device through one copy together (a copy each would wait on the device once
+    per request)."""
+    away = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+    if not away:
+        return tensors
+    out = list(tensors)
+    flat = torch.cat([tensors[i].reshape(-1) for i in away]).cpu()
+    for i, part in zip(away, flat.split([tensors[i].numel() for i in away])):
+        out[i] = part.reshape(tensors[i].shape)
+    return out

@@ -11,7 +11,7 @@ same on its shard (serving/target_worker.py), so a whole step crosses to the ran
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -60,6 +60,23 @@ class TargetBackend(Protocol):
         ...
 
 
+def row_argmaxes(segments: Sequence[SegmentSpec], logits: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """`logits` with each `argmax_only` segment's replaced by its rows' argmaxes. Off the CPU, one argmax over all
+    those segments' rows and one copy of the result to the host: one kernel and one synchronising copy a step, where
+    an argmax per segment, each read back by its request's acceptance, cost a kernel launch and a wait on the device
+    per request. (An argmax of the same row is the same index in any batch: the first of equal maxima.)"""
+    picks = [i for i, (s, x) in enumerate(zip(segments, logits)) if x is not None and s.argmax_only]
+    out = list(logits)
+    if not picks or logits[picks[0]].device.type == "cpu":
+        for i in picks:
+            out[i] = logits[i].argmax(dim=-1)
+        return out
+    rows = (logits[picks[0]] if len(picks) == 1 else torch.cat([logits[i] for i in picks])).argmax(dim=-1).cpu()
+    for i, ids in zip(picks, rows.split([logits[i].shape[0] for i in picks])):
+        out[i] = ids
+    return out
+
+
 class TargetCaches:
     """A `TargetModel` and the KV caches of the requests it serves, driven by `StepWork` (one rank's side too)."""
 
@@ -91,8 +108,7 @@ class TargetCaches:
                 Segment(self._cache(s.request_id), s.tokens, None if s.paths is None else tree_from_paths(s.paths))
                 for s in work.segments
             ]
-            logits = self.target.forward_batch(segments)
-            logits = [x.argmax(dim=-1) if x is not None and s.argmax_only else x for s, x in zip(work.segments, logits)]
+            logits = row_argmaxes(work.segments, self.target.forward_batch(segments))
         for request_id, start, end, block in work.saves:
             self.chunks[block] = self._cache(request_id).kv.copy_rows(start, end)
         return logits

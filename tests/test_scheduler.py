@@ -18,8 +18,8 @@ from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 from ray_specdec.rounds import NO_TREE, FixedTree, empty_draft, judge
-from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
-from ray_specdec.target_backend import LocalTarget, SegmentSpec
+from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig, on_host
+from ray_specdec.target_backend import LocalTarget, SegmentSpec, row_argmaxes
 from tests.deployments.conftest import bigram_pair
 from tests.test_engine import VOCAB, enumerate_target, hf_greedy_ignore_eos, random_prompt, tiny_mamba
 from tests.tiny_models import tiny_gpt_neox
@@ -387,6 +387,30 @@ def test_greedy_requests_without_processing_get_argmaxes_and_the_others_logits(t
     assert tokens["greedy"] == plain.generate(random_prompt(9, seed=200), kinds["greedy"]).token_ids
     with pytest.raises(ValueError, match="argmaxes"):
         judge(torch.zeros(3, dtype=torch.long), empty_draft(), kinds["sampled"], None)
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_steps_argmaxes_and_draft_tokens_reach_the_host_per_segment(device):
+    """row_argmaxes replaces each argmax_only segment's logits with its rows' argmaxes (the first of equal maxima)
+    and leaves the others' logits and the prefills' None as they are; off the CPU its argmaxes come back on the host
+    (one argmax and one copy for the step). on_host gives every tensor's values on the CPU, in its shape."""
+    g = torch.Generator().manual_seed(5)
+    logits = [torch.randn(3, 50, generator=g), None, torch.randn(1, 50, generator=g), torch.randn(4, 50, generator=g)]
+    logits[0][1, 7] = logits[0][1, 30] = logits[0][1].max() + 1  # a tie: the first index wins
+    specs = [SegmentSpec(str(i), torch.zeros(1 if x is None else x.shape[0], dtype=torch.long), None, i != 3)
+             for i, x in enumerate(logits)]
+    on_device = [None if x is None else x.to(device) for x in logits]
+    got = row_argmaxes(specs, on_device)
+    for i in (0, 2):
+        assert got[i].device.type == "cpu" and torch.equal(got[i], logits[i].argmax(dim=-1))
+    assert got[0][1] == 7 and got[1] is None and got[3] is on_device[3]
+    tokens = [torch.arange(6).reshape(2, 3).to(device), torch.zeros(0, dtype=torch.long), torch.tensor([9]).to(device)]
+    host = on_host(tokens)
+    assert [t.device.type for t in host] == ["cpu"] * 3
+    assert all(torch.equal(h, t.cpu()) and h.shape == t.shape for h, t in zip(host, tokens))
 
 
 def test_drafting_requests_keep_their_roots_in_slots_and_give_them_back():

@@ -98,10 +98,10 @@ class Segment:
 
 @dataclass
 class _Rows:
-    """A checked segment, ready for the forward: its tokens on the target's device and its cache's length."""
+    """A checked segment, ready for the forward: its tokens and its cache's length."""
 
     segment: Segment
-    tokens: torch.Tensor  # [S] long
+    tokens: torch.Tensor  # [S] long, where the segment's were (the host's: one copy to the device for the forward)
     cache_len: int
 
     @property
@@ -324,7 +324,7 @@ class TargetModel:
         """The segment's rows, after checking that it fits (context, capacity) and that its cache is committed."""
         cache, tree = segment.cache, segment.tree
         self._check_committed(cache)
-        tokens = segment.tokens.reshape(-1).to(self.device, torch.long)
+        tokens = segment.tokens.reshape(-1).to(dtype=torch.long)
         cache_len = cache.length
         if tree is None:
             what = f"prefill of {tokens.numel()} tokens"
@@ -339,10 +339,18 @@ class TargetModel:
                              f"{cache.capacity} (new_cache(capacity=...))")  # fmt: skip
         return _Rows(segment, tokens, cache_len)
 
+    def _input_ids(self, rows: list[_Rows]) -> torch.Tensor:
+        """[1, sum S_i]: the rows' tokens in order on the device, in one copy where they are on the host (a copy per
+        segment cost a device synchronisation each)."""
+        if all(r.tokens.device.type == "cpu" for r in rows):
+            return torch.cat([r.tokens for r in rows]).to(self.device)[None]
+        return torch.cat([r.tokens.to(self.device) for r in rows])[None]
+
     def _verify_rows(self, verify: list[_Rows]) -> list[torch.Tensor]:
         """Logits [S_i, V] of every verify segment: one lean forward over all their rows, or HF's per segment."""
         if self._lean is None or not self._lean.available:
-            return [self._hf_forward(r.tokens, r.segment.tree.position_ids(r.cache_len).to(self.device),
+            return [self._hf_forward(r.tokens.to(self.device),
+                                     r.segment.tree.position_ids(r.cache_len).to(self.device),
                                      self._masks(r.cache_len, r.segment.tree), r.segment.cache).logits[0]
                     for r in verify]  # fmt: skip
         # A root alone sees every key: the batch-invariant path's native attention takes it without a mask (the same
@@ -359,10 +367,10 @@ class TargetModel:
                 mask = None if maskless and tree.num_nodes == 0 else self._masks(r.cache_len, tree)
                 spans.append(Span(start, end, r.segment.cache.kv, mask, tree=True, ancestors=tree.attn_mask))
             start = end
-        input_ids = torch.cat([r.tokens for r in verify])[None]
+        input_ids = self._input_ids(verify)
         with self._sdpa_backends():
             logits = self._lean.forward(input_ids, _positions(verify).to(self.device)[None], spans)[0]
-        return list(logits.split([r.tokens.numel() for r in verify]))
+        return list(logits.to(self._logits_dtype).split([r.tokens.numel() for r in verify]))
 
     def _all_rows(self, rows: list[_Rows]) -> list[torch.Tensor]:
         """`one_forward`: every segment's rows in one lean forward, each attending over its own cache (a prefill
@@ -386,12 +394,15 @@ class TargetModel:
             spans.append(Span(start, start + n, r.segment.cache.kv, mask, tree=r.verify, tree_mask=tree_mask,
                               ancestors=r.segment.tree.attn_mask if r.verify else None))  # fmt: skip
             start += n
-        input_ids = torch.cat([r.tokens for r in rows])[None]
+        input_ids = self._input_ids(rows)
         keep = torch.cat(logit_rows).to(self.device) if logit_rows else None
         with self._sdpa_backends():
             logits = self._lean.forward(input_ids, torch.cat(positions).to(self.device)[None], spans,
                                         logits=keep is not None, rows=keep)  # fmt: skip
-        return [] if logits is None else list(logits[0].split([r.tokens.numel() for r in rows if r.verify]))
+        if logits is None:
+            return []
+        # cast once for the whole forward (forward_batch's cast of each segment is then a no-op)
+        return list(logits[0].to(self._logits_dtype).split([r.tokens.numel() for r in rows if r.verify]))
 
     def _prefill_rows(self, rows: _Rows) -> None:
         """Append a prefill segment's tokens in chunks of PREFILL_CHUNK (EAGER_PREFILL_CHUNK for eager attention),
@@ -399,7 +410,7 @@ class TargetModel:
         cache = rows.segment.cache
         size = min(PREFILL_CHUNK, EAGER_PREFILL_CHUNK) if self._eager else PREFILL_CHUNK
         for start in range(0, rows.tokens.numel(), size):
-            chunk = rows.tokens[start : start + size]
+            chunk = rows.tokens[start : start + size].to(self.device)
             if self._lean is None or not self._lean.available:
                 # Default mask and positions: HF derives both from the cache length, which commit keeps exact.
                 self._hf_forward(chunk, None, None, cache, logits_to_keep=1)
