@@ -86,8 +86,7 @@ class TargetCaches:
         self.chunks: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # cached prompt chunks' rows by block
 
     def run(self, work: StepWork) -> list[torch.Tensor | None]:
-        for request_id, keep in work.commits:
-            self.target.commit(self._cache(request_id), keep)
+        self.target.commit_many([(self._cache(request_id), keep) for request_id, keep in work.commits])
         for request_id in work.releases:
             cache = self.caches.pop(request_id, None)
             if cache is not None:

@@ -113,14 +113,14 @@ class GrowableLayer(CacheLayerMixin):
 
     def compact(self, base: int, keep: Sequence[int]) -> None:
         """Move rows `base + keep[i]` to `base + i` (keep ascending) and drop every row after them."""
-        first_moved = _first_moved(keep)
-        if first_moved < len(keep):
-            self._move(base, first_moved, torch.tensor(keep[first_moved:], device=self._keys.device) + base)
+        first = first_moved(keep)
+        if first < len(keep):
+            self._move(base, first, torch.tensor(keep[first:], device=self._keys.device) + base)
         self.length = base + len(keep)
 
-    def _move(self, base: int, first_moved: int, index: torch.Tensor) -> None:
-        """Rows `index` [k] move to `base + first_moved` onwards."""
-        rows = slice(base + first_moved, base + first_moved + index.numel())
+    def _move(self, base: int, first: int, index: torch.Tensor) -> None:
+        """Rows `index` [k] move to `base + first` onwards."""
+        rows = slice(base + first, base + first + index.numel())
         # Gather (a copy) before writing: a kept row's source can be another kept row's destination.
         self._keys[:, :, rows] = self._keys.index_select(2, index)
         self._values[:, :, rows] = self._values.index_select(2, index)
@@ -196,17 +196,17 @@ class GrowableKVCache(Cache):
 
     def compact(self, base: int, keep: Sequence[int]) -> None:
         """Every layer: rows `base + keep[i]` move to `base + i`; the cache then holds `base + len(keep)` rows."""
-        first_moved = _first_moved(keep)
+        first = first_moved(keep)
         index = None
-        if first_moved < len(keep) and self.layers:
-            index = torch.tensor(keep[first_moved:], device=self.layers[0]._keys.device) + base
+        if first < len(keep) and self.layers:
+            index = torch.tensor(keep[first:], device=self.layers[0]._keys.device) + base
         for layer in self.layers:
             if index is not None:
-                layer._move(base, first_moved, index)
+                layer._move(base, first, index)
             layer.length = base + len(keep)
 
 
-def _first_moved(keep: Sequence[int]) -> int:
+def first_moved(keep: Sequence[int]) -> int:
     """The first i with keep[i] != i (len(keep) when every kept row stays where it is)."""
     return next((i for i, row in enumerate(keep) if row != i), len(keep))
 

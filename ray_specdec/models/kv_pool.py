@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from ray_specdec.models.kv_cache import GrowableKVCache, GrowableLayer
+from ray_specdec.models.kv_cache import GrowableKVCache, GrowableLayer, first_moved
 
 # Rows of a pool's first allocation, and at least 8 times the first request's capacity (for a 7B-sized Llama in
 # bfloat16, 8 requests of 600 rows are 2.3 GiB); the pool doubles when no free range fits, so it grows with the load in
@@ -92,6 +92,25 @@ class KVPool:
         """Give the cache's rows back now (the cache must not be used after this); a cache not of this pool: no-op."""
         if getattr(cache, "pool", None) is self:
             cache.pool_release()
+
+    def compact(self, moves: Sequence[tuple[GrowableKVCache, int, Sequence[int]]]) -> None:
+        """`cache.compact(base, keep)` for every (cache, base, keep) of this pool's caches, together: the rows that
+        move, over all of them, in one gather and one scatter per layer's keys and values (a step's commits; a
+        compaction per request cost a host-to-device copy and four kernels per layer each). Every row is gathered
+        before any is written, so a kept row whose source is another kept row's destination moves as alone."""
+        source, target = [], []
+        for cache, base, keep in moves:
+            if getattr(cache, "pool", None) is not self:
+                raise ValueError("a cache of another pool (or none) in the pool's compaction")
+            first, start = first_moved(keep), cache.pool_offset + base
+            source += [start + row for row in keep[first:]]
+            target += range(start + first, start + len(keep))
+            for layer in cache.layers:
+                layer.length = base + len(keep)
+        if source:
+            index = torch.tensor([source, target]).to(self.device)
+            for pool in self.keys + self.values:
+                pool.index_copy_(0, index[1], pool.index_select(0, index[0]))
 
     def _place(self, capacity: int) -> int | None:
         """First fit: the start of a free range of `capacity` rows, taken out of the free list (None: none fits)."""

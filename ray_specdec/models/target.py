@@ -311,14 +311,31 @@ class TargetModel:
     @torch.inference_mode()
     def commit(self, cache: TargetCache, keep_rows: Sequence[int]) -> None:
         """Keep rows `keep_rows` (ascending) of the last verify input and drop the other tree rows."""
-        if cache.pending_rows == 0:
-            raise ValueError("commit without a verify to commit")
-        keep = [int(r) for r in keep_rows]
-        if any(b <= a for a, b in zip(keep, keep[1:])) or (keep and not 0 <= keep[0] <= keep[-1] < cache.pending_rows):
-            raise ValueError(f"keep_rows must be ascending rows in [0, {cache.pending_rows}), got {keep}")
-        base = cache.length - cache.pending_rows
-        cache.kv.compact(base, keep)
-        cache.pending_rows = 0
+        self.commit_many([(cache, keep_rows)])
+
+    @torch.inference_mode()
+    def commit_many(self, commits: Sequence[tuple[TargetCache, Sequence[int]]]) -> None:
+        """`commit` for several caches (a step's): every one is checked first, then those in the KV pool move their
+        rows together (`KVPool.compact`)."""
+        checked = []
+        for cache, keep_rows in commits:
+            if cache.pending_rows == 0:
+                raise ValueError("commit without a verify to commit")
+            keep = [int(r) for r in keep_rows]
+            if any(b <= a for a, b in zip(keep, keep[1:])) or (
+                keep and not 0 <= keep[0] <= keep[-1] < cache.pending_rows
+            ):
+                raise ValueError(f"keep_rows must be ascending rows in [0, {cache.pending_rows}), got {keep}")
+            checked.append((cache, cache.length - cache.pending_rows, keep))
+        pooled = []
+        for cache, base, keep in checked:
+            if self._pool is not None and kv_pool.pool_of(cache.kv) is self._pool:
+                pooled.append((cache.kv, base, keep))
+            else:
+                cache.kv.compact(base, keep)
+            cache.pending_rows = 0
+        if pooled:
+            self._pool.compact(pooled)
 
     def _checked(self, segment: Segment) -> _Rows:
         """The segment's rows, after checking that it fits (context, capacity) and that its cache is committed."""

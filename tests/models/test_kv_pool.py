@@ -59,6 +59,38 @@ def test_a_cache_writes_its_own_rows_of_the_pool_and_never_past_them():
     assert torch.equal(p.keys[0][8:13], -k[0].transpose(0, 1))  # b untouched
 
 
+def test_a_steps_compactions_together_move_what_each_alone_moves():
+    """KVPool.compact over several caches (a step's commits) leaves every layer's keys and values, in every row of
+    the pool, and every cache's length as the caches' own compactions one by one do: kept rows that move onto other
+    kept rows' places, a cache whose kept rows stay, one that keeps only its root, and a cache of another pool
+    refused."""
+    moves = [(3, [0, 2, 3, 5]), (1, [0, 1, 2]), (0, [0, 4]), (2, [0])]  # (base, keep) per cache
+
+    def filled() -> tuple[KVPool, list]:
+        p = pool(64)
+        for rows in p.keys + p.values:
+            rows.zero_()  # the pool is allocated uninitialised; every row is compared below
+        caches = [p.new_cache(12) for _ in moves]
+        g = torch.Generator().manual_seed(3)
+        for c, (base, keep) in zip(caches, moves):
+            for layer in range(2):
+                k = torch.randn(1, 2, base + 6, 4, generator=g, dtype=torch.float64)
+                c.update(k, k * 2 - 1, layer)
+        return p, caches
+
+    alone, alone_caches = filled()
+    for c, (base, keep) in zip(alone_caches, moves):
+        c.compact(base, keep)
+    together, caches = filled()
+    together.compact([(c, base, keep) for c, (base, keep) in zip(caches, moves)])
+    for a, b in zip(alone.keys + alone.values, together.keys + together.values):
+        assert torch.equal(a, b)
+    assert [c.get_seq_length() for c in caches] == [base + len(keep) for base, keep in moves]
+    assert [c.get_seq_length() for c in caches] == [c.get_seq_length() for c in alone_caches]
+    with pytest.raises(ValueError, match="another pool"):
+        together.compact([(alone_caches[0], 0, [0])])
+
+
 def test_a_growing_pool_keeps_every_caches_rows():
     p = pool(16)
     a = p.new_cache(10)
