@@ -144,6 +144,10 @@ class AppArgs(BaseModel):
     # when Ray is not running yet (`serve run`); a cluster started beforehand reads RAY_SERVE_ENABLE_DIRECT_INGRESS
     # from its own environment (cluster.yaml)
     direct_ingress: bool = True
+    # on CPU at tp_size 1, the engine replica's other threads (Serve's event loop and HTTP, Ray's) run at niceness 19
+    # below its compute threads, so that their wake-ups do not stall the step's OpenMP barriers: 1.15x the tokens/s
+    # at 32 requests on the 2-core machine (ray_specdec/serving/thread_priority.py, docs/BENCHMARKS.md)
+    compute_first: bool = True
     max_ongoing_requests: int = Field(256, ge=1)  # per router replica (router mode only)
     max_queued_requests: int = Field(256, ge=0)  # waiting for a replica; beyond this Serve answers 503
     request_timeout_s: float = Field(600.0, gt=0)
@@ -238,7 +242,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
         num_cpus_per_rank=args.cpus_per_rank, policy=bandit or fixed or default_tree(args.device),
         scheduler=args.scheduler_config(), kv_budget_gib=None if args.kv_budget_tokens else args.kv_budget_gib,
         max_context=args.max_context, drafter_prefill_window=args.drafter_prefill_window,
-        recover_timeout_s=args.recover_timeout_s,
+        recover_timeout_s=args.recover_timeout_s, compute_first=args.compute_first,
     )  # fmt: skip
     settings = RouterSettings(
         model_name=args.model_name or os.path.basename(target_path.rstrip("/")), tokenizer=target_path,

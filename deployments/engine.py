@@ -230,9 +230,11 @@ class EngineReplica:
         bandit_hub=None,
         bandit_sync_s: float = 1.0,
         metrics_hub=None,
+        compute_first: bool = False,
     ):
         """metrics_hub: where this replica pushes its metrics (deployments/metrics.py); None: nowhere (an engine
-        replica inside the HTTP server: the server pushes them with its own)."""
+        replica inside the HTTP server: the server pushes them with its own). compute_first: on CPU at tp_size 1, the
+        process's other threads below the loop's compute threads (ray_specdec/serving/thread_priority.py)."""
         self.bandit_sync = None
         if isinstance(policy, BanditConfig):
             bandit = Bandit(policy)
@@ -262,7 +264,8 @@ class EngineReplica:
                                                             prefill_window=drafter_prefill_window)  # fmt: skip
             return Scheduler(self.backend, self.drafter, self.tokenizer, policy, config, max_context)
 
-        self.loop = EngineLoop(build, self._restart_ranks if tp_size > 1 else None, recover_timeout_s)
+        self.loop = EngineLoop(build, self._restart_ranks if tp_size > 1 else None, recover_timeout_s,
+                               compute_first=compute_first and tp_size == 1 and device == "cpu")
         self.tp_size = tp_size
         self.recover_timeout_s = recover_timeout_s
         self._down_since: float | None = None  # first restart of the ranks since the target last ran

@@ -35,6 +35,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.rounds import StreamChunk
 from ray_specdec.scheduler import QueueFull, Scheduler
 from ray_specdec.serving.metrics import EngineMetrics
+from ray_specdec.serving.thread_priority import ComputeFirst
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +65,16 @@ class EngineLoop:
         recover: Callable[[], None] | None = None,
         recover_timeout_s: float = 120.0,
         on_step: Callable[[Scheduler, float], None] | None = None,
+        compute_first: bool = False,
     ):
         """scheduler: the scheduler, or a function that builds it on the loop's thread (the constructor waits for it
         and raises what it raised). Build the models there: on CPU, torch's intra-op (OpenMP) threads serve one
         thread well, the first to run parallel work; once a second thread runs some, both pay a wake-up for every
         parallel operation (measured here, 2 cores: an elementwise add 8 us -> 100 us on the second thread, a whole
         decode 230 -> 130 tokens/s). recover: brings a failed target back (raises if it cannot);
-        on_step(scheduler, seconds): after each step (a hook for tests and tools)."""
+        on_step(scheduler, seconds): after each step (a hook for tests and tools). compute_first: the process's
+        other threads at the lowest priority below the loop's and its OpenMP team's (serving/thread_priority.py;
+        for a serving process whose target computes on this thread, on CPU)."""
         built: list = []
         ready = threading.Event()
         if isinstance(scheduler, Scheduler):
@@ -79,6 +83,8 @@ class EngineLoop:
         self.recover = recover
         self.recover_timeout_s = recover_timeout_s
         self.on_step = on_step
+        self.compute_first = compute_first
+        self.priority: ComputeFirst | None = None  # set on the loop's thread when compute_first holds
         self.healthy = True
         self.metrics = EngineMetrics()
         self.faults = 0  # steps that raised
@@ -167,6 +173,8 @@ class EngineLoop:
             finally:
                 ready.set()
         self.scheduler = built[0]
+        if self.compute_first:
+            self.priority = ComputeFirst.start()
         while True:
             with self._wake:
                 while not self._stopped and not self._inbox and not self.scheduler.has_work:
@@ -195,6 +203,8 @@ class EngineLoop:
                 self.metrics.produced(out.request_id, len(chunk.token_ids), chunk.finish_reason, chunk.stats, end)
             self._hand_out(outputs, end)
             self._report_guard(end)
+            if self.priority is not None:
+                self.priority.refresh()
             if self.on_step is not None:
                 self.on_step(self.scheduler, time.perf_counter() - t0)
 

@@ -28,7 +28,7 @@ from ray_specdec.models.loading import switched_on
 
 # Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "shm_cpu.c"))
+                for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "shm_cpu.c", "threads_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h",))
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
@@ -143,6 +143,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tree_attention_ragged.restype = i
     lib.shm_sum_f32.argtypes = [p, i, i, i64, i64, p, p, i64, ctypes.c_double]
     lib.shm_sum_f32.restype = i
+    lib.omp_team_thread_ids.argtypes = [i, p]
+    lib.omp_team_thread_ids.restype = i
 
 
 # Element formats of panels (PANEL_* of gemm_cpu.h).
@@ -210,6 +212,27 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n_o
         lib.linear_panels(PANEL_FORMATS[panels.dtype], rows, n_out, n_in, panels.data_ptr(),
                           None if bias is None else bias.data_ptr(), x.data_ptr(), out.data_ptr())  # fmt: skip
     return out
+
+
+def openmp_thread_ids() -> list[int] | None:
+    """The OS thread ids of the calling thread's OpenMP team at torch's thread count (its own first): the threads that
+    run torch's parallel work for it. None where that cannot be known: no native kernels, not Linux, or more than one
+    OpenMP runtime in the process (then the team asked here need not be torch's)."""
+    lib = load()
+    if lib is None or platform.system() != "Linux":
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    except OSError:
+        return None
+    if len(runtimes) != 1:
+        return None
+    threads = torch.get_num_threads()
+    ids = (ctypes.c_int64 * threads)()
+    size = lib.omp_team_thread_ids(threads, ids)
+    found = [int(x) for x in ids[:size]]
+    return found if all(x > 0 for x in found) else None
 
 
 class NativeMamba:
