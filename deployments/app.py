@@ -145,8 +145,8 @@ class AppArgs(BaseModel):
     # from its own environment (cluster.yaml)
     direct_ingress: bool = True
     # on CPU at tp_size 1, the engine replica's other threads (Serve's event loop and HTTP, Ray's) run at niceness 19
-    # below its compute threads, so that their wake-ups do not stall the step's OpenMP barriers: 1.15x the tokens/s
-    # at 32 requests on the 2-core machine (ray_specdec/serving/thread_priority.py, docs/BENCHMARKS.md)
+    # below its compute threads, so that their wake-ups do not stall the step's OpenMP barriers: 1.11x the tokens/s
+    # at one request on the 2-core machine (ray_specdec/serving/thread_priority.py, docs/BENCHMARKS.md)
     compute_first: bool = True
     max_ongoing_requests: int = Field(256, ge=1)  # per router replica (router mode only)
     max_queued_requests: int = Field(256, ge=0)  # waiting for a replica; beyond this Serve answers 503
