@@ -56,7 +56,7 @@ from ray_specdec.speculation_guard import SpeculationGuard
 from ray_specdec.start_rule import DRAFT, EXPLORE, PLAIN, START_ANYWAY_EVERY, StartRule, drafting_arm, prefill_tokens
 from ray_specdec.stats import GenerationStats
 from ray_specdec.stopping import StopChecker
-from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend
+from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend, on_host
 
 # Weight of a round in the running mean of the rows a lookup branch adds (goodput costs trees with it).
 LOOKUP_ROWS_WEIGHT = 0.05
@@ -497,16 +497,3 @@ class Scheduler:
 def _steered(r: Request) -> bool:
     """Whether r's rounds follow the speculation guard's mode (the policy's trees, or none in its plain steps)."""
     return r.tree is None and r.start != PLAIN
-
-
-def on_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors on the CPU: those on a device through one copy together (a copy each would wait on the device once
-    per request)."""
-    away = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
-    if not away:
-        return tensors
-    out = list(tensors)
-    flat = torch.cat([tensors[i].reshape(-1) for i in away]).cpu()
-    for i, part in zip(away, flat.split([tensors[i].numel() for i in away])):
-        out[i] = part.reshape(tensors[i].shape)
-    return out

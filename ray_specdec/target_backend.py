@@ -77,6 +77,19 @@ def row_argmaxes(segments: Sequence[SegmentSpec], logits: list[torch.Tensor | No
     return out
 
 
+def on_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the CPU: those on a device through one copy together (a copy each would wait on the device once
+    per request)."""
+    away = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+    if not away:
+        return tensors
+    out = list(tensors)
+    flat = torch.cat([tensors[i].reshape(-1) for i in away]).cpu()
+    for i, part in zip(away, flat.split([tensors[i].numel() for i in away])):
+        out[i] = part.reshape(tensors[i].shape)
+    return out
+
+
 class TargetCaches:
     """A `TargetModel` and the KV caches of the requests it serves, driven by `StepWork` (one rank's side too)."""
 

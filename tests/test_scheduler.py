@@ -18,8 +18,8 @@ from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 from ray_specdec.rounds import NO_TREE, FixedTree, empty_draft, judge
-from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig, on_host
-from ray_specdec.target_backend import LocalTarget, SegmentSpec, row_argmaxes
+from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
+from ray_specdec.target_backend import LocalTarget, SegmentSpec, on_host, row_argmaxes
 from tests.deployments.conftest import bigram_pair
 from tests.test_engine import VOCAB, enumerate_target, hf_greedy_ignore_eos, random_prompt, tiny_mamba
 from tests.tiny_models import tiny_gpt_neox
