@@ -3,7 +3,9 @@ knows every rank's inputs (seeded), so it checks its result against the sum in r
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -85,6 +87,11 @@ def _patched(rank: int, port: int) -> None:
         assert torch.equal(big, torch.full_like(big, 2.0))
     finally:
         dist.destroy_process_group()
+    # Every check passed. DeepSpeed's comm backend still holds the destroyed gloo group, whose worker threads live on;
+    # destroying it in the interpreter's teardown aborts the process now and then ("terminate called without an
+    # active exception", about 1 run in 15 here). A rank actor never tears down (it is killed), so skip it.
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 def test_deepspeed_row_parallel_layers_sum_through_it():
