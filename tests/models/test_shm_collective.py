@@ -87,10 +87,11 @@ def _patched(rank: int, port: int) -> None:
         assert torch.equal(big, torch.full_like(big, 2.0))
     finally:
         dist.destroy_process_group()
-    # Every check passed. DeepSpeed's comm backend still holds the destroyed gloo group, whose worker threads live on;
-    # destroying it in the interpreter's teardown aborts the process now and then ("terminate called without an
-    # active exception", about 1 run in 15 here). A rank actor never tears down (it is killed), so skip it.
-    sys.stdout.flush(), sys.stderr.flush()
+    # Every check passed. After deepspeed.init_distributed the destroyed gloo group stays referenced and its worker
+    # threads live on; destroying it in the interpreter's teardown aborts the process now and then ("terminate called
+    # without an active exception", about 1 run in 15 here). A rank actor never tears down (it is killed): skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
 
 
