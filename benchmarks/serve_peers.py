@@ -14,7 +14,10 @@ Systems, all on the shipped `target-neox` in float32, with the same prompts:
 Prompts are windows of held-out stdlib code (files the shipped models never trained on), mixed lengths, fixed by a
 seed. Each cell (system, temperature, concurrency) is a closed loop of streaming `/v1/completions` requests for a
 fixed time; tokens/s, p50/p95 latency and p50 time to first token come from the clients' clocks. Greedy texts are
-checked against `ours-none`'s for the same prompt. One server runs at a time (the CPU has 2 cores); a peer that
+checked against `ours-none`'s for the same prompt (or the in-process loop's, where ours-none did not run it). With
+`--paired-c1 N`, the concurrency-1 cells of ours and of the in-process loop run the same N prompts each instead of a
+timed cell (a block set aside per tree mode, temperature and repeat), so served over in-process compares the same
+work. One server runs at a time (the CPU has 2 cores); a peer that
 does not start or answer is recorded as unavailable with the reason, and the run goes on.
 
 Writes serve_peers.json, serve_peers.md (also printed) and serve_peers.png to --out.
@@ -50,6 +53,8 @@ MODELS = REPO / "ray_specdec" / "default_models"
 TARGET, PEER_DRAFTER = MODELS / "target-neox", MODELS / "drafter-neox-small"
 SERVERS = ("inproc", "ours", "vllm", "vllm-draft", "hf")
 MAX_REQUESTS_PER_CELL = 4096
+# the served systems of ours and their in-process twins (the same policy, tree mode): a pair shares its paired block
+TWINS = {"inproc": "ours", "inproc-none": "ours-none"}
 START_TIMEOUT_S = 420.0
 
 
@@ -127,28 +132,39 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any], 
 
 
 async def closed_loop(endpoint: Endpoint, prompts: list[str], fields: dict[str, Any], concurrency: int,
-                      temperature: float, args: argparse.Namespace,
-                      max_requests: int = MAX_REQUESTS_PER_CELL) -> tuple[list[RequestResult], float]:  # fmt: skip
+                      temperature: float, args: argparse.Namespace, max_requests: int = MAX_REQUESTS_PER_CELL,
+                      indices: list[int] | None = None) -> tuple[list[RequestResult], float]:  # fmt: skip
     """`concurrency` clients, each sending its next request when the last one ends, starting none after the duration;
     every cell starts at prompt 0, so systems see the same prompts in the same order (with --fresh-prompts: where the
-    run's previous cell stopped, so no prompt is seen twice)."""
+    run's previous cell stopped, so no prompt is seen twice). indices: exactly these prompts instead, untimed (a
+    paired cell, `paired_prompts`)."""
     limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=concurrency + 1)
     results: list[RequestResult] = []
     issued = 0
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout), trust_env=False) as client:
         t0 = time.perf_counter()
         deadline = t0 + args.duration
+        planned = iter(indices) if indices is not None else None
+
+        def next_index() -> int | None:
+            nonlocal issued
+            if planned is not None:
+                index = next(planned, None)
+            elif issued < max_requests and time.perf_counter() < deadline:
+                index = (first_prompt(args) + issued) % len(prompts)
+            else:
+                index = None
+            issued += index is not None
+            return index
 
         async def client_loop() -> None:
-            nonlocal issued
-            while issued < max_requests and time.perf_counter() < deadline:
-                index = (first_prompt(args) + issued) % len(prompts)
-                issued += 1
+            while (index := next_index()) is not None:
                 body = request_body(endpoint, prompts[index], args.max_tokens, temperature, fields)
                 results.append(await stream_one(client, endpoint.url, body, index, args.timeout))
 
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-        used(args, issued)
+        if planned is None:
+            used(args, issued)
         return results, time.perf_counter() - t0
 
 
@@ -159,9 +175,24 @@ def first_prompt(args: argparse.Namespace) -> int:
 
 def used(args: argparse.Namespace, n: int) -> None:
     args.prompts_sent += n
-    if args.fresh_prompts and args.prompts_sent > args.prompts:
-        print(f"warning: {args.prompts_sent} prompts sent, more than --prompts {args.prompts}: some were seen again",
-              flush=True)
+    if args.fresh_prompts and args.prompts_sent > args.prompts - args.paired_reserved:
+        aside = f" ({args.paired_reserved} of them set aside for --paired-c1)" if args.paired_reserved else ""
+        print(f"warning: {args.prompts_sent} prompts sent, more than --prompts {args.prompts}{aside}: some were seen "
+              f"again", flush=True)
+
+
+def paired_prompts(args: argparse.Namespace, system: str, temperature: float, repeat: int,
+                   concurrency: int) -> list[int] | None:  # fmt: skip
+    """With --paired-c1 N, the prompt indices of a concurrency-1 cell of ours or of the in-process loop: the same N
+    for a served system and its in-process twin (TWINS) at one temperature and repeat, from the end of the prompt list.
+    Each (tree mode, temperature, repeat) gets a block of its own, so that no server sees a prompt twice (its prefix
+    cache would hit). None: a timed cell."""
+    mode = next((i for i, (loop, served) in enumerate(TWINS.items()) if system in (loop, served)), None)
+    if not args.paired_c1 or concurrency != 1 or mode is None:
+        return None
+    block = (mode * len(args.temperatures) + args.temperatures.index(temperature)) * args.repeats + repeat
+    start = args.prompts - (block + 1) * args.paired_c1  # >= 2: parse_args checks args.paired_reserved
+    return list(range(start, start + args.paired_c1))
 
 
 # ---- servers (one at a time) ----------------------------------------------------------------------------------------
@@ -326,10 +357,11 @@ def run_server(name: str, args: argparse.Namespace, prompts: list[str], tokenize
                     for concurrency in args.concurrency:
                         for repeat in range(args.repeats):
                             for system, fields in systems.items():  # alternating systems, as serve_load does modes
-                                results, wall_s = asyncio.run(
-                                    closed_loop(endpoint, prompts, fields, concurrency, temperature, args))
+                                indices = paired_prompts(args, system, temperature, repeat, concurrency)
+                                results, wall_s = asyncio.run(closed_loop(endpoint, prompts, fields, concurrency,
+                                                                          temperature, args, indices=indices))
                                 record_cell(cells, texts, system, temperature, concurrency, results, wall_s,
-                                            tokenize, repeat)  # fmt: skip
+                                            tokenize, repeat, paired=indices is not None)  # fmt: skip
                                 if (state := engine_state(endpoint)) is not None:
                                     cells[-1]["engine"] = state
     except Exception as exc:  # a peer that fails is reported, and the run goes on
@@ -340,8 +372,10 @@ def run_server(name: str, args: argparse.Namespace, prompts: list[str], tokenize
 
 def record_cell(cells: list, texts: dict, system: str, temperature: float, concurrency: int,
                 results: list[RequestResult], wall_s: float, tokenize: Callable[[str], int],
-                repeat: int = 0) -> None:  # fmt: skip
+                repeat: int = 0, paired: bool = False) -> None:  # fmt: skip
     cell = {"system": system, "temperature": temperature, "concurrency": concurrency, "repeat": repeat}
+    if paired:  # the prompts of its twin's cell (--paired-c1), untimed
+        cell["paired"] = True
     cell |= summarize_cell(results, wall_s, tokenize)
     cells.append(cell)
     if temperature == 0:
@@ -354,7 +388,8 @@ def record_cell(cells: list, texts: dict, system: str, temperature: float, concu
 
 
 def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts: dict) -> dict[str, Any]:
-    """The in-process loop, one request at a time for the same duration per cell, drafting on and tree none."""
+    """The in-process loop, one request at a time for the same duration per cell (or over its paired prompts),
+    drafting on and tree none."""
     import torch
 
     from ray_specdec.bandit import Bandit
@@ -371,14 +406,25 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
         for temperature, repeat in itertools.product(args.temperatures, range(args.repeats)):
             for system, tree in (("inproc", None), ("inproc-none", TreeConfig.parse("none"))):
                 params = SamplingParams(temperature=temperature, max_new_tokens=args.max_tokens)
+                indices = paired_prompts(args, system, temperature, repeat, 1)
+                planned = iter(indices) if indices is not None else None
                 results, t0 = [], time.perf_counter()
-                while len(results) < MAX_REQUESTS_PER_CELL and time.perf_counter() - t0 < args.duration:
-                    index, start = (first_prompt(args) + len(results)) % len(prompts), time.perf_counter()
+                while True:
+                    if planned is not None:
+                        if (index := next(planned, None)) is None:
+                            break
+                    elif len(results) < MAX_REQUESTS_PER_CELL and time.perf_counter() - t0 < args.duration:
+                        index = (first_prompt(args) + len(results)) % len(prompts)
+                    else:
+                        break
+                    start = time.perf_counter()
                     gen = engine.generate(prompts[index], params, tree)
                     results.append(RequestResult(index, time.perf_counter() - start, text=gen.text,
                                                  usage_tokens=len(gen.token_ids)))  # fmt: skip
-                used(args, len(results))
-                record_cell(cells, texts, system, temperature, 1, results, time.perf_counter() - t0, len, repeat)
+                if indices is None:
+                    used(args, len(results))
+                record_cell(cells, texts, system, temperature, 1, results, time.perf_counter() - t0, len, repeat,
+                            paired=indices is not None)  # fmt: skip
     except Exception as exc:
         print(f"inproc: unavailable: {type(exc).__name__}: {exc}", flush=True)
         return {"status": "unavailable", "reason": one_line(exc)}
@@ -400,6 +446,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cells per (system, temperature, concurrency), a server's systems alternating; ratios "
                              "use each one's median (a 15-second cell moves ~15%% between runs on a shared 2-core "
                              "machine)")
+    parser.add_argument("--paired-c1", type=int, default=0, metavar="N",
+                        help="concurrency-1 cells of ours and of the in-process loop run the same N prompts each "
+                             "(set aside at the end of --prompts, a block per tree mode, temperature and repeat), "
+                             "untimed, so that served over in-process compares the same work (0: timed cells)")
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--timeout", type=float, default=180.0, help="per request, whole stream included")
     parser.add_argument("--vllm-script", type=Path, default=REPO.parent / "shared" / "peers" / "vllm_cpu.sh")
@@ -424,6 +474,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("concurrency must be in [1, 256] and temperatures in [0, 2]")
     if not args.duration > 0 or args.max_tokens < 1 or args.prompts < 2 or args.repeats < 1:
         parser.error("need --duration > 0, --max-tokens >= 1, --prompts >= 2 and --repeats >= 1")
+    args.paired_reserved = len(TWINS) * len(args.temperatures) * args.repeats * args.paired_c1
+    if args.paired_c1 < 0 or args.paired_reserved > args.prompts - 2:
+        parser.error(f"--paired-c1 {args.paired_c1} sets aside {args.paired_reserved} prompts (a block per tree mode, "
+                     f"temperature and repeat): need --paired-c1 >= 0 and --prompts above that by 2 at least")
     return args
 
 

@@ -11,7 +11,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-REFERENCE = "ours-none"  # greedy texts of every system are compared with this one's
+# greedy texts of every system are compared with the first of these that ran the same prompt: ours-none, else the
+# in-process loop's (prompts that only the paired concurrency-1 cells ran: benchmarks/serve_peers.py --paired-c1)
+REFERENCE = ("ours-none", "inproc-none", "inproc")
 PEERS = ("vllm", "vllm-draft", "hf")
 
 
@@ -91,17 +93,19 @@ def cell_label(system: str, concurrency: int) -> str:
     return f"{system} c={concurrency}"
 
 
-def greedy_check(texts: dict[str, dict[int, list[str]]], reference: str = REFERENCE) -> dict[str, Any]:
+def greedy_check(texts: dict[str, dict[int, list[str]]],
+                 reference: tuple[str, ...] = REFERENCE) -> dict[str, Any]:  # fmt: skip
     """texts: greedy cell label ("vllm c=8") -> prompt index -> texts seen. Every cell's texts against the first text
-    the reference system gave for the same prompt in any of its cells: {"reference", "cells": {label: {"compared",
-    "mismatched", "first": [...]}}}; the reference's own cells are checked too (batch invariance)."""
+    the first reference system that ran the prompt gave for it in any of its cells: {"reference", "cells": {label:
+    {"compared", "mismatched", "first": [...]}}}; the reference's own cells are checked too (batch invariance)."""
     ref: dict[int, str] = {}
-    for label, by_prompt in texts.items():
-        if label.rsplit(" c=", 1)[0] == reference:
-            for i, seen in by_prompt.items():
-                ref.setdefault(i, seen[0])
+    for system in reference:
+        for label, by_prompt in texts.items():
+            if label.rsplit(" c=", 1)[0] == system:
+                for i, seen in by_prompt.items():
+                    ref.setdefault(i, seen[0])
     if not ref:
-        return {"reference": reference, "error": f"no greedy texts from {reference}"}
+        return {"reference": list(reference), "error": f"no greedy texts from {' or '.join(reference)}"}
     cells = {}
     for label, by_prompt in texts.items():
         compared, wrong = 0, []
@@ -111,7 +115,7 @@ def greedy_check(texts: dict[str, dict[int, list[str]]], reference: str = REFERE
                 if text != ref[i]:
                     wrong.append({"prompt": i, "expected": ref[i][:80], "got": text[:80]})
         cells[label] = {"compared": compared, "mismatched": len(wrong), "first": wrong[:3]}
-    return {"reference": reference, "cells": cells}
+    return {"reference": list(reference), "cells": cells}
 
 
 def rates(cells: list[dict[str, Any]]) -> dict[tuple[str, float, int], float]:
@@ -138,15 +142,19 @@ def ratios(cells: list[dict[str, Any]], ours: tuple[str, ...] = ("ours", "ours-n
 
 
 def served_vs_inproc(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Served concurrency-1 tokens/s over the in-process loop's, drafting on and off (medians over repeats)."""
+    """Served concurrency-1 tokens/s over the in-process loop's, drafting on and off (medians over repeats);
+    same_prompts: every cell of both ran the same prompts (--paired-c1), not timed cells of different ones."""
     rate = rates(cells)
     out = []
     for served, loop in (("ours", "inproc"), ("ours-none", "inproc-none")):
         for temperature in sorted({t for _, t, _ in rate}):
             s, l = rate.get((served, temperature, 1)), rate.get((loop, temperature, 1))
             if s is not None and l:
+                both = [c for c in cells if c["system"] in (served, loop) and c["temperature"] == temperature
+                        and c["concurrency"] == 1]  # fmt: skip
                 out.append({"served": served, "inproc": loop, "temperature": temperature, "served_tokens_per_s": s,
-                            "inproc_tokens_per_s": l, "ratio": round(s / l, 3)})
+                            "inproc_tokens_per_s": l, "ratio": round(s / l, 3),
+                            "same_prompts": all(c.get("paired", False) for c in both)})  # fmt: skip
     return out
 
 
@@ -170,12 +178,13 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"| {r['ours']} | {r['peer']} | {r['temperature']:g} | {r['concurrency']} | {r['ratio']:.2f}x |"
                   for r in result["ratios"]]
     if result["served_vs_inproc"]:
-        lines += ["", "| served | in-process loop | T | served tokens/s | in-process tokens/s | ratio |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "| served | in-process loop | T | served tokens/s | in-process tokens/s | ratio | prompts |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['served']} (concurrency 1) | {r['inproc']} | {r['temperature']:g} | "
-                  f"{r['served_tokens_per_s']:.1f} | {r['inproc_tokens_per_s']:.1f} | {r['ratio']:.2f}x |"
-                  for r in result["served_vs_inproc"]]
-    lines += ["", f"Greedy mismatches: texts unlike {REFERENCE}'s for the same prompt / texts compared."]
+                  f"{r['served_tokens_per_s']:.1f} | {r['inproc_tokens_per_s']:.1f} | {r['ratio']:.2f}x | "
+                  f"{'the same' if r.get('same_prompts') else 'different'} |" for r in result["served_vs_inproc"]]
+    lines += ["", f"Greedy mismatches: texts unlike {REFERENCE[0]}'s for the same prompt (where it did not run the "
+                  f"prompt: {' or '.join(REFERENCE[1:])}'s) / texts compared."]
     if any(c.get("repeat", 0) for c in result["cells"]):
         lines += ["Ratios are of medians over each system's repeated cells (one row per cell above)."]
     down = {k: v for k, v in result["servers"].items() if v["status"] != "ok"}

@@ -1,12 +1,15 @@
 """The pure parts of benchmarks/serve_peers.py: SSE parsing of each server's chunks, token counts, summaries, ratios,
 the greedy text check, the table and the prompt choice. No servers, no network."""
 
+import asyncio
 import json
 
 import httpx
 import pytest
 
-from benchmarks.serve_peers import Endpoint, engine_state, first_prompt, parse_args, select_prompts, used
+import benchmarks.serve_peers as serve_peers
+from benchmarks.serve_peers import (Endpoint, closed_loop, engine_state, first_prompt, paired_prompts, parse_args,
+                                    select_prompts, used)  # fmt: skip
 from benchmarks.serve_peers_results import (RequestResult, StreamTally, count_tokens, greedy_check, markdown, percentile,
                                             plot, rates, ratios, served_vs_inproc, summarize_cell)  # fmt: skip
 
@@ -89,7 +92,11 @@ def test_ratios_pair_same_temperature_and_concurrency():
     got = {(r["ours"], r["peer"], r["temperature"], r["concurrency"]): r["ratio"] for r in ratios(CELLS)}
     assert got == {("ours", "vllm", 0.0, 1): 0.5, ("ours", "vllm", 0.0, 8): 2.0, ("ours-none", "vllm", 0.0, 1): 0.25}
     assert served_vs_inproc(CELLS) == [{"served": "ours", "inproc": "inproc", "temperature": 0.0,
-                                        "served_tokens_per_s": 200.0, "inproc_tokens_per_s": 400.0, "ratio": 0.5}]
+                                        "served_tokens_per_s": 200.0, "inproc_tokens_per_s": 400.0, "ratio": 0.5,
+                                        "same_prompts": False}]  # fmt: skip
+    paired = [c | {"paired": True} if c["system"] in ("ours", "inproc") and c["concurrency"] == 1 else c
+              for c in CELLS]  # fmt: skip
+    assert [r["same_prompts"] for r in served_vs_inproc(paired)] == [True]
 
 
 def test_repeated_cells_compare_by_their_medians(tmp_path):
@@ -132,6 +139,18 @@ def test_greedy_check_per_cell_against_ours_none():
     assert "error" in greedy_check({"vllm c=1": {0: ["a"]}})
 
 
+def test_greedy_check_falls_back_to_the_in_process_loop():
+    """Prompts ours-none never ran (the paired concurrency-1 blocks of the drafting systems) are checked against the
+    in-process loop's text; ours-none's text wins where both ran the prompt."""
+    texts = {"ours-none c=8": {0: ["a"]}, "inproc-none c=1": {0: ["not the reference here"], 1: ["b"]},
+             "inproc c=1": {2: ["c"]}, "ours c=1": {1: ["b"], 2: ["wrong"]}, "vllm c=1": {0: ["a"], 3: ["unchecked"]}}
+    cells = greedy_check(texts)["cells"]
+    assert (cells["ours c=1"]["compared"], cells["ours c=1"]["mismatched"]) == (2, 1)
+    assert cells["ours c=1"]["first"] == [{"prompt": 2, "expected": "c", "got": "wrong"}]
+    assert (cells["inproc-none c=1"]["compared"], cells["inproc-none c=1"]["mismatched"]) == (2, 1)
+    assert (cells["vllm c=1"]["compared"], cells["vllm c=1"]["mismatched"]) == (1, 0)
+
+
 def test_markdown_table():
     result = {"cells": CELLS, "ratios": ratios(CELLS), "served_vs_inproc": served_vs_inproc(CELLS),
               "greedy_check": greedy_check({"ours-none c=1": {0: ["a"]}, "vllm c=1": {0: ["b"]}}),
@@ -140,7 +159,7 @@ def test_markdown_table():
     assert "| vllm | 0 | 1 | 3 | 0 | 400.0 | 500 | 900 | - | 1/1 |" in table
     assert "| hf | 1 | 1 | 3 | 0 | 50.0 | 500 | 900 | - | - |" in table
     assert "| ours | vllm | 0 | 8 | 2.00x |" in table
-    assert "| ours (concurrency 1) | inproc | 0 | 200.0 | 400.0 | 0.50x |" in table
+    assert "| ours (concurrency 1) | inproc | 0 | 200.0 | 400.0 | 0.50x | different |" in table
     assert "- hf: unavailable (did not start)" in table
 
 
@@ -161,3 +180,51 @@ def test_cells_start_at_the_first_prompt_unless_fresh_prompts(fresh, capsys):
         used(args, sent)
     assert starts == ([0, 40, 90] if fresh else [0, 0, 0])
     assert ("120 prompts sent, more than --prompts 100" in capsys.readouterr().out) == fresh
+
+
+def test_paired_blocks_are_shared_by_twins_and_never_by_one_server():
+    """--paired-c1: a served system and its in-process twin run the same prompts at concurrency 1; each tree mode,
+    temperature and repeat has a block of its own at the end of the list (one server never sees a prompt twice, or its
+    prefix cache would hit); other cells stay timed; and the fresh cells are warned before they reach the blocks."""
+    args = parse_args(["--prompts", "100", "--paired-c1", "5", "--repeats", "2", "--temperatures", "0,1",
+                       "--fresh-prompts"])  # fmt: skip
+    assert args.paired_reserved == 2 * 2 * 2 * 5
+    blocks = {}
+    for system in ("ours", "inproc", "ours-none", "inproc-none"):
+        for temperature in (0.0, 1.0):
+            for repeat in (0, 1):
+                blocks[system, temperature, repeat] = paired_prompts(args, system, temperature, repeat, 1)
+    for (system, temperature, repeat), block in blocks.items():
+        assert len(block) == 5 and min(block) >= 100 - 40 and max(block) < 100
+        twin = {"ours": "inproc", "inproc": "ours", "ours-none": "inproc-none", "inproc-none": "ours-none"}[system]
+        assert block == blocks[twin, temperature, repeat]
+    distinct = {tuple(b) for b in blocks.values()}
+    assert len(distinct) == 8 and len(set().union(*distinct)) == 40
+    assert paired_prompts(args, "ours", 0.0, 0, 8) is None and paired_prompts(args, "vllm", 0.0, 0, 1) is None
+    assert paired_prompts(parse_args(["--prompts", "100"]), "ours", 0.0, 0, 1) is None
+    with pytest.raises(SystemExit):
+        parse_args(["--prompts", "100", "--paired-c1", "25", "--temperatures", "0,1"])  # 100 set aside
+
+
+def test_paired_cells_send_their_prompts_untimed(monkeypatch, capsys):
+    """A paired cell sends exactly its prompts, whatever the duration, and leaves the fresh prompts' count alone; a
+    timed cell goes on where the last stopped."""
+    sent = []
+
+    async def fake_stream(client, url, body, index, timeout_s):
+        sent.append(index)
+        await asyncio.sleep(0)
+        return RequestResult(index, 0.01, text=body["prompt"])
+
+    monkeypatch.setattr(serve_peers, "stream_one", fake_stream)
+    args = parse_args(["--prompts", "20", "--paired-c1", "3", "--temperatures", "0", "--fresh-prompts",
+                       "--duration", "0.05"])  # fmt: skip
+    prompts = [f"p{i}" for i in range(20)]
+    endpoint = Endpoint("http://127.0.0.1:1", None)
+    results, _ = asyncio.run(closed_loop(endpoint, prompts, {}, 1, 0.0, args, indices=[17, 18, 19]))
+    assert sent == [17, 18, 19] and [r.text for r in results] == ["p17", "p18", "p19"] and args.prompts_sent == 0
+    sent.clear()
+    asyncio.run(closed_loop(endpoint, prompts, {}, 2, 0.0, args, max_requests=5))
+    assert sorted(sent) == [0, 1, 2, 3, 4] and args.prompts_sent == 5
+    used(args, 10)  # 15 sent: past the 14 not set aside
+    assert "6 of them set aside for --paired-c1" in capsys.readouterr().out
