@@ -49,6 +49,7 @@ VARIANTS = {
     "gloo": {"RAY_SPECDEC_SHM_ALLREDUCE": "0"},  # gloo's all-reduce, not shared memory
     "before": {"RAY_SPECDEC_SHM_ALLREDUCE": "0", "RAY_SPECDEC_LEAN": "0"},  # and HF's forward once per request
 }
+WARM_UP = 64  # prompts at the end of the list (at most half), for the warm-up cell (5 s at 4 requests)
 REFERENCE = "before"  # HF's forward per request, over gloo: the ranks before this benchmark
 
 
@@ -67,12 +68,16 @@ def run_variant(name: str, args: argparse.Namespace, texts: list[str]) -> tuple[
             prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
             scheduler = Scheduler(group, drafter, tokenizer, Bandit(), DEFAULT_SCHEDULER)
             loop, device = SimpleNamespace(scheduler=scheduler), torch.device("cpu")  # the loop's side is on the CPU
+            warm_up = min(WARM_UP, len(prompts) // 2)
             run_cell(loop, prompts, 4, None, min(5.0, args.duration), device, max_new_tokens=args.max_tokens,
-                     start=len(prompts) - 8)  # warm-up
+                     start=len(prompts) - warm_up)
             cells, outputs = [], {}
-            for c, (label, tree) in itertools.product(args.concurrency, (("drafting", None), ("none", "none"))):
+            # each cell from a share of the prompts of its own: a prompt the engine saw would hit its prefix cache
+            kinds = list(itertools.product(args.concurrency, (("drafting", None), ("none", "none"))))
+            share = (len(prompts) - warm_up) // len(kinds)
+            for k, (c, (label, tree)) in enumerate(kinds):
                 cell, tokens = run_cell(loop, prompts, c, tree and TreeConfig.parse(tree), args.duration, device,
-                                        max_new_tokens=args.max_tokens)  # fmt: skip
+                                        max_new_tokens=args.max_tokens, start=k * share)  # fmt: skip
                 cells.append(cell | {"variant": f"{name} {label}", "concurrency": c})
                 outputs.setdefault(f"{label} c={c}", {}).update(tokens)
                 print(f"{name} {label:8s} c={c:<3d} {cell['tokens_per_s']:8.1f} tok/s  {cell['steps_per_s']:6.1f} "
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--duration", type=float, default=15.0, help="seconds per cell")
-    p.add_argument("--prompts", type=int, default=400)
+    p.add_argument("--prompts", type=int, default=1600)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {','.join(VARIANTS)}")
     p.add_argument("--json", type=Path, default=None)

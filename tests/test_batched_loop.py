@@ -27,3 +27,21 @@ def test_a_synthetic_target_runs_the_undrafted_variants_only():
                                  "--synthetic-llama", "128,1"])  # fmt: skip
     assert results["target"] == "128,1"
     assert {c["variant"] for c in results["cells"]} == {"batched none", "per-request none"}
+
+
+def test_each_concurrency_starts_at_a_share_of_its_own(monkeypatch):
+    """No cell replays the prompts of an earlier cell of its engine (its prefix cache would serve their prefill): the
+    cells at each concurrency start at their own share, the same in every variant (their greedy tokens are compared
+    prompt by prompt), and a cell that sends more than its share reports how many."""
+    starts, real = [], batched_loop.run_cell
+
+    def spy(engine, prompts, concurrency, tree, duration, device, profile_steps=0, **kwargs):
+        starts.append((concurrency, kwargs.get("start", 0), len(prompts)))
+        return real(engine, prompts, concurrency, tree, duration, device, profile_steps, **kwargs)
+
+    monkeypatch.setattr(batched_loop, "run_cell", spy)
+    results = batched_loop.main(["--device", "cpu", "--concurrency", "1,2", "--duration", "1.0", "--prompts", "40",
+                                 "--variants", "batched none,per-request none"])  # fmt: skip
+    assert starts == [(1, 0, 40), (2, 20, 40)] * 2
+    for cell in results["cells"]:
+        assert cell["sent"] > 0 and cell["repeated_prompts"] == max(cell["sent"] - 20, 0)
