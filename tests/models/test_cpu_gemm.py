@@ -34,6 +34,20 @@ def test_every_path_computes_the_linear_product(path, bias, n_out, n_in, threads
 
 
 @pytest.mark.skipif("native" not in cpu_gemm.available_paths(), reason="native kernels unavailable")
+def test_native_product_is_the_same_bits_however_its_blocks_are_claimed(monkeypatch):
+    """Two threads claim the native GEMM's output blocks one at a time (which thread gets which changes from call to
+    call); every block is computed whole by one thread in one order, so the product is bit for bit the one thread's."""
+    torch.manual_seed(1)
+    weight, bias = torch.randn(1040, 96), torch.randn(1040)  # 16 blocks of 64 and one of 16
+    x = torch.randn(48, 96)  # ~4.8M multiply-adds: split over the threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    alone = cpu_gemm.PATHS["native"](x, weight, bias)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    for _ in range(20):
+        assert torch.equal(cpu_gemm.PATHS["native"](x, weight, bias), alone)
+
+
+@pytest.mark.skipif("native" not in cpu_gemm.available_paths(), reason="native kernels unavailable")
 def test_native_path_follows_in_place_weight_changes_and_autograd():
     """The packed copy of the weight is packed again after an in-place change (a load_state_dict, say); with
     autograd on, the product is F.linear's, so gradients flow."""
