@@ -17,8 +17,8 @@ fixed time; tokens/s, p50/p95 latency and p50 time to first token come from the 
 checked against `ours-none`'s for the same prompt (or the in-process loop's, where ours-none did not run it). With
 `--paired-c1 N`, the concurrency-1 cells of ours and of the in-process loop run the same N prompts each instead of a
 timed cell (a block set aside per tree mode, temperature and repeat), so served over in-process compares the same
-work. One server runs at a time (the CPU has 2 cores); a peer that
-does not start or answer is recorded as unavailable with the reason, and the run goes on.
+work. One server runs at a time (the CPU has 2 cores); a peer that does not start or answer is recorded as
+unavailable with the reason, and the run goes on.
 
 Writes serve_peers.json, serve_peers.md (also printed) and serve_peers.png to --out.
 
