@@ -28,6 +28,7 @@ from ray_specdec.cli import OneLineParser, UsageError
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
 from ray_specdec.rounds import NO_TREE
+from ray_specdec.models.device_clock import synchronize
 from ray_specdec.models.loading import prefill_window_arg
 from ray_specdec.prefill_plan import kv_budget_rows
 from ray_specdec.scheduler_args import add_scheduler_arguments, scheduler_config_from_args
@@ -202,11 +203,6 @@ def kv_bytes(past) -> int:
     return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in past.layers)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def context_sweep(drafter, tf_drafter, stream: list[int], lengths, steps: int) -> list[dict]:
     """Per context length: drafter state bytes of one request and one draft step's time, Mamba vs Transformer."""
     rows = []
@@ -214,22 +210,22 @@ def context_sweep(drafter, tf_drafter, stream: list[int], lengths, steps: int) -
         ids = stream[:length]
         state, _ = drafter.prefill(torch.tensor(ids))
         token = torch.tensor([ids[-1]], device=drafter.device)
-        _synchronize(drafter.device)
+        synchronize(drafter.device)
         t0 = time.perf_counter()
         for _ in range(steps):
             drafter.step(state, token)
-        _synchronize(drafter.device)
+        synchronize(drafter.device)
         mamba_step = (time.perf_counter() - t0) / steps
         mamba_bytes = state.conv.numel() * state.conv.element_size() + state.ssm.numel() * state.ssm.element_size()
         with torch.inference_mode():
             out = tf_drafter(torch.tensor([ids], device=tf_drafter.device), use_cache=True)
             past = out.past_key_values
-            _synchronize(tf_drafter.device)
+            synchronize(tf_drafter.device)
             t0 = time.perf_counter()
             for _ in range(steps):
                 out = tf_drafter(token[None].to(tf_drafter.device), past_key_values=past, use_cache=True)
                 past = out.past_key_values
-            _synchronize(tf_drafter.device)
+            synchronize(tf_drafter.device)
             tf_step = (time.perf_counter() - t0) / steps
         rows.append({"context_tokens": length, "mamba_state_bytes": mamba_bytes, "mamba_step_ms": mamba_step * 1e3,
                      "transformer_kv_bytes": kv_bytes(past), "transformer_step_ms": tf_step * 1e3})

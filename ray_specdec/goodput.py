@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ray_specdec.config import TreeConfig
+from ray_specdec.models.device_clock import now, settle
 from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend
 
 NO_TREE = TreeConfig(())
@@ -194,8 +195,8 @@ def measure_prior(target: TargetBackend, drafter) -> list[float]:
     ids = [f"calibrate-{i}" for i in range(8)]
     context = 64
     t0 = time.perf_counter()
-    target.run(StepWork(allocations=[(i, 2 * context) for i in ids],
-                        segments=[SegmentSpec(i, torch.zeros(context - 1, dtype=torch.long)) for i in ids]))
+    settle(target.run(StepWork(allocations=[(i, 2 * context) for i in ids],
+                               segments=[SegmentSpec(i, torch.zeros(context - 1, dtype=torch.long)) for i in ids])))
     prefill_s = (time.perf_counter() - t0) / (len(ids) * (context - 1))
     fastest: dict[int, float] = {}  # verify rows -> seconds
     pending: list[str] = []
@@ -205,7 +206,7 @@ def measure_prior(target: TargetBackend, drafter) -> list[float]:
                         segments=[SegmentSpec(i, torch.zeros(per_request, dtype=torch.long), chain)
                                   for i in ids[:requests]])  # fmt: skip
         t0 = time.perf_counter()
-        target.run(work)
+        settle(target.run(work))  # the device's time too, not the launches' (device_clock)
         rows = requests * per_request
         fastest[rows] = min(time.perf_counter() - t0, fastest.get(rows, math.inf))
         pending = ids[:requests]
@@ -220,10 +221,11 @@ def measure_prior(target: TargetBackend, drafter) -> list[float]:
 
 
 def _time_drafter(drafter, kind: int | str) -> float:
-    """Seconds of one drafter step of `kind` rows, or (kind "extend") of a catch-up over two tokens."""
-    t0 = time.perf_counter()
+    """Seconds of one drafter step of `kind` rows, or (kind "extend") of a catch-up over two tokens, with the
+    device idle at both ends (device_clock: on CUDA the launches alone would price drafting near zero)."""
+    t0 = now(drafter.device)
     if kind == "extend":
         drafter.extend(drafter.new_state(1), torch.zeros(2, dtype=torch.long))
     else:
         drafter.step(drafter.new_state(kind), torch.zeros(kind, dtype=torch.long))
-    return time.perf_counter() - t0
+    return now(drafter.device) - t0
