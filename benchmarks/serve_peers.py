@@ -20,7 +20,8 @@ timed cell (a block set aside per tree mode, temperature and repeat), so served 
 work. One server runs at a time (the CPU has 2 cores); a peer that does not start or answer is recorded as
 unavailable with the reason, and the run goes on.
 
-Writes serve_peers.json, serve_peers.md (also printed) and serve_peers.png to --out.
+Writes serve_peers.json, serve_peers.md (also printed) and serve_peers.png to --out. The servers' starters are in
+serve_peers_servers.py, the summaries, ratios, table and plot in serve_peers_results.py.
 
 Run: python -m benchmarks.serve_peers [--duration 30] [--servers inproc,ours,vllm,vllm-draft,hf] [--quick]
 """
@@ -29,33 +30,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import os
 import platform
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import httpx
 
 from benchmarks.serve_peers_results import (RequestResult, StreamTally, cell_label, greedy_check, markdown, ms, plot,
                                             ratios, served_vs_inproc, summarize_cell)
+from benchmarks.serve_peers_servers import PEER_DRAFTER, REPO, TARGET, Endpoint, default_hf_bin, server_table
 
-REPO = Path(__file__).resolve().parents[1]
-MODELS = REPO / "ray_specdec" / "default_models"
-TARGET, PEER_DRAFTER = MODELS / "target-neox", MODELS / "drafter-neox-small"
 SERVERS = ("inproc", "ours", "vllm", "vllm-draft", "hf")
 MAX_REQUESTS_PER_CELL = 4096
 # the served systems of ours and their in-process twins (the same policy, tree mode): a pair shares its paired block
 TWINS = {"inproc": "ours", "inproc-none": "ours-none"}
-START_TIMEOUT_S = 420.0
 
 
 # ---- prompts -------------------------------------------------------------------------------------------------------
@@ -72,14 +64,6 @@ def select_prompts(n: int, seed: int, min_tokens: int = 32, max_tokens: int = 51
 
 
 # ---- the load -------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Endpoint:
-    url: str  # loopback
-    model: str | None  # the "model" field the server wants (None: omitted)
-    extra: Callable[[float], dict[str, Any]] = lambda temperature: {}  # server-specific fields per temperature
-    stats: str | None = None  # a GET path whose JSON says the engine's state (ours: /v1/stats), kept with each cell
-
 
 def engine_state(endpoint: Endpoint) -> dict[str, Any] | None:
     """After a cell: the engine's step count and the speculation guard's verdicts per load level (what the service's
@@ -193,136 +177,6 @@ def paired_prompts(args: argparse.Namespace, system: str, temperature: float, re
     block = (mode * len(args.temperatures) + args.temperatures.index(temperature)) * args.repeats + repeat
     start = args.prompts - (block + 1) * args.paired_c1  # >= 2: parse_args checks args.paired_reserved
     return list(range(start, start + args.paired_c1))
-
-
-# ---- servers (one at a time) ----------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    from benchmarks.serve_load import free_port as serve_load_free_port
-
-    return serve_load_free_port()
-
-
-@contextlib.contextmanager
-def ours_server(args: argparse.Namespace) -> Iterator[Endpoint]:
-    """The app's defaults (`serve run deployments:app`) on the target in float32, in a local Ray started as
-    benchmarks/serve_load.py starts it (its Ray environment, set for this server only: the peers started after it
-    must not inherit its OMP_NUM_THREADS)."""
-    import ray
-    from ray import serve
-
-    from benchmarks.serve_load import ray_env
-    from deployments import AppArgs, app
-
-    saved, env = dict(os.environ), ray_env()
-    os.environ.update(env)
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
-    port = free_port()
-    try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        # the engine replica gets both cores (its torch threads follow the CPUs it reserves), as vLLM's worker does
-        serve.run(app(AppArgs(target=str(TARGET), dtype="float32", num_cpus_per_rank=2)), name="specdec",
-                  route_prefix="/")  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        if args.ours_ingress == "direct":
-            url = direct_url(url)
-        print(f"ours: requests go to {url} ({args.ours_ingress})", flush=True)
-        yield Endpoint(url, None, stats="/v1/stats")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def direct_url(proxy_url: str, wait_s: float = 60.0) -> str:
-    """The engine replica's own HTTP address (Serve's direct ingress, as `serve run` starts the app), read from
-    /v1/stats once Serve has given it its port."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        urls = httpx.get(f"{proxy_url}/v1/stats", timeout=30, trust_env=False).json().get("direct_urls") or []
-        if urls:
-            return urls[0]
-        time.sleep(1.0)
-    raise RuntimeError(f"the engine replica named no direct ingress address within {wait_s:.0f} s")
-
-
-@contextlib.contextmanager
-def vllm_server(args: argparse.Namespace, mode: str) -> Iterator[Endpoint]:
-    script = str(args.vllm_script)
-    port = free_port()
-    extra = ["draft", str(PEER_DRAFTER)] if mode == "draft" else ["plain"]
-    env = os.environ | {"PORT": str(port), "TIMEOUT": str(int(START_TIMEOUT_S))}
-    try:
-        started = subprocess.run(["bash", script, "start", str(TARGET), *extra], env=env, capture_output=True,
-                                 text=True, timeout=START_TIMEOUT_S + 60)  # fmt: skip
-        if started.returncode != 0:
-            tail = (started.stdout + started.stderr).strip().splitlines()[-3:]
-            raise RuntimeError(f"{script} start exited {started.returncode}: {' | '.join(tail)}")
-        yield Endpoint(f"http://127.0.0.1:{port}", str(TARGET))
-    finally:
-        subprocess.run(["bash", script, "stop"], env=env, capture_output=True, timeout=120)
-
-
-def hf_sampling(temperature: float) -> dict[str, Any]:
-    """T > 0 names do_sample itself: the shipped generation_config says do_sample=false, which a temperature alone
-    does not override, and top_k=0 turns off GenerationConfig's default top-k of 50."""
-    if temperature == 0:
-        return {}
-    config = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0, "eos_token_id": 0,
-              "pad_token_id": 0}
-    return {"generation_config": json.dumps(config)}
-
-
-# Where benchmarks/peers/hf_serve.sh installs transformers serve (a version whose continuous batching runs GPTNeoX).
-HF_VENV = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "ray_specdec_peers")) / "hf-venv"
-
-
-def _hf_bin() -> Path:
-    installed = HF_VENV / "bin" / "transformers"
-    return installed if installed.exists() else Path(sys.executable).with_name("transformers")
-
-
-@contextlib.contextmanager
-def hf_server(args: argparse.Namespace) -> Iterator[Endpoint]:
-    port = free_port()
-    with tempfile.NamedTemporaryFile("w+", prefix="hf_serve_", suffix=".log") as log:
-        command = [str(args.hf_bin), "serve", str(TARGET), "--continuous-batching",
-                   "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)  # its own process group, stopped as a whole
-        try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while True:  # its /v1/models needs an HF cache directory; /health does not
-                if proc.poll() is not None:
-                    log.seek(0)
-                    tail = log.read().strip().splitlines()[-2:]
-                    raise RuntimeError(f"transformers serve exited {proc.returncode}: {' | '.join(tail)}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5, trust_env=False).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"transformers serve did not answer /health in {START_TIMEOUT_S:.0f} s")
-                time.sleep(1)
-            yield Endpoint(f"http://127.0.0.1:{port}", str(TARGET), hf_sampling)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
-
-
-# server -> (start, {system: request fields}, restarted per temperature)
-def server_table(args: argparse.Namespace) -> dict[str, tuple[Callable, dict[str, dict[str, Any]], bool]]:
-    return {
-        "ours": (lambda: ours_server(args), {"ours": {}, "ours-none": {"tree": "none"}}, False),
-        "vllm": (lambda: vllm_server(args, "plain"), {"vllm": {}}, False),
-        "vllm-draft": (lambda: vllm_server(args, "draft"), {"vllm-draft": {}}, False),
-        "hf": (lambda: hf_server(args), {"hf": {}}, True),
-    }
 
 
 def warm_up(endpoint: Endpoint, prompts: list[str], temperature: float, args: argparse.Namespace) -> None:
@@ -453,7 +307,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--timeout", type=float, default=180.0, help="per request, whole stream included")
     parser.add_argument("--vllm-script", type=Path, default=REPO.parent / "shared" / "peers" / "vllm_cpu.sh")
-    parser.add_argument("--hf-bin", type=Path, default=_hf_bin(),
+    parser.add_argument("--hf-bin", type=Path, default=default_hf_bin(),
                         help="the `transformers` CLI that runs `hf` (default: benchmarks/peers/hf_serve.sh's "
                              "environment where installed, else this Python's)")  # fmt: skip
     parser.add_argument("--ours-ingress", choices=("direct", "proxy"), default="direct",

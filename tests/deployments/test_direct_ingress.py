@@ -21,7 +21,7 @@ def urls(model_dirs):
     target, drafter = model_dirs
     args = AppArgs(target=str(target), drafter=str(drafter), num_cpus_per_rank=0.5)
     with serve_app(args, env={DIRECT_INGRESS_ENV: "1"} | DIRECT_INGRESS_DRAIN_ENV) as proxy:
-        from benchmarks.serve_peers import direct_url
+        from benchmarks.serve_peers_servers import direct_url
 
         yield proxy, direct_url(proxy)
 
