@@ -133,3 +133,30 @@ def test_the_native_drafter_on_half_panels_is_its_float32_panels_step_bit_for_bi
     for (conv_a, ssm_a), (conv_b, ssm_b) in [(rows[0], rows[1]), ((states[0].conv, states[0].ssm),
                                                                  (states[1].conv, states[1].ssm))]:
         assert torch.equal(conv_a, conv_b) and torch.equal(ssm_a, ssm_b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+def test_every_row_gets_its_bits_alone_whatever_the_rows_beside_it(dtype):
+    """Batch invariance of the native GEMM: a row's product does not depend on how many rows share the call, or
+    where in it the row sits. Rows go through register blocks of every height (up to 6 rows with AVX-512, 4 without;
+    the rest ragged), and every height sums each output over the inputs in the same order from the bias."""
+    lib = native.load()
+    weight = half_exact(200, 70, dtype) if dtype != torch.float32 else torch.randn(200, 70)  # 3 x 64, 1 x 16, tail
+    bias = torch.randn(200)
+    x = torch.randn(40, 70, generator=torch.Generator().manual_seed(3))
+    together = products_of(lib, x, weight, bias, dtype)
+    for rows in [*range(1, 26), 31, 36]:
+        assert torch.equal(products_of(lib, x[:rows], weight, bias, dtype), together[:rows]), rows
+        assert torch.equal(products_of(lib, x[-rows:], weight, bias, dtype), together[-rows:]), rows
+    alone = torch.cat([products_of(lib, x[r : r + 1], weight, bias, dtype) for r in range(40)])
+    assert torch.equal(alone, together)
+    torch.testing.assert_close(together.double(), F.linear(x.double(), weight.double(), bias.double()),
+                               rtol=1e-5, atol=1e-4)  # fmt: skip
+
+
+def products_of(lib, x, weight, bias, dtype):
+    panels = native.pack_panels(weight, dtype)
+    y = torch.full((x.shape[0], weight.shape[0]), float("nan"))
+    lib.linear_panels(native.PANEL_FORMATS[dtype], x.shape[0], weight.shape[0], weight.shape[1], panels.data_ptr(),
+                      bias.data_ptr(), x.contiguous().data_ptr(), y.data_ptr())  # fmt: skip
+    return y
