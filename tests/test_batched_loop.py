@@ -45,3 +45,19 @@ def test_each_concurrency_starts_at_a_share_of_its_own(monkeypatch):
     assert starts == [(1, 0, 40), (2, 20, 40)] * 2
     for cell in results["cells"]:
         assert cell["sent"] > 0 and cell["repeated_prompts"] == max(cell["sent"] - 20, 0)
+
+
+def test_the_guard_check_sets_the_cells_ratio_beside_the_guards_speedup():
+    from benchmarks.batched_loop import guard_check
+
+    guard = [{"load": "1", "speedup": 1.35, "undrafted": False}, {"load": "2-4", "speedup": None, "undrafted": False},
+             {"load": "5-16", "speedup": 0.8, "undrafted": True}, {"load": "17+", "speedup": None, "undrafted": False}]
+    cells = [{"variant": "batched drafting", "concurrency": 1, "tokens_per_s": 92.0, "guard": guard},
+             {"variant": "batched drafting", "concurrency": 8, "tokens_per_s": 80.0, "guard": guard},
+             {"variant": "batched drafting", "concurrency": 32, "tokens_per_s": 50.0, "guard": guard},
+             {"variant": "batched none", "concurrency": 1, "tokens_per_s": 100.0, "guard": None},
+             {"variant": "batched none", "concurrency": 8, "tokens_per_s": 100.0, "guard": None}]
+    assert guard_check(cells) == [
+        "c=1: drafting / none 0.92x in the cells; the guard at level 1: 1.35x, drafting",
+        "c=8: drafting / none 0.80x in the cells; the guard at level 5-16: 0.80x, undrafted",
+    ]  # no none cell at 32: nothing to set beside it
