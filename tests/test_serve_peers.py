@@ -10,8 +10,9 @@ import pytest
 import benchmarks.serve_peers as serve_peers
 from benchmarks.serve_peers import (Endpoint, closed_loop, engine_state, first_prompt, paired_prompts, parse_args,
                                     select_prompts, used)  # fmt: skip
-from benchmarks.serve_peers_results import (RequestResult, StreamTally, count_tokens, greedy_check, markdown, percentile,
-                                            plot, rates, ratios, served_vs_inproc, summarize_cell)  # fmt: skip
+from benchmarks.serve_peers_results import (RequestResult, StreamTally, count_tokens, greedy_check, markdown,
+                                            percentile, plot, rates, ratios, served_vs_inproc,
+                                            summarize_cell)  # fmt: skip
 
 
 def sse(body) -> list[str]:
@@ -57,7 +58,8 @@ def test_vllm_stream_counts_tokens_from_text():
 
 def test_hf_stream_ends_on_finish_reason():
     tally = feed(HF + [": ping", "event: message"])
-    assert ("".join(tally.text), tally.usage_tokens, tally.done, tally.finish_reason) == ("def f(x)", 5, False, "length")
+    assert ("".join(tally.text), tally.usage_tokens, tally.done, tally.finish_reason) == ("def f(x)", 5, False,
+                                                                                          "length")
 
 
 def test_stream_error_and_lines_after_done():
@@ -136,6 +138,12 @@ def test_greedy_check_per_cell_against_ours_none():
     assert (cells["vllm c=1"]["compared"], cells["vllm c=1"]["mismatched"]) == (2, 1)
     assert cells["vllm c=1"]["first"] == [{"prompt": 1, "expected": "b", "got": "x"}]
     assert [cells[k]["mismatched"] for k in ("ours c=8", "ours-none c=1", "ours-none c=8")] == [0, 0, 0]
+    # the reference's own cells: prompt 0 again at 8 is a batch-invariance check; a text is never its own check
+    assert [cells[k]["compared"] for k in ("ours c=8", "ours-none c=1", "ours-none c=8")] == [2, 0, 1]
+    fresh = greedy_check({"ours-none c=1": {0: ["a"]}, "ours-none c=8": {1: ["b"]}, "ours c=1": {2: ["c"]}})["cells"]
+    assert [fresh[k]["compared"] for k in ("ours-none c=1", "ours-none c=8", "ours c=1")] == [0, 0, 0]
+    twice = greedy_check({"ours-none c=1": {0: ["a", "a2"]}})["cells"]["ours-none c=1"]
+    assert (twice["compared"], twice["mismatched"]) == (1, 1)  # the same prompt twice in one cell: checked
     assert "error" in greedy_check({"vllm c=1": {0: ["a"]}})
 
 
@@ -147,7 +155,7 @@ def test_greedy_check_falls_back_to_the_in_process_loop():
     cells = greedy_check(texts)["cells"]
     assert (cells["ours c=1"]["compared"], cells["ours c=1"]["mismatched"]) == (2, 1)
     assert cells["ours c=1"]["first"] == [{"prompt": 2, "expected": "c", "got": "wrong"}]
-    assert (cells["inproc-none c=1"]["compared"], cells["inproc-none c=1"]["mismatched"]) == (2, 1)
+    assert (cells["inproc-none c=1"]["compared"], cells["inproc-none c=1"]["mismatched"]) == (1, 1)  # not "b": its own
     assert (cells["vllm c=1"]["compared"], cells["vllm c=1"]["mismatched"]) == (1, 0)
 
 
