@@ -21,7 +21,7 @@ def test_process_name():
     assert process_name(b"ray::ServeReplica:specdec:engine\0") == "ray::ServeReplica:specdec:engine"
     assert process_name(b"/usr/bin/python3\0-u\0/opt/ray/log_monitor.py\0--x\0") == "python3 log_monitor.py"
     assert process_name(b"/usr/bin/python3\0-m\0benchmarks.x\0") == "python3 -m benchmarks.x"
-    assert process_name(b"/opt/ray/raylet\0--log_dir=/tmp/ray/logs\0--x=1\0") == "raylet"
+    assert process_name(b"/opt/ray/raylet\0--log_dir=/var/log/ray\0--x=1\0") == "raylet"
     assert process_name(b"", "kworker/0:1\n") == "[kworker/0:1]"
 
 
