@@ -2,13 +2,13 @@
 while it idles, and alone again once every Ray process has exited ("after").
 
 The served app runs the same scheduler as the in-process loop, yet on a 2-core machine it gives ~0.7-0.8x of its
-tokens/s. This benchmark separates the platform from the request path: the app is started in a process of its own
-(Ray, the Serve controller and proxy, the engine replica, the bandit and metrics hubs: `serve run deployments:app`'s
-set, direct ingress on) and sent nothing after one warm-up request, while the in-process loop beside it runs closed
-loop cells. Cells alternate alone / beside / alone (`--cells` of each), each on prompts no cell sent before. While
-the app idles, every process's wakeups (context switches of all its threads) and CPU are sampled from /proc: on two
-cores each wakeup of another process preempts one of the loop's two OpenMP threads, and the other waits for it at
-the next barrier, so wakeups cost more than their CPU time says.
+tokens/s. This benchmark separates the platform from the request path: the app is started in a process of its own (Ray,
+the Serve controller and proxy, the engine replica: `serve run deployments:app`'s set, direct ingress on; before the
+hubs moved into the one replica, also the bandit and metrics hubs) and sent nothing after one warm-up request, while the
+in-process loop beside it runs closed loop cells. Cells alternate alone / beside / alone (`--cells` of each), each on
+prompts no cell sent before. While the app idles, every process's wakeups (context switches of all its threads) and CPU
+are sampled from /proc: on two cores each wakeup of another process preempts one of the loop's two OpenMP threads, and
+the other waits for it at the next barrier, so wakeups cost more than their CPU time says.
 
 Run from the repository root: python -m benchmarks.served_overhead [--concurrency 8] [--duration 10] [--cells 2]
 [--tree none] [--json results.json]

@@ -1,8 +1,9 @@
 """The application builder: `serve run deployments:app key=value ...` or a Serve config file (serve_config.yaml).
 
-One pydantic model (`AppArgs`, extra="forbid") holds every argument; `app(args)` wires three deployments:
-engine replicas (the OpenAI routes and the round loop beside the target and the drafter, one replica per
-data-parallel copy of the target; each owns tp_size rank actors when tp_size > 1) and the shared bandit hub. With
+One pydantic model (`AppArgs`, extra="forbid") holds every argument; `app(args)` wires the deployments: engine
+replicas (the OpenAI routes and the round loop beside the target and the drafter, one replica per data-parallel copy
+of the target; each owns tp_size rank actors when tp_size > 1) and, with more than one replica, the shared bandit hub
+and metrics hub (one engine replica keeps both inside: `hubs`). With
 ingress=router, router replicas (the routes alone) answer HTTP and forward each request to an engine replica, and a
 request whose engine replica dies continues on another.
 Defaults: the embedded default models on CPU, tp_size 1, one engine replica, the bandit over the default tree arms.
@@ -40,8 +41,18 @@ API_KEY_ENV = "RAY_SPECDEC_API_KEY"
 # its own beside an idle Serve app, 8 requests, 590 -> 652 tokens/s with both at 1 s; served at 8 requests, tree none
 # 471 / 481 -> 498 / 514 and the service's choice 425 / 418 -> 450 / 481 (docs/BENCHMARKS.md). Both only delay what
 # the controller does (autoscaling, restarts: by up to a second) and the export of Ray's own metrics.
+# Nor does Ray start idle workers ahead of need there (one per CPU for the first driver, by default: processes that
+# wake ~150 times a second each and run nothing of this app, which starts actors only). The app's own processes in
+# one: served on the 2-core machine, both together with the hubs inside the replica (AppArgs.hubs) took the
+# service's choice at one request from 264 to 308 tokens/s and tree none at 8 from 548 to 611 (three runs each,
+# alternated; docs/BENCHMARKS.md, "Fewer processes beside the engine").
 SMALL_MACHINE_CPUS = 4
-SMALL_MACHINE_SERVE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+SMALL_MACHINE_SERVE_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    "RAY_prestart_worker_first_driver": "0",
+    "RAY_enable_worker_prestart": "0",
+}
 
 
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
@@ -121,6 +132,11 @@ class AppArgs(BaseModel):
     trees: str | list[str] | None = None  # bandit arms, "1,1,1,1;3,3,2,1;none" or a list; None: the default arms
     tree: str | None = None  # one tree for every request instead of the bandit
     bandit_path: str | None = None  # JSON file the bandit state is loaded from and saved to
+    # where the bandit's shared state and every replica's metrics gather: "deployments" (a bandit hub and a metrics
+    # hub of their own, for any number of replicas), "replica" (inside the engine replica, when it is the app's only
+    # one and answers HTTP itself: two processes fewer beside the engine, each waking hundreds of times a second), or
+    # "auto": "replica" where it can be (ingress engine, replicas 1, no autoscaling), else "deployments"
+    hubs: Literal["auto", "replica", "deployments"] = "auto"
     goodput: bool = True  # shrink trees when the batch's goodput says so (ray_specdec/goodput.py)
     # run a load level's rounds undrafted while its drafted steps measure slower (ray_specdec/speculation_guard.py)
     guard: bool = True
@@ -192,7 +208,19 @@ class AppArgs(BaseModel):
         if self.kv_budget_tokens is not None and "kv_budget_gib" in self.model_fields_set:
             raise ValueError("give kv_budget_gib or kv_budget_tokens, not both")
         self.scheduler_config()  # SchedulerConfig's own checks as well
+        if self.hubs == "replica" and not self._one_replica:
+            raise ValueError("hubs=replica needs one engine replica answering HTTP itself (ingress=engine, "
+                             "replicas=1, no autoscaling): each replica would learn and count alone")  # fmt: skip
         return self
+
+    @property
+    def _one_replica(self) -> bool:
+        return self.ingress == "engine" and self.replicas == 1 and not self.autoscaling
+
+    @property
+    def hubs_in_replica(self) -> bool:
+        """Whether the bandit's state and the metrics stay in the one engine replica (`hubs`)."""
+        return self.hubs == "replica" or self.hubs == "auto" and self._one_replica
 
     @property
     def autoscaling(self) -> bool:
@@ -232,17 +260,18 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     fixed = TreeConfig.parse(args.tree) if args.tree is not None else None
     arms = tuple(TreeConfig.parse(t) for t in args.trees) if args.trees else DEFAULT_ARMS
     bandit = BanditConfig(arms=arms) if drafter_path is not None and fixed is None else None
-    hub = None
-    if bandit is not None:
-        path = os.path.abspath(os.path.expanduser(args.bandit_path)) if args.bandit_path else None
-        hub = BanditHubDeployment.bind(bandit, path)
-    metrics = MetricsHubDeployment.bind()  # every replica's metrics, for GET /metrics (deployments/metrics.py)
+    path = os.path.abspath(os.path.expanduser(args.bandit_path)) if args.bandit_path else None
+    local = args.hubs_in_replica  # the replica's bandit is the whole state, and its metrics the app's
+    hub = BanditHubDeployment.bind(bandit, path) if bandit is not None and not local else None
+    # every replica's metrics, for GET /metrics (deployments/metrics.py)
+    metrics = None if local else MetricsHubDeployment.bind()
     replica = dict(
         target=target_path, drafter=drafter_path, tp_size=args.tp_size, dtype=args.dtype, device=args.device,
         num_cpus_per_rank=args.cpus_per_rank, policy=bandit or fixed or default_tree(args.device),
         scheduler=args.scheduler_config(), kv_budget_gib=None if args.kv_budget_tokens else args.kv_budget_gib,
         max_context=args.max_context, drafter_prefill_window=args.drafter_prefill_window,
         recover_timeout_s=args.recover_timeout_s, compute_first=args.compute_first,
+        bandit_path=path if local and bandit is not None else None,
     )  # fmt: skip
     settings = RouterSettings(
         model_name=args.model_name or os.path.basename(target_path.rstrip("/")), tokenizer=target_path,

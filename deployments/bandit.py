@@ -1,4 +1,5 @@
-"""The tree bandit shared by all router replicas: one `BanditHub` in a Serve deployment, and the routers' sync loop.
+"""The tree bandit shared by all engine replicas: one `BanditHub` in a Serve deployment, and the replicas' sync loop
+(`BanditSync`); or, where the app has one engine replica only, its own bandit saved by `BanditSaver` (no hub).
 
 Every router holds a local `Bandit` (the engine's TreePolicy: `select` and `record` never leave the process). About
 once a second `BanditSync` pushes the router's batched records (`drain_updates`) to the hub and adopts the hub's
@@ -79,3 +80,27 @@ class BanditSync:
                 await self.sync_once()
             except Exception as exc:  # the hub may be restarting: keep the records and try again
                 logger.warning("bandit sync failed (%s: %s); retrying", type(exc).__name__, exc)
+
+
+class BanditSaver:
+    """The bandit of an app's only engine replica, which holds the whole state itself (no hub): save it to `path`
+    every `interval_s` from the event loop (the file is written on a thread) and at shutdown (`save`)."""
+
+    def __init__(self, bandit: Bandit, path: str, interval_s: float = 10.0):
+        self.bandit, self.path, self.interval_s = bandit, path, interval_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def save(self) -> None:
+        self.bandit.save(self.path)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await asyncio.to_thread(self.save)
+            except Exception as exc:  # a full disk, a folder gone: the state stays in memory; try again
+                logger.warning("saving the bandit state failed (%s: %s); retrying", type(exc).__name__, exc)

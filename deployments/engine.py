@@ -24,6 +24,7 @@ Errors reach the router as items of the stream, not exceptions: `{"error": statu
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import replace
@@ -34,7 +35,7 @@ from ray import serve
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.bandit import BanditSync
+from deployments.bandit import BanditSaver, BanditSync
 from deployments.metrics import MetricsPush, replica_name
 from ray_specdec.bandit import Bandit, BanditConfig
 from ray_specdec.config import SamplingParams, TreeConfig
@@ -229,17 +230,27 @@ class EngineReplica:
         recover_timeout_s: float = 120.0,
         bandit_hub=None,
         bandit_sync_s: float = 1.0,
+        bandit_path: str | None = None,
         metrics_hub=None,
         compute_first: bool = False,
     ):
-        """metrics_hub: where this replica pushes its metrics (deployments/metrics.py); None: nowhere (an engine
-        replica inside the HTTP server: the server pushes them with its own). compute_first: on CPU at tp_size 1, the
+        """bandit_hub: the shared bandit this replica's syncs with; without one, bandit_path: the JSON file its own
+        bandit (the whole state: the app's only replica) is loaded from and saved to. metrics_hub: where this
+        replica pushes its metrics (deployments/metrics.py); None: nowhere (an engine replica inside the HTTP server:
+        the server pushes them with its own, or renders them alone). compute_first: on CPU at tp_size 1, the
         process's other threads below the loop's compute threads (ray_specdec/serving/thread_priority.py)."""
-        self.bandit_sync = None
+        self.bandit: Bandit | None = None
+        self.bandit_sync: BanditSync | BanditSaver | None = None
         if isinstance(policy, BanditConfig):
-            bandit = Bandit(policy)
-            self.bandit_sync = BanditSync(bandit, bandit_hub, bandit_sync_s) if bandit_hub is not None else None
-            policy = bandit
+            if bandit_hub is None and bandit_path is not None and os.path.exists(bandit_path):
+                self.bandit = Bandit.load(bandit_path, policy)
+            else:
+                self.bandit = Bandit(policy)
+            if bandit_hub is not None:
+                self.bandit_sync = BanditSync(self.bandit, bandit_hub, bandit_sync_s)
+            elif bandit_path is not None:
+                self.bandit_sync = BanditSaver(self.bandit, bandit_path)
+            policy = self.bandit
         self.tokenizer = load_tokenizer(target)
         self.backend = self.drafter = None
 
@@ -326,6 +337,11 @@ class EngineReplica:
     def shutdown(self) -> None:
         if self.metrics_push is not None:
             self.metrics_push.stop()
+        if isinstance(self.bandit_sync, BanditSaver):
+            try:
+                self.bandit_sync.save()
+            except Exception:  # best effort at shutdown: the periodic saves already hold almost everything
+                logger.exception("saving the bandit state at shutdown failed")
         self.loop.stop()
         if isinstance(self.backend, RankGroup):
             self.backend.shutdown()

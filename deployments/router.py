@@ -9,7 +9,8 @@ Retry-After when the engines' queues are full or the target is down, 504 when a 
 
 Metrics: GET /metrics, open without the API key (Prometheus scrapes it), answers the whole app's metrics in
 Prometheus' text format from any replica: every replica's numbers as last pushed to the metrics hub
-(deployments/metrics.py; this replica's own, fresh) and the bandit hub's summary. docs/METRICS.md lists them.
+(deployments/metrics.py; this replica's own, fresh) and the bandit hub's summary; an app of one engine replica
+keeps no hubs (AppArgs.hubs): its own numbers and bandit are the app's. docs/METRICS.md lists them.
 """
 
 
@@ -373,9 +374,16 @@ class OpenAIServer:
 
     @fastapi_app.get("/v1/bandit")
     async def bandit(self) -> dict:
-        if self.bandit_hub is None:
-            return {"policy": "fixed"}
-        return await asyncio.wait_for(_result(self.bandit_hub.summary.remote()), 30.0)
+        summary = await self._bandit_summary()
+        return {"policy": "fixed"} if summary is None else summary
+
+    async def _bandit_summary(self) -> dict | None:
+        """The app's bandit: the hub's, or the one engine replica's own (AppArgs.hubs); None under a fixed tree."""
+        if self.bandit_hub is not None:
+            return await asyncio.wait_for(_result(self.bandit_hub.summary.remote()), 30.0)
+        if self.replica is not None and self.replica.bandit is not None:
+            return self.replica.bandit.summary()
+        return None
 
     @fastapi_app.get("/metrics")
     async def prometheus(self) -> Response:
@@ -384,9 +392,7 @@ class OpenAIServer:
         if self.metrics_hub is not None:
             snapshots = await asyncio.wait_for(_result(self.metrics_hub.snapshots.remote()), 30.0)
         snapshots[self.replica_name] = self._metrics_snapshot()
-        summary = None
-        if self.bandit_hub is not None:
-            summary = await asyncio.wait_for(_result(self.bandit_hub.summary.remote()), 30.0)
+        summary = await self._bandit_summary()
         return Response(render(snapshots, bandit_gauges(summary)), media_type=CONTENT_TYPE)
 
     def _metrics_snapshot(self) -> Snapshot:

@@ -269,9 +269,18 @@ def test_builder_wires_the_app(model_dirs):
     target, drafter = model_dirs
     built = app(AppArgs(target=str(target), drafter=str(drafter), trees="1,1;3,2,1", tp_size=2, kv_budget_tokens=4096,
                         max_waiting=3, retry_s=5))  # fmt: skip
-    # engine mode (the default): one deployment, the routes and an engine replica in each of its processes
+    # engine mode (the default): one deployment, the routes and an engine replica in each of its processes; one
+    # replica keeps the bandit and the metrics itself (hubs=auto), so no hub deployment
     name, (settings,), server = bound(built)
-    assert (name, bound(server["bandit_hub"])[0]) == ("engine", "bandit")
+    assert (name, server["bandit_hub"], server["metrics_hub"]) == ("engine", None, None)
+    assert server["replica_kwargs"]["bandit_path"] is None  # no bandit_path given: nothing to save
+    for shared in ({"hubs": "deployments"}, {"replicas": 2}, {"min_replicas": 1, "max_replicas": 3}):
+        hubs = bound(app(AppArgs(target=str(target), drafter=str(drafter), bandit_path="b.json", **shared)))[2]
+        assert (bound(hubs["bandit_hub"])[0], bound(hubs["metrics_hub"])[0]) == ("bandit", "metrics")
+        assert bound(hubs["bandit_hub"])[1][1] == os.path.abspath("b.json")  # the hub owns the file
+        assert hubs["replica_kwargs"]["bandit_path"] is None
+    own = bound(app(AppArgs(target=str(target), drafter=str(drafter), bandit_path="~/b.json")))[2]
+    assert own["replica_kwargs"]["bandit_path"] == os.path.expanduser("~/b.json") and own["bandit_hub"] is None
     kwargs = server["replica_kwargs"]
     assert (kwargs["target"], kwargs["drafter"]) == (str(target), str(drafter))
     placement = (kwargs["tp_size"], kwargs["dtype"], kwargs["device"], kwargs["num_cpus_per_rank"])
@@ -317,8 +326,10 @@ def test_a_small_machine_gets_quieter_serve_settings_and_a_users_own_stand(monke
     """`serve run` builds the app before it starts Ray: the builder sets the settings the controller and replicas of
     that Ray read, on a machine of at most SMALL_MACHINE_CPUS cores, leaving any the user set."""
     env = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
-    assert small_machine_serve_env(env, cpus=2) == {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
-    assert env == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+    added = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_prestart_worker_first_driver": "0",
+             "RAY_enable_worker_prestart": "0"}  # fmt: skip
+    assert small_machine_serve_env(env, cpus=2) == added
+    assert env == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"} | added
     big: dict = {}
     assert small_machine_serve_env(big, cpus=SMALL_MACHINE_CPUS + 1) == {} and big == {}
     environ = {"PATH": os.environ.get("PATH", "")}

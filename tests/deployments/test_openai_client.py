@@ -1,5 +1,6 @@
 """The app as an OpenAI server, driven by the official `openai` client: completions and chat, streaming and not, n,
-logprobs, stream_options, penalties, the model endpoints, and API-key auth. One local app with `api_key` set."""
+logprobs, stream_options, penalties, the model endpoints, and API-key auth. One local app with `api_key` set, of one
+engine replica: it keeps the bandit and its metrics itself (no hub deployments; AppArgs.hubs)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import openai
 import pytest
 
 from deployments import AppArgs
+from ray_specdec.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine import SpeculativeEngine
 from tests.deployments.conftest import PROMPTS, metric_sum, scrape_metrics, serve_app
@@ -23,9 +25,15 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def url(model_dirs):
+def bandit_path(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bandit") / "bandit.json"
+
+
+@pytest.fixture(scope="module")
+def url(model_dirs, bandit_path):
     target, drafter = model_dirs
-    args = AppArgs(target=str(target), drafter=str(drafter), model_name="tiny", api_key=KEY, kv_budget_tokens=8192)
+    args = AppArgs(target=str(target), drafter=str(drafter), model_name="tiny", api_key=KEY, kv_budget_tokens=8192,
+                   bandit_path=str(bandit_path))  # fmt: skip
     with serve_app(args) as base:
         yield base
 
@@ -179,6 +187,29 @@ def readme_block(after: str, language: str) -> str:
     rest = text[text.index(after):]
     start = rest.index(f"```{language}\n") + len(language) + 4
     return rest[start:rest.index("```", start)]
+
+
+def test_the_only_replica_keeps_the_bandit_and_saves_it(url, bandit_path):
+    """No hub deployment runs; /v1/bandit reads the replica's own bandit, which its rounds moved, and the replica
+    saves it to bandit_path every 10 s."""
+    stats = httpx.get(f"{url}/v1/stats", trust_env=False).json()
+    assert stats["replicas"] == {"engine": 1}
+
+    def rounds() -> int:
+        return sum(b["rounds"] for b in httpx.get(f"{url}/v1/bandit", trust_env=False).json()["buckets"])
+
+    before = rounds()
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0}  # the bandit picks the tree
+    response = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          trust_env=False, timeout=120)  # fmt: skip
+    assert response.status_code == 200, response.text
+    after = rounds()
+    assert after > before  # the request's rounds, at once (no hub to sync with)
+    deadline = time.monotonic() + 20
+    while not (bandit_path.exists() and int(BanditState.load(bandit_path).steps.sum()) >= after):
+        assert time.monotonic() < deadline, "the bandit state was not saved"
+        time.sleep(0.5)
+    assert int(BanditState.load(bandit_path).steps.sum()) <= rounds()
 
 
 def test_the_readmes_curl_and_openai_examples_run(url, monkeypatch, capsys):
