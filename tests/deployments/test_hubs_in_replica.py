@@ -24,6 +24,14 @@ def saved_rounds(path) -> int:
     return int(BanditState.load(path).steps.sum())
 
 
+def saved_state(path, rounds: int):
+    """A bandit state file of `rounds` rounds, as an earlier run of the app left it."""
+    learned = Bandit(BanditConfig())
+    record(learned, rounds)
+    learned.save(path)
+    return path
+
+
 def test_the_saver_writes_the_state_every_interval_and_when_asked(tmp_path):
     path = tmp_path / "state" / "bandit.json"  # a folder that does not exist yet
     bandit = Bandit(BanditConfig())
@@ -48,10 +56,7 @@ def test_the_saver_writes_the_state_every_interval_and_when_asked(tmp_path):
 
 def test_a_replica_without_a_hub_starts_from_its_file_and_saves_it_at_shutdown(model_dirs, tmp_path):
     target, drafter = model_dirs
-    path = tmp_path / "bandit.json"
-    learned = Bandit(BanditConfig())
-    record(learned, 7)
-    learned.save(path)
+    path = saved_state(tmp_path / "bandit.json", 7)
     replica = EngineReplica(str(target), str(drafter), policy=BanditConfig(), bandit_path=str(path))
     try:
         assert isinstance(replica.bandit_sync, BanditSaver) and saved_rounds(path) == 7
@@ -70,11 +75,8 @@ def test_a_replica_without_a_hub_starts_from_its_file_and_saves_it_at_shutdown(m
 
 def test_a_replica_with_a_hub_does_not_read_the_file_itself(model_dirs, tmp_path):
     """With a hub the hub owns the file (it loads and saves it); the replica's bandit starts empty and syncs."""
-    target, drafter = model_dirs
-    path = tmp_path / "bandit.json"
-    learned = Bandit(BanditConfig())
-    record(learned, 4)
-    learned.save(path)
+    target, _ = model_dirs
+    path = saved_state(tmp_path / "bandit.json", 4)
     replica = EngineReplica(str(target), None, policy=BanditConfig(), bandit_hub=object(), bandit_path=str(path))
     try:
         assert int(replica.bandit.state.steps.sum()) == 0 and type(replica.bandit_sync).__name__ == "BanditSync"
