@@ -31,7 +31,9 @@ from typing import Any
 from benchmarks.serve_peers_servers import TARGET
 
 RUN_TIMEOUT_S = 900.0
-WARMUP_REQUESTS = 4
+REQUEST_TIMEOUT_S = 120.0
+WARMUP_REQUESTS = 2  # benchmarks/serve_peers.warm_up's
+PROMPTS_PER_RUN = 4000
 
 
 def parse_pairs(text: str) -> dict[str, str]:
@@ -79,19 +81,22 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def one_run(app_args: dict[str, str], env: dict[str, str], cells: list[tuple[int, str | None]], duration: float,
             warmup: float, seed: int) -> dict[str, float]:
     """Start Ray with `env` (this process's environment holds it too: Ray's own processes read theirs from it) and the
-    app, measure every cell, stop; -> tokens/s per cell. Each request is greedy with max_tokens 64, streamed."""
-    import itertools
-    import threading
+    app, measure every cell with benchmarks/serve_peers.py's closed loop, stop; -> tokens/s per cell. Each request is
+    greedy with max_tokens 64, streamed, on a prompt no earlier request of the run sent."""
+    import asyncio
 
-    import httpx
     import ray
     from ray import serve
 
     from benchmarks.serve_load import free_port
-    from benchmarks.serve_peers import select_prompts
-    from benchmarks.serve_peers_servers import direct_url
+    from benchmarks.serve_peers import closed_loop, select_prompts, warm_up
+    from benchmarks.serve_peers_results import summarize_cell
+    from benchmarks.serve_peers_servers import Endpoint, direct_url
     from deployments import app
     from deployments.app import parse_app_args
+
+    def reported(text: str) -> int:
+        raise ValueError("ours reports every answer's usage: no text is counted by re-tokenizing it")
 
     args = parse_app_args({"target": str(TARGET), "dtype": "float32", "num_cpus_per_rank": 2} | app_args)
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": env})
@@ -99,46 +104,21 @@ def one_run(app_args: dict[str, str], env: dict[str, str], cells: list[tuple[int
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         serve.run(app(args), name="specdec", route_prefix="/")
-        url = direct_url(f"http://127.0.0.1:{port}")
-        prompts = iter(select_prompts(4000, seed))
-
-        def one(client: httpx.Client, tree: str | None) -> None:
-            body = {"prompt": next(prompts), "max_tokens": 64, "temperature": 0, "stream": True}
-            body |= {"tree": tree} if tree else {}
-            with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                response.raise_for_status()
-                for _ in response.iter_lines():
-                    pass
-
-        def cell(concurrency: int, tree: str | None, seconds: float) -> float:
-            done, start, errors = itertools.count(), time.monotonic(), []
-
-            def worker() -> None:
-                with httpx.Client(timeout=120, trust_env=False) as client:
-                    while time.monotonic() - start < seconds:
-                        try:
-                            one(client, tree)
-                        except Exception as exc:  # reported after the cell: a failed run measures nothing
-                            errors.append(exc)
-                            return
-                        next(done)
-
-            threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if errors:
-                raise RuntimeError(f"{cell_name(concurrency, tree)}: {errors[0]!r}")
-            return next(done) * 64 / (time.monotonic() - start)
-
-        with httpx.Client(timeout=120, trust_env=False) as client:
-            for _ in range(WARMUP_REQUESTS):
-                one(client, None)
+        endpoint = Endpoint(direct_url(f"http://127.0.0.1:{port}"), None)
+        prompts = select_prompts(PROMPTS_PER_RUN, seed)
+        load = argparse.Namespace(timeout=REQUEST_TIMEOUT_S, max_tokens=64, fresh_prompts=True, prompts=len(prompts),
+                                  prompts_sent=WARMUP_REQUESTS, paired_reserved=0)  # fmt: skip
+        warm_up(endpoint, prompts, 0.0, load)  # prompts [0, WARMUP_REQUESTS): the cells start after them
         out = {}
         for concurrency, tree in cells:
-            cell(concurrency, tree, warmup)  # at this load first: the guard and the bandit see it
-            out[cell_name(concurrency, tree)] = cell(concurrency, tree, duration)
+            fields = {"tree": tree} if tree else {}
+            for seconds in (warmup, duration):  # at this load first: the guard and the bandit see it
+                load.duration = seconds
+                results, wall_s = asyncio.run(closed_loop(endpoint, prompts, fields, concurrency, 0.0, load))
+                cell = summarize_cell(results, wall_s, reported)
+                if cell["errors"]:
+                    raise RuntimeError(f"{cell_name(concurrency, tree)}: errors {cell['errors']}")
+            out[cell_name(concurrency, tree)] = cell["tokens_per_s"]
         return out
     finally:
         serve.shutdown()
