@@ -113,7 +113,7 @@ class RotaryTable:
     def __init__(self, rotary: nn.Module, max_positions: int, dtype: torch.dtype):
         self._rotary, self._dtype = rotary, dtype
         self._filled = 0
-        dims = rotary.inv_freq.numel() * 2
+        dims = self.dims = rotary.inv_freq.numel() * 2
         # Untouched rows of torch.empty cost no memory: a long context fills only what it reaches.
         self._cos = torch.empty(max_positions, dims, dtype=dtype)
         self._sin = torch.empty(max_positions, dims, dtype=dtype)

@@ -74,12 +74,20 @@ def _native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
     ):
         return F.linear(x, weight, bias)
+    return native.linear(x, native_panels(weight), None if bias is None else bias.detach(), weight.shape[0])
+
+
+def native_panels(weight: torch.Tensor) -> torch.Tensor:
+    """The weight's packed copy for the native GEMM (`native.pack_panels`), kept on the weight and packed again
+    whenever the weight has changed in place since."""
+    from ray_specdec.models import native
+
     packed = getattr(weight, "_ray_specdec_panels", None)
     if packed is None or packed[0] != weight._version:
         w = weight.detach()
         packed = (weight._version, native.pack_panels(w, native.exact_panel_dtype(w)))
         weight._ray_specdec_panels = packed
-    return native.linear(x, packed[1], None if bias is None else bias.detach(), weight.shape[0])
+    return packed[1]
 
 
 PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {

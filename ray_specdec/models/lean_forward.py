@@ -45,6 +45,7 @@ from transformers.models.llama import modeling_llama
 from ray_specdec.models import batch_invariant as invariant
 from ray_specdec.models import cpu_attention, kv_pool
 from ray_specdec.models.kv_cache import GrowableKVCache
+from ray_specdec.models.native import decoder
 
 # Exactly these classes: a subclass may change what a layer does.
 SUPPORTED = (GPTNeoXForCausalLM, LlamaForCausalLM)
@@ -136,6 +137,14 @@ class _RaggedAttention:
         out = cpu_attention.tree_attention_table(query, key, value, self._tables[module.layer_idx], module.scaling)
         return out.reshape(query.shape[0], query.shape[2], -1)
 
+    def tables(self, kv_heads: int, head_dim: int) -> torch.Tensor:
+        """Every layer's segment table [layers, spans, SEGMENT_FIELDS] (built now if not yet), for a caller that
+        writes the K/V itself (native.decoder): float32 heads of `kv_heads` x `head_dim`."""
+        if self._tables is None:
+            empty = torch.empty(1, kv_heads, 0, head_dim, dtype=torch.float32)
+            self._tables = self._build(empty, empty)
+        return self._tables
+
     def _build(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         buffers, columns = [], []
         for span in self._spans:
@@ -199,6 +208,11 @@ class LeanForward:
                 raise ValueError(f"LeanForward cannot be batch-invariant for this model: {why}")
             self._table = invariant.RotaryTable(self._rotary, model.config.max_position_embeddings,
                                                 next(model.parameters()).dtype)  # fmt: skip
+        # Verify rows' decoder layers in one native call (native/decoder.py), where the model is one it runs.
+        rotary = self._table.dims if self._table is not None else None
+        self.native_decoder_why = (decoder.why_not(model, rotary) if batch_invariant
+                                   else "the forward is not batch-invariant")  # fmt: skip
+        self.native_decoder = decoder.NativeDecoder(model, rotary) if self.native_decoder_why is None else None
 
     @property
     def available(self) -> bool:
@@ -247,6 +261,10 @@ class LeanForward:
         hidden = self._embed(input_ids)
         if invariant_rows:
             cos, sin = self._table(position_ids, int(position_ids.max()) + 1)
+            native_layers = self.native_decoder
+            if native_layers is not None and isinstance(attend, _RaggedAttention):
+                tables = attend.tables(native_layers.kv_heads, native_layers.head_dim)
+                return native_layers.run(hidden.contiguous(), cos, sin, tables)
         else:
             cos, sin = self._rotary(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

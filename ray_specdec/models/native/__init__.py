@@ -28,7 +28,8 @@ from ray_specdec.models.loading import switched_on
 
 # Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "shm_cpu.c", "threads_cpu.c"))
+                for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "decoder_cpu.c", "shm_cpu.c",
+                             "threads_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h",))
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
@@ -141,6 +142,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tree_attention.restype = i
     lib.tree_attention_ragged.argtypes = [i, p, i, i, i, f, p, i64, i64, p, i64, i64, p, i64, i64, p, i]
     lib.tree_attention_ragged.restype = i
+    lib.decoder_layers.argtypes = [p, i, p, p, p, i, p, i]
+    lib.decoder_layers.restype = i
     lib.shm_sum_f32.argtypes = [p, i, i, i64, i64, p, p, i64, ctypes.c_double]
     lib.shm_sum_f32.restype = i
     lib.omp_team_thread_ids.argtypes = [i, p]
