@@ -15,6 +15,8 @@ variants of the same engine, side by side in one run:
 
 - `prefills-apart` (`none` only; asked for by name): batched verify rows, but each prefill chunk in a forward of its
   own, as on CPU (where that keeps a chunk's K/V independent of the batch); on CUDA one forward takes both;
+- `torch-layers` (asked for by name): `batched` with the verify rows' decoder layers as torch ops instead of one
+  native call per forward (models/native/decoder.py; what every CPU run before 2026-11-27 measured);
 - `own-caches` (asked for by name): batched products, but every request's K/V in a cache of its own and its
   attention one call per request per layer (`kv_pool=False`); `batched` pools the caches where the target does
   (models/kv_pool.py: CUDA), so its verify rows attend in one call per layer;
@@ -62,8 +64,9 @@ from ray_specdec.models.target import TargetModel
 VARIANTS = (("batched", True, None), ("batched", True, "none"), ("pieces", True, None), ("pieces", True, "none"),
             ("eager", True, None), ("eager", True, "none"),
             ("own-caches", True, None), ("own-caches", True, "none"), ("prefills-apart", True, "none"),
+            ("torch-layers", True, None), ("torch-layers", True, "none"),
             ("per-request", False, None), ("per-request", False, "none"))  # fmt: skip
-OPT_IN = ("prefills-apart", "own-caches", "eager", "pieces")  # variants that run only when named
+OPT_IN = ("prefills-apart", "own-caches", "eager", "pieces", "torch-layers")  # variants that run only when named
 REFERENCE = "per-request none"
 WARM_UP = 4  # prompts each engine decodes before its cells, apart from theirs
 MAX_NEW_TOKENS = 64
@@ -188,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             target = TargetModel.from_pretrained(str(DEFAULT_TARGET), dtype=args.dtype, device=str(device), **switches)
         if name == "prefills-apart":
             target.one_forward = False
+        if name == "torch-layers" and target._lean is not None:
+            target._lean.native_decoder = None
         if name == "pieces" and target._lean is not None and target._lean.graphs is not None:
             target._lean.graphs.fused = False
         engine = SpeculativeEngine(target, drafter, Bandit(), lookup=DEFAULT_LOOKUP)

@@ -1,8 +1,10 @@
-"""Verify forwards of the target through HF's forward and through the lean loop (models/lean_forward.py), side by side.
+"""Verify forwards of the target through HF's forward, the lean loop (models/lean_forward.py) with torch ops, and
+the lean loop with its decoder layers in one native call (models/native/decoder.py), side by side.
 
-Both targets share one model (the same weights, GEMM plan and attention), so the only difference is the forward's
-own code; calls alternate, and each cell is the median of `--repeats` verifies at that context. Also checks that the
-logits are equal bit for bit.
+The targets share one model (the same weights, GEMM plan and attention), so the only difference is the forward's
+own code; calls alternate, and each cell is the median of `--repeats` verifies at that context. Also checks the
+logits: the lean loop's torch ops against HF's (bit for bit where both take the same products), the native layers
+against the torch ops (the largest difference, and whether every row's greedy token is the same).
 Run from the repository root: python -m benchmarks.lean_forward [--target PATH] [--repeats 40]
 """
 
@@ -30,22 +32,27 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=40)
     args = p.parse_args()
 
-    lean = TargetModel.from_pretrained(args.target, lean=True)
-    hf = TargetModel(lean.model, lean.tokenizer, lean=False)
+    native = TargetModel.from_pretrained(args.target, lean=True)
+    lean = TargetModel(native.model, native.tokenizer, lean=True)
+    lean._lean.native_decoder = None
+    hf = TargetModel(native.model, native.tokenizer, lean=False)
+    if native._lean.native_decoder is None:
+        print(f"(no native decoder layers: {native._lean.native_decoder_why})")
     threads = torch.get_num_threads()
     print(f"ms per verify, {Path(args.target).name}, {threads} threads (median of {args.repeats}, interleaved)")
-    print("| context | verify | HF forward | lean | lean / HF | logits equal |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| context | verify | HF forward | lean | lean / HF | logits equal | native layers | native / lean "
+          "| max abs diff | greedy same |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     g = torch.Generator().manual_seed(0)
     for context in CONTEXTS:
         prompt = torch.randint(1, lean.vocab_size, (context,), generator=g)
-        caches = {t: t.new_cache() for t in (lean, hf)}
+        caches = {t: t.new_cache() for t in (lean, hf, native)}
         for target, cache in caches.items():
             target.prefill(cache, prompt)
         for name, spec in TREES.items():
             tree = tree_for(TreeConfig.parse(spec)) if spec else tree_for(TreeConfig(()))
             tokens = torch.randint(1, lean.vocab_size, (tree.num_nodes,), generator=g)
-            times: dict[TargetModel, list[float]] = {lean: [], hf: []}
+            times: dict[TargetModel, list[float]] = {t: [] for t in caches}
             logits = {}
             for _ in range(args.repeats + 3):
                 for target, cache in caches.items():
@@ -53,10 +60,13 @@ def main() -> None:
                     logits[target] = target.verify(cache, 5, tree, tokens)
                     times[target].append(time.perf_counter() - start)
                     target.commit(cache, [])
-            base, fast = (1e3 * statistics.median(times[t][3:]) for t in (hf, lean))
+            base, fast, fused = (1e3 * statistics.median(times[t][3:]) for t in (hf, lean, native))
             equal = "yes" if torch.equal(logits[lean], logits[hf]) else "NO"
+            diff = float((logits[native] - logits[lean]).abs().max())
+            greedy = "yes" if torch.equal(logits[native].argmax(-1), logits[lean].argmax(-1)) else "NO"
             rows = f"{name} ({1 + tree.num_nodes} rows)"
-            print(f"| {context} | {rows} | {base:.2f} | {fast:.2f} | {fast / base:.2f} | {equal} |")
+            print(f"| {context} | {rows} | {base:.2f} | {fast:.2f} | {fast / base:.2f} | {equal} | {fused:.2f} "
+                  f"| {fused / fast:.2f} | {diff:.1e} | {greedy} |")
 
 
 if __name__ == "__main__":

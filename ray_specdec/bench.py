@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                      "target_lean_forward": target.lean_why is None, "target_lean_forward_why": target.lean_why,
                      "target_batch_invariant": target.batch_invariant,
                      "target_batch_invariant_why": target.batch_invariant_why,
+                     "target_native_decoder_why": target.native_decoder_why,
                      "target_gemm_panels": gemm_panel_formats(target),
                      "drafter_native": drafter.native is not None, "drafter_native_why": drafter.native_why,
                      "drafter_panels": drafter.native.panel_formats if drafter.native is not None else None,

@@ -53,6 +53,10 @@ def markdown(report: dict) -> str:
             "batch-invariant (native GEMM and attention for every row count, models/batch_invariant.py; the GEMM "
             "plan serves prefill chunks)" if hardware["target_batch_invariant"]
             else f"the GEMM plan ({hardware.get('target_batch_invariant_why')})"))
+    if "target_native_decoder_why" in hardware:
+        why = hardware["target_native_decoder_why"]
+        lines.append("Our engine's verify rows' decoder layers: " + (
+            "one native call per forward (models/native/decoder.py)" if why is None else f"torch ops ({why})"))
     if "target_lean_forward" in hardware:
         lines.append("Our engine's verify forward: " + (
             "lean loop over the model's modules (models/lean_forward.py)" if hardware["target_lean_forward"]

@@ -11,14 +11,15 @@ from benchmarks import batched_loop
 def test_batched_cells_give_each_prompt_its_own_greedy_tokens(tmp_path):
     out = tmp_path / "loop.json"
     results = batched_loop.main(["--device", "cpu", "--concurrency", "1,3", "--duration", "1.5", "--prompts", "12",
-                                 "--variants", "batched drafting,batched none,per-request none",
+                                 "--variants", "batched drafting,batched none,torch-layers none,per-request none",
                                  "--json", str(out)])  # fmt: skip
     assert json.loads(out.read_text()) == results
     cells = {(c["variant"], c["concurrency"]) for c in results["cells"]}
-    assert cells == {(v, c) for v in ("batched drafting", "batched none", "per-request none") for c in (1, 3)}
+    variants = ("batched drafting", "batched none", "torch-layers none", "per-request none")
+    assert cells == {(v, c) for v in variants for c in (1, 3)}
     assert all(c["tokens_per_s"] > 0 for c in results["cells"])
     checked = results["greedy_vs_reference"]
-    assert set(checked) == {"batched drafting", "batched none"}
+    assert set(checked) == {"batched drafting", "batched none", "torch-layers none"}
     assert all(v["compared"] > 0 and v["differ"] == 0 for v in checked.values()), checked
 
 

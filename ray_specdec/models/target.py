@@ -238,6 +238,13 @@ class TargetModel:
         return self.batch_invariant_why is None
 
     @property
+    def native_decoder_why(self) -> str | None:
+        """Why verify rows' decoder layers do not run as one native call (models/native/decoder.py); None: they do."""
+        if self._lean is None:
+            return f"no lean forward ({self.lean_why})"
+        return self._lean.native_decoder_why if self._lean.native_decoder is None else None
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """K + V bytes one cached token takes over all layers (the whole model's: a tensor-parallel rank holds its
         share of the heads), for sizing a KV budget."""
