@@ -54,7 +54,7 @@ import torch
 
 from benchmarks.serve_peers import select_prompts
 from ray_specdec.bandit import Bandit
-from ray_specdec.config import DEFAULT_LOOKUP, SamplingParams, TreeConfig
+from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.factory import resolve_device
@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             target._lean.native_decoder = None
         if name == "pieces" and target._lean is not None and target._lean.graphs is not None:
             target._lean.graphs.fused = False
-        engine = SpeculativeEngine(target, drafter, Bandit(), lookup=DEFAULT_LOOKUP)
+        engine = SpeculativeEngine(target, drafter, Bandit(), lookup=DEFAULT_LOOKUP,
+                                   plain_lookup=DEFAULT_PLAIN_LOOKUP)
         encoded = [engine.encode(t) for t in texts]
         prompts, warm_up = encoded[:args.prompts], encoded[args.prompts:]
         tree = TreeConfig.parse(tree_text) if tree_text else None

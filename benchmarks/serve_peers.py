@@ -247,14 +247,15 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
     import torch
 
     from ray_specdec.bandit import Bandit
-    from ray_specdec.config import DEFAULT_LOOKUP, SamplingParams, TreeConfig
+    from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
     from ray_specdec.engine import SpeculativeEngine
     from ray_specdec.factory import load_drafter, load_target
 
     try:
         # the app's own policy: the bandit over the default arms, goodput sizing, the default lookup branch
         target = load_target(str(TARGET), dtype="float32", device="cpu")
-        engine = SpeculativeEngine(target, load_drafter(None, dtype="float32"), Bandit(), lookup=DEFAULT_LOOKUP)
+        engine = SpeculativeEngine(target, load_drafter(None, dtype="float32"), Bandit(), lookup=DEFAULT_LOOKUP,
+                                   plain_lookup=DEFAULT_PLAIN_LOOKUP)
         for index in range(2):  # warm-up, as for the servers
             engine.generate(prompts[index], SamplingParams(max_new_tokens=args.max_tokens))
         for temperature, repeat in itertools.product(args.temperatures, range(args.repeats)):

@@ -25,7 +25,7 @@ from deployments.engine import EngineDeployment
 from deployments.metrics import MetricsHubDeployment
 from deployments.router import RouterDeployment, RouterSettings, ServerDeployment
 from ray_specdec.bandit import DEFAULT_ARMS, BanditConfig
-from ray_specdec.config import DEFAULT_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
+from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
 from ray_specdec.engine import DEFAULT_MIN_PATH_PROB
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.tokenizer_check import TokenizerMismatch, check_model_pair
@@ -128,6 +128,9 @@ class AppArgs(BaseModel):
     # every drafted tree of a greedy request also verifies up to this many tokens copied from earlier in the context
     # (prompt lookup; 0: off). Trees written with their own "+L<k>" keep theirs.
     lookup: int = Field(DEFAULT_LOOKUP, ge=0, le=MAX_LOOKUP_TOKENS)
+    # greedy rounds the service runs undrafted (its policy's, its guard's or its start rule's choice; not a request's
+    # own "tree") verify up to this many lookup tokens instead: no drafter step (0: off)
+    plain_lookup: int = Field(DEFAULT_PLAIN_LOOKUP, ge=0, le=MAX_LOOKUP_TOKENS)
     # trees and the bandit
     trees: str | list[str] | None = None  # bandit arms, "1,1,1,1;3,3,2,1;none" or a list; None: the default arms
     tree: str | None = None  # one tree for every request instead of the bandit

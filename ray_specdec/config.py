@@ -128,6 +128,11 @@ CPU_DEFAULT_TREE = TreeConfig((1, 1, 1))
 # Lookup tokens the CLI, the app and the bench add to every drafted tree of greedy requests (TreeConfig.with_lookup):
 # free drafts where the context repeats itself, a few more verify rows when it does (docs/BENCHMARKS.md).
 DEFAULT_LOOKUP = 8
+# Lookup tokens the CLI, the app and the bench verify in greedy rounds that run undrafted
+# (SchedulerConfig.plain_lookup): no drafter step, a few verify rows. In process on the 2-core machine, where the
+# drafter's rounds lost to plain ones once the target's verify layers ran natively: 1.31x plain decoding at one
+# request (4 and 8 tokens alike), within noise at 8 and 32 (docs/BENCHMARKS.md).
+DEFAULT_PLAIN_LOOKUP = 4
 
 
 def default_tree(device: str) -> TreeConfig:

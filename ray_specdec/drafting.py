@@ -78,7 +78,21 @@ class Draft:
         actual length varies from round to round)."""
         if self.config.lookup and self.requested is not None and self.requested.lookup:
             return str(TreeConfig(self.config.branching, self.requested.lookup))
+        if not self.config.branching and self.lookup_tokens:
+            return LOOKUP_ONLY
         return str(self.config)
+
+
+# The statistics label of an undrafted round that verifies a lookup proposal (`lookup_draft`).
+LOOKUP_ONLY = "lookup"
+
+
+def lookup_draft(proposal: Sequence[int]) -> Draft:
+    """An undrafted round's draft of a prompt-lookup proposal alone (greedy): the tokens as a chain under the root, no
+    drafter involved (its config is no tree: nothing is learned of the drafter from it)."""
+    paths = tuple((0,) * depth for depth in range(1, len(proposal) + 1))
+    return Draft(TreeConfig(()), torch.tensor(list(proposal), dtype=torch.long), None, paths=paths,
+                 lookup_tokens=tuple(int(t) for t in proposal))
 
 
 def pick_children(
@@ -242,10 +256,8 @@ class DrafterSession:
                     state, start = self.drafter.copy_rows(self._depth_states[depth], index, **into), i + 1
                     break
         pending = [*first.accepted_tokens[start:], first.bonus_token]
-        for later in verdicts[1:]:
-            if later.accepted_rows:
-                raise ValueError("only the first verdict may accept draft rows: later rounds had no draft")
-            pending.append(later.bonus_token)
+        for later in verdicts[1:]:  # rounds without a drafter draft: a bonus token, after a lookup proposal's if any
+            pending.extend(later.new_tokens)
         logits = self.drafter.extend(state, drafter_ids(self.drafter, pending))
         new_tokens = [t for v in verdicts for t in v.new_tokens]
         self.history += new_tokens

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import replace
 from typing import Iterator, Sequence
 
-from ray_specdec.config import DEFAULT_LOOKUP, SamplingParams, TreeConfig
+from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
 from ray_specdec.logits_processing import TokenLogprob
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.mamba_state import StateSlots
@@ -24,8 +24,9 @@ from ray_specdec.target_backend import LocalTarget
 # Default cut of drafts by the drafter's own path probabilities (DrafterSession.draft); see docs/BENCHMARKS.md.
 DEFAULT_MIN_PATH_PROB = 0.0
 # What the CLI and the bench run with unless told otherwise, as the app does (whose KV budget is in GiB);
-# SpeculativeEngine's own default is the plain SchedulerConfig(): no lookup tokens.
-DEFAULT_SCHEDULER = SchedulerConfig(min_path_prob=DEFAULT_MIN_PATH_PROB, lookup=DEFAULT_LOOKUP)
+# SpeculativeEngine's own default is the plain SchedulerConfig(): no lookup tokens, in drafted rounds or plain ones.
+DEFAULT_SCHEDULER = SchedulerConfig(min_path_prob=DEFAULT_MIN_PATH_PROB, lookup=DEFAULT_LOOKUP,
+                                    plain_lookup=DEFAULT_PLAIN_LOOKUP)
 
 
 class SpeculativeEngine:
@@ -38,12 +39,14 @@ class SpeculativeEngine:
         min_path_prob: float | None = None,
         lookup: int | None = None,
         config: SchedulerConfig | None = None,
+        plain_lookup: int | None = None,
     ):
         """tree_policy: a TreeConfig or a tree policy (the bandit). config: the scheduler's settings (KV budget, batch
         and step sizes, draft cut, lookup; default SchedulerConfig()). min_path_prob (drafts stop at depths whose
         nodes the drafter rates below this) and lookup (every drafted tree of a greedy request also verifies up to
-        this many prompt-lookup tokens, lookup.py), when given, override config's."""
-        overrides = {"min_path_prob": min_path_prob, "lookup": lookup}
+        this many prompt-lookup tokens, lookup.py) and plain_lookup (greedy rounds that run undrafted verify up to this
+        many lookup tokens instead), when given, override config's."""
+        overrides = {"min_path_prob": min_path_prob, "lookup": lookup, "plain_lookup": plain_lookup}
         config = replace(config or SchedulerConfig(), **{k: v for k, v in overrides.items() if v is not None})
         self.target = target
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer

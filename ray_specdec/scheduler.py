@@ -40,11 +40,12 @@ from ray_specdec.acceptance import Verdict
 from ray_specdec.bandit import DEFAULT_LOAD_EDGES, Bandit
 from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
 from ray_specdec.drafter_cache import DrafterStates
-from ray_specdec.drafting import Draft, DraftRequest, draft_many, prefill_input, what_if
+from ray_specdec.drafting import Draft, DraftRequest, draft_many, lookup_draft, prefill_input, what_if
 from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, measure_prior,
                                  size_trees)
 from ray_specdec.lazy_drafter import LazyDrafter
 from ray_specdec.logits_processing import TokenHistory
+from ray_specdec.lookup import LookupIndex
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.prefill_plan import PrefillPlan
@@ -58,6 +59,10 @@ from ray_specdec.stats import GenerationStats
 from ray_specdec.stopping import StopChecker
 from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend, on_host
 
+# The shortest context suffix an undrafted round's lookup matches (plain_lookup): a single token matches often and
+# guesses badly, and every proposed token is a verify row (measured on held-out code, 4 tokens: 1.66 tokens a round
+# over 2.34 rows with pairs, 1.84 over 3.42 with single tokens).
+PLAIN_LOOKUP_MIN_NGRAM = 2
 # Weight of a round in the running mean of the rows a lookup branch adds (goodput costs trees with it).
 LOOKUP_ROWS_WEIGHT = 0.05
 
@@ -81,6 +86,8 @@ class SchedulerConfig:
     prefill_chunk: int = 512  # a prompt's chunks are cut at multiples of this: its KV never depends on the batch
     min_path_prob: float = 0.0  # drafts stop at depths the drafter rates below this (DrafterSession.draft)
     lookup: int = 0  # prompt-lookup tokens added to every drafted tree of greedy requests
+    # (the policy's, the guard's or the start rule's choice; never a tree the client asked for, `none` included)
+    plain_lookup: int = 0  # prompt-lookup tokens verified in greedy rounds that run undrafted (no drafter step)
     goodput: bool = True  # shrink the policy's picks when the batch's goodput says so (goodput.py)
     guard: bool = True  # run a load level undrafted while its drafted steps measure slower (speculation_guard.py)
     prefix_cache: bool = True  # keep prompt chunks' KV in unreserved budget for later prompts (prefix_cache.py)
@@ -93,8 +100,9 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if not 0.0 <= self.min_path_prob < 1.0:
             raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
-        if not 0 <= self.lookup <= MAX_LOOKUP_TOKENS:
-            raise ValueError(f"lookup must be in [0, {MAX_LOOKUP_TOKENS}], got {self.lookup}")
+        for name in ("lookup", "plain_lookup"):
+            if not 0 <= getattr(self, name) <= MAX_LOOKUP_TOKENS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOOKUP_TOKENS}], got {getattr(self, name)}")
 
 
 @dataclass
@@ -110,6 +118,7 @@ class Request:
     reserved: int  # KV rows reserved at admission
     stats: GenerationStats = field(default_factory=GenerationStats)
     drafter: LazyDrafter | None = None
+    lookup_index: LookupIndex | None = None  # for undrafted rounds' lookup (plain_lookup): built on the first
     start: str = DRAFT
     prefilled: int = 0
     prefix_key: int = ROOT  # prefix_cache's key of tokens[:prefilled] (of the last chunk planned, during a step)
@@ -388,7 +397,7 @@ class Scheduler:
         for r in decoding:
             config = r.arm.with_lookup(r.lookup)
             if r.drafter is None or not config.depth:
-                r.draft = empty_draft()
+                r.draft = self._plain_lookup(r)
                 continue
             prefill_s = r.drafter.ready(r.tokens)
             if prefill_s:
@@ -401,6 +410,18 @@ class Scheduler:
             r.draft = draft
         return sum(drafter_rows(r.draft.config) for r in owners), prefills
 
+    def _plain_lookup(self, r: Request) -> Draft:
+        """An undrafted round's draft: a prompt-lookup proposal of up to `plain_lookup` tokens as a chain (no drafter
+        runs), for a greedy request whose rounds the scheduler steers; else no draft."""
+        room = r.reserved - len(r.tokens)  # verify rows past the root that the reservation holds
+        size = min(self.config.plain_lookup, r.stop.remaining - 1, room)
+        if size <= 0 or r.tree is not None or not r.params.greedy:
+            return empty_draft()
+        if r.lookup_index is None:
+            r.lookup_index = LookupIndex(r.tokens, min_ngram=PLAIN_LOOKUP_MIN_NGRAM)
+        proposal = r.lookup_index.propose(size)
+        return lookup_draft(proposal) if proposal else empty_draft()
+
     # ----- after the forward -----
 
     def _finish_round(self, r: Request, logits: torch.Tensor) -> StepOutput:
@@ -408,6 +429,8 @@ class Scheduler:
         self._work.commits.append((r.request_id, verdict.keep_rows))
         if r.drafter is not None:
             r.drafter.commit(verdict)
+        if r.lookup_index is not None:
+            r.lookup_index.extend(verdict.new_tokens)
         context_len = len(r.tokens)
         r.tokens += verdict.new_tokens
         r.prefilled = len(r.tokens) - 1  # with the commit, the cache holds the root and the accepted path
@@ -426,7 +449,7 @@ class Scheduler:
     def _account(self, decoding, prefilling, draft_rows, verify_rows, prefill_rows, times) -> None:
         """Split the step's time among its requests (by rows), teach the policy, the acceptance and cost models."""
         t0, t1, t2, t3 = times
-        drafting = sum(r.draft.tree.depth > 0 for r in decoding)
+        drafting = sum(r.draft.config.depth > 0 for r in decoding)  # lookup-only rounds run no drafter
         self.cost.observe(StepShape(verify_rows, draft_rows, prefill_rows, drafting), t3 - t0)
         rows = verify_rows + prefill_rows
         for r in prefilling:
@@ -438,7 +461,7 @@ class Scheduler:
             r.stats.verify_s += (t2 - t1) * share
             r.stats.other_s += (t3 - t2) / max(len(decoding), 1)
             r.stats.last_round_s = (t3 - t0) * share
-            if r.lookup and r.draft.tree.depth:  # rows beyond the drafter's own nodes
+            if r.lookup and r.draft.config.depth:  # rows beyond the drafter's own nodes
                 extra = len(r.draft.tokens) - TreeConfig(r.draft.config.branching).num_nodes
                 self.lookup_rows += LOOKUP_ROWS_WEIGHT * (max(extra, 0) - self.lookup_rows)
             self._teach(r)
@@ -447,7 +470,9 @@ class Scheduler:
         verdict, draft = r.verdict, r.draft
         accepted = len(verdict.accepted_rows)
         arms = self.policy.arms
-        what = what_if(draft, verdict, arms, r.lookup, r.sampled) if self.config.min_path_prob == 0 else None
+        # what smaller drafted trees would have accepted (not for a lookup-only round: no drafter drafted it)
+        what = (what_if(draft, verdict, arms, r.lookup, r.sampled)
+                if self.config.min_path_prob == 0 and draft.config.depth else None)  # fmt: skip
         arm = r.arm if draft.arm == r.arm.with_lookup(r.lookup) else draft.arm
         if arm not in arms:
             self.rounds_unrecorded += 1
@@ -491,6 +516,8 @@ class Scheduler:
         lookup = max((t.lookup for t in trees), default=0)
         if params.greedy and self.drafter is not None:
             lookup = max(lookup, self.config.lookup)
+        if params.greedy and tree is None:
+            lookup = max(lookup, self.config.plain_lookup)
         return 1 + nodes + lookup
 
 

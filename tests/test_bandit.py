@@ -24,7 +24,7 @@ from ray_specdec.bandit import (
     load_labels,
 )
 from ray_specdec.bandit.state import OWN_FIELDS, WHAT_IF_FIELDS
-from ray_specdec.config import TreeConfig
+from ray_specdec.config import MAX_LOOKUP_TOKENS, TreeConfig
 from tests.bandit_sim import MEANS, Env, assert_same_state, gaussian_env, late_share, random_rounds, replay, simulate
 
 
@@ -314,8 +314,9 @@ def test_rewards_are_the_documented_formulas():
 
 def test_record_validates_and_skips_trees_outside_the_arm_set():
     bandit = Bandit(BanditConfig(arms=HW_ARMS))
+    bandit.record(TreeConfig(()), 10, 2, 0.1)  # a round without a tree that verified a lookup proposal (no arm here)
     with pytest.raises(ValueError, match="bonus excluded"):
-        bandit.record(TreeConfig(()), 10, 1, 0.1)  # accepted + bonus passed by mistake for a round without a tree
+        bandit.record(TreeConfig(()), 10, MAX_LOOKUP_TOKENS + 1, 0.1)  # more than any lookup proposal holds
     with pytest.raises(ValueError, match="bonus excluded"):
         bandit.record(TreeConfig((1, 1)), 10, -1, 0.1)
     bandit.record(TreeConfig((1, 1)), 10, 6, 0.1)  # deeper than the tree: an engine-added lookup branch was accepted

@@ -124,11 +124,12 @@ def test_scheduler_flags_reach_the_engine(model_dirs, engines, capsys):
     code, out, err = run(["generate", "--prompt", "the quick brown", "--target", str(target_dir), "--drafter",
                           str(drafter_dir), "--tree", "2,1", "--max-new-tokens", "9", "--json", "--max-running", "8",
                           "--max-waiting", "2", "--step-tokens", "768", "--prefill-chunk", "4", "--kv-budget-tokens",
-                          "4096", "--min-path-prob", "0.05", "--lookup", "3", "--no-goodput"], capsys)
+                          "4096", "--min-path-prob", "0.05", "--lookup", "3", "--plain-lookup", "2", "--no-goodput"],
+                         capsys)  # fmt: skip
     assert code == 0, err
     assert engines[0].scheduler.config == SchedulerConfig(
         kv_budget_tokens=4096, max_running=8, max_waiting=2, step_tokens=768, prefill_chunk=4, min_path_prob=0.05,
-        lookup=3, goodput=False)  # fmt: skip
+        lookup=3, plain_lookup=2, goodput=False)  # fmt: skip
     target = TargetModel.from_pretrained(str(target_dir))
     expected = SpeculativeEngine(target, None).generate("the quick brown", SamplingParams(max_new_tokens=9))
     assert json.loads(out)["token_ids"] == expected.token_ids  # greedy: the settings change the speed, not the text

@@ -13,10 +13,11 @@ from ray_specdec.scheduler_args import add_scheduler_arguments, field_comments, 
 
 # a value other than the default for every field
 CHANGED = {"kv_budget_tokens": 4096, "max_running": 8, "max_waiting": 3, "step_tokens": 768, "prefill_chunk": 128,
-           "min_path_prob": 0.05, "lookup": 4, "goodput": False, "guard": False, "prefix_cache": False}
+           "min_path_prob": 0.05, "lookup": 4, "plain_lookup": 3, "goodput": False, "guard": False,
+           "prefix_cache": False}
 ARGV = ["--kv-budget-tokens", "4096", "--max-running", "8", "--max-waiting", "3", "--step-tokens", "768",
-        "--prefill-chunk", "128", "--min-path-prob", "0.05", "--lookup", "4", "--no-goodput", "--no-guard",
-        "--no-prefix-cache"]
+        "--prefill-chunk", "128", "--min-path-prob", "0.05", "--lookup", "4", "--plain-lookup", "3", "--no-goodput",
+        "--no-guard", "--no-prefix-cache"]
 
 
 def parser(defaults: SchedulerConfig = SchedulerConfig()) -> OneLineParser:
@@ -53,6 +54,7 @@ def test_flags_parse_to_the_config():
         (["--max-running", "0"], "argument --max-running: must be >= 1, got 0"),
         (["--max-waiting", "-1"], "argument --max-waiting: must be >= 0, got -1"),
         (["--lookup", "33"], "argument --lookup: must be in [0, 32], got 33"),
+        (["--plain-lookup", "-1"], "argument --plain-lookup: must be in [0, 32], got -1"),
         (["--min-path-prob", "1"], "argument --min-path-prob: must be in [0, 1), got 1.0"),
         (["--min-path-prob", "nan"], "argument --min-path-prob: must be in [0, 1), got nan"),
         (["--step-tokens", "2k"], "argument --step-tokens: expected an integer, got '2k'"),

@@ -258,7 +258,8 @@ class Bandit:
         *,
         load: int = 1,
     ) -> None:
-        """accepted_tokens: draft tokens the target kept (the bonus token excluded): 0 for a round without a tree,
+        """accepted_tokens: draft tokens the target kept (the bonus token excluded): for a round without a tree, 0 or
+        the accepted tokens of the lookup proposal an engine verifies instead (`SchedulerConfig.plain_lookup`), else
         at most the tree's depth plus the lookup tokens an engine may add to it (`TreeConfig.with_lookup`).
         what_if: other arms -> the draft tokens each would have had accepted in this round (`drafting.what_if`: arms
         whose tree this round's contained); their token estimates learn from it, their time estimates do not.
@@ -364,7 +365,7 @@ def _pulled_only(stats: ArmStats, pulled: np.ndarray) -> ArmStats:
 
 
 def _check_accepted(tree: TreeConfig, accepted_tokens: int) -> None:
-    most = max(tree.max_depth, MAX_LOOKUP_TOKENS) if tree.depth else 0
+    most = max(tree.max_depth, MAX_LOOKUP_TOKENS)  # a round without a tree may verify a lookup proposal too
     if not 0 <= accepted_tokens <= most:
         raise ValueError(f"accepted_tokens={accepted_tokens} outside [0, {most}] for tree {tree} (bonus excluded)")
 
