@@ -86,7 +86,7 @@ class SchedulerConfig:
     prefill_chunk: int = 512  # a prompt's chunks are cut at multiples of this: its KV never depends on the batch
     min_path_prob: float = 0.0  # drafts stop at depths the drafter rates below this (DrafterSession.draft)
     lookup: int = 0  # prompt-lookup tokens added to every drafted tree of greedy requests
-    # (the policy's, the guard's or the start rule's choice; never a tree the client asked for, `none` included)
+    # undrafted by the policy's, the guard's or the start rule's choice; never under a tree the client asked for
     plain_lookup: int = 0  # prompt-lookup tokens verified in greedy rounds that run undrafted (no drafter step)
     goodput: bool = True  # shrink the policy's picks when the batch's goodput says so (goodput.py)
     guard: bool = True  # run a load level undrafted while its drafted steps measure slower (speculation_guard.py)
@@ -118,7 +118,7 @@ class Request:
     reserved: int  # KV rows reserved at admission
     stats: GenerationStats = field(default_factory=GenerationStats)
     drafter: LazyDrafter | None = None
-    lookup_index: LookupIndex | None = None  # for undrafted rounds' lookup (plain_lookup): built on the first
+    lookup_index: LookupIndex | None = None  # undrafted rounds' lookup (plain_lookup), built at the first such round
     start: str = DRAFT
     prefilled: int = 0
     prefix_key: int = ROOT  # prefix_cache's key of tokens[:prefilled] (of the last chunk planned, during a step)
