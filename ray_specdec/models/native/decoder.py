@@ -1,9 +1,9 @@
 """decoder_cpu.c bound to one target: every decoder layer of a batch-invariant verify forward in one native call.
 
-`NativeDecoder.build(model)` -> the binding, or None with the reason (`why_not(model)`): it takes a GPTNeoX target
-with exact GELU or a Llama target with SiLU, float32 on CPU, whole (not a tensor-parallel shard: its row-parallel
-products need the ranks' sum between them), with the native kernels built. The lean forward keeps its torch ops
-wherever it returns None, and for prefill chunks (which run the model's own products).
+`NativeDecoder(model, rotary)` runs a model for which `why_not(model, rotary)` is None: a GPTNeoX target with exact
+GELU or a Llama target with SiLU, float32 on CPU, whole (not a tensor-parallel shard: its row-parallel products need
+the ranks' sum between them), with the native kernels built. The lean forward keeps its torch ops wherever
+`why_not` names a reason, and for prefill chunks (which run the model's own products).
 
 RAY_SPECDEC_NATIVE_DECODER=0 (or off / false / no) keeps the torch ops for verify rows too, e.g. to compare.
 """
@@ -48,8 +48,7 @@ def enabled_by_environment() -> bool:
 
 
 def why_not(model: torch.nn.Module, rotary: int | None = None) -> str | None:
-    """Why `NativeDecoder.build` would return None for `model` (None when it would not); rotary: the dims its rotary
-    table covers."""
+    """Why `NativeDecoder` cannot run `model` (None when it can); rotary: the dims its rotary table covers."""
     if not enabled_by_environment():
         return "RAY_SPECDEC_NATIVE_DECODER=0"
     if native.load() is None:
@@ -101,10 +100,6 @@ class NativeDecoder:
         self._struct: Decoder | None = None
         self._keep: list = []
 
-    @classmethod
-    def build(cls, model: torch.nn.Module, rotary: int) -> NativeDecoder | None:
-        return None if why_not(model, rotary) is not None else cls(model, rotary)
-
     def _decoder(self) -> Decoder:
         versions = tuple(p._version for p in self._params)
         if versions != self._versions:
@@ -152,13 +147,12 @@ class NativeDecoder:
         keep.append(array)
         first = self.layers[0]
         attention = first.attention if neox else first.self_attn
-        heads = config.num_attention_heads
-        kv_heads = heads if neox else config.num_key_value_heads
+        heads, kv_heads = config.num_attention_heads, self.kv_heads
         norm = first.input_layernorm
         eps = norm.eps if hasattr(norm, "eps") else norm.variance_epsilon
         inter = (first.mlp.dense_h_to_4h if neox else first.mlp.up_proj).weight.shape[0]
         self._keep = keep
-        return Decoder(len(layers), config.hidden_size, heads, kv_heads, _head_dim(model), self.rotary, inter,
+        return Decoder(len(layers), config.hidden_size, heads, kv_heads, self.head_dim, self.rotary, inter,
                        NORM_LAYER if neox else NORM_RMS, MLP_GELU if neox else MLP_SILU_GATED, int(neox),
                        int(bool(getattr(config, "use_parallel_residual", False)) and neox), eps,
                        float(attention.scaling), array)  # fmt: skip
