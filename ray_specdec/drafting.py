@@ -239,10 +239,12 @@ class DrafterSession:
 
         The root moves to the deepest accepted node whose state the draft holds (a row copy, into the session's slot
         where it has one); the tokens after it (an unstepped leaf, lookup tokens, every bonus token) go through the
-        drafter in one `extend`.
+        drafter in one `extend`. `commit_many` of this one session.
         """
-        if not verdicts:
-            return
+        commit_many([(self, verdicts)])
+
+    def _catch_up(self, verdicts: Sequence[Verdict]) -> tuple[MambaState, list[int]]:
+        """The state a commit advances (the root, or the deepest accepted node's copy) and the tokens it advances by."""
         first = verdicts[0]
         state, start = self.root_state, 0  # no accepted state: the root is advanced in place
         if first.accepted_rows:
@@ -258,7 +260,9 @@ class DrafterSession:
         pending = [*first.accepted_tokens[start:], first.bonus_token]
         for later in verdicts[1:]:  # rounds without a drafter draft: a bonus token, after a lookup proposal's if any
             pending.extend(later.new_tokens)
-        logits = self.drafter.extend(state, drafter_ids(self.drafter, pending))
+        return state, pending
+
+    def _caught_up(self, verdicts: Sequence[Verdict], state: MambaState, logits: torch.Tensor) -> None:
         new_tokens = [t for v in verdicts for t in v.new_tokens]
         self.history += new_tokens
         if self._lookup is not None:
@@ -270,6 +274,28 @@ class DrafterSession:
         if self._lookup is None:
             self._lookup = LookupIndex(self.history)
         return self._lookup
+
+
+def commit_many(commits: Sequence[tuple["DrafterSession", Sequence[Verdict]]]) -> None:
+    """`DrafterSession.commit_all` of several sessions (each at most once): the catch-ups of the sessions of one drafter
+    run in one `MambaDrafter.extend_rows`, which on the native kernels reads the weights once for all of them and
+    gives each session the bits its own commit gives."""
+    if len({id(session) for session, _ in commits}) != len(commits):
+        raise ValueError("a session may commit only once per batch")
+    by_drafter: dict[int, list[tuple[DrafterSession, Sequence[Verdict], MambaState, list[int]]]] = {}
+    for session, verdicts in commits:
+        if verdicts:
+            state, pending = session._catch_up(verdicts)
+            by_drafter.setdefault(id(session.drafter), []).append((session, verdicts, state, pending))
+    for group in by_drafter.values():
+        drafter = group[0][0].drafter
+        states, ids = [state for _, _, state, _ in group], [drafter_ids(drafter, pending) for *_, pending in group]
+        if len(group) > 1 and hasattr(drafter, "extend_rows"):  # (a test's stand-in drafter extends one by one)
+            logits = drafter.extend_rows(states, ids)
+        else:
+            logits = [drafter.extend(state, i) for state, i in zip(states, ids)]
+        for (session, verdicts, state, _), row in zip(group, logits):
+            session._caught_up(verdicts, state, row)
 
 
 # Most rows a batched step takes, summed over its requests' widest depths. The native step of the shipped drafter

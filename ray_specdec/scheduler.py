@@ -43,7 +43,7 @@ from ray_specdec.drafter_cache import DrafterStates
 from ray_specdec.drafting import Draft, DraftRequest, draft_many, lookup_draft, prefill_input, what_if
 from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, measure_prior,
                                  size_trees)
-from ray_specdec.lazy_drafter import LazyDrafter
+from ray_specdec.lazy_drafter import LazyDrafter, ready_many
 from ray_specdec.logits_processing import TokenHistory
 from ray_specdec.lookup import LookupIndex
 from ray_specdec.models.mamba_drafter import MambaDrafter
@@ -393,19 +393,21 @@ class Scheduler:
     def _draft(self, decoding: list[Request]) -> tuple[int, float]:
         """Drafts for this step's rounds (one batched draft); -> (drafter rows stepped, seconds of drafter prefills:
         a per-request cost, kept out of the rounds' time)."""
-        batch, owners, prefills = [], [], 0.0
+        owners, configs, prefills = [], [], 0.0
         for r in decoding:
             config = r.arm.with_lookup(r.lookup)
             if r.drafter is None or not config.depth:
                 r.draft = self._plain_lookup(r)
                 continue
-            prefill_s = r.drafter.ready(r.tokens)
+            owners.append(r)
+            configs.append(config)
+        # every drafting request's waiting verdicts through the drafter together, first prefills one by one
+        for r, prefill_s in zip(owners, ready_many([(r.drafter, r.tokens) for r in owners])):
             if prefill_s:
                 r.stats.prefill_s += prefill_s
                 prefills += prefill_s
                 self._note_prefill(prefill_s, self._prefilled(len(r.tokens)))
-            batch.append(DraftRequest(r.drafter.session, config, r.params, r.draft_gen))
-            owners.append(r)
+        batch = [DraftRequest(r.drafter.session, c, r.params, r.draft_gen) for r, c in zip(owners, configs)]
         for r, draft in zip(owners, draft_many(batch, self.config.min_path_prob)):
             r.draft = draft
         return sum(drafter_rows(r.draft.config) for r in owners), prefills

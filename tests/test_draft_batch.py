@@ -19,7 +19,7 @@ from transformers import MambaConfig
 from ray_specdec.acceptance import Verdict, accept_greedy
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER
-from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, draft_many
+from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, commit_many, draft_many
 from ray_specdec.models import native
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
 from ray_specdec.models.mamba_state import StateSlots
@@ -134,6 +134,60 @@ def test_batch_equals_one_by_one_then_commits_keep_it(named_drafter, min_path_pr
             b.commit(v)
             assert torch.equal(a.root_logits, b.root_logits)
             assert torch.equal(a.root_state.conv, b.root_state.conv) and torch.equal(a.root_state.ssm, b.root_state.ssm)
+
+
+def later_verdicts(seed: int, vocab: int) -> list[Verdict]:
+    """0-2 verdicts of rounds run without a drafter draft (a bonus token, after accepted lookup tokens or not) that
+    queue behind a drafted round's, as the lazy drafter queues them."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = lambda n: tuple(torch.randint(0, vocab, (n,), generator=g).tolist())  # noqa: E731
+    return [Verdict(tuple(range(1, k + 1)), tokens(k), tokens(1)[0]) for k in (3, 0)[: seed % 3]]
+
+
+@pytest.mark.parametrize("pool", [None, len(MIX), len(MIX) - 3])
+def test_commits_together_equal_commits_one_by_one(named_drafter, pool, monkeypatch):
+    """`commit_many` over every session (roots in a slot pool, of their own, or both when the pool runs out; verdicts
+    queued behind a drafted round's; accepted stepped nodes, leaves and lookup nodes) gives each session the root
+    logits, state, history and next draft of its own commit, bit for bit. On the native step the catch-ups of all
+    sessions run in one call."""
+    d = named_drafter
+    slots = StateSlots(d, pool) if pool else None
+    together = [DrafterSession(d, prompt(i, d.vocab_size), d.vocab_size + (0, 3, -2)[i % 3], slots=slots)
+                for i in range(len(MIX))]  # fmt: skip
+    alone = sessions(d, len(MIX))
+    for round_ in range(3):
+        drafts = draft_many(requests(together, 10 * round_))
+        expected = draft_many(requests(alone, 10 * round_))
+        for a, b in zip(drafts, expected):
+            assert_same_draft(a, b)
+        verdicts = [[verdict(draft, s.vocab_size, seed=round_ * 31 + i), *later_verdicts(round_ * 7 + i, d.vocab_size)]
+                    for i, (s, draft) in enumerate(zip(together, drafts))]  # fmt: skip
+        calls = []
+        if d.native is not None:
+            forward_rows = d.native.forward_rows
+            monkeypatch.setattr(d.native, "forward_rows", lambda states, ids: calls.append(len(states)) or
+                                forward_rows(states, ids))  # fmt: skip
+        commit_many(list(zip(together, verdicts)))
+        monkeypatch.undo()
+        for s, v in zip(alone, verdicts):
+            s.commit_all(v)
+        if d.native is not None:
+            assert calls == [len(MIX)]
+        for a, b in zip(together, alone):
+            assert torch.equal(a.root_logits, b.root_logits) and a.history == b.history
+            assert torch.equal(a.root_state.conv, b.root_state.conv) and torch.equal(a.root_state.ssm, b.root_state.ssm)
+            if a.slot is not None:  # the root is still the slot, advanced in place
+                assert a.root_state.ssm.data_ptr() == slots.state(a.slot).ssm.data_ptr()
+
+
+def test_commit_many_takes_each_session_once_and_skips_those_without_verdicts():
+    d = drafter("tiny")
+    a, b = sessions(d, 2)
+    logits = b.root_logits.clone()
+    with pytest.raises(ValueError, match="only once"):
+        commit_many([(a, [Verdict((), (), 1)]), (a, [Verdict((), (), 2)])])
+    commit_many([(a, [Verdict((), (), 1)]), (b, [])])
+    assert a.history[-1] == 1 and torch.equal(b.root_logits, logits)
 
 
 def test_requests_sharing_a_generator_draw_in_one_by_one_order(named_drafter):

@@ -113,11 +113,8 @@ def test_exploration_is_not_charged_the_drafter_sessions_its_switch_builds(monke
     monkeypatch.setattr(scheduler_module, "time", clock)
 
     class CostlySessions(scheduler_module.LazyDrafter):
-        def ready(self, tokens):
-            built = self.session is None
-            super().ready(tokens)
-            if not built:
-                return 0.0
+        def _start(self, tokens):  # the session's prefill
+            super()._start(tokens)
             clock.now += session_s
             return session_s
 

@@ -303,6 +303,37 @@ class MambaDrafter:
             return self.extend_graphs.step(state.conv, state.ssm, ids)
         return self._advance(state, ids, linear=self._linear)
 
+    @torch.inference_mode()
+    def extend_rows(self, states: Sequence[MambaState], input_ids: Sequence[torch.Tensor | Sequence[int]]
+                    ) -> torch.Tensor:  # fmt: skip
+        """`extend` of several 1-row states, each by its own ids -> logits [len(states), V], row i the logits
+        extend(states[i], input_ids[i]) returns, bit for bit where the native kernels run: there every state advances
+        in one call (the weights are read once for all of them: a commit of 32 requests' tokens took ~12 ms one by
+        one on the 2-core CPU, ~5 ms together). Elsewhere the states extend one after the other."""
+        ids = [self._as_ids(i) for i in input_ids]
+        if len(ids) != len(states):
+            raise ValueError(f"{len(ids)} token sequences for {len(states)} states")
+        if any(i.shape[0] == 0 for i in ids):
+            raise ValueError("extend needs at least one token")
+        if any(state.rows != 1 for state in states):
+            raise ValueError("extend_rows advances 1-row states")
+        together = [k for k, (s, i) in enumerate(zip(states, ids))
+                    if self._runs_native(s) and i.shape[0] <= _NATIVE_SEQUENCE_MAX]  # fmt: skip
+        if len(together) < 2:
+            together = []
+        rows: list[torch.Tensor | None] = [None] * len(states)
+        if together:
+            logits = self.native.forward_rows([(states[k].conv, states[k].ssm) for k in together],
+                                              [ids[k] for k in together])  # fmt: skip
+            for k, row in zip(together, logits):
+                rows[k] = row
+        for k, row in enumerate(rows):
+            if row is None:
+                rows[k] = self.extend(states[k], ids[k])
+        if not rows:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        return torch.stack(rows)
+
     def _extend_eager(self, conv: torch.Tensor, ssm: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self._advance(MambaState(conv, ssm), ids, linear=self._linear)
 

@@ -12,7 +12,8 @@ import torch
 from transformers import MambaConfig, MambaForCausalLM
 
 from ray_specdec.models import native
-from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.mamba_drafter import _NATIVE_SEQUENCE_MAX, MambaDrafter
+from ray_specdec.models.mamba_state import MambaState, StateSlots
 from tests.models.test_mamba_drafter import perturbed_mamba
 
 VOCAB = 93  # 5 x 16 + a tail of 13 logits
@@ -112,6 +113,85 @@ def test_a_long_prefill_scans_on_several_threads_and_matches(pair, two_threads):
     torch.testing.assert_close(f_state.ssm.double(), e_state.ssm, **TOL)
     f_logits, e_logits = fast.extend(f_state, prompt[:60]), exact.extend(e_state, prompt[:60])  # one C forward
     torch.testing.assert_close(f_logits.double(), e_logits, **TOL)
+
+
+def own_and_slotted_states(fast: MambaDrafter, n: int) -> tuple[list[MambaState], StateSlots]:
+    """n one-row states after different prompts: the first half of their own, the rest slots of a pool."""
+    slots, states = StateSlots(fast, n), []
+    for i in range(n):
+        state = fast.prefill(ids(3 + i, seed=10 + i))[0]
+        states.append(state if i < n // 2 else fast.copy_rows(state, [0], out=slots.state(slots.acquire())))
+    return states, slots
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_forward_rows_gives_each_state_the_bits_it_gets_alone(pair, threads):
+    """States of their own and slots of a pool, each advanced by its own number of tokens in one call: each gets the
+    logits and state of its own forward on one thread, bit for bit, on one thread or two (enough tokens in all that
+    the conv and the scan split their channels over two)."""
+    fast, _ = pair
+    lengths = [1, 3, 2, 40, 1, 60, 5, 64]
+    assert sum(lengths) * fast.d_inner * fast.d_state * 8 >= native.PARALLEL_MIN_MACS
+    states, _ = own_and_slotted_states(fast, len(lengths))
+    alone = [MambaState(s.conv.clone(), s.ssm.clone()) for s in states]
+    tokens = [ids(n, seed=20 + i) for i, n in enumerate(lengths)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = [fast.native.forward(s.conv, s.ssm, t[None])[0] for s, t in zip(alone, tokens)]
+        torch.set_num_threads(threads)
+        logits = fast.native.forward_rows([(s.conv, s.ssm) for s in states], tokens)
+    finally:
+        torch.set_num_threads(before)
+    for i, (state, single) in enumerate(zip(states, alone)):
+        assert torch.equal(logits[i], expected[i])
+        assert torch.equal(state.conv, single.conv) and torch.equal(state.ssm, single.ssm)
+
+
+def test_extend_rows_batches_what_the_native_forward_takes_and_extends_the_rest(pair, monkeypatch):
+    """More tokens than one native call takes, or a strided state, extend alone; the rest go in one call; every
+    state gets what `extend` gives it."""
+    fast, _ = pair
+    states, _ = own_and_slotted_states(fast, 4)
+    wide = fast.copy_rows(fast.prefill(ids(6))[0], [0, 0])
+    states.append(MambaState(wide.conv[:, 1:], wide.ssm[:, 1:]))  # one row of a two-row state: strided
+    tokens = [ids(n, seed=30 + i) for i, n in enumerate([2, _NATIVE_SEQUENCE_MAX + 6, 1, 4, 3])]
+    alone = [MambaState(s.conv.clone(), s.ssm.clone()) for s in states[:-1]]
+    alone.append(MambaState(wide.conv.clone()[:, 1:], wide.ssm.clone()[:, 1:]))  # strided too
+    expected = [fast.extend(s, t) for s, t in zip(alone, tokens)]
+    calls = []
+    forward_rows = fast.native.forward_rows
+    monkeypatch.setattr(fast.native, "forward_rows", lambda st, ids_: calls.append(len(st)) or forward_rows(st, ids_))
+    logits = fast.extend_rows(states, tokens)
+    assert calls == [3]  # states 0, 2 and 3
+    for i, (state, single) in enumerate(zip(states, alone)):
+        assert torch.equal(logits[i], expected[i])
+        assert torch.equal(state.conv, single.conv) and torch.equal(state.ssm, single.ssm)
+    with pytest.raises(ValueError, match="2 token sequences for 1 states"):
+        fast.extend_rows(states[:1], tokens[:2])
+    with pytest.raises(ValueError, match="at least one token"):
+        fast.extend_rows(states[:2], [tokens[0], []])
+    with pytest.raises(ValueError, match="1-row states"):
+        fast.extend_rows([wide], [tokens[0]])
+
+
+def test_forward_rows_refuses_bad_input_and_changes_nothing(pair):
+    fast, _ = pair
+    states, _ = own_and_slotted_states(fast, 2)
+    before = [(s.conv.clone(), s.ssm.clone()) for s in states]
+    pairs = [(s.conv, s.ssm) for s in states]
+    with pytest.raises(IndexError, match=f"token ids must be in \\[0, {VOCAB}\\)"):
+        fast.native.forward_rows(pairs, [ids(2), torch.tensor([1, VOCAB])])
+    with pytest.raises(ValueError, match="at least one token"):
+        fast.native.forward_rows(pairs, [ids(2), torch.tensor([], dtype=torch.long)])
+    with pytest.raises(ValueError, match="1 token sequences for 2 states"):
+        fast.native.forward_rows(pairs, [ids(2)])
+    two = fast.new_state(2)
+    with pytest.raises(ValueError, match="one-row float32 states"):
+        fast.native.forward_rows([pairs[0], (two.conv, two.ssm)], [ids(1), ids(1)])
+    for s, (conv, ssm) in zip(states, before):
+        assert torch.equal(s.conv, conv) and torch.equal(s.ssm, ssm)
+    assert fast.native.forward_rows([], []).shape == (0, VOCAB)
 
 
 def test_native_is_what_runs(pair, monkeypatch):

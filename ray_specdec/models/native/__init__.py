@@ -14,12 +14,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -129,6 +131,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.mamba_forward.argtypes = [ctypes.POINTER(Model), i, i, p, p, p, p]
     lib.mamba_forward.restype = i
+    lib.mamba_forward_rows.argtypes = [ctypes.POINTER(Model), i, p, p, p, p, ctypes.c_int64, ctypes.c_int64, p]
+    lib.mamba_forward_rows.restype = i
     lib.mamba_scan.argtypes = [i, i, i, p, p, p, p, p, p, p]
     lib.mamba_scan.restype = None
     lib.linear_panels.argtypes = [i, i, i, i, p, p, p, p]
@@ -295,6 +299,39 @@ class NativeMamba:
         _match_torch_threads(self.lib)
         if self.lib.mamba_forward(ctypes.byref(self._model), R, S, tokens.data_ptr(), conv.data_ptr(),
                                   ssm.data_ptr(), logits.data_ptr()) != 0:  # fmt: skip
+            raise MemoryError("the native Mamba forward could not allocate its buffers")
+        return logits
+
+    def forward_rows(self, states: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                     tokens: Sequence[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """One-row states (conv [n_layers, 1, d_inner, d_conv], ssm [n_layers, 1, d_inner, d_state]; contiguous float32,
+        anywhere: slots of a pool, states of their own), each advanced in place by its own tokens (int64 [S_r], S_r >=
+        1) -> logits [R, V] after each one's last token. Row r gets the bits `forward` gives it alone."""
+        R = len(states)
+        if len(tokens) != R:
+            raise ValueError(f"{len(tokens)} token sequences for {R} states")
+        logits = torch.empty(R, self.vocab_size, dtype=torch.float32)
+        if R == 0:
+            return logits
+        lengths = [int(t.numel()) for t in tokens]
+        if min(lengths) < 1:
+            raise ValueError("every state needs at least one token")
+        flat = torch.cat([t.reshape(-1) for t in tokens]).to(torch.int64).contiguous()
+        if int(flat.min()) < 0 or int(flat.max()) >= self.vocab_size:  # the C side indexes the embedding
+            raise IndexError(f"token ids must be in [0, {self.vocab_size}), got {flat.tolist()}")
+        offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+        conv0, ssm0 = states[0]
+        for conv, ssm in states:
+            if (conv.shape != conv0.shape or ssm.shape != ssm0.shape or conv.shape[1] != 1
+                    or not (conv.is_contiguous() and ssm.is_contiguous())
+                    or conv.dtype != torch.float32 or ssm.dtype != torch.float32):  # fmt: skip
+                raise ValueError("forward_rows takes contiguous one-row float32 states of one shape")
+        pointers = (ctypes.c_void_p * (2 * R))(*[c.data_ptr() for c, _ in states], *[s.data_ptr() for _, s in states])
+        row = ctypes.sizeof(ctypes.c_void_p) * R
+        _match_torch_threads(self.lib)
+        if self.lib.mamba_forward_rows(ctypes.byref(self._model), R, offsets.data_ptr(), flat.data_ptr(),
+                                       ctypes.addressof(pointers), ctypes.addressof(pointers) + row,
+                                       conv0[0].numel(), ssm0[0].numel(), logits.data_ptr()) != 0:  # fmt: skip
             raise MemoryError("the native Mamba forward could not allocate its buffers")
         return logits
 

@@ -63,19 +63,28 @@ static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 /* torch's softplus (beta 1, threshold 20). */
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
 
-/* S tokens for each of R state rows through every layer, then the head at each row's last token.
- * tokens [R, S]; conv_state [n_layers, R, d_inner, d_conv] (oldest input first) and ssm_state
- * [n_layers, R, d_inner, d_state] advance in place by S tokens; logits [R, vocab]. A drafting step is S = 1 (one
- * token per tree node); a catch-up on accepted tokens is R = 1. The projections run over all R x S tokens at once;
- * the conv and the scan go token by token. Returns 0, or -1 when out of memory (nothing is changed then). */
-int mamba_forward(const model_t *m, int R, int S, const int64_t *tokens, float *conv_state, float *ssm_state,
-                  float *logits) {
+/* Rows of state, each with tokens of its own, through every layer, then the head at each row's last token.
+ * Row r takes tokens[offsets[r] .. offsets[r + 1]) (at least one; offsets[0] = 0) and advances its own state in
+ * place: its conv state for layer l is conv_rows[r] + l * conv_layer_stride ([d_inner, d_conv], oldest input first),
+ * its ssm state ssm_rows[r] + l * ssm_layer_stride ([d_inner, d_state]); logits [R, vocab]. A drafting step is one
+ * token per row (per tree node); a commit's catch-up is every drafting request's accepted and bonus tokens, their
+ * states wherever they live (slots of a pool, states of their own), in one call that reads the weights once.
+ *
+ * The projections run over all tokens at once (gemm_rows: each row's bits whatever rows share the call); the conv and
+ * the scan go token by token, each (row, channel) on one thread, channels split over threads. So a row gets the same
+ * bits whatever other rows share the call and however many threads run it. Returns 0, or -1 when out of memory
+ * (nothing is changed then). */
+int mamba_forward_rows(const model_t *m, int R, const int64_t *offsets, const int64_t *tokens, float *const *conv_rows,
+                       float *const *ssm_rows, int64_t conv_layer_stride, int64_t ssm_layer_stride, float *logits) {
     const int dm = m->d_model, di = m->d_inner, dc = m->d_conv, N = m->d_state, dr = m->dt_rank;
-    const int nx = dr + 2 * N, rows = R * S;
+    const int nx = dr + 2 * N, rows = (int)offsets[R];
     float *buf = malloc(sizeof(float) * (size_t)rows * (2 * dm + 2 * di + nx + 2 * di));
     if (!buf) return -1;
     float *residual = buf, *h = residual + (size_t)rows * dm, *xz = h + (size_t)rows * dm;
     float *xdbl = xz + (size_t)rows * 2 * di, *dt = xdbl + (size_t)rows * nx, *y = dt + (size_t)rows * di;
+    /* the conv and the scan: ~16 multiply-adds and exponentials per channel and state element (8 for the weights) */
+    const int threads = threads_for_macs((int64_t)rows * di * N * 8);
+    const int64_t channels = (int64_t)R * di;
 
     for (int t = 0; t < rows; t++)
         for (int i = 0; i < dm; i++) residual[(size_t)t * dm + i] = m->embed[tokens[t] * dm + i];
@@ -85,46 +94,67 @@ int mamba_forward(const model_t *m, int R, int S, const int64_t *tokens, float *
         rms_norm(rows, dm, residual, w->norm, m->eps, h);
         gemm_rows(w->in_proj_format, rows, 2 * di, dm, w->in_proj, w->in_proj_bias, h, dm, xz, 2 * di);
         /* depthwise causal conv over the window (the state's last d_conv - 1 inputs, then x), then SiLU; x in place */
-        for (int r = 0; r < R; r++) {
-            float *cs = conv_state + ((size_t)(l * R + r) * di) * dc;
-            for (int c = 0; c < di; c++, cs += dc)
-                for (int t = r * S; t < (r + 1) * S; t++) {
-                    float *x = xz + (size_t)t * 2 * di;
-                    for (int k = 0; k + 1 < dc; k++) cs[k] = cs[k + 1];
-                    cs[dc - 1] = x[c];
-                    float acc = 0.0f;
-                    for (int k = 0; k < dc; k++) acc += cs[k] * w->conv[c * dc + k];
-                    if (w->conv_bias) acc += w->conv_bias[c];
-                    x[c] = silu(acc);
-                }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t rc = 0; rc < channels; rc++) {
+            const int r = (int)(rc / di), c = (int)(rc % di);
+            float *cs = conv_rows[r] + l * conv_layer_stride + (int64_t)c * dc;
+            for (int64_t t = offsets[r]; t < offsets[r + 1]; t++) {
+                float *x = xz + (size_t)t * 2 * di;
+                for (int k = 0; k + 1 < dc; k++) cs[k] = cs[k + 1];
+                cs[dc - 1] = x[c];
+                float acc = 0.0f;
+                for (int k = 0; k < dc; k++) acc += cs[k] * w->conv[c * dc + k];
+                if (w->conv_bias) acc += w->conv_bias[c];
+                x[c] = silu(acc);
+            }
         }
         gemm_rows(w->x_proj_format, rows, nx, di, w->x_proj, NULL, xz, 2 * di, xdbl, nx);
         gemm_rows(w->dt_proj_format, rows, di, dr, w->dt_proj, w->dt_bias, xdbl, nx, dt, di);
-        for (int r = 0; r < R; r++) {
-            float *state = ssm_state + ((size_t)(l * R + r) * di) * N;
-            for (int t = r * S; t < (r + 1) * S; t++) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t rc = 0; rc < channels; rc++) {
+            const int r = (int)(rc / di), c = (int)(rc % di);
+            float *ss = ssm_rows[r] + l * ssm_layer_stride + (int64_t)c * N;
+            const float *A = w->A + c * N;
+            for (int64_t t = offsets[r]; t < offsets[r + 1]; t++) {
                 const float *x = xz + (size_t)t * 2 * di, *z = x + di, *B = xdbl + (size_t)t * nx + dr, *C = B + N;
-                float *ss = state;
-                for (int c = 0; c < di; c++, ss += N) {
-                    const float d = softplus(dt[(size_t)t * di + c]), dx = d * x[c];
-                    const float *A = w->A + c * N;
-                    float acc = 0.0f;
-                    for (int n = 0; n < N; n++) {
-                        ss[n] = ss[n] * expf(d * A[n]) + dx * B[n];
-                        acc += ss[n] * C[n];
-                    }
-                    y[(size_t)t * di + c] = (acc + x[c] * w->D[c]) * silu(z[c]);
+                const float d = softplus(dt[(size_t)t * di + c]), dx = d * x[c];
+                float acc = 0.0f;
+                for (int n = 0; n < N; n++) {
+                    ss[n] = ss[n] * expf(d * A[n]) + dx * B[n];
+                    acc += ss[n] * C[n];
                 }
+                y[(size_t)t * di + c] = (acc + x[c] * w->D[c]) * silu(z[c]);
             }
         }
         gemm_rows(w->out_proj_format, rows, dm, di, w->out_proj, w->out_proj_bias, y, di, h, dm);
         for (size_t i = 0; i < (size_t)rows * dm; i++) residual[i] += h[i];
     }
     for (int r = 0; r < R; r++)  /* the head at each row's last token */
-        rms_norm(1, dm, residual + ((size_t)r * S + S - 1) * dm, m->norm_f, m->eps, h + (size_t)r * dm);
+        rms_norm(1, dm, residual + (size_t)(offsets[r + 1] - 1) * dm, m->norm_f, m->eps, h + (size_t)r * dm);
     gemm_rows(m->lm_head_format, R, m->vocab, dm, m->lm_head, NULL, h, dm, logits, m->vocab);
     free(buf);
     return 0;
+}
+
+/* S tokens for each of R state rows (tokens [R, S]; conv_state [n_layers, R, d_inner, d_conv] and ssm_state
+ * [n_layers, R, d_inner, d_state]): mamba_forward_rows over rows of one state. */
+int mamba_forward(const model_t *m, int R, int S, const int64_t *tokens, float *conv_state, float *ssm_state,
+                  float *logits) {
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)(R + 1));
+    float **rows = malloc(sizeof(float *) * (size_t)(2 * R));
+    int status = -1;
+    if (offsets && rows) {
+        const int64_t conv_row = (int64_t)m->d_inner * m->d_conv, ssm_row = (int64_t)m->d_inner * m->d_state;
+        for (int r = 0; r <= R; r++) offsets[r] = (int64_t)r * S;
+        for (int r = 0; r < R; r++) {
+            rows[r] = conv_state + r * conv_row;
+            rows[R + r] = ssm_state + r * ssm_row;
+        }
+        status = mamba_forward_rows(m, R, offsets, tokens, rows, rows + R, R * conv_row, R * ssm_row, logits);
+    }
+    free(offsets);
+    free(rows);
+    return status;
 }
 
 /* The selective scan over S tokens: state[c] <- state[c] * exp(dt[t, c] A[c]) + dt[t, c] x[t, c] B[t];
