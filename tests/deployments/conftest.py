@@ -166,8 +166,10 @@ def serve_app(args, address: str | None = None, num_cpus: int = 2, more: dict[st
         serve.run(app(args), name="specdec", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
         for k, v in saved.items():  # the next Ray of this test session starts without them
             if v is None:
                 os.environ.pop(k, None)

@@ -234,7 +234,9 @@ def test_kv_budget_queues_then_answers_503(url, engine):
     async def go():
         async with httpx.AsyncClient(trust_env=False, timeout=300) as client:
             first = [asyncio.create_task(client.post(f"{url}/kv/v1/completions", json=body)) for _ in range(2)]
+            deadline = time.monotonic() + 60
             while (await asyncio.to_thread(kv_stats, url))["running"] < 2:  # the budget is full
+                assert time.monotonic() < deadline and not any(f.done() for f in first), "the two never ran together"
                 await asyncio.sleep(0.02)
             burst = [client.post(f"{url}/kv/v1/completions", json=body | {"stream": i % 2 == 1}) for i in range(14)]
             return await asyncio.gather(*first, *burst)
