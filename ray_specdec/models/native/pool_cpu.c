@@ -29,8 +29,6 @@
 #endif
 #if defined(__linux__)
 #include <sched.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include "pool_cpu.h"
@@ -65,13 +63,7 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-static int64_t this_thread_id(void) {
-#if defined(__linux__)
-    return (int64_t)syscall(SYS_gettid);
-#else
-    return -1;
-#endif
-}
+int64_t os_thread_id(void); /* threads_cpu.c */
 
 /* Claim and run chunks of generation `gen` until none is left (or the job is no longer `gen`). */
 static void run_chunks(uint32_t gen, pool_task fn, void *ctx, int64_t n, int64_t grain, int64_t chunks) {
@@ -89,7 +81,7 @@ static void run_chunks(uint32_t gen, pool_task fn, void *ctx, int64_t n, int64_t
 static void *worker_main(void *arg) {
     const int index = (int)(intptr_t)arg;
     pthread_mutex_lock(&lock);
-    worker_tids[index] = this_thread_id();
+    worker_tids[index] = os_thread_id();
     pthread_mutex_unlock(&lock);
     uint32_t seen = __atomic_load_n(&generation, __ATOMIC_SEQ_CST);
     for (;;) {
