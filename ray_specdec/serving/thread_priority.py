@@ -9,11 +9,11 @@ little CPU but wake often. Served on 2 cores, those threads at niceness 19 gave 
 and 1.03-1.04x at 8 and 32 (alternated pairs; docs/BENCHMARKS.md, "Compute threads first").
 
 How. Linux lets a process raise the niceness of its own threads without privileges (lowering it needs CAP_SYS_NICE).
-The compute threads are the loop's own, its OpenMP team and the native kernels' pool (`native.openmp_thread_ids`);
-every other thread of the process gets niceness 19, and `refresh` repeats that at most every REFRESH_S for threads
-started later. The compute threads keep the process's niceness (Ray starts workers at 15). Where the team cannot be
-known (no native kernels, another OS, two OpenMP runtimes in the process) nothing changes: a worker of torch's left at
-19 would slow every step instead.
+The compute threads are the loop's own and its OpenMP team (`native.openmp_thread_ids`); every other thread of the
+process gets niceness 19, and `refresh` repeats that at most every REFRESH_S for threads started later. The compute
+threads keep the process's niceness (Ray starts workers at 15). Where the team cannot be known (no native kernels,
+another OS, two OpenMP runtimes in the process) nothing changes: a worker of torch's left at 19 would slow every
+step instead.
 """
 
 from __future__ import annotations

@@ -30,13 +30,13 @@ from ray_specdec.models.loading import switched_on
 
 # Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("pool_cpu.c", "gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "decoder_cpu.c",
-                             "shm_cpu.c", "threads_cpu.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h", "pool_cpu.h"))
+                for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "decoder_cpu.c", "shm_cpu.c",
+                             "threads_cpu.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h",))
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread")
-# threads_cpu.c asks OpenMP for torch's team (serving/thread_priority.py); the kernels' own threads are pool_cpu.c's.
-# Built without it if the compiler has no OpenMP.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+# linear_panels splits a product's output blocks over torch's intra-op thread count; built without it if the
+# compiler has no OpenMP.
 OPENMP = ("-fopenmp",)
 # Products smaller than this many multiply-adds run on one thread (waking another costs more than it saves).
 PARALLEL_MIN_MACS = 1 << 19
@@ -67,7 +67,7 @@ def load() -> ctypes.CDLL | None:
     try:
         try:
             library = _build(compiler, FLAGS + OPENMP)
-        except subprocess.SubprocessError:  # no OpenMP runtime for this compiler: no torch team to find
+        except subprocess.SubprocessError:  # no OpenMP runtime for this compiler: one thread per product
             library = _build(compiler, FLAGS)
         lib = ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as e:
@@ -152,8 +152,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.shm_sum_f32.restype = i
     lib.omp_team_thread_ids.argtypes = [i, p]
     lib.omp_team_thread_ids.restype = i
-    lib.pool_thread_ids.argtypes = [i, p]
-    lib.pool_thread_ids.restype = i
 
 
 # Element formats of panels (PANEL_* of gemm_cpu.h).
@@ -224,9 +222,8 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n_o
 
 
 def openmp_thread_ids() -> list[int] | None:
-    """The OS thread ids of the threads that run parallel work for the calling thread at torch's thread count: its
-    OpenMP team (its own id first; torch's parallel ops) and the workers of the native kernels' pool (pool_cpu.c,
-    started here if they were not). None where that cannot be known: no native kernels, not Linux, or more than one
+    """The OS thread ids of the calling thread's OpenMP team at torch's thread count (its own first): the threads that
+    run torch's parallel work for it. None where that cannot be known: no native kernels, not Linux, or more than one
     OpenMP runtime in the process (then the team asked here need not be torch's)."""
     lib = load()
     if lib is None or platform.system() != "Linux":
@@ -242,8 +239,6 @@ def openmp_thread_ids() -> list[int] | None:
     ids = (ctypes.c_int64 * threads)()
     size = lib.omp_team_thread_ids(threads, ids)
     found = [int(x) for x in ids[:size]]
-    workers = (ctypes.c_int64 * max(1, threads))()
-    found += [int(x) for x in workers[: lib.pool_thread_ids(threads, workers)]]
     return found if all(x > 0 for x in found) else None
 
 

@@ -18,8 +18,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pool_cpu.h"
-
 /* Keys per block: a block's keys and values (2 x 128 x D floats) stay in cache while every row of the group uses
  * them; each row's scores and weights for the block are one row of scratch. */
 #define KEY_BLOCK 128
@@ -288,119 +286,43 @@ static void head_attention(int nr, int S, int L, int D, float scale, const float
     }
 }
 
-/* This thread's scratch for head_attention, at least `floats` long (grown as needed, kept for the thread's next
- * call; NULL when it cannot be allocated). */
-static float *scratch(size_t floats) {
-    static __thread float *buf;
-    static __thread size_t capacity;
-    if (capacity < floats) {
-        free(buf);
-        capacity = 0;
-        buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-        if (buf) capacity = floats;
-    }
-    return buf;
-}
-
-typedef struct {
-    int S, H, L, D, group;
-    float scale;
-    const float *q, *k, *v, *mask;
-    int64_t q_sh, q_ss, k_sh, k_ss, v_sh, v_ss, m_sh, m_ss;
-    float *out;
-    int failed; /* atomic */
-} heads_job;
-
-static void heads_task(void *ctx, int64_t begin, int64_t end) {
-    heads_job *j = ctx;
-    float *buf = scratch(scratch_floats(j->D, j->S));
-    if (!buf) {
-        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
-        return;
-    }
-    for (int h = (int)begin; h < (int)end; h++) {
-        const int kv = h / j->group;
-        for (int g = 0; g < j->S; g += GROUP) {
-            const int nr = j->S - g < GROUP ? j->S - g : GROUP;
-            head_attention(nr, j->S, j->L, j->D, j->scale, j->q + h * j->q_sh + g * j->q_ss, j->q_ss,
-                           j->k + kv * j->k_sh, j->k_ss, j->v + kv * j->v_sh, j->v_ss,
-                           j->mask ? j->mask + h * j->m_sh + g * j->m_ss : NULL, j->m_ss,
-                           j->out + ((int64_t)g * j->H + h) * j->D, (int64_t)j->H * j->D, buf);
-        }
-    }
-}
-
 /* out [S, H, D] (contiguous) = attention of S query rows per head. q: [H, S, D] with strides (q_sh, q_ss, 1); k, v:
  * [Hkv, L, D] with strides (k_sh, k_ss, 1) and (v_sh, v_ss, 1); mask: additive [S, L] per head (stride m_sh, 0 when
- * one mask serves every head) with row stride m_ss, or NULL. Heads are split over `threads` threads of the pool
- * (pool_cpu.c) in runs of the heads that share a key/value head. Returns 0, or -1 when scratch memory could not be
- * allocated (out is then unspecified). */
+ * one mask serves every head) with row stride m_ss, or NULL. Heads are split over `threads` OpenMP threads, in
+ * contiguous runs so that the heads sharing a key/value head mostly share a thread. Returns 0, or -1 when scratch
+ * memory could not be allocated (out is then unspecified). */
 int tree_attention(int S, int H, int Hkv, int L, int D, float scale, const float *q, int64_t q_sh, int64_t q_ss,
                    const float *k, int64_t k_sh, int64_t k_ss, const float *v, int64_t v_sh, int64_t v_ss,
                    const float *mask, int64_t m_sh, int64_t m_ss, float *out, int threads) {
-    heads_job j = {.S = S, .H = H, .L = L, .D = D, .group = H / Hkv, .scale = scale, .q = q, .k = k, .v = v,
-                   .mask = mask, .q_sh = q_sh, .q_ss = q_ss, .k_sh = k_sh, .k_ss = k_ss, .v_sh = v_sh, .v_ss = v_ss,
-                   .m_sh = m_sh, .m_ss = m_ss, .out = out};
-    pool_for(threads, H, j.group, heads_task, &j);
-    return j.failed ? -1 : 0;
+    const int group = H / Hkv;
+    int failed = 0;
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1 && H > 1) reduction(| : failed)
+    {
+        float *buf = aligned_alloc(64, (scratch_floats(D, S) * sizeof(float) + 63) / 64 * 64);
+        /* Every thread reaches the worksharing loop, even one without scratch (it then only records the failure). */
+#pragma omp for schedule(static)
+        for (int h = 0; h < H; h++) {
+            if (!buf) {
+                failed = 1;
+                continue;
+            }
+            const int kv = h / group;
+            for (int g = 0; g < S; g += GROUP) {
+                const int nr = S - g < GROUP ? S - g : GROUP;
+                head_attention(
+                    nr, S, L, D, scale, q + h * q_sh + g * q_ss, q_ss, k + kv * k_sh, k_ss, v + kv * v_sh, v_ss,
+                    mask ? mask + h * m_sh + g * m_ss : NULL, m_ss, out + ((int64_t)g * H + h) * D, (int64_t)H * D,
+                    buf);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
 }
 
 /* Fields of one segment's row in tree_attention_ragged's table (int64 each). */
 enum { SEG_S, SEG_L, SEG_ROW, SEG_K, SEG_K_SH, SEG_K_SS, SEG_V, SEG_V_SH, SEG_V_SS, SEG_M, SEG_M_SS, SEG_FIELDS };
-
-typedef struct {
-    const int64_t *table;
-    int H, Hkv, D, group, most;
-    float scale;
-    const float *q, *kn, *vn;
-    int64_t q_sh, q_ss, kn_sh, kn_ss, vn_sh, vn_ss;
-    float *out;
-    int failed; /* atomic */
-} ragged_job;
-
-/* (segment, key/value head) pairs: the segment's new keys and values into its cache. */
-static void ragged_copy_task(void *ctx, int64_t begin, int64_t end) {
-    const ragged_job *j = ctx;
-    const int D = j->D;
-    for (int64_t t = begin; t < end; t++) {
-        const int64_t *seg = j->table + (t / j->Hkv) * SEG_FIELDS;
-        const int kv = (int)(t % j->Hkv), S = (int)seg[SEG_S], L = (int)seg[SEG_L], row = (int)seg[SEG_ROW];
-        float *k = (float *)(intptr_t)seg[SEG_K] + kv * seg[SEG_K_SH];
-        float *v = (float *)(intptr_t)seg[SEG_V] + kv * seg[SEG_V_SH];
-        for (int s = 0; s < S; s++) {
-            memcpy(k + (int64_t)(L - S + s) * seg[SEG_K_SS], j->kn + kv * j->kn_sh + (int64_t)(row + s) * j->kn_ss,
-                   sizeof(float) * D);
-            memcpy(v + (int64_t)(L - S + s) * seg[SEG_V_SS], j->vn + kv * j->vn_sh + (int64_t)(row + s) * j->vn_ss,
-                   sizeof(float) * D);
-        }
-    }
-}
-
-/* (segment, head) pairs: what tree_attention runs for that head. */
-static void ragged_heads_task(void *ctx, int64_t begin, int64_t end) {
-    ragged_job *j = ctx;
-    const int H = j->H, D = j->D;
-    float *buf = scratch(scratch_floats(D, j->most));
-    if (!buf) {
-        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
-        return;
-    }
-    for (int64_t t = begin; t < end; t++) {
-        const int64_t *seg = j->table + (t / H) * SEG_FIELDS;
-        const int h = (int)(t % H), kv = h / j->group, S = (int)seg[SEG_S], L = (int)seg[SEG_L];
-        const int row = (int)seg[SEG_ROW];
-        const float *k = (const float *)(intptr_t)seg[SEG_K] + kv * seg[SEG_K_SH];
-        const float *v = (const float *)(intptr_t)seg[SEG_V] + kv * seg[SEG_V_SH];
-        const float *mask = (const float *)(intptr_t)seg[SEG_M];
-        const int64_t m_ss = seg[SEG_M_SS];
-        for (int g = 0; g < S; g += GROUP) {
-            const int nr = S - g < GROUP ? S - g : GROUP;
-            head_attention(nr, S, L, D, j->scale, j->q + h * j->q_sh + (int64_t)(row + g) * j->q_ss, j->q_ss, k,
-                           seg[SEG_K_SS], v, seg[SEG_V_SS], mask ? mask + g * m_ss : NULL, m_ss,
-                           j->out + ((int64_t)(row + g) * H + h) * D, (int64_t)H * D, buf);
-        }
-    }
-}
 
 /* Every request's verify rows of one layer in one call: a continuous-batching step has tens of requests, and one
  * call per request and layer cost more in Python than the attention itself.
@@ -414,15 +336,50 @@ static void ragged_heads_task(void *ctx, int64_t begin, int64_t end) {
 int tree_attention_ragged(int n, const int64_t *table, int H, int Hkv, int D, float scale, const float *q,
                           int64_t q_sh, int64_t q_ss, const float *kn, int64_t kn_sh, int64_t kn_ss, const float *vn,
                           int64_t vn_sh, int64_t vn_ss, float *out, int threads) {
-    ragged_job j = {.table = table, .H = H, .Hkv = Hkv, .D = D, .group = H / Hkv, .most = 1, .scale = scale, .q = q,
-                    .kn = kn, .vn = vn, .q_sh = q_sh, .q_ss = q_ss, .kn_sh = kn_sh, .kn_ss = kn_ss, .vn_sh = vn_sh,
-                    .vn_ss = vn_ss, .out = out};
+    const int group = H / Hkv;
+    int failed = 0, most = 1; /* the most rows of one segment */
     for (int i = 0; i < n; i++) {
         const int rows = (int)table[(int64_t)i * SEG_FIELDS + SEG_S];
-        j.most = rows > j.most ? rows : j.most;
+        most = rows > most ? rows : most;
     }
-    const int64_t pairs = (int64_t)n * Hkv;
-    pool_for(threads, pairs, (pairs + 2 * threads - 1) / (2 * threads), ragged_copy_task, &j);
-    pool_for(threads, (int64_t)n * H, 1, ragged_heads_task, &j);
-    return j.failed ? -1 : 0;
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n * H > 1) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int t = 0; t < n * Hkv; t++) {
+            const int64_t *seg = table + (int64_t)(t / Hkv) * SEG_FIELDS;
+            const int kv = t % Hkv, S = (int)seg[SEG_S], L = (int)seg[SEG_L], row = (int)seg[SEG_ROW];
+            float *k = (float *)(intptr_t)seg[SEG_K] + kv * seg[SEG_K_SH];
+            float *v = (float *)(intptr_t)seg[SEG_V] + kv * seg[SEG_V_SH];
+            for (int s = 0; s < S; s++) {
+                memcpy(k + (int64_t)(L - S + s) * seg[SEG_K_SS], kn + kv * kn_sh + (int64_t)(row + s) * kn_ss,
+                       sizeof(float) * D);
+                memcpy(v + (int64_t)(L - S + s) * seg[SEG_V_SS], vn + kv * vn_sh + (int64_t)(row + s) * vn_ss,
+                       sizeof(float) * D);
+            }
+        }
+        float *buf = aligned_alloc(64, (scratch_floats(D, most) * sizeof(float) + 63) / 64 * 64);
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < n * H; t++) {
+            if (!buf) {
+                failed = 1;
+                continue;
+            }
+            const int64_t *seg = table + (int64_t)(t / H) * SEG_FIELDS;
+            const int h = t % H, kv = h / group, S = (int)seg[SEG_S], L = (int)seg[SEG_L], row = (int)seg[SEG_ROW];
+            const float *k = (const float *)(intptr_t)seg[SEG_K] + kv * seg[SEG_K_SH];
+            const float *v = (const float *)(intptr_t)seg[SEG_V] + kv * seg[SEG_V_SH];
+            const float *mask = (const float *)(intptr_t)seg[SEG_M];
+            const int64_t m_ss = seg[SEG_M_SS];
+            for (int g = 0; g < S; g += GROUP) {
+                const int nr = S - g < GROUP ? S - g : GROUP;
+                head_attention(
+                    nr, S, L, D, scale, q + h * q_sh + (int64_t)(row + g) * q_ss, q_ss, k, seg[SEG_K_SS], v,
+                    seg[SEG_V_SS], mask ? mask + g * m_ss : NULL, m_ss, out + ((int64_t)(row + g) * H + h) * D,
+                    (int64_t)H * D, buf);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
 }

@@ -26,7 +26,6 @@
 #include <string.h>
 
 #include "gemm_cpu.h"
-#include "pool_cpu.h"
 
 /* attention_cpu.c */
 int tree_attention_ragged(int n, const int64_t *table, int H, int Hkv, int D, float scale, const float *q,
@@ -59,27 +58,13 @@ typedef struct {
 /* Rows of elementwise work below which one thread does it (waking the other costs more). */
 #define PARALLEL_MIN_ELEMENTS 32768
 
-/* Threads for elementwise work over this many elements, and its chunks of rows (a few per thread, claimed from the
- * pool: pool_cpu.c). */
-static int threads_for_elements(int threads, int64_t elements) {
-    return elements >= PARALLEL_MIN_ELEMENTS ? threads : 1;
-}
-static int64_t row_grain(int R, int threads) { return (R + 2 * threads - 1) / (2 * threads); }
-
-typedef struct {
-    const decoder_t *m;
-    const float *x, *w, *b;
-    float *out;
-} norm_job;
-
-static void norm_task(void *ctx, int64_t begin, int64_t end) {
-    const norm_job *j = ctx;
-    const decoder_t *m = j->m;
+static void norm_rows(const decoder_t *m, int R, const float *restrict x, const float *restrict w,
+                      const float *restrict b, float *restrict out, int threads) {
     const int E = m->hidden;
-    const float *restrict w = j->w, *restrict b = j->b;
-    for (int64_t r = begin; r < end; r++) {
-        const float *xr = j->x + r * E;
-        float *o = j->out + r * E;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)R * E >= PARALLEL_MIN_ELEMENTS)
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + (int64_t)r * E;
+        float *o = out + (int64_t)r * E;
         if (m->norm == NORM_LAYER) {
             double sum = 0.0, sq = 0.0;
             for (int i = 0; i < E; i++) sum += xr[i];
@@ -99,13 +84,6 @@ static void norm_task(void *ctx, int64_t begin, int64_t end) {
     }
 }
 
-static void norm_rows(const decoder_t *m, int R, const float *x, const float *w, const float *b, float *out,
-                      int threads) {
-    norm_job j = {m, x, w, b, out};
-    threads = threads_for_elements(threads, (int64_t)R * m->hidden);
-    pool_for(threads, R, row_grain(R, threads), norm_task, &j);
-}
-
 /* Rotate-half rotary on the first `rotary` dims of `heads` heads of one row, in place: x[h * sh .. + rotary). */
 static inline void rotate(float *restrict x, int heads, int64_t sh, int rotary, const float *restrict cos,
                           const float *restrict sin) {
@@ -121,46 +99,6 @@ static inline void rotate(float *restrict x, int heads, int64_t sh, int rotary, 
 
 static inline float gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
-
-typedef struct {
-    const decoder_t *m;
-    float *qkv;
-    const float *cos, *sin;
-    int W;
-    int64_t head_stride, q_off, k_off;
-} rotary_job;
-
-static void rotary_task(void *ctx, int64_t begin, int64_t end) {
-    const rotary_job *j = ctx;
-    const int rotary = j->m->rotary;
-    for (int64_t r = begin; r < end; r++) {
-        float *row = j->qkv + r * j->W;
-        const float *c = j->cos + r * rotary, *s = j->sin + r * rotary;
-        rotate(row + j->q_off, j->m->heads, j->head_stride, rotary, c, s);
-        rotate(row + j->k_off, j->m->kv_heads, j->head_stride, rotary, c, s);
-    }
-}
-
-/* The MLP's activation in place over rows of up: silu(gate) * up (gated), else gelu(up). */
-typedef struct {
-    float *up;
-    const float *gate;
-    int I;
-} activation_job;
-
-static void activation_task(void *ctx, int64_t begin, int64_t end) {
-    const activation_job *j = ctx;
-    const int I = j->I;
-    for (int64_t r = begin; r < end; r++) {
-        float *u = j->up + r * I;
-        if (j->gate) {
-            const float *g = j->gate + r * I;
-            for (int i = 0; i < I; i++) u[i] = silu(g[i]) * u[i];
-        } else {
-            for (int i = 0; i < I; i++) u[i] = gelu(u[i]);
-        }
-    }
-}
 
 /* R rows through every layer: hidden [R, E] in place (the embeddings in, the last layer's output out); cos / sin
  * [R, rotary] per row (its position's); tables [n_layers, n_seg, 11]: each layer's segment table for
@@ -193,9 +131,13 @@ int decoder_layers(const decoder_t *m, int R, float *hidden, const float *cos, c
             gemm_rows(w->k_fmt, R, Hkv * D, E, w->k, w->k_b, normed, E, qkv + k_off, W);
             gemm_rows(w->v_fmt, R, Hkv * D, E, w->v, w->v_b, normed, E, qkv + v_off, W);
         }
-        rotary_job rj = {m, qkv, cos, sin, W, head_stride, q_off, k_off};
-        const int rt = threads_for_elements(threads, elements);
-        pool_for(rt, R, row_grain(R, rt), rotary_task, &rj);
+#pragma omp parallel for num_threads(threads) if (threads > 1 && elements >= PARALLEL_MIN_ELEMENTS)
+        for (int r = 0; r < R; r++) {
+            float *row = qkv + (int64_t)r * W;
+            const float *c = cos + (int64_t)r * m->rotary, *s = sin + (int64_t)r * m->rotary;
+            rotate(row + q_off, H, head_stride, m->rotary, c, s);
+            rotate(row + k_off, Hkv, head_stride, m->rotary, c, s);
+        }
         failed = tree_attention_ragged(n_seg, tables + (int64_t)l * n_seg * 11, H, Hkv, D, m->scale, qkv + q_off,
                                        head_stride, W, qkv + k_off, head_stride, W, qkv + v_off, head_stride, W,
                                        ctx, threads);
@@ -208,10 +150,19 @@ int decoder_layers(const decoder_t *m, int R, float *hidden, const float *cos, c
         }
         norm_rows(m, R, x, w->norm2_w, w->norm2_b, normed, threads);
         gemm_rows(w->up_fmt, R, I, E, w->up, w->up_b, normed, E, up, I);
-        if (gated) gemm_rows(w->gate_fmt, R, I, E, w->gate, w->gate_b, normed, E, gate, I);
-        activation_job aj = {up, gated ? gate : NULL, I};
-        const int at = threads_for_elements(threads, (int64_t)R * I);
-        pool_for(at, R, row_grain(R, at), activation_task, &aj);
+        if (gated) {
+            gemm_rows(w->gate_fmt, R, I, E, w->gate, w->gate_b, normed, E, gate, I);
+#pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)R * I >= PARALLEL_MIN_ELEMENTS)
+            for (int r = 0; r < R; r++) {
+                float *u = up + (int64_t)r * I;
+                const float *g = gate + (int64_t)r * I;
+                for (int i = 0; i < I; i++) u[i] = silu(g[i]) * u[i];
+            }
+        } else {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)R * I >= PARALLEL_MIN_ELEMENTS)
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < I; i++) up[(int64_t)r * I + i] = gelu(up[(int64_t)r * I + i]);
+        }
         gemm_rows(w->down_fmt, R, E, I, w->down, w->down_b, up, I, mlp, E);
         if (m->parallel_residual)
             for (int64_t i = 0; i < (int64_t)R * E; i++) hidden[i] = mlp[i] + attn[i] + hidden[i];

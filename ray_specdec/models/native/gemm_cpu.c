@@ -18,8 +18,11 @@
 #if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "gemm_cpu.h"
-#include "pool_cpu.h"
 
 /* 16 floats in one vector value (GCC / Clang vector extension), loadable from any float address. */
 typedef float vf16 __attribute__((vector_size(64), aligned(4)));
@@ -144,69 +147,48 @@ static inline __attribute__((always_inline)) void gemm_block(
  * is read front to back. The padded tail goes through the same vector code as every other block (its extra outputs
  * are dropped): every output is computed the same way in every panel format. (A dot product per output over the
  * weight's own layout chains every multiply-add of a row into one accumulator and was latency-bound: ~4x slower.)
- * Output blocks are claimed one at a time by the pool's threads (pool_cpu.c): a thread that another process preempts
- * mid-product leaves its blocks to the others, and one that never started is not waited for (each block is still
- * computed whole by one thread, in the same order, so the result is the same bits). Claiming blocks one at a time
- * was already worth it under OpenMP: in process at 32 requests (tree none, fresh prompts, prefill's products on this
- * path) beside a process busy 0.5 ms of every 2 ms, 758 / 732 tokens/s against 688 / 691 with a static split. */
-typedef struct {
-    int rows, n_in, n64, n16, tail, x_stride, y_stride;
-    const void *P;
-    const float *bias, *x;
-    float *y;
-} gemm_job;
-
-static inline __attribute__((always_inline)) void gemm_output_block(const int FMT, const gemm_job *j, int b) {
+ * Output blocks are claimed one at a time by `threads` OpenMP threads: a thread that another process preempts
+ * mid-product leaves its blocks to the other instead of holding it at the end (each block is still computed whole by
+ * one thread, in the same order, so the result is the same bits). On the 2-core machine, in process at 32 requests
+ * (tree none, fresh prompts, prefill's products on this path) beside a process busy 0.5 ms of every 2 ms: 758 / 732
+ * tokens/s against 688 / 691 with a static split; 853 against 851 with nothing beside. */
+static inline __attribute__((always_inline)) void gemm_panels(
+    const int FMT, int rows, int n_out, int n_in, const void *restrict P, const float *restrict bias,
+    const float *restrict x, int x_stride, float *restrict y, int y_stride, int threads) {
     const int elem = FMT == PANEL_F32 ? 4 : 2;
-    const int n64 = j->n64, n16 = j->n16, tail = j->tail, n_in = j->n_in, rows = j->rows, x_stride = j->x_stride;
-    const int y_stride = j->y_stride;
-    const float *bias = j->bias;
-    const int o = b < n64 ? 64 * b : 64 * n64 + 16 * (b - n64);
-    const void *panel = (const char *)j->P + (int64_t)o * n_in * elem;
-    float padded_bias[LANES] = {0}, padded_out[ROW_BLOCK * LANES];
-    if (b == n64 + n16 && bias)
-        for (int k = 0; k < tail; k++) padded_bias[k] = bias[o + k];
-    for (int r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
-        const int nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
-        const float *xr = j->x + (int64_t)r0 * x_stride;
-        float *yr = j->y + (int64_t)r0 * y_stride;
-        if (b < n64 + n16) {
-            const float *b_ = bias ? bias + o : NULL;
-            float *y_ = yr + o;
-            const int y_stride_ = y_stride;
-            if (b < n64) {
-                FOR_ROWS(4)
+    const int n64 = n_out / 64, n16 = (n_out - 64 * n64) / 16, tail = n_out - 64 * n64 - 16 * n16;
+    const int blocks = n64 + n16 + (tail > 0);
+    (void)threads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && blocks > 1)
+    for (int b = 0; b < blocks; b++) {
+        const int o = b < n64 ? 64 * b : 64 * n64 + 16 * (b - n64);
+        const void *panel = (const char *)P + (int64_t)o * n_in * elem;
+        float padded_bias[LANES] = {0}, padded_out[ROW_BLOCK * LANES];
+        if (b == n64 + n16 && bias)
+            for (int j = 0; j < tail; j++) padded_bias[j] = bias[o + j];
+        for (int r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+            const int nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
+            const float *xr = x + (int64_t)r0 * x_stride;
+            float *yr = y + (int64_t)r0 * y_stride;
+            if (b < n64 + n16) {
+                const float *b_ = bias ? bias + o : NULL;
+                float *y_ = yr + o;
+                const int y_stride_ = y_stride;
+                if (b < n64) {
+                    FOR_ROWS(4)
+                } else {
+                    FOR_ROWS(1)
+                }
             } else {
+                const float *b_ = bias ? padded_bias : NULL;
+                float *y_ = padded_out;
+                const int y_stride_ = LANES;
                 FOR_ROWS(1)
+                for (int r = 0; r < nr; r++)
+                    for (int j = 0; j < tail; j++) yr[(int64_t)r * y_stride + o + j] = padded_out[r * LANES + j];
             }
-        } else {
-            const float *b_ = bias ? padded_bias : NULL;
-            float *y_ = padded_out;
-            const int y_stride_ = LANES;
-            FOR_ROWS(1)
-            for (int r = 0; r < nr; r++)
-                for (int k = 0; k < tail; k++) yr[(int64_t)r * y_stride + o + k] = padded_out[r * LANES + k];
         }
     }
-}
-
-#define GEMM_TASK(NAME, FMT)                                                        \
-    static void NAME(void *ctx, int64_t begin, int64_t end) {                     \
-        for (int64_t b = begin; b < end; b++) gemm_output_block(FMT, ctx, (int)b); \
-    }
-GEMM_TASK(gemm_task_f32, PANEL_F32)
-GEMM_TASK(gemm_task_f16, PANEL_F16)
-GEMM_TASK(gemm_task_bf16, PANEL_BF16)
-
-static void gemm_panels(int format, int rows, int n_out, int n_in, const void *P, const float *bias, const float *x,
-                        int x_stride, float *y, int y_stride, int threads) {
-    gemm_job j = {.rows = rows, .n_in = n_in, .n64 = n_out / 64, .x_stride = x_stride, .y_stride = y_stride, .P = P,
-                  .bias = bias, .x = x, .y = y};
-    j.n16 = (n_out - 64 * j.n64) / 16;
-    j.tail = n_out - 64 * j.n64 - 16 * j.n16;
-    const int blocks = j.n64 + j.n16 + (j.tail > 0);
-    pool_for(threads, blocks, 1,
-             format == PANEL_F16 ? gemm_task_f16 : format == PANEL_BF16 ? gemm_task_bf16 : gemm_task_f32, &j);
 }
 
 /* Threads for a product of this many multiply-adds: more only where waking them pays (set by native/__init__.py). */
@@ -224,7 +206,13 @@ static int threads_for(int rows, int n_out, int n_in) { return threads_for_macs(
 
 void gemm_rows(int format, int rows, int n_out, int n_in, const void *restrict P, const float *restrict bias,
                const float *restrict x, int x_stride, float *restrict y, int y_stride) {
-    gemm_panels(format, rows, n_out, n_in, P, bias, x, x_stride, y, y_stride, threads_for(rows, n_out, n_in));
+    const int threads = threads_for(rows, n_out, n_in);
+    if (format == PANEL_F16)
+        gemm_panels(PANEL_F16, rows, n_out, n_in, P, bias, x, x_stride, y, y_stride, threads);
+    else if (format == PANEL_BF16)
+        gemm_panels(PANEL_BF16, rows, n_out, n_in, P, bias, x, x_stride, y, y_stride, threads);
+    else
+        gemm_panels(PANEL_F32, rows, n_out, n_in, P, bias, x, x_stride, y, y_stride, threads);
 }
 
 /* y [rows, n_out] = x [rows, n_in] @ W^T (+ bias), W as panels of `format` (PANEL_*): a Linear layer's product for

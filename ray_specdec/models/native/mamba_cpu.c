@@ -9,13 +9,16 @@
  * The math is the torch path's (ray_specdec/models/mamba_drafter.py), operation for operation; sums are reassociated
  * (-ffast-math), so results agree to float32 rounding, not bit for bit. For the drafter that is enough: its drafts
  * only change acceptance; the target verifies every token. Products and the scan split their work over up to
- * torch's intra-op thread count (set from Python), on the pool of pool_cpu.c. Built at first use by native/__init__.py.
+ * torch's intra-op thread count (set from Python) when built with -fopenmp. Built at first use by native/__init__.py.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "gemm_cpu.h"
-#include "pool_cpu.h"
 
 typedef struct {
     const float *norm;          /* [d_model] */
@@ -60,59 +63,6 @@ static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 /* torch's softplus (beta 1, threshold 20). */
 static inline float softplus(float v) { return v > 20.0f ? v : log1pf(expf(v)); }
 
-/* One layer's conv and scan over (row, channel) pairs: each pair runs its row's tokens in order on one thread. */
-typedef struct {
-    const model_t *m;
-    const layer_t *w;
-    int l;
-    const int64_t *offsets;
-    float *const *conv_rows, *const *ssm_rows;
-    int64_t conv_layer_stride, ssm_layer_stride;
-    float *xz, *y;
-    const float *xdbl, *dt;
-} mix_job;
-
-/* Depthwise causal conv over the window (the state's last d_conv - 1 inputs, then x), then SiLU; x in place. */
-static void conv_task(void *ctx, int64_t begin, int64_t end) {
-    const mix_job *j = ctx;
-    const int di = j->m->d_inner, dc = j->m->d_conv;
-    const layer_t *w = j->w;
-    for (int64_t rc = begin; rc < end; rc++) {
-        const int r = (int)(rc / di), c = (int)(rc % di);
-        float *cs = j->conv_rows[r] + j->l * j->conv_layer_stride + (int64_t)c * dc;
-        for (int64_t t = j->offsets[r]; t < j->offsets[r + 1]; t++) {
-            float *x = j->xz + (size_t)t * 2 * di;
-            for (int k = 0; k + 1 < dc; k++) cs[k] = cs[k + 1];
-            cs[dc - 1] = x[c];
-            float acc = 0.0f;
-            for (int k = 0; k < dc; k++) acc += cs[k] * w->conv[c * dc + k];
-            if (w->conv_bias) acc += w->conv_bias[c];
-            x[c] = silu(acc);
-        }
-    }
-}
-
-static void scan_task(void *ctx, int64_t begin, int64_t end) {
-    const mix_job *j = ctx;
-    const int di = j->m->d_inner, N = j->m->d_state, dr = j->m->dt_rank, nx = dr + 2 * N;
-    const layer_t *w = j->w;
-    for (int64_t rc = begin; rc < end; rc++) {
-        const int r = (int)(rc / di), c = (int)(rc % di);
-        float *ss = j->ssm_rows[r] + j->l * j->ssm_layer_stride + (int64_t)c * N;
-        const float *A = w->A + c * N;
-        for (int64_t t = j->offsets[r]; t < j->offsets[r + 1]; t++) {
-            const float *x = j->xz + (size_t)t * 2 * di, *z = x + di, *B = j->xdbl + (size_t)t * nx + dr, *C = B + N;
-            const float d = softplus(j->dt[(size_t)t * di + c]), dx = d * x[c];
-            float acc = 0.0f;
-            for (int n = 0; n < N; n++) {
-                ss[n] = ss[n] * expf(d * A[n]) + dx * B[n];
-                acc += ss[n] * C[n];
-            }
-            j->y[(size_t)t * di + c] = (acc + x[c] * w->D[c]) * silu(z[c]);
-        }
-    }
-}
-
 /* Rows of state, each with tokens of its own, through every layer, then the head at each row's last token.
  * Row r takes tokens[offsets[r] .. offsets[r + 1]) (at least one; offsets[0] = 0) and advances its own state in
  * place: its conv state for layer l is conv_rows[r] + l * conv_layer_stride ([d_inner, d_conv], oldest input first),
@@ -126,7 +76,7 @@ static void scan_task(void *ctx, int64_t begin, int64_t end) {
  * (nothing is changed then). */
 int mamba_forward_rows(const model_t *m, int R, const int64_t *offsets, const int64_t *tokens, float *const *conv_rows,
                        float *const *ssm_rows, int64_t conv_layer_stride, int64_t ssm_layer_stride, float *logits) {
-    const int dm = m->d_model, di = m->d_inner, N = m->d_state, dr = m->dt_rank;
+    const int dm = m->d_model, di = m->d_inner, dc = m->d_conv, N = m->d_state, dr = m->dt_rank;
     const int nx = dr + 2 * N, rows = (int)offsets[R];
     float *buf = malloc(sizeof(float) * (size_t)rows * (2 * dm + 2 * di + nx + 2 * di));
     if (!buf) return -1;
@@ -134,7 +84,7 @@ int mamba_forward_rows(const model_t *m, int R, const int64_t *offsets, const in
     float *xdbl = xz + (size_t)rows * 2 * di, *dt = xdbl + (size_t)rows * nx, *y = dt + (size_t)rows * di;
     /* the conv and the scan: ~16 multiply-adds and exponentials per channel and state element (8 for the weights) */
     const int threads = threads_for_macs((int64_t)rows * di * N * 8);
-    const int64_t channels = (int64_t)R * di, grain = (channels + 2 * threads - 1) / (2 * threads);
+    const int64_t channels = (int64_t)R * di;
 
     for (int t = 0; t < rows; t++)
         for (int i = 0; i < dm; i++) residual[(size_t)t * dm + i] = m->embed[tokens[t] * dm + i];
@@ -143,11 +93,39 @@ int mamba_forward_rows(const model_t *m, int R, const int64_t *offsets, const in
         const layer_t *w = &m->layers[l];
         rms_norm(rows, dm, residual, w->norm, m->eps, h);
         gemm_rows(w->in_proj_format, rows, 2 * di, dm, w->in_proj, w->in_proj_bias, h, dm, xz, 2 * di);
-        mix_job j = {m, w, l, offsets, conv_rows, ssm_rows, conv_layer_stride, ssm_layer_stride, xz, y, xdbl, dt};
-        pool_for(threads, channels, grain, conv_task, &j);
+        /* depthwise causal conv over the window (the state's last d_conv - 1 inputs, then x), then SiLU; x in place */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t rc = 0; rc < channels; rc++) {
+            const int r = (int)(rc / di), c = (int)(rc % di);
+            float *cs = conv_rows[r] + l * conv_layer_stride + (int64_t)c * dc;
+            for (int64_t t = offsets[r]; t < offsets[r + 1]; t++) {
+                float *x = xz + (size_t)t * 2 * di;
+                for (int k = 0; k + 1 < dc; k++) cs[k] = cs[k + 1];
+                cs[dc - 1] = x[c];
+                float acc = 0.0f;
+                for (int k = 0; k < dc; k++) acc += cs[k] * w->conv[c * dc + k];
+                if (w->conv_bias) acc += w->conv_bias[c];
+                x[c] = silu(acc);
+            }
+        }
         gemm_rows(w->x_proj_format, rows, nx, di, w->x_proj, NULL, xz, 2 * di, xdbl, nx);
         gemm_rows(w->dt_proj_format, rows, di, dr, w->dt_proj, w->dt_bias, xdbl, nx, dt, di);
-        pool_for(threads, channels, grain, scan_task, &j);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t rc = 0; rc < channels; rc++) {
+            const int r = (int)(rc / di), c = (int)(rc % di);
+            float *ss = ssm_rows[r] + l * ssm_layer_stride + (int64_t)c * N;
+            const float *A = w->A + c * N;
+            for (int64_t t = offsets[r]; t < offsets[r + 1]; t++) {
+                const float *x = xz + (size_t)t * 2 * di, *z = x + di, *B = xdbl + (size_t)t * nx + dr, *C = B + N;
+                const float d = softplus(dt[(size_t)t * di + c]), dx = d * x[c];
+                float acc = 0.0f;
+                for (int n = 0; n < N; n++) {
+                    ss[n] = ss[n] * expf(d * A[n]) + dx * B[n];
+                    acc += ss[n] * C[n];
+                }
+                y[(size_t)t * di + c] = (acc + x[c] * w->D[c]) * silu(z[c]);
+            }
+        }
         gemm_rows(w->out_proj_format, rows, dm, di, w->out_proj, w->out_proj_bias, y, di, h, dm);
         for (size_t i = 0; i < (size_t)rows * dm; i++) residual[i] += h[i];
     }
@@ -182,35 +160,31 @@ int mamba_forward(const model_t *m, int R, int S, const int64_t *tokens, float *
 /* The selective scan over S tokens: state[c] <- state[c] * exp(dt[t, c] A[c]) + dt[t, c] x[t, c] B[t];
  * y[t, c] = C[t] . state[c]  (before the D skip and the gate, as the torch path's _scan_block). dt (after softplus)
  * and x: [S, d_inner]; B, C: [S, N]; A: [d_inner, N]; state [d_inner, N] carried in and out; y [S, d_inner].
- * Channels are independent: the pool's threads claim ranges of them, each scanned over every token. */
-typedef struct {
-    int S, d_inner, N;
-    const float *dt, *x, *B, *C, *A;
-    float *state, *y;
-} scan_job;
-
-static void scan_channels_task(void *ctx, int64_t c0, int64_t c1) {
-    const scan_job *j = ctx;
-    const int d_inner = j->d_inner, N = j->N;
-    for (int64_t t = 0; t < j->S; t++) {
-        const float *Bt = j->B + t * N, *Ct = j->C + t * N;
-        for (int64_t c = c0; c < c1; c++) {
-            const float d = j->dt[t * d_inner + c], dx = d * j->x[t * d_inner + c];
-            const float *Ac = j->A + c * N;
-            float *s = j->state + c * N;
-            float acc = 0.0f;
-            for (int n = 0; n < N; n++) {
-                s[n] = s[n] * expf(d * Ac[n]) + dx * Bt[n];
-                acc += s[n] * Ct[n];
+ * Channels are independent: each thread scans its own contiguous range of them over every token. */
+void mamba_scan(int S, int d_inner, int N, const float *restrict dt, const float *restrict x, const float *restrict B,
+                const float *restrict C, const float *restrict A, float *restrict state, float *restrict y) {
+    const int threads = threads_for_macs((int64_t)S * d_inner * N);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int c0 = 0, c1 = d_inner;
+#ifdef _OPENMP
+        const int per = (d_inner + omp_get_num_threads() - 1) / omp_get_num_threads();
+        c0 = per * omp_get_thread_num();
+        c1 = c0 + per < d_inner ? c0 + per : d_inner;
+#endif
+        for (int64_t t = 0; t < S; t++) {
+            const float *Bt = B + t * N, *Ct = C + t * N;
+            for (int c = c0; c < c1; c++) {
+                const float d = dt[t * d_inner + c], dx = d * x[t * d_inner + c];
+                const float *Ac = A + (int64_t)c * N;
+                float *s = state + (int64_t)c * N;
+                float acc = 0.0f;
+                for (int n = 0; n < N; n++) {
+                    s[n] = s[n] * expf(d * Ac[n]) + dx * Bt[n];
+                    acc += s[n] * Ct[n];
+                }
+                y[t * d_inner + c] = acc;
             }
-            j->y[t * d_inner + c] = acc;
         }
     }
-}
-
-void mamba_scan(int S, int d_inner, int N, const float *dt, const float *x, const float *B, const float *C,
-                const float *A, float *state, float *y) {
-    const int threads = threads_for_macs((int64_t)S * d_inner * N);
-    scan_job j = {S, d_inner, N, dt, x, B, C, A, state, y};
-    pool_for(threads, d_inner, (d_inner + 2 * threads - 1) / (2 * threads), scan_channels_task, &j);
 }

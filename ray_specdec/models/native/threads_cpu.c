@@ -10,8 +10,7 @@
 #include <omp.h>
 #endif
 
-/* The calling thread's OS id (-1 where there is none to know); pool_cpu.c records its workers' with it. */
-int64_t os_thread_id(void) {
+static int64_t this_thread_id(void) {
 #if defined(__linux__)
     return (int64_t)syscall(SYS_gettid);
 #else
@@ -26,12 +25,12 @@ int omp_team_thread_ids(int threads, int64_t *out) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
     {
-        out[omp_get_thread_num()] = os_thread_id();
+        out[omp_get_thread_num()] = this_thread_id();
         if (omp_get_thread_num() == 0) size = omp_get_num_threads();
     }
 #else
     (void)threads;
-    out[0] = os_thread_id();
+    out[0] = this_thread_id();
 #endif
     return size;
 }
