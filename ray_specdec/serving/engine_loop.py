@@ -187,7 +187,8 @@ class EngineLoop:
                     self._apply(command)
                 except Exception as exc:  # an abort that freed its cache on a failed target
                     self._fault(exc)
-            self._observe(time.monotonic())
+            if commands:  # (else nothing changed since the last look, after the last step)
+                self._observe(time.monotonic())
             if not self.scheduler.has_work:
                 continue
             t0, start = time.perf_counter(), time.monotonic()
@@ -195,6 +196,7 @@ class EngineLoop:
                 outputs = self.scheduler.step()
             except Exception as exc:
                 self._fault(exc)
+                self._observe(time.monotonic())
                 continue
             end = time.monotonic()
             self._observe(start)  # a step admits first
@@ -226,7 +228,7 @@ class EngineLoop:
     def _observe(self, admitted_at: float) -> None:
         """The scheduler's state, and the requests admitted since the last look (at `admitted_at`)."""
         s = self.scheduler
-        self.metrics.admissions({r.request_id for r in s.waiting}, admitted_at)
+        self.metrics.admissions((r.request_id for r in s.waiting), admitted_at)
         self.metrics.scheduler_state(s.num_running, s.num_waiting, s.reserved, s.config.kv_budget_tokens)
         if s.prefix is not None:
             self.metrics.prefix_cache(s.prefix.queried_rows, s.prefix.hit_rows)

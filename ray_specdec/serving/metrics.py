@@ -26,9 +26,8 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -156,7 +155,13 @@ class _Live:
     arrival: float
     prompt_tokens: int
     last: float | None = None  # when its latest round with tokens ended
-    counted: Counter = field(default_factory=Counter)  # its rounds' counts already in the counters
+    # its rounds already in the counters: GenerationStats' totals as of the last look
+    rounds: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    reached: list[int] = field(default_factory=list)
+    offered: list[int] = field(default_factory=list)
+    trees: dict[str, int] = field(default_factory=dict)
 
 
 class EngineMetrics(Recorder):
@@ -173,9 +178,13 @@ class EngineMetrics(Recorder):
             self._live[request_id] = _Live(t, prompt_tokens)
             self._queued.add(request_id)
 
-    def admissions(self, waiting: set[str], t: float) -> None:
-        """Requests that arrived and are no longer `waiting` (ids) were admitted at `t`."""
+    def admissions(self, waiting: Iterable[str], t: float) -> None:
+        """Requests that arrived and are no longer `waiting` (ids; read only while some arrived and were not
+        admitted yet) were admitted at `t`."""
         with self._lock:
+            if not self._queued:
+                return
+            waiting = set(waiting)
             for request_id in self._queued - waiting:
                 self._observe(QUEUE, t - self._live[request_id].arrival)
             self._queued &= waiting
@@ -195,10 +204,8 @@ class EngineMetrics(Recorder):
                     self._observe(ITL, t - live.last)
                 live.last = t
                 self._inc(GENERATION_TOKENS, num_tokens)
-            counts = _round_counts(stats)
-            for (name, labels), n in (counts - live.counted).items():
-                self._inc(name, n, labels)
-            live.counted = counts
+            if stats.rounds != live.rounds:
+                self._count_rounds(live, stats)
             if finish_reason is not None:
                 self._end(request_id, finish_reason, t)
 
@@ -230,22 +237,40 @@ class EngineMetrics(Recorder):
             self._values[GUARD_SPEEDUP] = {key: level["speedup"] for key, level in sets
                                            if level["speedup"] is not None}  # fmt: skip
 
+    def _count_rounds(self, live: _Live, stats: GenerationStats) -> None:
+        """The spec-decode counters of the request's rounds since the last look (`stats`: its totals so far). Every
+        step calls this for every request: plain differences of a few numbers. (Counts only grow: a smaller total
+        counts nothing.)"""
+        for name, now, before in ((DRAFTS, stats.drafts, live.drafts),
+                                  (DRAFT_TOKENS, stats.draft_tokens, live.draft_tokens)):  # fmt: skip
+            if now > before:
+                self._inc(name, now - before)
+        accepted = self._inc_per_position(ACCEPTED_PER_POS, stats.reached_depth, live.reached)
+        if accepted:  # a round that kept k tokens reached depths 1..k
+            self._inc(ACCEPTED, accepted)
+        self._inc_per_position(DRAFTS_PER_POS, stats.offered_depth, live.offered)
+        for tree, n in stats.trees.items():
+            if n > live.trees.get(tree, 0):
+                self._inc(ROUNDS, n - live.trees.get(tree, 0), (tree,))
+        live.rounds, live.drafts, live.draft_tokens = stats.rounds, stats.drafts, stats.draft_tokens
+        live.reached, live.offered, live.trees = list(stats.reached_depth), list(stats.offered_depth), dict(stats.trees)
+
+    def _inc_per_position(self, name: str, now: list[int], before: list[int]) -> int:
+        """Counts per depth position since `before` (both cumulative) into the counter; -> their sum."""
+        total = 0
+        for p, n in enumerate(now):
+            delta = n - (before[p] if p < len(before) else 0)
+            if delta > 0:
+                self._inc(name, delta, (str(p),))
+                total += delta
+        return total
+
     def _end(self, request_id: str, reason: str, t: float) -> None:
         live = self._live.pop(request_id)
         self._queued.discard(request_id)
         self._inc(REQUEST_SUCCESS, 1, (reason,))
         if reason in ("stop", "length"):
             self._observe(E2E, t - live.arrival)
-
-
-def _round_counts(stats: GenerationStats) -> Counter:
-    """A request's spec-decode counters so far: {(metric name, label values): count}."""
-    counts = Counter({(DRAFTS, ()): stats.drafts, (DRAFT_TOKENS, ()): stats.draft_tokens,
-                      (ACCEPTED, ()): sum(stats.reached_depth)})  # a round that kept k tokens reached depths 1..k
-    counts.update({(ACCEPTED_PER_POS, (str(p),)): n for p, n in enumerate(stats.reached_depth)})
-    counts.update({(DRAFTS_PER_POS, (str(p),)): n for p, n in enumerate(stats.offered_depth)})
-    counts.update({(ROUNDS, (tree,)): n for tree, n in stats.trees.items()})
-    return counts
 
 
 class RouterMetrics(Recorder):
