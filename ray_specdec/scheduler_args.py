@@ -1,4 +1,5 @@
-"""SchedulerConfig's fields as command-line flags: one settings object that `generate`, `bench` and the app parse.
+"""The scheduler's settings (`SchedulerConfig`) and their command-line flags: one settings object that `generate`,
+`bench` and the app parse.
 
 `add_scheduler_arguments` adds a flag per field (`kv_budget_tokens` -> `--kv-budget-tokens`; booleans as
 `--goodput / --no-goodput`), typed, defaulted and described from the dataclass itself (the comment on each field is
@@ -14,10 +15,44 @@ import argparse
 import inspect
 import math
 import re
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import get_type_hints
 
-from ray_specdec.scheduler import SchedulerConfig
+from ray_specdec.config import MAX_LOOKUP_TOKENS
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler admits, batches and drafts (scheduler.py); each field is a flag of
+    `add_scheduler_arguments`, its comment the help."""
+
+    kv_budget_tokens: int = 1 << 17  # KV rows all admitted requests may hold together (reserved at admission)
+    max_running: int = 64  # requests decoding or prefilling at once
+    max_waiting: int = 256  # queued requests beyond which add() raises QueueFull
+    # 1024, not 2048: a CPU prefill row costs ~0.17 ms, and steps of 2048 rows held the decoding requests for ~350 ms
+    # at a time (docs/BENCHMARKS.md, "Step budget"): time to first token halved at 8 and 32 requests, tokens/s kept
+    step_tokens: int = 1024  # target rows per step: verify rows first, prefill chunks in what is left (>= 1 chunk)
+    prefill_chunk: int = 512  # a prompt's chunks are cut at multiples of this: its KV never depends on the batch
+    min_path_prob: float = 0.0  # drafts stop at depths the drafter rates below this (DrafterSession.draft)
+    lookup: int = 0  # prompt-lookup tokens added to every drafted tree of greedy requests
+    # undrafted by the policy's, the guard's or the start rule's choice; never under a tree the client asked for
+    plain_lookup: int = 0  # prompt-lookup tokens verified in greedy rounds that run undrafted (no drafter step)
+    goodput: bool = True  # shrink the policy's picks when the batch's goodput says so (goodput.py)
+    guard: bool = True  # run a load level undrafted while its drafted steps measure slower (speculation_guard.py)
+    prefix_cache: bool = True  # keep prompt chunks' KV in unreserved budget for later prompts (prefix_cache.py)
+
+    def __post_init__(self) -> None:
+        for name in ("kv_budget_tokens", "max_running", "step_tokens", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not 0.0 <= self.min_path_prob < 1.0:
+            raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
+        for name in ("lookup", "plain_lookup"):
+            if not 0 <= getattr(self, name) <= MAX_LOOKUP_TOKENS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOOKUP_TOKENS}], got {getattr(self, name)}")
+
 
 # `name: type = default  # comment` in the dataclass's source
 _FIELD_COMMENT = re.compile(r"^\s+(\w+): [^=#\n]+=[^#\n]*#\s*(.*?)\s*$", re.MULTILINE)
