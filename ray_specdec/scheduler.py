@@ -38,9 +38,9 @@ import torch
 
 from ray_specdec.acceptance import Verdict
 from ray_specdec.bandit import DEFAULT_LOAD_EDGES, Bandit
-from ray_specdec.config import MAX_LOOKUP_TOKENS, SamplingParams, TreeConfig
+from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafter_cache import DrafterStates
-from ray_specdec.drafting import Draft, DraftRequest, draft_many, lookup_draft, prefill_input, what_if
+from ray_specdec.drafting import Draft, DraftRequest, draft_many, lookup_draft, prefill_input
 from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, measure_prior,
                                  size_trees)
 from ray_specdec.lazy_drafter import LazyDrafter, ready_many
@@ -59,6 +59,7 @@ from ray_specdec.start_rule import DRAFT, EXPLORE, PLAIN, START_ANYWAY_EVERY, St
 from ray_specdec.stats import GenerationStats
 from ray_specdec.stopping import StopChecker
 from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend, on_host
+from ray_specdec.what_if import what_if
 
 # The shortest context suffix an undrafted round's lookup matches (plain_lookup): a single token matches often and
 # guesses badly, and every proposed token is a verify row (measured on held-out code, 4 tokens: 1.66 tokens a round

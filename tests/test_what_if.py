@@ -1,6 +1,6 @@
 """Sub-tree ("what-if") feedback: a greedy round of one tree says exactly what every smaller arm would have kept.
 
-`drafting.what_if` is checked against the real thing: each smaller arm drafted from the same history by a fresh
+`what_if.what_if` is checked against the real thing: each smaller arm drafted from the same history by a fresh
 drafter session and walked by `accept_greedy` against the same deterministic target (an oracle whose greedy token is
 a function of the context, steered to follow chosen paths of the big tree: drafter nodes of every rank, lookup nodes
 and the nodes they share). Then the bandit side: what-if rounds sharpen an arm's token estimate, never its time.
@@ -19,9 +19,10 @@ from ray_specdec.acceptance import accept_greedy
 from ray_specdec.bandit import Bandit, BanditConfig, ThroughputReward, UCB1
 from ray_specdec.bandit.policies import ArmStats
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafting import Draft, DrafterSession, what_if
+from ray_specdec.drafting import Draft, DrafterSession
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.rounds import NO_TREE
+from ray_specdec.what_if import what_if
 from tests.test_engine import random_prompt, tiny_mamba
 from tests.test_lookup import repetitive_history
 

@@ -261,7 +261,7 @@ class Bandit:
         """accepted_tokens: draft tokens the target kept (the bonus token excluded): for a round without a tree, 0 or
         the accepted tokens of the lookup proposal an engine verifies instead (`SchedulerConfig.plain_lookup`), else
         at most the tree's depth plus the lookup tokens an engine may add to it (`TreeConfig.with_lookup`).
-        what_if: other arms -> the draft tokens each would have had accepted in this round (`drafting.what_if`: arms
+        what_if: other arms -> the draft tokens each would have had accepted in this round (`what_if.what_if`: arms
         whose tree this round's contained); their token estimates learn from it, their time estimates do not.
         load: requests decoding in the round's step (round_time_s is this round's share of that step).
 
