@@ -1,4 +1,5 @@
-"""Small helpers shared by the model adapters: dtype strings, model locations, tokenizers, environment switches."""
+"""Small helpers shared by the model adapters: dtype strings, model locations, tokenizers, environment switches, what
+a model's config says of its end tokens and attention window."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import os
 
 import torch
+
 
 def failure(exc: BaseException) -> str:
     """An exception in one line, for a `..._why` reason: its type and the first line of its message."""
@@ -103,3 +105,25 @@ def prefill_window_arg(text: str) -> int | str:
     if text.isdigit() and int(text) >= 1:
         return int(text)
     raise argparse.ArgumentTypeError(f"expected 'auto', 'all' or a token count >= 1, got {text!r}")
+
+
+def eos_token_ids(model) -> frozenset[int]:
+    """The token ids that end a generation: the model's generation config's, else its text config's."""
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config.get_text_config(decoder=True), "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def sliding_window(config) -> int | None:
+    """The attention window every layer uses, or None for full attention; mixed layer kinds cannot share one mask."""
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and window:
+        return int(window)
+    raise ValueError(f"layer kinds {sorted(kinds)} need per-layer masks, which the tree verifier does not build")

@@ -48,7 +48,7 @@ from ray_specdec.models import cpu_attention, cpu_gemm, fast_paths, kv_pool, lea
 from ray_specdec.models.attention_masks import TreeMasks, prefill_mask
 from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.lean_forward import Span
-from ray_specdec.models.loading import load_tokenizer, resolve_dtype, resolve_model_path
+from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path, sliding_window
 from ray_specdec.tree import TreeTensors
 
 # sdpa takes an arbitrary float mask, is exact against eager (float64 agrees to ~1e-15) and is faster on CPU.
@@ -189,9 +189,9 @@ class TargetModel:
         self.dtype: torch.dtype = param.dtype
         self.vocab_size: int = int(config.vocab_size)
         self.max_context: int = int(config.max_position_embeddings)
-        self.eos_token_ids: frozenset[int] = _eos_token_ids(self.model)
+        self.eos_token_ids: frozenset[int] = eos_token_ids(self.model)
         self._config = config
-        self._window = _sliding_window(config)
+        self._window = sliding_window(config)
         self._masks = TreeMasks(self.dtype, self.device, self._window)
         self._eager = attn == "eager"
         self._logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -484,24 +484,3 @@ def _positions(verify: Sequence[_Rows]) -> torch.Tensor:
         return lengths
     sizes = torch.tensor([r.tokens.numel() for r in verify])
     return torch.cat([r.segment.tree.depths for r in verify]) + lengths.repeat_interleave(sizes)
-
-
-def _eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config.get_text_config(decoder=True), "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
-
-
-def _sliding_window(config) -> int | None:
-    """The attention window every layer uses, or None for full attention; mixed layer kinds cannot share one mask."""
-    window = getattr(config, "sliding_window", None)
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"} and window:
-        return int(window)
-    raise ValueError(f"layer kinds {sorted(kinds)} need per-layer masks, which the tree verifier does not build")
