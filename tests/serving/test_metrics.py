@@ -33,6 +33,8 @@ def scripted() -> m.EngineMetrics:
     for (tree, depth, accepted, drafted), t in zip(ROUNDS_A, (0.5, 0.5625, 0.75)):
         stats.record_round(tree, depth, accepted, drafted)
         rec.produced("a", accepted + 1, "length" if t == 0.75 else None, stats, t)
+        if t != 0.75:  # a step that gave "a" no round (the stats as they were) counts nothing
+            rec.produced("a", 0, None, stats, t)
     rec.ended("b", "abort", 0.7)
     rec.admissions(set(), 0.8)  # b is gone: not admitted
     rec.arrived("c", 3, 1.0)
