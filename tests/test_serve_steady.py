@@ -1,0 +1,47 @@
+"""The pure parts of benchmarks/serve_steady.py: the counted window of a closed loop and the arguments. No servers."""
+
+import asyncio
+import statistics
+import time
+
+import pytest
+
+from benchmarks.serve_steady import parse_args, ratios, steady_window
+
+
+def test_only_requests_that_end_inside_the_window_count():
+    """Each request takes 0.1 s and gives index + 1 tokens: with 2 clients, 0.25 s of warm-up and a 0.5 s window,
+    the requests that end at 0.3 to 0.7 s count (ten), those that end at 0.1, 0.2 (warm-up) and 0.8 s (drain) do
+    not. No request ends within 50 ms of either edge, so scheduling delays do not move one across."""
+    ended: list[tuple[int, float]] = []
+    start = time.perf_counter()
+
+    async def send(index: int) -> tuple[int, float]:
+        await asyncio.sleep(0.1)
+        ended.append((index, time.perf_counter() - start))
+        return index + 1, 0.01 * (index + 1)
+
+    out = asyncio.run(steady_window(send, concurrency=2, warmup_s=0.25, duration_s=0.5))
+    counted = [i for i, t in ended if 0.25 <= t < 0.75]
+    assert out["requests"] == len(counted) == 10
+    assert out["tokens_per_s"] == pytest.approx(sum(i + 1 for i in counted) / 0.5)
+    assert out["ttft_p50_s"] == pytest.approx(statistics.median(0.01 * (i + 1) for i in counted))
+    assert out["sent"] == len(ended) == 16  # the warm-up's 4 and the drain's 2 were sent, not counted
+
+
+def test_arguments_are_checked():
+    args = parse_args(["--servers", "ours", "--concurrency", "8", "--blocks", "3"])
+    assert args.servers == ["ours"] and args.concurrency == 8 and args.blocks == 3
+    for bad in (["--servers", "hf"], ["--concurrency", "0"], ["--blocks", "0"], ["--duration", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_ours_is_compared_with_vllm_over_the_same_prompts():
+    rows = [("ours", 0, 0, 800.0), ("ours-none", 0, 1, 700.0), ("ours", 1, 0, 900.0), ("ours-none", 1, 1, 600.0),
+            ("vllm", 0, 0, 1000.0), ("vllm", 0, 1, 500.0), ("vllm", 1, 0, 700.0), ("vllm", 1, 1, 700.0)]
+    out = ratios([{"system": s, "block": k, "slot": j, "tokens_per_s": t} for s, k, j, t in rows])
+    assert out["median_tokens_per_s"] == {"ours": 850.0, "ours-none": 650.0, "vllm": [850.0, 600.0]}
+    assert out["over_vllm"] == {"ours": pytest.approx(1.0), "ours-none": pytest.approx(650 / 600)}
+    only_ours = ratios([{"system": "ours", "block": 0, "slot": 0, "tokens_per_s": 800.0}])
+    assert only_ours["over_vllm"] == {} and only_ours["median_tokens_per_s"]["ours"] == 800.0
