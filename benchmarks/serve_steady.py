@@ -43,20 +43,20 @@ async def steady_window(send: Callable[[int], Awaitable[tuple[int, float | None]
     window after warmup_s count. -> tokens/s, requests counted, p50 time to first token, requests sent."""
     t0 = time.perf_counter()
     start, end = t0 + warmup_s, t0 + warmup_s + duration_s
-    sent, tokens, ttfts = 0, 0, []
+    sent, counted, tokens, ttfts = 0, 0, 0, []
 
     async def client() -> None:
-        nonlocal sent, tokens
+        nonlocal sent, counted, tokens
         while time.perf_counter() < end:
             index, sent = sent, sent + 1
             n, ttft = await send(index)
             if start <= time.perf_counter() < end:
-                tokens += n
+                counted, tokens = counted + 1, tokens + n
                 if ttft is not None:
                     ttfts.append(ttft)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return {"tokens_per_s": tokens / duration_s, "requests": len(ttfts), "sent": sent,
+    return {"tokens_per_s": tokens / duration_s, "requests": counted, "sent": sent,
             "ttft_p50_s": statistics.median(ttfts) if ttfts else None}  # fmt: skip
 
 
