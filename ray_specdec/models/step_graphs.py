@@ -190,8 +190,10 @@ class PiecewiseGraphs:
         return graphs
 
     def fuses(self, spans) -> "kv_pool.KVPool | None":
-        """The pool a fused forward of these spans attends over: they all live in it (else None)."""
-        if not self.fused or not spans:
+        """The pool a fused forward of these spans attends over: they all live in it (else None). Not where two spans
+        share a cache (a prompt's last chunk and its first round): the fused attention writes no span's K/V before
+        another's reads them."""
+        if not self.fused or not spans or len({id(s.cache) for s in spans}) < len(spans):
             return None
         pool = kv_pool.pool_of(spans[0].cache)
         if pool is None or any(kv_pool.pool_of(s.cache) is not pool or (s.tree and s.ancestors is None)

@@ -283,21 +283,26 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
-        """One forward for all segments (of distinct caches). A verify segment -> its logits [S, V] (float32; float64
+        """One forward for all segments (of distinct caches, except that a prefill chunk may precede a verify of its
+        cache: a prompt's last chunk and its first round). A verify segment -> its logits [S, V] (float32; float64
         for float64 models), its cache grows by S pending rows until `commit`; a prefill segment -> None, its cache
         grows by S committed rows. Every segment is checked before anything runs."""
-        rows = [self._checked(segment) for segment in segments]
-        if len({id(r.segment.cache) for r in rows}) != len(rows):
-            raise ValueError("two segments of one forward share a cache")
+        rows, ahead = [], {}  # cache -> rows a prefill chunk of this forward adds before its verify (None: verified)
+        for segment in segments:
+            before = ahead.get(id(segment.cache), 0)
+            if before is None or (id(segment.cache) in ahead and segment.tree is None):
+                raise ValueError("two segments of one forward share a cache (only a prefill chunk, then a verify, may)")
+            rows.append(self._checked(segment, before))
+            ahead[id(segment.cache)] = rows[-1].tokens.numel() if segment.tree is None else None
         verify = [r for r in rows if r.verify]
         if self.one_forward and self._lean.available:
             work = [r for r in rows if r.tokens.numel()]  # an empty prefill appends nothing
             logits = dict(zip(map(id, verify), self._all_rows(work))) if work else {}
-        else:
-            logits = dict(zip(map(id, verify), self._verify_rows(verify))) if verify else {}
+        else:  # the chunks first: a verify of the same cache attends over its chunk
             for r in rows:
                 if not r.verify:
                     self._prefill_rows(r)
+            logits = dict(zip(map(id, verify), self._verify_rows(verify))) if verify else {}
         for r in verify:
             r.segment.cache.pending_rows = r.tokens.numel()
         return [logits[id(r)].to(self._logits_dtype) if r.verify else None for r in rows]
@@ -344,12 +349,13 @@ class TargetModel:
         if pooled:
             self._pool.compact(pooled)
 
-    def _checked(self, segment: Segment) -> _Rows:
-        """The segment's rows, after checking that it fits (context, capacity) and that its cache is committed."""
+    def _checked(self, segment: Segment, ahead: int = 0) -> _Rows:
+        """The segment's rows, after checking that it fits (context, capacity) and that its cache is committed;
+        `ahead`: rows a prefill chunk of the same forward adds to the cache first."""
         cache, tree = segment.cache, segment.tree
         self._check_committed(cache)
         tokens = segment.tokens.reshape(-1).to(dtype=torch.long)
-        cache_len = cache.length
+        cache_len = cache.length + ahead
         if tree is None:
             what = f"prefill of {tokens.numel()} tokens"
             self._check_length(cache_len + tokens.numel(), what)
@@ -400,7 +406,10 @@ class TargetModel:
         """`one_forward`: every segment's rows in one lean forward, each attending over its own cache (a prefill
         segment causally, whole: its mask covers all its rows); -> logits [S_i, V] of the verify segments only."""
         spans, positions, logit_rows, start = [], [], [], 0
-        pooled = _attending_together([r for r in rows if r.verify])
+        # a verify after a chunk of its cache attends on its own, after the chunk's span has written its K/V (the
+        # pooled verifies attend before every other span: lean_forward._attend)
+        chunked = {id(r.segment.cache) for r in rows if not r.verify}
+        pooled = _attending_together([r for r in rows if r.verify and id(r.segment.cache) not in chunked])
         for r in rows:
             n = r.tokens.numel()
             tree_mask = None

@@ -185,11 +185,39 @@ def test_commit_after_a_batched_verify_equals_prefilling_the_kept_tokens():
         target.forward_batch([Segment(caches[1], tokens(2, 5))])
 
 
+def test_a_prefill_chunk_then_a_verify_of_its_cache_in_one_forward_is_the_two_forwards(target):
+    """A prompt's last chunk and its first round in one forward (the scheduler's first round, prefill_plan.py),
+    among other requests' verifies and chunks: the same logits and K/V, bit for bit, as the chunk in one forward and
+    the verify in the next."""
+    history, chunk = tokens(21, 11, target.vocab_size), tokens(13, 12, target.vocab_size)
+    apart = target.new_cache()
+    target.prefill(apart, history)
+    target.prefill(apart, chunk)
+    first = verify_segment(target, apart, "2,2,1", 13)
+    apart_logits, apart_kv = run_and_commit(target, [first], [0, 2])
+    mine = target.new_cache()
+    target.prefill(mine, history)
+    batch = [verify_segment(target, cache_with(target, 30, 14), "chain4", 15), Segment(mine, chunk),
+             Segment(target.new_cache(), tokens(9, 16, target.vocab_size)), Segment(mine, first.tokens, first.tree)]
+    logits = target.forward_batch(batch)
+    target.commit(mine, [0, 2])
+    assert logits[1] is None and logits[2] is None and mine.length == apart.length == 21 + 13 + 2
+    if target.batch_invariant:
+        assert torch.equal(logits[3], apart_logits[0])
+        assert all(torch.equal(a, b) for a, b in zip(kv(mine), apart_kv[0], strict=True))
+    else:
+        torch.testing.assert_close(logits[3], apart_logits[0], atol=1e-5, rtol=0)
+
+
 def test_misuse_raises_before_anything_runs():
     target = TargetModel(tiny_gpt_neox(torch.float32))
     cache, other = cache_with(target, 10, 1), cache_with(target, 10, 2)
+    with pytest.raises(ValueError, match="share a cache"):  # a verify first, then a chunk of its cache
+        target.forward_batch([verify_segment(target, cache, "one", 2), Segment(cache, tokens(3, 1))])
     with pytest.raises(ValueError, match="share a cache"):
-        target.forward_batch([Segment(cache, tokens(3, 1)), verify_segment(target, cache, "one", 2)])
+        target.forward_batch([Segment(cache, tokens(3, 1)), Segment(cache, tokens(3, 2))])
+    with pytest.raises(ValueError, match="share a cache"):
+        target.forward_batch([verify_segment(target, cache, "one", 2), verify_segment(target, cache, "one", 3)])
     with pytest.raises(ValueError, match="tree has 10 nodes but 1 tokens"):
         target.forward_batch([Segment(other, tokens(4, 1)), Segment(cache, tokens(2, 3), tree("2,2,1"))])
     assert cache.length == other.length == 10

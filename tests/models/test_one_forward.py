@@ -64,6 +64,35 @@ def test_prefills_and_verifies_in_one_forward_compute_hfs_forward(make_target):
             hf.commit(hf_segment.cache, keep)
 
 
+@pytest.mark.parametrize("make_target", [tiny_gpt_neox, tiny_llama], ids=["neox", "llama"])
+def test_a_chunk_and_the_verify_after_it_on_one_cache_in_one_forward(make_target):
+    """A prompt's last chunk and its first round (the scheduler's), beside other requests' verifies and chunks: one
+    forward, and the verify's logits and the cache are HF's chunk forward, then its verify forward."""
+    target = TargetModel(make_target(torch.float64, seed=8))
+    target.one_forward = True
+    hf = TargetModel(target.model, lean=False)
+    calls = []
+    forward = target._lean.forward
+    target._lean.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    tree = build_tree(TreeConfig((2, 1)).index_paths())
+    history, chunk = torch.tensor(random_prompt(20, seed=1)), torch.tensor(random_prompt(11, seed=2))
+    rows = torch.tensor(random_prompt(1 + tree.num_nodes, seed=3))
+    other = torch.tensor(random_prompt(2, seed=4))
+    mine, theirs, fresh = target.new_cache(64), target.new_cache(64), target.new_cache(64)
+    target.prefill(mine, history)
+    target.prefill(theirs, history)
+    got = target.forward_batch([Segment(theirs, other, build_tree(TreeConfig((1,)).index_paths())),
+                                Segment(mine, chunk), Segment(fresh, chunk), Segment(mine, rows, tree)])
+    assert len(calls) == 3 and got[1] is None and got[2] is None  # two prefills above, then one forward
+    alone = hf.new_cache(64)
+    hf.prefill(alone, torch.cat([history, chunk]))
+    want = hf.forward_batch([Segment(alone, rows, tree)])[0]
+    torch.testing.assert_close(got[3], want, rtol=1e-10, atol=1e-10)
+    target.commit(mine, [0, 2])
+    hf.commit(alone, [0, 2])
+    assert mine.length == alone.length == 20 + 11 + 2
+
+
 def test_a_step_of_prefills_alone_returns_no_logits():
     target = TargetModel(tiny_llama(torch.float64, seed=6))
     target.one_forward = True
