@@ -7,7 +7,7 @@ first, within the rows the verifies left (always at least one chunk), each cut a
 `prefill_chunk` from its prompt's start, so that its K/V never depend on what else shares the step (batch
 invariance, and a cached chunk is the same bits as a computed one).
 
-Requests are the scheduler's (`scheduler.Request`): this module reads their tokens and moves their `prefilled`,
+Requests are the scheduler's (`request_state.Request`): this module reads their tokens and moves their `prefilled`,
 `prefix_key`, `chunk_end` and `chunk_rows`.
 """
 
@@ -22,7 +22,7 @@ from ray_specdec.prefix_cache import ROOT, PrefixIndex, chunk_key
 from ray_specdec.target_backend import SegmentSpec, StepWork
 
 if TYPE_CHECKING:
-    from ray_specdec.scheduler import Request
+    from ray_specdec.request_state import Request
 
 
 class PrefillPlan:

@@ -1,12 +1,15 @@
 """The round loop: a step scheduler over every in-flight request (continuous batching of speculative rounds).
 
 One `step()`:
-1. admission: waiting requests join while their KV reservation fits the budget (`SchedulerConfig`);
-2. tree sizes: each decoding request's policy pick, shrunk by goodput for the whole batch (goodput.py), or none at
+1. admission: waiting requests join while their KV reservation fits the budget (`SchedulerConfig`), and this step's
+   prefill chunks are picked within the rows the rounds leave; a request whose prompt's last chunk is among them
+   also runs its first round in this step, verified after the chunk in the same forward, so that its first tokens
+   come with the chunk's step (as a plain server samples its first token from the prefill), not a step later;
+2. tree sizes: each round's policy pick, shrunk by goodput for the whole batch (goodput.py), or none at
    a load level where steps that draft measure slower than steps that do not (speculation_guard.py);
 3. one batched draft for every request that drafts (`drafting.draft_many`);
-4. one target call (`TargetBackend.run`): last step's commits, then one forward over every request's verify rows
-   and this step's prefill chunks;
+4. one target call (`TargetBackend.run`): last step's commits, then one forward over this step's prefill chunks
+   and every round's verify rows;
 5. per request: acceptance, commit (sent with the next step's target call), stop checks, one output chunk.
 
 Everything that drives generation uses this loop: `engine.SpeculativeEngine` (CLI, benchmark, offline batches) and
@@ -31,12 +34,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Sequence
 
 import torch
 
-from ray_specdec.acceptance import Verdict
 from ray_specdec.bandit import DEFAULT_LOAD_EDGES, Bandit
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafter_cache import DrafterStates
@@ -49,14 +51,14 @@ from ray_specdec.lookup import LookupIndex
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.prefill_plan import PrefillPlan
-from ray_specdec.prefix_cache import ROOT, PrefixIndex
+from ray_specdec.prefix_cache import PrefixIndex
+from ray_specdec.request_state import QueueFull, Request, RequestTooLarge, StepOutput  # callers name them here
 from ray_specdec.rounds import (NO_TREE, FixedTree, StreamChunk, empty_draft, fit_tree, judge, make_generators,
                                 round_logprobs)
 from ray_specdec.scheduler_args import SchedulerConfig
 from ray_specdec.speculation_guard import SpeculationGuard
 # START_ANYWAY_EVERY: callers name it here
-from ray_specdec.start_rule import DRAFT, EXPLORE, PLAIN, START_ANYWAY_EVERY, StartRule, drafting_arm, prefill_tokens
-from ray_specdec.stats import GenerationStats
+from ray_specdec.start_rule import EXPLORE, PLAIN, START_ANYWAY_EVERY, StartRule, drafting_arm, prefill_tokens
 from ray_specdec.stopping import StopChecker
 from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend, on_host
 from ray_specdec.what_if import what_if
@@ -67,56 +69,6 @@ from ray_specdec.what_if import what_if
 PLAIN_LOOKUP_MIN_NGRAM = 2
 # Weight of a round in the running mean of the rows a lookup branch adds (goodput costs trees with it).
 LOOKUP_ROWS_WEIGHT = 0.05
-
-
-class RequestTooLarge(ValueError):
-    """The prompt plus max_new_tokens can never fit the target's context or the KV budget (HTTP 400)."""
-
-
-class QueueFull(RuntimeError):
-    """More requests are waiting than the queue bound allows (HTTP 503, retry later)."""
-
-
-@dataclass
-class Request:
-    request_id: str
-    tokens: list[int]  # prompt + generated: the KV holds tokens[:prefilled], tokens[-1] is the next root
-    prompt_len: int
-    params: SamplingParams
-    tree: TreeConfig | None  # a tree the client asked for (honoured as given), else the policy decides
-    stop: StopChecker
-    draft_gen: torch.Generator
-    target_gen: torch.Generator
-    reserved: int  # KV rows reserved at admission
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    drafter: LazyDrafter | None = None
-    lookup_index: LookupIndex | None = None  # undrafted rounds' lookup (plain_lookup), built at the first such round
-    start: str = DRAFT
-    prefilled: int = 0
-    prefix_key: int = ROOT  # prefix_cache's key of tokens[:prefilled] (of the last chunk planned, during a step)
-    admitted: bool = False
-    # this step's round
-    arm: TreeConfig = NO_TREE
-    lookup: int = 0
-    draft: Draft | None = None
-    verdict: Verdict | None = None
-    context_len: int = 0  # tokens before this step's round
-    chunk_end: int = 0  # this step's prefill chunk ends here
-    chunk_rows: int = 0
-
-    @property
-    def decoding(self) -> bool:
-        return self.prefilled == len(self.tokens) - 1
-
-    @property
-    def sampled(self) -> bool:
-        return not self.params.greedy
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    chunk: StreamChunk
 
 
 def _start_rule_field(name: str) -> property:
@@ -256,38 +208,43 @@ class Scheduler:
         self._admit()
         decoding = [r for r in self.running.values() if r.decoding]
         prefilling = [r for r in self.running.values() if not r.decoding]
-        self.load = max(len(decoding), 1)
+        work, self._work = self._work, StepWork()
+        # prefill chunks first, within what the rounds leave of the step's rows (as many as their last rounds had)
+        rounds_hint = sum(1 + (0 if r.draft is None else r.draft.tokens.numel()) for r in decoding)
+        prefill_rows = self.kv.plan(prefilling, work, self.config.step_tokens - rounds_hint)
+        # a prompt whose last chunk runs in this step has its first round in it too, after the chunk (the verify of
+        # its last token): its first tokens come a step sooner
+        rounds = decoding + [r for r in prefilling if r.chunk_end == len(r.tokens) - 1]
+        self.load = max(len(rounds), 1)
         admitted = len(self.running)  # the guard's load: decoding and prefilling (speculation_guard.py says why)
         # the guard measures its own choice: a step where no decoding request's rounds follow it (each runs a tree
         # its client asked for, or the start rule keeps it undrafted) would score two identical modes
-        guard = self.guard if self.drafter is not None and any(_steered(r) for r in decoding) else None
-        sampled = any(r.sampled for r in decoding if _steered(r))  # drafting pays less at T > 0: verdicts apart
+        guard = self.guard if self.drafter is not None and any(_steered(r) for r in rounds) else None
+        sampled = any(r.sampled for r in rounds if _steered(r))  # drafting pays less at T > 0: verdicts apart
         self.guarded = guard is not None and guard.plain(admitted, sampled)
-        self._choose_trees(decoding)
-        draft_rows, drafter_prefill_s = self._draft(decoding)
+        self._choose_trees(rounds)
+        draft_rows, drafter_prefill_s = self._draft(rounds)
         t0 += drafter_prefill_s  # the rounds' time leaves the drafter's prefills out (request costs, in prefill_s)
         t1 = time.perf_counter()
-        work, self._work = self._work, StepWork()
-        verify_rows = 0
-        for r, drafted in zip(decoding, on_host([r.draft.tokens for r in decoding])):
+        first, verify_rows = len(work.segments), 0
+        for r, drafted in zip(rounds, on_host([r.draft.tokens for r in rounds])):
             if r.params.argmax_only:  # judged on the host, on the target's argmaxes (target_backend.row_argmaxes)
                 r.draft = replace(r.draft, tokens=drafted)
             tokens = torch.cat([torch.tensor([r.tokens[-1]]), drafted.reshape(-1)])
             work.segments.append(SegmentSpec(r.request_id, tokens, tuple(r.draft.tree.paths),
                                               r.params.argmax_only))
             verify_rows += tokens.numel()
-        prefill_rows = self.kv.plan(prefilling, work, self.config.step_tokens - verify_rows)
         logits = self._run(work)
         t2 = time.perf_counter()
-        outputs = [self._finish_round(r, logits[i]) for i, r in enumerate(decoding)]
         for r in prefilling:
             r.prefilled = r.chunk_end
+        outputs = [self._finish_round(r, logits[first + i]) for i, r in enumerate(rounds)]
         t3 = time.perf_counter()
-        self._account(decoding, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
+        self._account(rounds, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
         if guard is not None:  # the realised result of its choice; drafting's prefills at their steady-state share
-            tokens = sum(len(r.verdict.new_tokens) for r in decoding)
-            steered = sum(len(r.verdict.new_tokens) for r in decoding if _steered(r))
-            guard.observe(admitted, tokens, t3 - t0, prefill_rows > 0, decoding=len(decoding),
+            tokens = sum(len(r.verdict.new_tokens) for r in rounds)
+            steered = sum(len(r.verdict.new_tokens) for r in rounds if _steered(r))
+            guard.observe(admitted, tokens, t3 - t0, prefill_rows > 0, decoding=len(rounds),
                           drafting_s=steered * self.start_rule.prefill_s_per_decoded_token(),
                           drafter_prefill_s=drafter_prefill_s)
         self.steps += 1

@@ -192,6 +192,31 @@ def test_a_long_prefill_does_not_stall_running_streams(tiny):
     assert not scheduler.target.caches
 
 
+@pytest.mark.parametrize("tree", [TreeConfig((2, 1)), TreeConfig.parse("none")], ids=str)
+def test_a_request_decodes_its_first_round_in_the_step_of_its_prompts_last_chunk(tiny, tree):
+    """Chunks of 16 tokens: a prompt of 10 or 17 tokens (whose last token is the first round's root) is one chunk,
+    and its first tokens come in the first step; one of 33 in the second, one of 40 in the third, every request
+    with its own greedy tokens."""
+    target, drafter = tiny
+    config = SchedulerConfig(prefill_chunk=16)
+    scheduler = Scheduler(LocalTarget(target), drafter, None, tree, config)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = {n: random_prompt(n, seed=70 + n) for n in (10, 17, 33, 40)}
+    for n, prompt in prompts.items():
+        scheduler.add(str(n), prompt, params)
+    tokens, first = {str(n): [] for n in prompts}, {}
+    while scheduler.has_work:
+        step = scheduler.steps + 1
+        for out in scheduler.step():
+            tokens[out.request_id] += out.chunk.token_ids
+            first.setdefault(out.request_id, (step, out.chunk.stats.rounds))
+    assert first == {"10": (1, 1), "17": (1, 1), "33": (2, 1), "40": (3, 1)}
+    plain = SpeculativeEngine(target, None, config=config)
+    for n, prompt in prompts.items():
+        assert tokens[str(n)] == plain.generate(prompt, params).token_ids
+    assert not scheduler.target.caches
+
+
 def budget_requests(n: int) -> list[tuple[str, list[int], SamplingParams, None]]:
     return [(f"b{i}", random_prompt(20 + i % 3, seed=40 + i), SamplingParams(max_new_tokens=20, ignore_eos=True), None)
             for i in range(n)]  # fmt: skip
@@ -209,12 +234,13 @@ def test_the_kv_budget_queues_what_does_not_fit_and_refuses_what_never_will(tiny
         scheduler.add("past context", random_prompt(2290, seed=1), SamplingParams(max_new_tokens=20))
     for request_id, prompt, params, tree in requests[:2]:
         scheduler.add(request_id, prompt, params, tree)
-    scheduler.step()
+    tokens = {r[0]: [] for r in requests[:6]}
+    for out in scheduler.step():  # the two prompts' prefill, and their first tokens
+        tokens[out.request_id] += out.chunk.token_ids
     for request_id, prompt, params, tree in requests[2:6]:
         scheduler.add(request_id, prompt, params, tree)
     with pytest.raises(QueueFull):
         scheduler.add(*requests[6])
-    tokens = {r[0]: [] for r in requests[:6]}
     waited = running = 0
     while scheduler.has_work:
         assert scheduler.reserved <= config.kv_budget_tokens
@@ -261,14 +287,15 @@ def test_aborts_of_waiting_and_running_requests(tiny, after_reset):
     requests = budget_requests(4)
     for request in requests:
         scheduler.add(*request)
-    scheduler.step()
+    tokens = {"b1": [], "b2": []}
+    for out in scheduler.step():  # the two prompts' prefill, and their first rounds
+        tokens.get(out.request_id, []).extend(out.chunk.token_ids)  # (b0's are not checked: it is aborted)
     assert scheduler.num_running == 2 and scheduler.num_waiting == 2
     if after_reset:
         scheduler.reset_target()
     assert scheduler.abort("b3") and scheduler.abort("b0")  # waiting, running
     assert not scheduler.abort("b0") and not scheduler.abort("nobody")
     assert scheduler.num_running == 1 and scheduler.num_waiting == 1
-    tokens = {"b1": [], "b2": []}
     while scheduler.has_work:
         for out in scheduler.step():
             tokens[out.request_id] += out.chunk.token_ids

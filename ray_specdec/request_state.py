@@ -1,0 +1,69 @@
+"""A request as the scheduler holds it (`Request`: its tokens, sampling, stop checks, random streams, drafter and this
+step's round), what a step gives back for it (`StepOutput`), and the two refusals of `Scheduler.add`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ray_specdec.acceptance import Verdict
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.drafting import Draft
+from ray_specdec.lazy_drafter import LazyDrafter
+from ray_specdec.lookup import LookupIndex
+from ray_specdec.prefix_cache import ROOT
+from ray_specdec.rounds import NO_TREE, StreamChunk
+from ray_specdec.start_rule import DRAFT
+from ray_specdec.stats import GenerationStats
+from ray_specdec.stopping import StopChecker
+
+
+class RequestTooLarge(ValueError):
+    """The prompt plus max_new_tokens can never fit the target's context or the KV budget (HTTP 400)."""
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the queue bound allows (HTTP 503, retry later)."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    tokens: list[int]  # prompt + generated: the KV holds tokens[:prefilled], tokens[-1] is the next root
+    prompt_len: int
+    params: SamplingParams
+    tree: TreeConfig | None  # a tree the client asked for (honoured as given), else the policy decides
+    stop: StopChecker
+    draft_gen: torch.Generator
+    target_gen: torch.Generator
+    reserved: int  # KV rows reserved at admission
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    drafter: LazyDrafter | None = None
+    lookup_index: LookupIndex | None = None  # undrafted rounds' lookup (plain_lookup), built at the first such round
+    start: str = DRAFT
+    prefilled: int = 0
+    prefix_key: int = ROOT  # prefix_cache's key of tokens[:prefilled] (of the last chunk planned, during a step)
+    admitted: bool = False
+    # this step's round
+    arm: TreeConfig = NO_TREE
+    lookup: int = 0
+    draft: Draft | None = None
+    verdict: Verdict | None = None
+    context_len: int = 0  # tokens before this step's round
+    chunk_end: int = 0  # this step's prefill chunk ends here
+    chunk_rows: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.tokens) - 1
+
+    @property
+    def sampled(self) -> bool:
+        return not self.params.greedy
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    chunk: StreamChunk
