@@ -3,9 +3,10 @@
 A request reserves, at admission, every KV row it can ever need (`Scheduler.check`); cached prompt chunks
 (prefix_cache.py) live in what no request reserved, and are evicted, least recently used first, whenever a request
 needs their room (`make_room`). Each step, `plan` picks the prefill chunks that run beside the rounds: oldest request
-first, within the rows the verifies left (always at least one chunk), each cut at a fixed multiple of
+first, within the rows the rounds leave (always at least one chunk), each cut at a fixed multiple of
 `prefill_chunk` from its prompt's start, so that its K/V never depend on what else shares the step (batch
-invariance, and a cached chunk is the same bits as a computed one).
+invariance, and a cached chunk is the same bits as a computed one). A request whose last chunk runs has its first
+round in the same step (`Scheduler.step`): its `chunk_end` is then its last prompt token, the round's root.
 
 Requests are the scheduler's (`request_state.Request`): this module reads their tokens and moves their `prefilled`,
 `prefix_key`, `chunk_end` and `chunk_rows`.
