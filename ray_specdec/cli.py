@@ -44,9 +44,11 @@ def generate_parser() -> OneLineParser:
     p = OneLineParser(prog="python -m ray_specdec generate", description="Generate with tree speculative decoding.")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--target", default=None, help="HF id or local dir of the target (default: embedded target-neox)")
-    p.add_argument("--drafter", default=None, help="HF id or local dir of the Mamba drafter, or 'none' (default: embedded)")
-    p.add_argument("--tree", default=None, help="tree config N1,N2,... (the chain is 1,1,1,1; '+L6' adds its own lookup "
-                   "branch); default: 1,1,1 on CPU, 2,2,1,1 on GPU")
+    p.add_argument("--drafter", default=None,
+                   help="HF id or local dir of the Mamba drafter, or 'none' (default: embedded)")
+    p.add_argument("--tree", default=None,
+                   help="tree config N1,N2,... (the chain is 1,1,1,1; '+L6' adds its own lookup branch); default: "
+                   "1,1,1 on CPU, 2,2,1,1 on GPU")
     p.add_argument("--drafter-prefill-window", type=prefill_window_arg, default="auto", metavar="N|auto|all",
                    help="the drafter's state starts from a request's last N tokens; auto (default): the window the "
                         "drafter's config names (the shipped drafter: 512), else all; all: every token")

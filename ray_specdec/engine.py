@@ -107,7 +107,8 @@ class SpeculativeEngine:
         """RequestTooLarge (a ValueError) when the request can never run."""
         self.scheduler.check(prompt_len, params)
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams, tree: TreeConfig | None = None) -> Generation:
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams,
+                 tree: TreeConfig | None = None) -> Generation:
         return self.generate_many([prompt], params, tree)[0]
 
     def generate_many(

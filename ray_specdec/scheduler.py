@@ -58,7 +58,8 @@ from ray_specdec.rounds import (NO_TREE, FixedTree, StreamChunk, empty_draft, fi
 from ray_specdec.scheduler_args import SchedulerConfig
 from ray_specdec.speculation_guard import SpeculationGuard
 # START_ANYWAY_EVERY: callers name it here
-from ray_specdec.start_rule import EXPLORE, PLAIN, START_ANYWAY_EVERY, StartRule, drafting_arm, prefill_tokens
+from ray_specdec.start_rule import (EXPLORE, PLAIN, START_ANYWAY_EVERY, StartRule, drafting_arm,  # noqa: F401
+                                    prefill_tokens)
 from ray_specdec.stopping import StopChecker
 from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend, on_host
 from ray_specdec.what_if import what_if

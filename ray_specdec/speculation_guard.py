@@ -92,12 +92,12 @@ prior level's gap and switches call for (not its doubled one: here the verdict i
 with more requests in a step and less when sampling, so where it lost with fewer requests, or greedy, it is the best
 guess at hand. A drafted verdict carries over nowhere: that drafting won with fewer requests says little of more (a
 first version took drafted priors too; served, greedy at 8 requests then started from concurrency 1's drafted verdict,
-explored it at concurrency 1's long period, and ran 0.85x of undrafted for both cells). Warming up from scratch drafts half the
-steps until the level settles, and under load few steps are measured: served at 32 requests, level 17+ had never been
-visited while 5-16 was settled undrafted, only 8 policy steps were measured by the end of the 15-second cell (with fresh
-prompts most steps carry a prefill chunk), and the whole cell ran half drafted where drafting was 2x slower, at 0.79x of
-undrafted throughput. The exploration runs still measure the level, so a wrong prior ends when it settles (a clear gap
-after one run). With no settled level to learn from, a level warms up as before.
+explored it at concurrency 1's long period, and ran 0.85x of undrafted for both cells). Warming up from scratch drafts
+half the steps until the level settles, and under load few steps are measured: served at 32 requests, level 17+ had
+never been visited while 5-16 was settled undrafted, only 8 policy steps were measured by the end of the 15-second
+cell (with fresh prompts most steps carry a prefill chunk), and the whole cell ran half drafted where drafting was 2x
+slower, at 0.79x of undrafted throughput. The exploration runs still measure the level, so a wrong prior ends when it
+settles (a clear gap after one run). With no settled level to learn from, a level warms up as before.
 
 Clock-free and deterministic: callers hand in the seconds they measured, so tests drive it with made-up timings.
 """

@@ -4,8 +4,9 @@ A step's work for the target is everything it must do to its caches, in order: k
 previous step's verifies (commits ride on the next step's call), free the caches of requests that ended, allocate
 caches of newly admitted ones (their KV budget, preallocated once), copy cached prompt chunks into the new caches
 that hit them and drop the chunks the scheduler evicted (prefix_cache.py), then one batched forward over every segment
-of the step, and last keep the prefill chunks the scheduler chose to cache. `LocalTarget` does that on a `TargetModel` in this process; a rank of a tensor-parallel group does exactly the
-same on its shard (serving/target_worker.py), so a whole step crosses to the ranks in one call, never one per request.
+of the step, and last keep the prefill chunks the scheduler chose to cache. `LocalTarget` does that on a
+`TargetModel` in this process; a rank of a tensor-parallel group does exactly the same on its shard
+(serving/target_worker.py), so a whole step crosses to the ranks in one call, never one per request.
 """
 
 from __future__ import annotations

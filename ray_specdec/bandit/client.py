@@ -139,7 +139,8 @@ class BanditConfig:
         """sums [arms, fields] with the round times of arms timed in fewer than `optimistic_rounds` rounds scaled down
         to what the cell's cost model predicts, where their own mean is slower (see `optimistic_rounds`). The model,
         time per round = a + b * nodes with b >= 0, is a least-squares fit over the arms timed in at least that many
-        rounds, weighted by their rounds; with fewer than two tree sizes among them there is none and nothing changes."""
+        rounds, weighted by their rounds; with fewer than two tree sizes among them there is none and nothing
+        changes."""
         if not self.reward.ratio or self.optimistic_rounds <= 0:
             return sums
         pulls, time = sums[:, OWN_FIELDS.index("pulls")], sums[:, OWN_FIELDS.index("time_sum")]

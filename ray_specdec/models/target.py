@@ -220,7 +220,8 @@ class TargetModel:
         self.one_forward = self._lean is not None and not self.batch_invariant and not self._eager and (
             self.device.type == "cuda")
         self.kv_pool_why: str | None = fast_paths.switch_why(
-            "kv_pool", kv_pool, "RAY_SPECDEC_KV_POOL", lambda: fast_paths.kv_pool_blocker(self, insisted=kv_pool is True))
+            "kv_pool", kv_pool, "RAY_SPECDEC_KV_POOL",
+            lambda: fast_paths.kv_pool_blocker(self, insisted=kv_pool is True))
         self._pool: kv_pool.KVPool | None = None  # made on the first cache with a capacity
         self.cuda_graphs_why: str | None = fast_paths.switch_why(
             "cuda_graphs", cuda_graphs, "RAY_SPECDEC_CUDA_GRAPHS", lambda: fast_paths.cuda_graphs_blocker(self))
