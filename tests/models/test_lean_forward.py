@@ -69,6 +69,34 @@ def test_verify_is_hf_forward_bit_for_bit(family, attention):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefill_stops_at_the_last_layers_keys(family):
+    """A prefill needs no logits, so the last layer stops once its K/V are written: its MLP never runs for prefill
+    rows (the first layer's does), and every layer's cache is HF's whole forward's bit for bit, after one chunk and
+    after a second; a verify after them runs the last layer whole and gives HF's logits."""
+    lean, hf = pair(FAMILIES[family])
+    layers = lean._lean._layers
+    ran = {0: 0, len(layers) - 1: 0}
+    for index in ran:
+        first = next(m for m in layers[index].mlp.modules() if isinstance(m, torch.nn.Linear))  # the lean loop calls
+        first.register_forward_hook(lambda *_, i=index: ran.__setitem__(i, ran[i] + 1))  # the MLP's products
+    g = torch.Generator().manual_seed(1)
+    caches = [t.new_cache() for t in (lean, hf)]
+    for chunk in (torch.randint(1, 128, (70,), generator=g), torch.randint(1, 128, (33,), generator=g)):
+        before = dict(ran)
+        lean.prefill(caches[0], chunk)
+        assert ran == {0: before[0] + 1, len(layers) - 1: before[len(layers) - 1]}
+        hf.prefill(caches[1], chunk)  # the same model, so its hooks count too
+        for layer, (a, b) in enumerate(zip(caches[0].kv.layers, caches[1].kv.layers)):
+            assert a.keys.shape[-2] == b.keys.shape[-2] == caches[1].length
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), f"layer {layer}"
+    tree, tokens = build_tree([(0,), (1,)]), torch.tensor([4, 9])
+    last = ran[len(layers) - 1]
+    logits = [t.verify(c, 3, tree, tokens) for t, c in zip((lean, hf), caches)]
+    assert torch.equal(logits[0], logits[1])
+    assert ran[len(layers) - 1] == last + 2  # both targets' verifies ran it
+
+
 def test_a_model_put_in_training_mode_goes_back_to_hf_forward(monkeypatch):
     """The lean loop skips the dropouts, so a model in training mode verifies through HF's forward (dropout 0 here,
     so the logits still match); back in eval mode, through the loop again."""
