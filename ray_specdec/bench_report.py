@@ -70,7 +70,8 @@ def markdown(report: dict) -> str:
         lines.append("Mamba drafter steps and scans: " + (
             "native C kernels (models/native)" + (f", weight panels: {', '.join(panels)}" if panels else "")
             if hardware["drafter_native"] else f"torch ({hardware.get('drafter_native_why')})"))
-    lines += ["", "| context tokens | Mamba state (KiB) | Mamba step (ms) | Transformer KV (KiB) | Transformer step (ms) |",
+    lines += ["", "| context tokens | Mamba state (KiB) | Mamba step (ms) | Transformer KV (KiB) "
+                  "| Transformer step (ms) |",
               "| --- | --- | --- | --- | --- |"]
     for r in report["context_sweep"]:
         lines.append(f"| {r['context_tokens']} | {r['mamba_state_bytes'] / 1024:.0f} | {r['mamba_step_ms']:.2f} | "

@@ -2,9 +2,9 @@
 
 On CUDA the lean forward (models/lean_forward.py) carries the verify rows of every request of a step in one forward:
 each weight is one cuBLAS product for all of them, and the requests' verify rows attend over their caches, ranges of
-one pool per layer, in one sdpa call per layer (models/kv_pool.py; with caches of their own, one call per request). There is
-no batch-invariant path on CUDA (cuBLAS picks its kernel by the row count, so a row's rounding may depend on the rows
-beside it), so what holds there is:
+one pool per layer, in one sdpa call per layer (models/kv_pool.py; with caches of their own, one call per request).
+There is no batch-invariant path on CUDA (cuBLAS picks its kernel by the row count, so a row's rounding may depend on
+the rows beside it), so what holds there is:
 
 - the batched forward computes what HF's forward computes request by request (float64: to rounding; same argmax);
 - float64: a request's greedy tokens are the same alone and in a batch of mixed prompts, lengths, max_tokens and

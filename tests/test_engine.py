@@ -122,9 +122,8 @@ def test_greedy_matches_target_and_hf_generate_for_every_tree(target, prompt_len
     for branching in TREES:
         for drafter in drafters:
             for min_path_prob in (0.0, 0.3):  # 0.3: drafts cut short where the drafter rates its paths unlikely
-                result = SpeculativeEngine(target, drafter, TreeConfig(branching), min_path_prob=min_path_prob).generate(
-                    prompt, SamplingParams(max_new_tokens=n)
-                )
+                engine = SpeculativeEngine(target, drafter, TreeConfig(branching), min_path_prob=min_path_prob)
+                result = engine.generate(prompt, SamplingParams(max_new_tokens=n))
                 assert result.token_ids == expected, (branching, type(drafter).__name__, min_path_prob)
                 assert len(result.token_ids) <= n
 

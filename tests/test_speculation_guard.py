@@ -114,7 +114,7 @@ def test_exploration_grows_rarer_while_the_verdict_holds_and_a_changed_verdict_r
 def test_prefill_steps_and_the_first_step_after_a_switch_are_not_measured():
     guard = SpeculationGuard()
     for _ in range(100):
-        plain = guard.plain(8)
+        guard.plain(8)
         guard.observe(8, 8, 100.0, prefill=True)  # absurd timings, ignored
     assert not guard.levels[2].plain and not guard.levels[2].policy
     assert not guard.levels[2].undrafted

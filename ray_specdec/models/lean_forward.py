@@ -15,7 +15,8 @@ One forward can carry the rows of several requests (continuous batching): the ro
 activation, so every product reads each weight once for all of them, and attention runs per `Span` (a request's
 rows) over that request's own cache with its own mask. With `batch_invariant=True` the products, activations,
 rotary tables and tree attention are batch_invariant.py's, so a row's result does not depend on the other rows;
-otherwise they are the model's own calls (HF's logits bit for bit).
+otherwise they are the model's own calls (HF's logits bit for bit). A forward without logits (prefill chunks, which
+need only their K/V) stops at the last layer's K/V: the rest of that layer only feeds the head.
 
 `why_unsupported(model)` names what keeps a model on HF's forward: other architectures (a family whose layers do
 anything else, e.g. Qwen3's q/k norms, needs its own loop here), training mode and devices other than the CPU and

@@ -76,7 +76,8 @@ def evaluate(models_dir: Path = DEFAULT_MODELS_DIR, gamma: int = 4, n_prompts: i
     models = {name: load(models_dir / name) for name in present}
     ppl = {name: round(heldout_perplexity(m, stream, ppl_windows, seq_len), 3) for name, m in models.items()}
     prompts = torch.tensor([p.token_ids for p in heldout_prompts(n_prompts, prompt_len, prompt_len, 0, tokenizer)])
-    continuations = {t: greedy_continuations(models[t], prompts, new_tokens) for t in {p[0] for p in PAIRS} & set(present)}
+    targets = {p[0] for p in PAIRS} & set(present)
+    continuations = {t: greedy_continuations(models[t], prompts, new_tokens) for t in targets}
     acceptance = {}
     for target, drafter in PAIRS:
         if target not in models or drafter not in models:
@@ -93,7 +94,8 @@ def evaluate(models_dir: Path = DEFAULT_MODELS_DIR, gamma: int = 4, n_prompts: i
 
 def results_markdown(results: dict) -> str:
     s = results["setup"]
-    lines = [RESULTS_START, "", "| model | parameters | rounds | steps | tokens seen | minutes | loss | teacher (KL weight) |",
+    lines = [RESULTS_START, "",
+             "| model | parameters | rounds | steps | tokens seen | minutes | loss | teacher (KL weight) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, t in results["training"].items():
         teacher = Path(t["settings"]["teacher"]).name if t["settings"]["teacher"] else "-"
@@ -102,7 +104,8 @@ def results_markdown(results: dict) -> str:
         steps, tokens = t.get("total_steps", t["steps"]), t.get("total_tokens", t["tokens"])
         lines.append(f"| {name} | {t['parameters'] / 1e6:.2f}M | {rounds} | {steps} | {tokens:,} | "
                      f"{t.get('total_minutes', t['minutes'])} | {t.get('final_loss', '-')} | {teacher}{alpha} |")
-    lines += ["", f"Held-out perplexity ({s['ppl_windows']} windows x {s['ppl_seq_len']} tokens of the held-out split):", "",
+    lines += ["", f"Held-out perplexity ({s['ppl_windows']} windows x {s['ppl_seq_len']} tokens of the held-out "
+                  "split):", "",
              "| model | perplexity |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in results["heldout_perplexity"].items()]
     lines += ["", f"Greedy chain drafting, gamma={s['gamma']}, {s['prompts']} held-out prompts of "

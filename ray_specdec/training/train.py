@@ -159,7 +159,8 @@ def train(s: TrainSettings, run_dir: Path, device: torch.device, resume: bool) -
             step += 1
             tokens += batch.numel() - batch.shape[0]
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{(batch.numel() - batch.shape[0]) / (time.time() - t0):.0f}",
+            rate = (batch.numel() - batch.shape[0]) / (time.time() - t0)
+            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{rate:.0f}",
                             lr=f"{optimizer.param_groups[0]['lr']:.2e}")
             if step % s.ckpt_every == 0:
                 save_checkpoint(ckpt_path, model, optimizer, step, time.time() - start, tokens, s, gen)

@@ -109,7 +109,8 @@ def test_cluster_installs_this_package_with_its_gpu_extra(cluster):
     checkout = mount.replace("~", "$HOME")
     assert f'pip install -q --no-build-isolation -e "{checkout}[gpu]"' in cluster["worker_setup_commands"]
     assert f"pip install -q -e {mount}" in cluster["head_setup_commands"]
-    for config in SERVE_CONFIGS:  # the serve configs travel with the checkout, where the README tells users to find them
+    # the serve configs travel with the checkout, where the README tells users to find them
+    for config in SERVE_CONFIGS:
         assert (REPO / config).is_file() and not any(config.startswith(x) for x in cluster["rsync_exclude"])
 
 
@@ -185,7 +186,8 @@ def test_app_args_refuse_bad_values(args, message):
 @pytest.mark.parametrize(
     "raw, message",
     [
-        ({"tree": "bogus"}, "bad app arguments: tree: tree must be comma-separated integers like 3,2,2,1,1, got 'bogus'"),
+        ({"tree": "bogus"},
+         "bad app arguments: tree: tree must be comma-separated integers like 3,2,2,1,1, got 'bogus'"),
         ({"drafter_replicas": "2"},
          "bad app arguments: drafter_replicas: unknown argument (see AppArgs in deployments/app.py)"),
         ({"tp_size": "0", "lookup": "40"}, "bad app arguments: tp_size: Input should be greater than or equal to 1 "
