@@ -37,7 +37,8 @@ not its weights, while a real target's batch-1 forward reads every weight for on
 rejected, so only the `none` variants run.
 
 Run from the repository root: python -m benchmarks.batched_loop [--device cuda] [--dtype float32]
-[--concurrency 1,8,32] [--duration 10] [--synthetic-llama 2048,16] [--json results.json]
+[--concurrency 1,8,32] [--duration 10] [--synthetic-llama 2048,16] [--temperature 1] [--json results.json]
+(`--temperature` above 0: sampled requests, each seeded; their tokens are not compared.)
 """
 
 from __future__ import annotations
@@ -97,17 +98,20 @@ def sync(device: torch.device) -> None:
 
 def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: int, tree: TreeConfig | None,
              duration: float, device: torch.device, profile_steps: int = 0, max_new_tokens: int = MAX_NEW_TOKENS,
-             start: int = 0) -> tuple[dict[str, Any], dict[int, list[int]]]:  # fmt: skip
+             start: int = 0, temperature: float = 0.0) -> tuple[dict[str, Any], dict[int, list[int]]]:  # fmt: skip
     """Closed loop for `duration` s, requests from prompt `start` on -> the cell's numbers and each finished request's
     tokens by prompt index (profile_steps: then that many steps under torch's profiler, its table in the numbers).
-    `engine`: anything with a `scheduler` (benchmarks/tp_loop.py hands its scheduler over rank actors)."""
-    scheduler, params = engine.scheduler, SamplingParams(max_new_tokens=max_new_tokens)
+    `engine`: anything with a `scheduler` (benchmarks/tp_loop.py hands its scheduler over rank actors);
+    temperature > 0: sampled requests, each with its own seed."""
+    scheduler = engine.scheduler
     order, running, tokens = itertools.count(start), {}, {}
 
     def add() -> None:
         index = next(order)
         key = f"p{index}"
         running[key] = (index % len(prompts), [])
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                seed=index if temperature > 0 else None)  # fmt: skip
         scheduler.add(key, prompts[index % len(prompts)], params, tree)
 
     for _ in range(concurrency):
@@ -163,8 +167,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="a random-weight Llama of this size as the target (the none variants only)")
     p.add_argument("--profile", default="", metavar="VARIANT@C",
                    help="after that cell (e.g. 'batched none@32'), 20 steps under torch's profiler: its table")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled requests")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.temperature < 0:
+        p.error("--temperature must be >= 0")
     device = torch.device(resolve_device(args.device))
     chosen = {v.strip() for v in args.variants.split(",")}
     if args.synthetic_llama:
@@ -175,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     share = args.prompts // len(concurrencies)  # prompts per concurrency
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                                else platform.processor() or platform.machine(), "dtype": args.dtype,
-                               "duration_s": args.duration, "target": args.synthetic_llama or "target-neox",
+                               "duration_s": args.duration, "temperature": args.temperature,
+                               "target": args.synthetic_llama or "target-neox",
                                "cells": []}  # fmt: skip
     outputs: dict[str, dict[int, list[int]]] = {}
     for name, lean, tree_text in VARIANTS:
@@ -203,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine.generate_many(warm_up, SamplingParams(max_new_tokens=MAX_NEW_TOKENS), tree)
         for i, c in enumerate(concurrencies):
             profiled = 20 if args.profile == f"{label}@{c}" else 0
-            cell, tokens = run_cell(engine, prompts, c, tree, args.duration, device, profiled, start=i * share)
+            cell, tokens = run_cell(engine, prompts, c, tree, args.duration, device, profiled, start=i * share,
+                                    temperature=args.temperature)
             cell.update(variant=label, concurrency=c, repeated_prompts=max(cell["sent"] - share, 0))
             if cell["repeated_prompts"]:
                 print(f"warning: {label} c={c} sent {cell['sent']} prompts, {cell['repeated_prompts']} past its share "
@@ -216,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if cell["profile"]:
                 print(cell["profile"], flush=True)
     reference = outputs.get(REFERENCE, {})
-    for label, by_prompt in outputs.items():
+    for label, by_prompt in outputs.items() if args.temperature == 0 else ():  # sampled tokens differ by design
         if label == REFERENCE:
             continue
         shared = [i for i in by_prompt if i in reference]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import batched_loop
 
 
@@ -62,3 +64,18 @@ def test_the_guard_check_sets_the_cells_ratio_beside_the_guards_speedup():
         "c=1: drafting / none 0.92x in the cells; the guard at level 1: 1.35x, drafting",
         "c=8: drafting / none 0.80x in the cells; the guard at level 5-16: 0.80x, undrafted",
     ]  # no none cell at 32: nothing to set beside it
+
+
+def test_sampled_cells_send_seeded_sampled_requests_and_compare_no_tokens(monkeypatch):
+    from ray_specdec.scheduler import Scheduler
+
+    sent, real_add = [], Scheduler.add
+    monkeypatch.setattr(Scheduler, "add", lambda self, rid, ids, params, tree=None: (
+        sent.append(params), real_add(self, rid, ids, params, tree))[1])
+    results = batched_loop.main(["--device", "cpu", "--concurrency", "2", "--duration", "0.5", "--prompts", "8",
+                                 "--variants", "batched none,per-request none", "--temperature", "1"])  # fmt: skip
+    assert results["temperature"] == 1.0 and "greedy_vs_reference" not in results  # sampled tokens differ by design
+    sampled = [p for p in sent if p.temperature > 0]  # the warm-up is greedy
+    assert sampled and all(p.temperature == 1.0 and p.seed is not None for p in sampled)
+    with pytest.raises(SystemExit):
+        batched_loop.main(["--temperature", "-1"])
