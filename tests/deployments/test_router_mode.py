@@ -49,9 +49,28 @@ def engine_replica_names() -> list[str]:
                   if a["name"].startswith("SERVE_REPLICA::specdec#engine#"))  # fmt: skip
 
 
+KILL_TRIES = 3  # a try where no stream was on the killed replica any more proves nothing: kill again
+
+
 def test_a_killed_engine_replica_loses_no_request(url, reference):
     """Eight greedy streams over both engine replicas; one replica is killed once every stream has its first
-    tokens: every stream still ends with exactly the target's tokens, some of them continued on the other replica."""
+    tokens: every stream still ends with exactly the target's tokens, some of them continued on the other replica.
+    On a loaded machine the victim's streams may all have ended before the kill (or the streams all gone to the
+    other replica): then Serve's replacement is awaited and it is tried again, every try's tokens checked."""
+    for attempt in range(KILL_TRIES):
+        continued = _kill_a_replica_under_eight_streams(url, reference)
+        if continued >= 1:  # the power of two choices spread the eight streams over both replicas
+            return
+    pytest.fail(f"in {KILL_TRIES} tries no stream was running on the killed replica when it died")
+
+
+def _kill_a_replica_under_eight_streams(url, reference) -> int:
+    """One try -> how many streams the router continued on the other replica; every stream's tokens are checked,
+    and Serve has two engine replicas again when it returns."""
+    deadline = time.monotonic() + 120
+    while len(engine_replica_names()) < 2:  # a try after another waits for the replacement
+        assert time.monotonic() < deadline, engine_replica_names()
+        time.sleep(1)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     tokens: list[list[int]] = [[] for _ in prompts]
     finish: list[str | None] = [None] * len(prompts)
@@ -83,8 +102,8 @@ def test_a_killed_engine_replica_loses_no_request(url, reference):
     assert finish == ["length"] * len(prompts)
     assert tokens == [reference[p] for p in prompts]
     continued = httpx.get(f"{url}/v1/stats", trust_env=False).json()["continued"] - before
-    assert continued >= 1  # the power of two choices spread the eight streams over both replicas
     deadline = time.monotonic() + 120  # Serve replaces the killed replica
     while len(engine_replica_names()) < 2 or victim in engine_replica_names():
         assert time.monotonic() < deadline, engine_replica_names()
         time.sleep(1)
+    return continued
