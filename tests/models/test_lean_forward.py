@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPTNeoXForCausalLM, MambaConfig, MambaForCausalLM
+from transformers import GPTNeoXForCausalLM, MambaConfig, MambaForCausalLM, activations
 
 from ray_specdec.models import lean_forward
 from ray_specdec.models.target import TargetModel
@@ -152,3 +152,36 @@ def test_greedy_speculation_on_the_lean_forward_is_the_target_alone():
     """Plain decoding and tree drafts on the lean forward give HF generate's tokens on the model as loaded."""
     target = TargetModel(tiny_llama(torch.float32, seed=5), lean=True)
     assert_greedy_speculation_is_the_target_alone(tiny_llama(torch.float32, seed=5), target, prompt_step=17)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.nn.GELU(), lambda: torch.nn.GELU(approximate="tanh"), lambda: torch.nn.SiLU(),
+    lambda: activations.GELUActivation(), lambda: activations.SiLUActivation(),
+], ids=["gelu", "gelu-tanh", "silu", "hf-gelu", "hf-silu"])
+def test_an_activation_in_place_has_the_modules_bits(make):
+    module = make()
+    x = torch.randn(37, 96) * 4
+    expected = module(x)
+    out = lean_forward._activate_in_place(module, x)
+    assert out.data_ptr() == x.data_ptr()  # written over the product's output, no new buffer
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: activations.GELUActivation(use_gelu_python=True), lambda: torch.nn.ReLU(),
+    lambda: activations.NewGELUActivation(),
+], ids=["hf-gelu-python", "relu", "gelu-new"])
+def test_other_activations_are_called_as_they_are(make):
+    module = make()
+    x = torch.randn(37, 96) * 4
+    before = x.clone()
+    assert torch.equal(lean_forward._activate_in_place(module, x), module(before))
+    assert torch.equal(x, before)  # its input untouched
+
+
+def test_an_activation_whose_forward_was_replaced_is_called_as_it_is():
+    module = torch.nn.GELU()
+    module.forward = lambda x: x + 1  # as a kernel library swaps an instance's forward
+    x = torch.zeros(4, 8)
+    assert torch.equal(lean_forward._activate_in_place(module, x), torch.ones(4, 8))
+    assert torch.equal(x, torch.zeros(4, 8))
