@@ -24,7 +24,7 @@ import uuid
 from collections import defaultdict
 from typing import Any, Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ray_specdec.config import MAX_LOGPROBS, SamplingParams, TreeConfig
@@ -47,6 +47,25 @@ OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0,
 
 def unsupported(field: str, detail: str = "") -> PydanticCustomError:
     return PydanticCustomError(UNSUPPORTED, "{field} is not supported yet{detail}", {"field": field, "detail": detail})
+
+
+def unencodable_text(value: Any) -> str | None:
+    """The path (`messages.0.content`) of the first string in a parsed JSON value that UTF-8 cannot encode, else
+    None."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(item, dict):
+            stack += [(f"{path}.{key}" if path else str(key), v) for key, v in reversed(item.items())]
+            stack += [(path, key) for key in item if isinstance(key, str)]
+        elif isinstance(item, list):
+            stack += [(f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(item)))]
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -78,6 +97,16 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     tree: str | None = None  # "3,2,2,1,1" fixes this request's tree; "none" turns drafting off
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data: Any) -> Any:
+        """JSON's "\\ud800" escapes decode to lone surrogates, which neither a tokenizer nor a UTF-8 response can
+        take: such a request is refused (422) naming the field, before anything reads it."""
+        where = unencodable_text(data)
+        if where is not None:
+            raise ValueError(f"{where or 'body'} is not valid Unicode text (a lone surrogate such as \\ud800)")
+        return data
 
     @field_validator("stop")
     @classmethod

@@ -87,6 +87,36 @@ def test_completion_request_refusals(body, field):
     assert message.startswith(field) and param.split(".")[0] == field
 
 
+@pytest.mark.parametrize("raw, where", [
+    ('{"prompt": "w1 \\ud800"}', "prompt"),
+    ('{"prompt": ["w1", "\\udfff w2"]}', "prompt.1"),
+    ('{"prompt": "w1", "stop": ["\\ud83d"]}', "stop.0"),
+    ('{"prompt": "w1", "user": "\\udc00"}', "user"),
+    ('{"prompt": "w1", "\\ud800": 1}', "body"),
+])
+def test_text_that_utf8_cannot_encode_is_refused_by_name(raw, where):
+    """JSON's surrogate escapes decode to lone surrogates, which the tokenizer and the response cannot take (an
+    unguarded prompt was a 500): 422 naming the field, before any field is read."""
+    err = refused(CompletionRequest, json.loads(raw))
+    status, body = api.validation_error(err.errors())
+    assert status == 422
+    assert f"{where} is not valid Unicode text" in body["error"]["message"]
+    body["error"]["message"].encode("utf-8")  # the answer itself encodes
+
+
+def test_chat_text_that_utf8_cannot_encode_is_refused_by_name():
+    raw = '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi \\udc00"}]}]}'
+    err = refused(ChatCompletionRequest, json.loads(raw))
+    assert "messages.0.content.0.text is not valid Unicode text" in api.validation_error(err.errors())[1]["error"][
+        "message"]
+
+
+def test_valid_unicode_passes_the_text_check():
+    req = CompletionRequest.model_validate(json.loads('{"prompt": "h\\u00e9 \\ud83d\\ude00 \\u0000 \\u4e16"}'))
+    assert req.prompt == "h\u00e9 \U0001F600 \x00 \u4e16"
+    assert api.unencodable_text({"a": ["x", {"b": "\u00e9"}]}) is None
+
+
 def test_unsupported_fields_are_400_and_named():
     status, body = api.validation_error(refused(CompletionRequest, {"prompt": "w1", "suffix": "x"}).errors())
     assert status == 400 and body["error"]["param"] == "suffix"
