@@ -140,6 +140,20 @@ def _generation_config(model: str) -> dict:
         return {}
 
 
+async def all_or_none(awaitables: list, timeout_s: float) -> list:
+    """Every awaitable's result, in order. If one raises, or the timeout passes, or the caller is cancelled, the
+    others are cancelled and awaited before the error goes on: the choices of a refused request (one of them queue
+    full, say) do not run on unread, and their streams are closed, not still running."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def _downstream_error(exc: BaseException) -> tuple[int, str]:
     """(HTTP status, message) for a failure of the engine or another downstream call."""
     if isinstance(exc, RequestError):
@@ -221,6 +235,7 @@ class OpenAIServer:
             self.metrics.record("rejected")
             raise ApiError(400, str(exc), param="prompt" if isinstance(exc, RequestError) else None) from None
         choices = [(prompt, _nth_sample(params, j)) for prompt in prompts for j in range(body.n)]
+        self._check_fits(len(choices), "n" if body.n > 1 else "prompt")
         name = self.settings.model_name
         if body.stream:
             stream = api.CompletionStream(body, tokenizer, name, sum(map(len, prompts)))
@@ -241,6 +256,7 @@ class OpenAIServer:
             self.metrics.record("rejected")
             raise ApiError(400, str(exc), param="messages") from None
         choices = [(ids, _nth_sample(params, j)) for j in range(body.n)]
+        self._check_fits(len(choices), "n")
         name = self.settings.model_name
         if body.stream:
             return await self._stream(choices, body.tree_config(), openai_chat.ChatStream(body, tokenizer, name,
@@ -253,6 +269,16 @@ class OpenAIServer:
             raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")  # fmt: skip
 
+    def _check_fits(self, sequences: int, param: str) -> None:
+        """A request of more sequences (prompts x n) than the engine replica queues at once (`max_waiting`; each is
+        queued before any is admitted) could only ever be refused as busy: it gets 400 saying so, not 503 and a
+        Retry-After. Router mode spreads a request's sequences over the replicas and leaves this to Serve."""
+        limit = 0 if self.replica is None else self.replica.loop.scheduler.config.max_waiting
+        if 0 < limit < sequences:
+            self.metrics.record("rejected")
+            raise ApiError(400, f"this request asks for {sequences} sequences (prompts x n); this server queues at "
+                                f"most {limit} at once (max_waiting)", param=param)  # fmt: skip
+
     def _check_model(self, model: str | None) -> None:
         if model not in (None, self.settings.model_name):
             raise ApiError(404, f"The model {model!r} does not exist; this server has {self.settings.model_name!r}",
@@ -261,10 +287,8 @@ class OpenAIServer:
     async def _generate(self, choices: list[tuple[list[int], SamplingParams]], tree: TreeConfig | None) -> list:
         """Every choice (prompt, params) as one engine request, concurrently -> their Generations in order."""
         try:
-            gens = await asyncio.wait_for(
-                asyncio.gather(*(self.core.generate(ids, params, tree) for ids, params in choices)),
-                self.settings.request_timeout_s,
-            )
+            gens = await all_or_none([self.core.generate(ids, params, tree) for ids, params in choices],
+                                     self.settings.request_timeout_s)  # fmt: skip
         except asyncio.CancelledError:
             self.metrics.record("cancelled")
             raise
@@ -281,8 +305,7 @@ class OpenAIServer:
         choice's first chunk is awaited before the status line goes out."""
         streams = [self.core.stream(ids, params, tree) for ids, params in choices]
         try:
-            firsts = await asyncio.wait_for(asyncio.gather(*(anext(s) for s in streams)),
-                                            self.settings.request_timeout_s)  # fmt: skip
+            firsts = await all_or_none([anext(s) for s in streams], self.settings.request_timeout_s)
         except Exception as exc:
             for stream in streams:
                 await stream.aclose()

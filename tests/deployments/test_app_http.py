@@ -32,6 +32,7 @@ KV_PROMPT, KV_TOKENS = PROMPTS[0], 110
 KV_BUDGET = 2 * (5 + KV_TOKENS + 1) + 8
 KV_MAX_WAITING = 2
 KV_TRIES = 5  # pairs sent until two run together (test_kv_budget_queues_then_answers_503)
+BURST_N = (1, 1, 1, 2)  # choices (n) of the burst's requests, by position modulo 4
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +136,7 @@ def test_stop_string_matches_engine(url, engine, reference):
         (json.dumps({"prompt": " ".join(["w1"] * 250), "max_tokens": 10}).encode(), 400, "context length of 256"),
         (json.dumps({"prompt": "w1", "model": "gpt-9"}).encode(), 404, "does not exist"),
         (json.dumps({"prompt": "   "}).encode(), 400, "encodes to no tokens"),
+        (b'{"prompt": "w1 \\ud800", "max_tokens": 3}', 422, "prompt is not valid Unicode text"),  # was a 500
     ],
 )
 def test_bad_input_gets_a_clear_error(url, reference, content, status, needle):
@@ -229,7 +231,10 @@ def kv_stats(url: str) -> dict:
 
 def test_kv_budget_queues_then_answers_503(url, engine):
     """Two requests fill the KV budget; of a burst of 14 more, those beyond the queue bound get 503 with Retry-After
-    (streams too: before their first token, so as an HTTP status); none gets a 500; every admitted one is exact."""
+    (streams too: before their first token, so as an HTTP status); none gets a 500; every admitted one is exact.
+    Every fourth asks for two choices: one may be queued and the other refused, and then the queued one is
+    cancelled, not left running unread (a stream refused that way was a 500), so that nothing runs after the last
+    answer."""
     want = engine.generate(KV_PROMPT, SamplingParams(max_new_tokens=KV_TOKENS), TreeConfig(())).token_ids
     assert greedy_margin(engine.target, engine.encode(KV_PROMPT), want) > 1e-3
     body = {"prompt": KV_PROMPT, "max_tokens": KV_TOKENS}
@@ -249,21 +254,40 @@ def test_kv_budget_queues_then_answers_503(url, engine):
                     assert response.status_code == 200 and completion(response)["choices"][0]["token_ids"] == want
             else:
                 pytest.fail(f"in {KV_TRIES} tries the two requests never ran together")
-            burst = [client.post(f"{url}/kv/v1/completions", json=body | {"stream": i % 2 == 1}) for i in range(14)]
+            burst = [client.post(f"{url}/kv/v1/completions", json=body | {"stream": i % 2 == 1, "n": BURST_N[i % 4]})
+                     for i in range(14)]  # fmt: skip
             return await asyncio.gather(*first, *burst)
 
     responses = asyncio.run(go())
     codes = [r.status_code for r in responses]
+    choices = [1, 1] + [BURST_N[i % 4] for i in range(14)]
     assert codes[:2] == [200, 200] and set(codes) == {200, 503}, codes
-    assert codes.count(200) >= 2 + KV_MAX_WAITING  # the queue took some while the budget was full
-    for i, response in enumerate(responses):
+    # the queue took some while the budget was full
+    assert sum(n for n, code in zip(choices, codes) if code == 200) >= 2 + KV_MAX_WAITING
+    for i, (response, n) in enumerate(zip(responses, choices)):
         if response.status_code == 503:
             assert response.headers["retry-after"] and "retry later" in response.json()["error"]["message"]
             continue
         chunks = sse_chunks(response) if i >= 2 and (i - 2) % 2 == 1 else [completion(response)]
-        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want
+        for index in range(n):  # greedy: every choice is the same
+            assert [t for c in chunks for ch in c["choices"] if ch["index"] == index for t in ch["token_ids"]] == want
     stats = kv_stats(url)
     assert (stats["running"], stats["waiting"], stats["kv_reserved"]) == (0, 0, 0)  # everything was freed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_more_choices_than_the_queue_takes_get_400(url, stream):
+    """Every choice is queued before any is admitted, so a request of more than max_waiting could only ever get 503:
+    400 instead, naming the bound, and nothing of it runs."""
+    response = post(f"{url}/kv", {"prompt": KV_PROMPT, "max_tokens": 5, "n": KV_MAX_WAITING + 1, "temperature": 1,
+                                  "stream": stream})  # fmt: skip
+    assert response.status_code == 400, response.text
+    assert f"{KV_MAX_WAITING + 1} sequences" in response.json()["error"]["message"]
+    assert "max_waiting" in response.json()["error"]["message"]
+    stats = kv_stats(url)
+    assert (stats["running"], stats["waiting"], stats["kv_reserved"]) == (0, 0, 0)
+    ok = post(f"{url}/kv", {"prompt": KV_PROMPT, "max_tokens": 5, "n": KV_MAX_WAITING, "temperature": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == KV_MAX_WAITING
 
 
 @pytest.mark.parametrize("stream", [False, True])

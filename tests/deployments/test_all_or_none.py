@@ -1,0 +1,79 @@
+"""deployments/router.all_or_none: a request's choices run together, and when one fails (a full queue, a lost
+target) or time runs out, the others are cancelled, not left running unread. No Ray."""
+
+import asyncio
+
+import pytest
+
+from deployments.router import all_or_none
+
+
+def test_every_result_comes_back_in_order():
+    async def value(v, delay):
+        await asyncio.sleep(delay)
+        return v
+
+    assert asyncio.run(all_or_none([value(1, 0.03), value(2, 0.0), value(3, 0.01)], 5)) == [1, 2, 3]
+
+
+def test_one_failure_cancels_the_others_before_it_goes_on():
+    left: list[str] = []
+
+    async def waits(name):
+        try:
+            await asyncio.sleep(30)
+        finally:
+            left.append(name)  # what the engine's stream does here: abort its request
+
+    async def refused():
+        await asyncio.sleep(0.01)
+        raise RuntimeError("queue full")
+
+    async def go():
+        with pytest.raises(RuntimeError, match="queue full"):
+            await all_or_none([waits("a"), refused(), waits("b")], 30)
+        return sorted(left)
+
+    assert asyncio.run(go()) == ["a", "b"]  # both ended before the error reached the caller
+
+
+def test_the_timeout_cancels_every_one():
+    left: list[int] = []
+
+    async def waits(i):
+        try:
+            await asyncio.sleep(30)
+        finally:
+            left.append(i)
+
+    async def go():
+        with pytest.raises(TimeoutError):
+            await all_or_none([waits(0), waits(1)], 0.05)
+
+    asyncio.run(go())
+    assert sorted(left) == [0, 1]
+
+
+def test_streams_whose_first_chunk_was_awaited_can_be_closed_after_a_failure():
+    """The choices' first chunks are awaited together; when one stream fails, closing the others must not find them
+    still running ('aclose(): asynchronous generator is already running' was a 500)."""
+    closed: list[int] = []
+
+    async def stream(i):
+        try:
+            if i == 1:
+                raise RuntimeError("queue full")
+            await asyncio.sleep(30)
+            yield i
+        finally:
+            closed.append(i)
+
+    async def go():
+        streams = [stream(i) for i in range(3)]
+        with pytest.raises(RuntimeError, match="queue full"):
+            await all_or_none([anext(s) for s in streams], 30)
+        for s in streams:
+            await s.aclose()
+
+    asyncio.run(go())
+    assert sorted(closed) == [0, 1, 2]
