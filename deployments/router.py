@@ -350,9 +350,10 @@ class OpenAIServer:
             status, (code, message) = "error", _downstream_error(exc)
             yield api.sse(api.error_body(message, "server_error") | {"status": code})
             yield api.sse("[DONE]")
-        finally:
+        finally:  # the pumps end before their streams close: a stream a pump still runs cannot be closed
             for task in pumps:
                 task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
             for stream in streams:
                 await stream.aclose()
             if status != "ok":

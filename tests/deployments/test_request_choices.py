@@ -1,5 +1,6 @@
-"""deployments/router.all_or_none: a request's choices run together, and when one fails (a full queue, a lost
-target) or time runs out, the others are cancelled, not left running unread. No Ray."""
+"""A request's choices in deployments/router.py, without a Serve app: `all_or_none` runs them together, and when one
+fails (a full queue, a lost target) or time runs out, the others are cancelled, not left running unread; a stream's
+events close every choice when the client leaves."""
 
 import asyncio
 
@@ -77,3 +78,46 @@ def test_streams_whose_first_chunk_was_awaited_can_be_closed_after_a_failure():
 
     asyncio.run(go())
     assert sorted(closed) == [0, 1, 2]
+
+
+def test_a_stream_left_mid_way_closes_every_choice():
+    """The SSE generator of a streamed request closed while its choices' pumps are still reading them (the client
+    left): every choice's stream is closed (its engine request aborted) and closing raises nothing (closing a stream
+    a pump still ran was 'asynchronous generator is already running')."""
+    from types import SimpleNamespace
+
+    from deployments.router import OpenAIServer
+    from ray_specdec.rounds import StreamChunk
+
+    closed: list[int] = []
+    recorded: list[str] = []
+
+    async def stream(i):
+        try:
+            yield StreamChunk([i], f"t{i}", None, None)
+            await asyncio.sleep(30)  # the engine's next round, never reached
+            yield StreamChunk([i], "x", "length", None)
+        finally:
+            closed.append(i)
+
+    class Bodies:
+        def chunks(self, index, chunk):
+            return [{"index": index, "text": chunk.text}]
+
+        def end(self):
+            return []
+
+    async def go():
+        streams = [stream(i) for i in range(2)]
+        firsts = [await anext(s) for s in streams]
+        server = SimpleNamespace(settings=SimpleNamespace(request_timeout_s=60),
+                                 metrics=SimpleNamespace(record=recorded.append))
+        events = OpenAIServer._events(server, [None, None], streams, firsts, Bodies())
+        got = [await anext(events), await anext(events)]  # both first chunks
+        await asyncio.sleep(0.05)  # the pumps are inside their streams now
+        await events.aclose()  # what the server does when the client goes away
+        return got
+
+    got = asyncio.run(go())
+    assert [g.count("t0") + g.count("t1") for g in got] == [1, 1]
+    assert sorted(closed) == [0, 1] and recorded == ["cancelled"]
