@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -15,7 +16,7 @@ from ray_specdec.acceptance import Verdict, accept_greedy, accept_sampled
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import Draft
 from ray_specdec.logits_processing import TokenHistory, TokenLogprob, process_logits, token_logprobs
-from ray_specdec.sampling import logits_to_probs
+from ray_specdec.sampling import logits_to_probs, sample_rows
 from ray_specdec.stats import GenerationStats
 
 NO_TREE = TreeConfig(())
@@ -48,6 +49,34 @@ def judge(
     q = draft.probs.to(p.device) if draft.probs is not None else p[:0]
     return accept_sampled(p, q, draft.tree, tokens, params.draft_sampling == "without_replacement", generator,
                           draft.deterministic, draft.q_rows)
+
+
+def plain_sampled(draft: Draft, params: SamplingParams) -> bool:
+    """Whether `judge` of this round only draws the bonus token from the target's distribution at the root: a sampled
+    request without logit processing, in a round without draft tokens (`judge_plain_sampled` draws those
+    together)."""
+    return not params.greedy and not params.processes_logits and draft.tokens.numel() == 0
+
+
+def judge_plain_sampled(
+    rows: Sequence[torch.Tensor],  # each [1, V] (or [V]): the root's raw logits of a `plain_sampled` round
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],  # each round's target stream (on one device)
+) -> list[Verdict]:
+    """`judge` of many plain sampled rounds (a step's undrafted sampled requests): the same verdicts, each bonus
+    token drawn from its own stream with the same bits as alone, but the distributions of the rounds that share a
+    sampling setting (temperature, top-k, top-p) computed and searched together: a handful of tensor calls per
+    setting instead of a dozen per round."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+    bonus = [0] * len(rows)
+    for members in groups.values():
+        logits = torch.cat([rows[i].reshape(1, -1) for i in members])
+        tokens = sample_rows(logits_to_probs(logits, params[members[0]]), [generators[i] for i in members])
+        for i, token in zip(members, tokens.tolist()):
+            bonus[i] = token
+    return [Verdict((), (), token) for token in bonus]
 
 
 def round_logprobs(

@@ -6,6 +6,8 @@ decoding: speculation then reproduces exactly the distribution this function def
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ray_specdec.config import SamplingParams
@@ -44,14 +46,30 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     requests)."""
     device = _random_device(probs, generator)
     flat = probs.reshape(-1, probs.shape[-1]).to(device, torch.float64)  # [rows, V]
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=device)
+    return _inverse_cdf(flat, u).reshape(probs.shape[:-1]).to(probs.device)
+
+
+def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """probs: [rows, V] -> token ids [rows]: row i drawn with generators[i], exactly as `sample(probs[i],
+    generators[i])` draws it (the same uniform from the same stream, the same float64 CDF: each row's sums and
+    search are its own), in a few calls for all rows instead of a dozen per row. The generators share a device."""
+    device = _random_device(probs, generators[0])
+    flat = probs.to(device, torch.float64)
+    u = torch.cat([torch.rand(1, 1, generator=g, dtype=torch.float64, device=device) for g in generators])
+    return _inverse_cdf(flat, u).reshape(-1).to(probs.device)
+
+
+def _inverse_cdf(flat: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """flat [rows, V] float64 masses, u [rows, 1] uniform in [0, 1) -> [rows, 1]: the token whose CDF interval of
+    the row's mass holds u."""
     cdf = flat.cumsum(dim=-1)
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=device) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u, right=True).clamp_(max=flat.shape[-1] - 1)  # [rows, 1]
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=flat.shape[-1] - 1)  # [rows, 1]
     stray = flat.gather(-1, tokens) == 0  # u rounded up to the whole mass (~2^-53 of draws): past the last token
     if stray.any():
         last = flat.shape[-1] - 1 - (flat.flip(-1) > 0).to(torch.int8).argmax(dim=-1, keepdim=True)
         tokens = torch.where(stray, last, tokens)
-    return tokens.reshape(probs.shape[:-1]).to(probs.device)
+    return tokens
 
 
 def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:

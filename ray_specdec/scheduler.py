@@ -39,6 +39,7 @@ from typing import Sequence
 
 import torch
 
+from ray_specdec.acceptance import Verdict
 from ray_specdec.bandit import DEFAULT_LOAD_EDGES, Bandit
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafter_cache import DrafterStates
@@ -53,8 +54,8 @@ from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.prefill_plan import PrefillPlan
 from ray_specdec.prefix_cache import PrefixIndex
 from ray_specdec.request_state import QueueFull, Request, RequestTooLarge, StepOutput  # callers name them here
-from ray_specdec.rounds import (NO_TREE, FixedTree, StreamChunk, empty_draft, fit_tree, judge, make_generators,
-                                round_logprobs)
+from ray_specdec.rounds import (NO_TREE, FixedTree, StreamChunk, empty_draft, fit_tree, judge, judge_plain_sampled,
+                                make_generators, plain_sampled, round_logprobs)
 from ray_specdec.scheduler_args import SchedulerConfig
 from ray_specdec.speculation_guard import SpeculationGuard
 # START_ANYWAY_EVERY: callers name it here
@@ -239,7 +240,12 @@ class Scheduler:
         t2 = time.perf_counter()
         for r in prefilling:
             r.prefilled = r.chunk_end
-        outputs = [self._finish_round(r, logits[first + i]) for i, r in enumerate(rounds)]
+        # plain sampled rounds draw together; the others are judged one by one
+        plain = [i for i, r in enumerate(rounds) if plain_sampled(r.draft, r.params)]
+        verdicts = dict(zip(plain, judge_plain_sampled([logits[first + i] for i in plain],
+                                                       [rounds[i].params for i in plain],
+                                                       [rounds[i].target_gen for i in plain]) if plain else []))
+        outputs = [self._finish_round(r, logits[first + i], verdicts.get(i)) for i, r in enumerate(rounds)]
         t3 = time.perf_counter()
         self._account(rounds, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
         if guard is not None:  # the realised result of its choice; drafting's prefills at their steady-state share
@@ -356,8 +362,11 @@ class Scheduler:
 
     # ----- after the forward -----
 
-    def _finish_round(self, r: Request, logits: torch.Tensor) -> StepOutput:
-        verdict = judge(logits, r.draft, r.params, r.target_gen, TokenHistory(r.tokens, r.prompt_len, r.stop.stop_ids))
+    def _finish_round(self, r: Request, logits: torch.Tensor, verdict: Verdict | None = None) -> StepOutput:
+        """verdict: the round's, judged already (plain sampled rounds, drawn together); None: judge it here."""
+        if verdict is None:
+            history = TokenHistory(r.tokens, r.prompt_len, r.stop.stop_ids)
+            verdict = judge(logits, r.draft, r.params, r.target_gen, history)
         self._work.commits.append((r.request_id, verdict.keep_rows))
         if r.drafter is not None:
             r.drafter.commit(verdict)

@@ -65,3 +65,48 @@ def test_sample_draws_each_token_with_its_probability_and_never_one_without_mass
     # a uniform draw times the mass that rounds up to the mass itself
     monkeypatch.setattr(torch, "rand", lambda *shape, **kwargs: torch.ones(*shape, dtype=torch.float64))
     assert sample(probs, None).item() == 5  # the last token with mass, not the zero-mass one after it
+
+
+SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=50),
+            SamplingParams(temperature=1.3, top_p=0.9), SamplingParams(temperature=0.9, top_k=20, top_p=0.8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_plain_sampled_rounds_drawn_together_are_each_rounds_own_draw(dtype):
+    """judge_plain_sampled over 48 rounds of four sampling settings, interleaved: every bonus token is the one
+    `judge` draws for the round alone from the same stream, and every stream ends where judge leaves it (the next
+    draw agrees too). Peaked and flat rows, and a row whose mass sits on one token."""
+    from ray_specdec.rounds import empty_draft, judge, judge_plain_sampled, plain_sampled
+
+    vocab, rounds = 4096, 48
+    torch.manual_seed(0)
+    logits = torch.randn(rounds, 1, vocab, dtype=dtype) * torch.linspace(0.5, 12.0, rounds, dtype=dtype)[:, None, None]
+    logits[5, 0, 17] = 1e4
+    params = [SETTINGS[i % len(SETTINGS)] for i in range(rounds)]
+    assert all(plain_sampled(empty_draft(), p) for p in params)
+    alone = [torch.Generator().manual_seed(100 + i) for i in range(rounds)]
+    together = [torch.Generator().manual_seed(100 + i) for i in range(rounds)]
+    want = [judge(logits[i], empty_draft(), params[i], alone[i]) for i in range(rounds)]
+    got = judge_plain_sampled(list(logits), params, together)
+    assert got == want
+    assert got[5].new_tokens == (17,)
+    assert [torch.rand(1, generator=g).item() for g in together] == [torch.rand(1, generator=g).item() for g in alone]
+
+
+def test_only_sampled_rounds_without_draft_or_logit_processing_are_plain():
+    from ray_specdec.drafting import lookup_draft
+    from ray_specdec.rounds import empty_draft, plain_sampled
+
+    assert not plain_sampled(empty_draft(), SamplingParams(temperature=0.0))
+    assert not plain_sampled(empty_draft(), SamplingParams(temperature=1.0, presence_penalty=0.5))
+    assert not plain_sampled(lookup_draft([3, 4]), SamplingParams(temperature=1.0))
+    assert plain_sampled(empty_draft(), SamplingParams(temperature=1.0, logprobs=2))  # logprobs come from the logits
+
+
+def test_sample_rows_draws_each_row_from_its_own_stream():
+    from ray_specdec.sampling import sample_rows
+
+    probs = torch.softmax(torch.randn(6, 300), dim=-1)
+    gens = [torch.Generator().manual_seed(i) for i in range(6)]
+    again = [torch.Generator().manual_seed(i) for i in range(6)]
+    assert sample_rows(probs, gens).tolist() == [int(sample(probs[i], again[i])) for i in range(6)]
