@@ -67,7 +67,7 @@ def run_block(endpoint: Endpoint, prompts: list[str], fields: dict[str, Any], ar
         async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout), trust_env=False) as client:
 
             async def send(index: int) -> tuple[int, float | None]:
-                body = request_body(endpoint, prompts[index % len(prompts)], args.max_tokens, 0.0, fields)
+                body = request_body(endpoint, prompts[index % len(prompts)], args.max_tokens, args.temperature, fields)
                 result: RequestResult = await stream_one(client, endpoint.url, body, index, args.timeout)
                 if result.error:
                     raise RuntimeError(f"request {index} failed: {result.error}")
@@ -100,6 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of the window")
     parser.add_argument("--blocks", type=int, default=2, help="windows per system")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
     parser.add_argument("--seed", type=int, default=31)
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--vllm-script", type=Path, default=REPO.parent / "shared" / "peers" / "vllm_cpu.sh")
@@ -110,6 +111,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown servers {sorted(unknown)}; choose from ours,vllm")
     if not 1 <= args.concurrency <= 256 or args.blocks < 1 or not (args.warmup >= 0 and args.duration > 0):
         parser.error("concurrency must be in [1, 256], blocks >= 1, warmup >= 0 and duration > 0")
+    if not 0.0 <= args.temperature <= 2.0:
+        parser.error(f"temperature must be in [0, 2], got {args.temperature}")
     args.ours_ingress = "direct"
     return args
 

@@ -31,8 +31,10 @@ def test_only_requests_that_end_inside_the_window_count():
 
 def test_arguments_are_checked():
     args = parse_args(["--servers", "ours", "--concurrency", "8", "--blocks", "3"])
-    assert args.servers == ["ours"] and args.concurrency == 8 and args.blocks == 3
-    for bad in (["--servers", "hf"], ["--concurrency", "0"], ["--blocks", "0"], ["--duration", "0"]):
+    assert args.servers == ["ours"] and args.concurrency == 8 and args.blocks == 3 and args.temperature == 0.0
+    assert parse_args(["--temperature", "1"]).temperature == 1.0
+    for bad in (["--servers", "hf"], ["--concurrency", "0"], ["--blocks", "0"], ["--duration", "0"],
+                ["--temperature", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
