@@ -17,14 +17,17 @@ def test_every_result_comes_back_in_order():
     assert asyncio.run(all_or_none([value(1, 0.03), value(2, 0.0), value(3, 0.01)], 5)) == [1, 2, 3]
 
 
+async def waits(name, left: list):
+    """A choice that would run long; `left` notes that it ended (what the engine's stream does here: abort its
+    request)."""
+    try:
+        await asyncio.sleep(30)
+    finally:
+        left.append(name)
+
+
 def test_one_failure_cancels_the_others_before_it_goes_on():
     left: list[str] = []
-
-    async def waits(name):
-        try:
-            await asyncio.sleep(30)
-        finally:
-            left.append(name)  # what the engine's stream does here: abort its request
 
     async def refused():
         await asyncio.sleep(0.01)
@@ -32,7 +35,7 @@ def test_one_failure_cancels_the_others_before_it_goes_on():
 
     async def go():
         with pytest.raises(RuntimeError, match="queue full"):
-            await all_or_none([waits("a"), refused(), waits("b")], 30)
+            await all_or_none([waits("a", left), refused(), waits("b", left)], 30)
         return sorted(left)
 
     assert asyncio.run(go()) == ["a", "b"]  # both ended before the error reached the caller
@@ -41,15 +44,9 @@ def test_one_failure_cancels_the_others_before_it_goes_on():
 def test_the_timeout_cancels_every_one():
     left: list[int] = []
 
-    async def waits(i):
-        try:
-            await asyncio.sleep(30)
-        finally:
-            left.append(i)
-
     async def go():
         with pytest.raises(TimeoutError):
-            await all_or_none([waits(0), waits(1)], 0.05)
+            await all_or_none([waits(0, left), waits(1, left)], 0.05)
 
     asyncio.run(go())
     assert sorted(left) == [0, 1]
