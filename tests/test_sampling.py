@@ -71,17 +71,23 @@ SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top
             SamplingParams(temperature=1.3, top_p=0.9), SamplingParams(temperature=0.9, top_k=20, top_p=0.8)]
 
 
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_plain_sampled_rounds_drawn_together_are_each_rounds_own_draw(dtype):
+def test_plain_sampled_rounds_drawn_together_are_each_rounds_own_draw(dtype, device):
     """judge_plain_sampled over 48 rounds of four sampling settings, interleaved: every bonus token is the one
     `judge` draws for the round alone from the same stream, and every stream ends where judge leaves it (the next
-    draw agrees too). Peaked and flat rows, and a row whose mass sits on one token."""
+    draw agrees too). Peaked and flat rows, and a row whose mass sits on one token. On CUDA the logits live on the
+    device and the streams on the host, as a request's do."""
     from ray_specdec.rounds import empty_draft, judge, judge_plain_sampled, plain_sampled
 
     vocab, rounds = 4096, 48
     torch.manual_seed(0)
     logits = torch.randn(rounds, 1, vocab, dtype=dtype) * torch.linspace(0.5, 12.0, rounds, dtype=dtype)[:, None, None]
     logits[5, 0, 17] = 1e4
+    logits = logits.to(device)
     params = [SETTINGS[i % len(SETTINGS)] for i in range(rounds)]
     assert all(plain_sampled(empty_draft(), p) for p in params)
     alone = [torch.Generator().manual_seed(100 + i) for i in range(rounds)]
@@ -103,10 +109,11 @@ def test_only_sampled_rounds_without_draft_or_logit_processing_are_plain():
     assert plain_sampled(empty_draft(), SamplingParams(temperature=1.0, logprobs=2))  # logprobs come from the logits
 
 
-def test_sample_rows_draws_each_row_from_its_own_stream():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_rows_draws_each_row_from_its_own_stream(device):
     from ray_specdec.sampling import sample_rows
 
-    probs = torch.softmax(torch.randn(6, 300), dim=-1)
+    probs = torch.softmax(torch.randn(6, 300), dim=-1).to(device)
     gens = [torch.Generator().manual_seed(i) for i in range(6)]
     again = [torch.Generator().manual_seed(i) for i in range(6)]
     assert sample_rows(probs, gens).tolist() == [int(sample(probs[i], again[i])) for i in range(6)]
