@@ -151,6 +151,11 @@ SWITCHES = 8
 # won 1.3x; one stall of the process (a burst of Ray's own work, a collection) among ~6 ms steps does that. The
 # drafter prefill charge of a policy step is a cost of drafting, not noise: it is added after the cap.
 STALL_CAP = 2.0
+# A settled level weighs its verdict at every step of the side it explores and at every RECHECK-th step of the side
+# its verdict runs: one more step of a window of WINDOW moves the ratio by a few percent of its gap at most, and
+# weighing costs ~0.17 ms (NumPy over both windows), 10% of a one-request step on a GPU. A flip comes at most
+# RECHECK - 1 steps later.
+RECHECK = 8
 
 
 @dataclass
@@ -165,6 +170,7 @@ class _Level:
     flipped: bool = False  # whether the verdict changed since the last exploration run ended
     undrafted: bool = False  # the verdict: run this level's rounds undrafted
     settled: bool = False  # enough steps measured for a verdict (MIN_SAMPLES a side, or a clear gap)
+    unweighed: int = 0  # steps measured since the verdict was last weighed (RECHECK)
 
 
 class SpeculationGuard:
@@ -229,6 +235,12 @@ class SpeculationGuard:
             return
         (lv.plain if self._mode else lv.policy).append((n, tokens, seconds, 0.0 if self._mode else drafting_s))
         _trim(lv.policy)
+        # a settled level's verdict side moves its ratio slowly: weighed every RECHECK of its steps (the ratio over
+        # both windows is ~0.17 ms of NumPy, a tenth of a GPU step), the exploring side's at each of its steps
+        lv.unweighed += 1
+        if lv.settled and self._mode == lv.undrafted and lv.unweighed < RECHECK:
+            return
+        lv.unweighed = 0
         speedup = _speedup(lv)
         measured = min(len(lv.plain), len(lv.policy))
         if speedup is None or measured < EARLY_SAMPLES:
