@@ -20,6 +20,8 @@ batch's expected tokens per second of step time:
 
 from __future__ import annotations
 
+import bisect
+
 import math
 import time
 from dataclasses import dataclass
@@ -116,12 +118,16 @@ class AcceptanceModel:
 
     @staticmethod
     def _key(tree: TreeConfig, context_len: int, sampled: bool) -> tuple:
-        bucket = int(np.searchsorted(ACCEPT_BUCKETS, context_len, side="right"))
-        return tree, bucket, sampled
+        return tree, bisect.bisect_right(ACCEPT_BUCKETS, context_len), sampled
 
     def record(self, tree: TreeConfig, context_len: int, sampled: bool, accepted: int,
                what_if: Mapping[TreeConfig, int] | None = None) -> None:
+        """A round of `tree` accepted `accepted` draft tokens (what_if: what smaller arms would have). Trees without
+        a drafter's depth are not kept: their expected tokens are 1 whatever they accepted (an undrafted round's
+        lookup tokens are the scheduler's, not sized here), and most rounds under load are such."""
         for arm, kept in {tree: accepted, **(what_if or {})}.items():
+            if not arm.depth:
+                continue
             key = self._key(arm, context_len, sampled)
             self._sum[key] = self._sum.get(key, 0.0) + kept
             self._n[key] = self._n.get(key, 0) + 1

@@ -232,7 +232,8 @@ class Scheduler:
         for r, drafted in zip(rounds, on_host([r.draft.tokens for r in rounds])):
             if r.params.argmax_only:  # judged on the host, on the target's argmaxes (target_backend.row_argmaxes)
                 r.draft = replace(r.draft, tokens=drafted)
-            tokens = torch.cat([torch.tensor([r.tokens[-1]]), drafted.reshape(-1)])
+            root = torch.tensor([r.tokens[-1]])
+            tokens = torch.cat([root, drafted.reshape(-1)]) if drafted.numel() else root
             work.segments.append(SegmentSpec(r.request_id, tokens, tuple(r.draft.tree.paths),
                                               r.params.argmax_only))
             verify_rows += tokens.numel()

@@ -160,6 +160,10 @@ def test_the_acceptance_model_keeps_means_per_tree_context_and_mode():
     assert model.expected_tokens(CHAIN, 3000, False) == pytest.approx(1 + PRIOR_ACCEPT_PER_DEPTH * 4)  # longer context
     model.record(CHAIN, 3000, False, 0)
     assert model.expected_tokens(CHAIN, 3000, False) == 1.0
+    kept = dict(model._n)
+    model.record(NO_TREE, 100, False, 0)  # undrafted rounds (most under load) are not kept: 1 token whatever
+    model.record(NO_TREE, 100, True, 0)
+    assert model._n == kept and model.expected_tokens(NO_TREE, 100, False) == 1.0
     assert model.expected_tokens(CHAIN, 100, False) == pytest.approx(3.0)
 
 
