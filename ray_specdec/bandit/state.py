@@ -188,10 +188,12 @@ class BanditState:
         return out
 
     def arm_index(self, tree: TreeConfig) -> int | None:
-        try:
-            return self.arms.index(tree)
-        except ValueError:
-            return None
+        """The arm's index (None: not an arm), by a dict of this state's arm tuple: once per round of every
+        request, where `tuple.index` compared dataclasses one by one."""
+        cache = self.__dict__.get("_arm_indices")
+        if cache is None or cache[0] is not self.arms:
+            cache = self.__dict__["_arm_indices"] = (self.arms, {arm: i for i, arm in enumerate(self.arms)})
+        return cache[1].get(tree)
 
     def record(
         self,
