@@ -44,9 +44,12 @@ Run from the repository root: python -m benchmarks.batched_loop [--device cuda] 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import itertools
 import json
 import platform
+import pstats
 import time
 from pathlib import Path
 from typing import Any
@@ -98,11 +101,13 @@ def sync(device: torch.device) -> None:
 
 def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: int, tree: TreeConfig | None,
              duration: float, device: torch.device, profile_steps: int = 0, max_new_tokens: int = MAX_NEW_TOKENS,
-             start: int = 0, temperature: float = 0.0) -> tuple[dict[str, Any], dict[int, list[int]]]:  # fmt: skip
+             start: int = 0, temperature: float = 0.0,
+             python_steps: int = 0) -> tuple[dict[str, Any], dict[int, list[int]]]:  # fmt: skip
     """Closed loop for `duration` s, requests from prompt `start` on -> the cell's numbers and each finished request's
     tokens by prompt index (profile_steps: then that many steps under torch's profiler, its table in the numbers).
     `engine`: anything with a `scheduler` (benchmarks/tp_loop.py hands its scheduler over rank actors);
-    temperature > 0: sampled requests, each with its own seed."""
+    temperature > 0: sampled requests, each with its own seed; python_steps: then that many steps under cProfile, the
+    Python functions that take the host's time (on a GPU the host's work is most of a small model's step)."""
     scheduler = engine.scheduler
     order, running, tokens = itertools.count(start), {}, {}
 
@@ -141,6 +146,21 @@ def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: i
                         add()
             sync(device)
         profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48)
+    if python_steps:
+        profiler = cProfile.Profile()
+        t = time.perf_counter()
+        with profiler:
+            for _ in range(python_steps):
+                for out in scheduler.step():
+                    if out.chunk.finish_reason is not None:
+                        del running[out.request_id]
+                        add()
+            sync(device)
+        text = io.StringIO()
+        text.write(f"{python_steps} steps under cProfile: {(time.perf_counter() - t) / python_steps * 1e3:.2f} ms a "
+                   f"step (the profiler's own cost included)\n")
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(28)
+        profile = (profile or "") + text.getvalue()
     for key in running:
         scheduler.abort(key)
     while scheduler.has_work:  # let aborted requests leave before the next cell
@@ -167,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="a random-weight Llama of this size as the target (the none variants only)")
     p.add_argument("--profile", default="", metavar="VARIANT@C",
                    help="after that cell (e.g. 'batched none@32'), 20 steps under torch's profiler: its table")
+    p.add_argument("--python-profile", default="", metavar="VARIANT@C",
+                   help="after that cell, 200 steps under cProfile: the Python functions taking the host's time")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled requests")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -211,8 +233,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine.generate_many(warm_up, SamplingParams(max_new_tokens=MAX_NEW_TOKENS), tree)
         for i, c in enumerate(concurrencies):
             profiled = 20 if args.profile == f"{label}@{c}" else 0
+            python_steps = 200 if args.python_profile == f"{label}@{c}" else 0
             cell, tokens = run_cell(engine, prompts, c, tree, args.duration, device, profiled, start=i * share,
-                                    temperature=args.temperature)
+                                    temperature=args.temperature, python_steps=python_steps)
             cell.update(variant=label, concurrency=c, repeated_prompts=max(cell["sent"] - share, 0))
             if cell["repeated_prompts"]:
                 print(f"warning: {label} c={c} sent {cell['sent']} prompts, {cell['repeated_prompts']} past its share "
@@ -243,18 +266,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         n, m = table.get(("batched none", c)), table.get(("per-request none", c))
         if a and b:
             print(f"c={c}: batched / per-request, drafting {a / b:.2f}x" + (f", none {n / m:.2f}x" if n and m else ""))
-    for line in guard_check(results["cells"]):
+    for line in guard_check(results["cells"], sampled=args.temperature > 0):
         print(line)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
     return results
 
 
-def guard_check(cells: list[dict[str, Any]]) -> list[str]:
+def guard_check(cells: list[dict[str, Any]], sampled: bool = False) -> list[str]:
     """Per concurrency with both `batched drafting` and `batched none` cells: what drafting measured against none in
-    the closed loop, beside the speculation guard's own speedup at that load level (from the drafting cell's end).
-    The guard promises the service's choice is never slower than no speculation; a guard that measures drafting
-    faster while the cells say slower misses a cost (seen on an H100: 1.35x against 0.92x at 1)."""
+    the closed loop, beside the speculation guard's own speedup at that load level (from the drafting cell's end),
+    of its sampled steps' verdict where the cells sample (`sampled`: the guard keeps one per mode). The guard
+    promises the service's choice is never slower than no speculation; a guard that measures drafting faster while
+    the cells say slower misses a cost (seen on an H100: 1.35x against 0.92x at 1)."""
     lines = []
     for drafted in (c for c in cells if c["variant"] == "batched drafting" and c.get("guard")):
         none = next((c for c in cells if c["variant"] == "batched none" and c["concurrency"] == drafted["concurrency"]),
@@ -262,6 +286,8 @@ def guard_check(cells: list[dict[str, Any]]) -> list[str]:
         level = next((lv for lv in drafted["guard"] if _holds(lv["load"], drafted["concurrency"])), None)
         if none is None or level is None or not none["tokens_per_s"]:
             continue
+        if sampled:
+            level = {**level["sampled"], "load": f"{level['load']} (sampled steps)"}
         speedup = "unmeasured" if level["speedup"] is None else f"{level['speedup']:.2f}x"
         verdict = "undrafted" if level["undrafted"] else "drafting"
         ratio = drafted["tokens_per_s"] / none["tokens_per_s"]

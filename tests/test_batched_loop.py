@@ -64,6 +64,25 @@ def test_the_guard_check_sets_the_cells_ratio_beside_the_guards_speedup():
         "c=1: drafting / none 0.92x in the cells; the guard at level 1: 1.35x, drafting",
         "c=8: drafting / none 0.80x in the cells; the guard at level 5-16: 0.80x, undrafted",
     ]  # no none cell at 32: nothing to set beside it
+    for level in guard:  # the sampled steps keep a verdict of their own: a T > 0 run reads that one
+        level["sampled"] = {"speedup": 0.7 if level["load"] == "1" else None, "undrafted": level["load"] == "1"}
+    assert guard_check(cells, sampled=True) == [
+        "c=1: drafting / none 0.92x in the cells; the guard at level 1 (sampled steps): 0.70x, undrafted",
+        "c=8: drafting / none 0.80x in the cells; the guard at level 5-16 (sampled steps): unmeasured, drafting",
+    ]
+
+
+def test_a_cell_can_end_with_its_python_profile(monkeypatch, capsys):
+    """--python-profile VARIANT@C: after that cell, steps under cProfile; the functions' table is in its numbers."""
+    from benchmarks import batched_loop
+
+    monkeypatch.setattr(batched_loop, "select_prompts", lambda n, seed: [f"def f{i}(x):\n    return x + {i}\n"
+                                                                         for i in range(n)])
+    results = batched_loop.main(["--device", "cpu", "--duration", "0.2", "--concurrency", "1", "--prompts", "8",
+                                 "--variants", "batched none", "--python-profile", "batched none@1"])
+    (cell,) = results["cells"]
+    assert "steps under cProfile" in cell["profile"] and "scheduler.py" in cell["profile"]
+    assert "(step)" in capsys.readouterr().out
 
 
 def test_sampled_cells_send_seeded_sampled_requests_and_compare_no_tokens(monkeypatch):
