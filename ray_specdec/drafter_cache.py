@@ -33,9 +33,9 @@ class DrafterStates:
         self.hits = self.misses = 0
         self._drafter: MambaDrafter | None = None  # whose states these are
 
-    def holds(self, drafter: MambaDrafter, ids: torch.Tensor) -> bool:
-        """Whether `prefill(drafter, ids)` would be a copy."""
-        return drafter is self._drafter and tuple(ids.tolist()) in self.entries
+    def holds(self, drafter: MambaDrafter, key: tuple[int, ...]) -> bool:
+        """Whether `prefill(drafter, ids)` would be a copy, for ids whose values are `key` (drafting.prefill_key)."""
+        return drafter is self._drafter and key in self.entries
 
     @torch.inference_mode()
     def prefill(self, drafter: MambaDrafter, ids: torch.Tensor) -> tuple[MambaState, torch.Tensor]:

@@ -146,6 +146,17 @@ def prefill_input(drafter: MambaDrafter, token_ids: Sequence[int]) -> torch.Tens
     return drafter_ids(drafter, token_ids[-window:] if window else token_ids)
 
 
+def prefill_key(drafter: MambaDrafter, token_ids: Sequence[int]) -> tuple[int, ...]:
+    """`prefill_input`'s ids as a tuple, made on the host: the key of the drafter's prefix cache (drafter_cache.py).
+    The scheduler asks it at every admission; through the device tensor that cost a copy each way and a wait for
+    the GPU."""
+    window = getattr(drafter, "prefill_window", None)
+    ids = list(token_ids[-window:] if window else token_ids)
+    if ids and max(ids) >= drafter.vocab_size:
+        ids = [t if t < drafter.vocab_size else 0 for t in ids]
+    return tuple(ids)
+
+
 class DrafterSession:
     """One request's drafter state: the root state, its logits, and the per-depth states of the open round."""
 

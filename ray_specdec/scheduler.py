@@ -43,7 +43,7 @@ from ray_specdec.acceptance import Verdict
 from ray_specdec.bandit import DEFAULT_LOAD_EDGES, Bandit
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafter_cache import DrafterStates
-from ray_specdec.drafting import Draft, DraftRequest, draft_many, lookup_draft, prefill_input
+from ray_specdec.drafting import Draft, DraftRequest, draft_many, lookup_draft, prefill_key
 from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, measure_prior,
                                  size_trees)
 from ray_specdec.lazy_drafter import LazyDrafter, ready_many
@@ -445,7 +445,7 @@ class Scheduler:
     def _drafter_prefill(self, tokens: list[int]) -> int:
         """Tokens the drafter's prefill over `tokens` would run: none where its state is kept (drafter_cache.py)."""
         states = self.drafter_states
-        if states is not None and states.holds(self.drafter, prefill_input(self.drafter, tokens)):
+        if states is not None and states.holds(self.drafter, prefill_key(self.drafter, tokens)):
             return 0
         return self._prefilled(len(tokens))
 

@@ -65,3 +65,27 @@ def test_a_kept_state_costs_the_start_rule_and_the_prefill_estimate_nothing():
     off = Scheduler(LocalTarget(TargetModel(tiny_gpt_neox(torch.float32))), drafter, None, TreeConfig((2, 1)),
                     SchedulerConfig(prefix_cache=False))  # fmt: skip
     assert off.drafter_states is None and off._drafter_prefill(prompt) == 40
+
+
+def test_the_admission_check_keys_a_prompt_on_the_host_as_its_prefill_does():
+    """prefill_key (the scheduler's check at admission, made on the host) is the ids prefill_input runs, as a tuple:
+    out-of-vocabulary ids as 0, only the last prefill_window tokens where the drafter has a window; holds() finds a
+    prompt a session prefilled, and not another one or another drafter's."""
+    from ray_specdec.drafting import prefill_input, prefill_key
+
+    drafter = tiny_mamba(torch.float32)
+    prompt = random_prompt(40, seed=3)
+    odd = prompt[:10] + [drafter.vocab_size + 5, drafter.vocab_size] + prompt[10:]
+    for ids in (prompt, odd, prompt[:1]):
+        assert prefill_key(drafter, ids) == tuple(prefill_input(drafter, ids).tolist())
+    assert prefill_key(drafter, odd)[10:12] == (0, 0)
+    drafter.prefill_window = 16
+    try:
+        assert prefill_key(drafter, odd) == tuple(prefill_input(drafter, odd).tolist()) == tuple(odd[-16:])
+    finally:
+        drafter.prefill_window = None
+    states = DrafterStates()
+    DrafterSession(drafter, odd, VOCAB, states)
+    assert states.holds(drafter, prefill_key(drafter, odd))
+    assert not states.holds(drafter, prefill_key(drafter, prompt))
+    assert not states.holds(tiny_mamba(torch.float32), prefill_key(drafter, odd))
