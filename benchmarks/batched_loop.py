@@ -135,27 +135,26 @@ def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: i
     sync(device)
     elapsed = time.perf_counter() - t0
     profile = None
+
+    def more_steps(n: int) -> None:  # the same closed load, untimed, for a profiler
+        for _ in range(n):
+            for out in scheduler.step():
+                if out.chunk.finish_reason is not None:
+                    del running[out.request_id]
+                    add()
+        sync(device)
+
     if profile_steps:  # where the time of a step goes, after the timed loop (the same load)
         activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(profile_steps):
-                for out in scheduler.step():
-                    if out.chunk.finish_reason is not None:
-                        del running[out.request_id]
-                        add()
-            sync(device)
+            more_steps(profile_steps)
         profile = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48)
     if python_steps:
         profiler = cProfile.Profile()
         t = time.perf_counter()
         with profiler:
-            for _ in range(python_steps):
-                for out in scheduler.step():
-                    if out.chunk.finish_reason is not None:
-                        del running[out.request_id]
-                        add()
-            sync(device)
+            more_steps(python_steps)
         text = io.StringIO()
         text.write(f"{python_steps} steps under cProfile: {(time.perf_counter() - t) / python_steps * 1e3:.2f} ms a "
                    f"step (the profiler's own cost included)\n")
