@@ -21,7 +21,6 @@ batch's expected tokens per second of step time:
 from __future__ import annotations
 
 import bisect
-
 import math
 import time
 from dataclasses import dataclass
