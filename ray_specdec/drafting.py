@@ -140,18 +140,22 @@ def drafter_ids(drafter: MambaDrafter, token_ids: Sequence[int]) -> torch.Tensor
     return ids.masked_fill(ids >= drafter.vocab_size, 0)
 
 
-def prefill_input(drafter: MambaDrafter, token_ids: Sequence[int]) -> torch.Tensor:
-    """What a session's prefill over a context runs: its last `prefill_window` tokens (all without a window)."""
+def _windowed(drafter: MambaDrafter, token_ids: Sequence[int]) -> Sequence[int]:
+    """The context a prefill reads: its last `prefill_window` tokens (all without a window)."""
     window = getattr(drafter, "prefill_window", None)
-    return drafter_ids(drafter, token_ids[-window:] if window else token_ids)
+    return token_ids[-window:] if window else token_ids
+
+
+def prefill_input(drafter: MambaDrafter, token_ids: Sequence[int]) -> torch.Tensor:
+    """What a session's prefill over a context runs, as drafter inputs on its device."""
+    return drafter_ids(drafter, _windowed(drafter, token_ids))
 
 
 def prefill_key(drafter: MambaDrafter, token_ids: Sequence[int]) -> tuple[int, ...]:
     """`prefill_input`'s ids as a tuple, made on the host: the key of the drafter's prefix cache (drafter_cache.py).
     The scheduler asks it at every admission; through the device tensor that cost a copy each way and a wait for
     the GPU."""
-    window = getattr(drafter, "prefill_window", None)
-    ids = list(token_ids[-window:] if window else token_ids)
+    ids = list(_windowed(drafter, token_ids))
     if ids and max(ids) >= drafter.vocab_size:
         ids = [t if t < drafter.vocab_size else 0 for t in ids]
     return tuple(ids)
