@@ -138,8 +138,9 @@ def test_the_native_drafter_on_half_panels_is_its_float32_panels_step_bit_for_bi
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 def test_every_row_gets_its_bits_alone_whatever_the_rows_beside_it(dtype):
     """Batch invariance of the native GEMM: a row's product does not depend on how many rows share the call, or
-    where in it the row sits. Rows go through register blocks of every height (up to 6 rows with AVX-512, 4 without;
-    the rest ragged), and every height sums each output over the inputs in the same order from the bias."""
+    where in it the row sits. Rows go through register blocks of every height (up to 6 rows, the rest ragged; products
+    of one or two rows in wider passes), and every block sums each output over the inputs in the same order from the
+    bias."""
     lib = native.load()
     weight = half_exact(200, 70, dtype) if dtype != torch.float32 else torch.randn(200, 70)  # 3 x 64, 1 x 16, tail
     bias = torch.randn(200)

@@ -2,8 +2,8 @@
  * drafter's native forward and cpu_gemm's "native" path for the target's Linear layers.
  *
  * Why: a decode or verify forward multiplies 1 to a few dozen rows by every weight, so it is bound by reading the
- * weights; MKL's few-row paths are far from that bound on some CPUs. Here up to ROW_BLOCK rows x 64 outputs
- * accumulate in registers while a panel of the weight streams past.
+ * weights; MKL's few-row paths are far from that bound on some CPUs. Here up to ROW_BLOCK rows x a pass of outputs
+ * (64 with AVX-512, 16 with AVX2) accumulate in registers while a slice of the weight's panel streams past.
  *
  * Panels come in three element formats, one kernel: float32, and float16 or bfloat16 for a weight whose every
  * value is exactly representable in that format (checked in Python: a model loaded from a half-precision checkpoint
@@ -24,15 +24,31 @@
 
 #include "gemm_cpu.h"
 
-/* 16 floats in one vector value (GCC / Clang vector extension), loadable from any float address. */
-typedef float vf16 __attribute__((vector_size(64), aligned(4)));
-#define LANES 16
-/* Rows accumulated at once: 6 x 4 vectors of accumulators plus 4 of weights fit AVX-512's 32 registers; AVX2's 16
- * registers hold half of that, so fewer rows there (the grouping does not change any row's sums). */
+/* One hardware vector of floats (GCC / Clang vector extension), loadable from any float address: 16 floats with
+ * AVX-512, else 8 (AVX2's width; a wider value would be split into two registers per operand and the accumulators
+ * below would no longer fit the register file). */
 #ifdef __AVX512F__
-#define ROW_BLOCK 6
+typedef float vreg __attribute__((vector_size(64), aligned(4)));
+#define VL 16
 #else
-#define ROW_BLOCK 4
+typedef float vreg __attribute__((vector_size(32), aligned(4)));
+#define VL 8
+#endif
+#define LANES 16 /* outputs per panel block of the narrow kind (and the padding of the last) */
+/* Rows accumulated at once, and how many vectors of outputs a pass over the inputs carries: ROW_BLOCK x PASS_VECS
+ * accumulators plus PASS_VECS weight vectors and a broadcast must fit the register file. AVX-512 (32 registers):
+ * 6 rows x a whole 64-output block (24 + 4 + 1). AVX2 (16): 6 rows x 16 outputs (12 + 2 + 1), four passes over a
+ * 64-output block; 64 outputs at once there spilled the accumulators and ran ~20x slower. The grouping does not
+ * change any output's sum: each is its bias plus x[i] * w[i] multiply-added in input order. */
+#define ROW_BLOCK 6
+#ifdef __AVX512F__
+#define PASS_VECS 4
+#define FEW_ROWS_VECS 4
+#else
+#define PASS_VECS 2
+/* One or two rows are too few accumulators for 16 outputs to hide the multiply-add latency: a product of one row
+ * takes a whole 64-output block per pass on AVX2 (8 accumulators), of two rows 32 outputs (8). */
+#define FEW_ROWS_VECS 8
 #endif
 
 #if defined(__AVX512F__) || (defined(__F16C__) && defined(__AVX2__))
@@ -67,61 +83,51 @@ static inline float widen(const int FMT, uint16_t h) {
     return f;
 }
 
-/* 16 consecutive panel elements at `p` (element index `i`) widened to float32; FMT is a compile-time constant. */
-static inline __attribute__((always_inline)) vf16 load_panel(const int FMT, const void *p, int64_t i) {
-    if (FMT == PANEL_F32) return *(const vf16 *)((const float *)p + i);
+/* VL consecutive panel elements at `p` (element index `i`) widened to float32; FMT is a compile-time constant. */
+static inline __attribute__((always_inline)) vreg load_panel(const int FMT, const void *p, int64_t i) {
+    if (FMT == PANEL_F32) return *(const vreg *)((const float *)p + i);
     const uint16_t *h = (const uint16_t *)p + i;
 #if defined(__AVX512F__)
     __m256i bits = _mm256_loadu_si256((const __m256i *)h);
-    if (FMT == PANEL_F16) return (vf16)_mm512_cvtph_ps(bits);
-    return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16);
+    if (FMT == PANEL_F16) return (vreg)_mm512_cvtph_ps(bits);
+    return (vreg)_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16);
 #elif defined(__F16C__) && defined(__AVX2__)
-    __m128i lo = _mm_loadu_si128((const __m128i *)h), hi = _mm_loadu_si128((const __m128i *)(h + 8));
-    __m256 a, b;
-    if (FMT == PANEL_F16) {
-        a = _mm256_cvtph_ps(lo);
-        b = _mm256_cvtph_ps(hi);
-    } else {
-        a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16));
-        b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16));
-    }
-    vf16 out;
-    __builtin_memcpy(&out, &a, 32);
-    __builtin_memcpy((char *)&out + 32, &b, 32);
-    return out;
+    __m128i bits = _mm_loadu_si128((const __m128i *)h);
+    if (FMT == PANEL_F16) return (vreg)_mm256_cvtph_ps(bits);
+    return (vreg)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 #else
-    vf16 out;
-    for (int k = 0; k < LANES; k++) out[k] = widen(FMT, h[k]);
+    vreg out;
+    for (int k = 0; k < VL; k++) out[k] = widen(FMT, h[k]);
     return out;
 #endif
 }
 
 /* One register block: NR rows x NV vectors of outputs, accumulated over all n_in inputs in registers. Called with
- * constant FMT, NR and NV, so that the accumulators stay in registers. P is the block's panel [n_in, NV * LANES]. */
+ * constant FMT, NR and NV, so that the accumulators stay in registers. P points at the block's first output column
+ * in a panel [n_in, ld]. */
 static inline __attribute__((always_inline)) void gemm_block(
-    const int FMT, const int NR, const int NV, int n_in, const void *restrict P, const float *restrict bias,
+    const int FMT, const int NR, const int NV, int n_in, const void *restrict P, int ld, const float *restrict bias,
     const float *restrict x, int x_stride, float *restrict y, int y_stride) {
-    vf16 acc[ROW_BLOCK][4];
+    vreg acc[ROW_BLOCK][FEW_ROWS_VECS];
     for (int r = 0; r < NR; r++)
         for (int v = 0; v < NV; v++) {
-            vf16 b = {0};
-            if (bias) b = *(const vf16 *)(bias + v * LANES);
+            vreg b = {0};
+            if (bias) b = *(const vreg *)(bias + v * VL);
             acc[r][v] = b;
         }
     for (int i = 0; i < n_in; i++) {
-        vf16 wv[4];
-        for (int v = 0; v < NV; v++) wv[v] = load_panel(FMT, P, (int64_t)i * NV * LANES + v * LANES);
+        vreg wv[FEW_ROWS_VECS];
+        for (int v = 0; v < NV; v++) wv[v] = load_panel(FMT, P, (int64_t)i * ld + v * VL);
         for (int r = 0; r < NR; r++) {
             const float xi = x[(int64_t)r * x_stride + i];
             for (int v = 0; v < NV; v++) acc[r][v] += xi * wv[v];
         }
     }
     for (int r = 0; r < NR; r++)
-        for (int v = 0; v < NV; v++) *(vf16 *)(y + (int64_t)r * y_stride + v * LANES) = acc[r][v];
+        for (int v = 0; v < NV; v++) *(vreg *)(y + (int64_t)r * y_stride + v * VL) = acc[r][v];
 }
 
-#define BLOCK(NR, NV) gemm_block(FMT, NR, NV, n_in, panel, b_, xr, x_stride, y_, y_stride_)
-#if ROW_BLOCK == 6
+#define BLOCK(NR, NV) gemm_block(FMT, NR, NV, n_in, panel_, ld, b_, xr, x_stride, y_, y_stride_)
 #define FOR_ROWS(NV)                         \
     switch (nr) {                            \
         case 1: BLOCK(1, NV); break;         \
@@ -131,15 +137,10 @@ static inline __attribute__((always_inline)) void gemm_block(
         case 5: BLOCK(5, NV); break;         \
         default: BLOCK(6, NV); break;        \
     }
-#else
-#define FOR_ROWS(NV)                         \
-    switch (nr) {                            \
-        case 1: BLOCK(1, NV); break;         \
-        case 2: BLOCK(2, NV); break;         \
-        case 3: BLOCK(3, NV); break;         \
-        default: BLOCK(4, NV); break;        \
-    }
-#endif
+/* Vectors per pass over a block of `width` outputs (64 or LANES) for products of `rows` rows: the whole block where
+ * it fits the register budget. */
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define PASS(width, rows) MIN((width) / VL, (rows) <= 2 ? FEW_ROWS_VECS / (rows) : PASS_VECS)
 
 /* y[r] = x[r] @ W^T (+ bias) for rows r, W [n_out, n_in] given as panels P (pack_panels in native/__init__.py):
  * the columns of W^T ([n_in, n_out]) cut into blocks of 64 outputs, then of 16, then the rest padded with zeros to
@@ -147,6 +148,8 @@ static inline __attribute__((always_inline)) void gemm_block(
  * is read front to back. The padded tail goes through the same vector code as every other block (its extra outputs
  * are dropped): every output is computed the same way in every panel format. (A dot product per output over the
  * weight's own layout chains every multiply-add of a row into one accumulator and was latency-bound: ~4x slower.)
+ * A block is computed in passes of PASS_VECS vectors of outputs (one pass with AVX-512, 16 outputs with AVX2), each
+ * pass over all rows in groups of ROW_BLOCK, so that the pass's slice of the panel stays in cache across the groups.
  * Output blocks are claimed one at a time by `threads` OpenMP threads: a thread that another process preempts
  * mid-product leaves its blocks to the other instead of holding it at the end (each block is still computed whole by
  * one thread, in the same order, so the result is the same bits). On the 2-core machine, in process at 32 requests
@@ -162,30 +165,40 @@ static inline __attribute__((always_inline)) void gemm_panels(
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && blocks > 1)
     for (int b = 0; b < blocks; b++) {
         const int o = b < n64 ? 64 * b : 64 * n64 + 16 * (b - n64);
+        const int ld = b < n64 ? 64 : LANES;
         const void *panel = (const char *)P + (int64_t)o * n_in * elem;
         float padded_bias[LANES] = {0}, padded_out[ROW_BLOCK * LANES];
         if (b == n64 + n16 && bias)
             for (int j = 0; j < tail; j++) padded_bias[j] = bias[o + j];
-        for (int r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
-            const int nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
-            const float *xr = x + (int64_t)r0 * x_stride;
-            float *yr = y + (int64_t)r0 * y_stride;
-            if (b < n64 + n16) {
-                const float *b_ = bias ? bias + o : NULL;
-                float *y_ = yr + o;
-                const int y_stride_ = y_stride;
-                if (b < n64) {
-                    FOR_ROWS(4)
+        const int pass = rows <= 2 ? PASS(ld, rows) : PASS(ld, ROW_BLOCK);
+        for (int c = 0; c < ld; c += pass * VL) {
+            const void *panel_ = (const char *)panel + (int64_t)c * elem;
+            for (int r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+                const int nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
+                const float *xr = x + (int64_t)r0 * x_stride;
+                float *yr = y + (int64_t)r0 * y_stride;
+                if (b < n64 + n16) {
+                    const float *b_ = bias ? bias + o + c : NULL;
+                    float *y_ = yr + o + c;
+                    const int y_stride_ = y_stride;
+                    if (b >= n64) {
+                        FOR_ROWS(PASS(LANES, ROW_BLOCK))
+                    } else if (rows == 1) {
+                        BLOCK(1, PASS(64, 1));
+                    } else if (rows == 2) {
+                        BLOCK(2, PASS(64, 2));
+                    } else {
+                        FOR_ROWS(PASS(64, ROW_BLOCK))
+                    }
                 } else {
-                    FOR_ROWS(1)
+                    const float *b_ = bias ? padded_bias + c : NULL;
+                    float *y_ = padded_out + c;
+                    const int y_stride_ = LANES;
+                    FOR_ROWS(PASS(LANES, ROW_BLOCK))
+                    for (int r = 0; r < nr; r++)
+                        for (int j = c; j < c + pass * VL && j < tail; j++)
+                            yr[(int64_t)r * y_stride + o + j] = padded_out[r * LANES + j];
                 }
-            } else {
-                const float *b_ = bias ? padded_bias : NULL;
-                float *y_ = padded_out;
-                const int y_stride_ = LANES;
-                FOR_ROWS(1)
-                for (int r = 0; r < nr; r++)
-                    for (int j = 0; j < tail; j++) yr[(int64_t)r * y_stride + o + j] = padded_out[r * LANES + j];
             }
         }
     }
