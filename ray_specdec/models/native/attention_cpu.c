@@ -28,6 +28,16 @@
 
 typedef float vf16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+/* A vf16 is one register with AVX-512 and two with AVX2 (16 registers in all), so the loops that keep many of them
+ * live are cut smaller there: keys whose scores accumulate at once (chunk_scores), and value columns per pass
+ * (block_values). Only the grouping changes; every lane's sums are the same operations in the same order. */
+#ifdef __AVX512F__
+#define SCORE_KEYS CHUNK
+#define WIDE_VALUES 1
+#else
+#define SCORE_KEYS 4
+#define WIDE_VALUES 0
+#endif
 
 /* Scratch floats one row group of a segment of S rows needs: its scaled queries and unnormalised outputs [GROUP, D]
  * each, its scores / weights for one key block [GROUP, KEY_BLOCK], running maxima and sums [GROUP] each, and each
@@ -106,12 +116,18 @@ static inline vf16 chunk_scores(int D, const float *restrict qs, const float *co
     vf16 p[CHUNK];
     const int full = D / 16 * 16;
     if (n == CHUNK && full == D) { /* the common case, with every loop over keys unrolled (p stays in registers) */
+        for (int t0 = 0; t0 < CHUNK; t0 += SCORE_KEYS) {
+            vf16 acc[SCORE_KEYS]; /* in registers, apart from p (which sum_lanes16 reads from memory) */
+            const float *keys[SCORE_KEYS];
 #pragma GCC unroll 16
-        for (int t = 0; t < CHUNK; t++) p[t] = (vf16){0};
-        for (int d = 0; d < D; d += 16) {
-            const vf16 qd = *(const vf16 *)(qs + d);
+            for (int t = 0; t < SCORE_KEYS; t++) acc[t] = (vf16){0}, keys[t] = kp[t0 + t];
+            for (int d = 0; d < D; d += 16) {
+                const vf16 qd = *(const vf16 *)(qs + d);
 #pragma GCC unroll 16
-            for (int t = 0; t < CHUNK; t++) p[t] += qd * *(const vf16 *)(kp[t] + d);
+                for (int t = 0; t < SCORE_KEYS; t++) acc[t] += qd * *(const vf16 *)(keys[t] + d);
+            }
+#pragma GCC unroll 16
+            for (int t = 0; t < SCORE_KEYS; t++) p[t0 + t] = acc[t];
         }
         return sum_lanes16(p);
     }
@@ -173,7 +189,8 @@ static inline __attribute__((always_inline)) void weighted_values(const int NV, 
 static void block_values(int nr, int nb, int D, const float *restrict w, const float *restrict v, int64_t v_ss,
                          float *restrict o) {
     int c = 0;
-    for (; c + 64 <= D; c += 64) weighted_values(4, nr, nb, c, D, w, v, v_ss, o);
+    if (WIDE_VALUES)
+        for (; c + 64 <= D; c += 64) weighted_values(4, nr, nb, c, D, w, v, v_ss, o);
     for (; c + 16 <= D; c += 16) weighted_values(1, nr, nb, c, D, w, v, v_ss, o);
     if (c < D) /* key by key, as weighted_value does: a sum over keys in one loop would be vectorised (reordered) */
         for (int j = 0; j < nb; j++)
