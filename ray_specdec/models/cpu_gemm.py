@@ -21,6 +21,7 @@ near-ties of the target's logits, as it can between any two GEMM kernels.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -236,12 +237,24 @@ def cache_dir() -> Path | None:
     return Path.home() / ".cache" / "ray_specdec"
 
 
-def _cpu_name() -> str:
+@functools.cache
+def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """What tells this CPU's kind apart for kept plans and builds: its model name, family, model and instruction-set
+    flags. The name alone is not enough: a cloud VM may call a Zen 3 and a Zen 4 both "AMD EPYC", and a home
+    directory shared between them (an NFS home on a cluster) must not hand one the other's AVX-512 build or plan."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        with open(cpuinfo) as f:
+            fields: dict[str, str] = {}
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         return platform.processor()
+    flags = fields.get("flags") or fields.get("Features", "")  # x86 / ARM
+    described = [fields.get(k, "") for k in ("model name", "cpu family", "model", "CPU implementer", "CPU part")]
+    return " | ".join([*described, hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]])
 
 
 def _plan_key(weights, rows: Sequence[int], paths: Mapping[str, Product], tag: str) -> str:
@@ -253,7 +266,7 @@ def _plan_key(weights, rows: Sequence[int], paths: Mapping[str, Product], tag: s
 
         formats = [str(native.exact_panel_dtype(w)) for w, _ in weights]
     described = {
-        "cpu": _cpu_name(), "machine": platform.machine(), "torch": torch.__version__,
+        "cpu": cpu_identity(), "machine": platform.machine(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "tag": tag, "rows": list(rows), "paths": sorted(paths),
         "weights": [[*w.shape, str(w.dtype), b is not None] for w, b in weights],
         "panels": formats,

@@ -198,3 +198,18 @@ def test_plans_are_measured_once_per_machine_and_kept(tmp_path, monkeypatch):
         file.unlink()
     cpu_gemm.plan_for(weights, rows=(1, 64))
     assert measured == [1, 1, 1, 1] and not list(tmp_path.glob("*"))
+
+
+def test_cpu_identity_tells_apart_cpus_of_one_name_by_their_instruction_sets(tmp_path):
+    """Plans and native builds are kept per CPU kind: two VMs that both call themselves "AMD EPYC" but differ in
+    AVX-512 must not share them (a shared home directory would hand an AVX-512 build to a CPU without it)."""
+    def cpuinfo(name, flags):
+        path = tmp_path / f"{name}-{len(flags)}-{flags[0]}"
+        block = f"processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 25\nmodel\t\t: 1\nflags\t\t: {flags}\n"
+        path.write_text(block + "\n" + block.replace("processor\t: 0", "processor\t: 1"))
+        return str(path)
+
+    zen3 = cpu_gemm.cpu_identity(cpuinfo("a", "fpu avx2 fma f16c"))
+    assert zen3 == cpu_gemm.cpu_identity(cpuinfo("b", "f16c fma avx2 fpu"))  # the same set, another order
+    assert zen3 != cpu_gemm.cpu_identity(cpuinfo("c", "fpu avx2 fma f16c avx512f avx512bw"))
+    assert "AMD EPYC" in zen3

@@ -4,7 +4,7 @@
 RAY_SPECDEC_NATIVE=0. Callers keep their torch path for that case; nothing here is required.
 
 The shared object is built for this CPU (-march=native) and kept under `cpu_gemm.cache_dir()/native/`, keyed by
-the source, the flags, the compiler and the CPU, so a process on the same machine loads it in milliseconds. The
+the source, the flags, the compiler and the CPU (its kind and instruction sets: `cpu_gemm.cpu_identity`), so a process on the same machine loads it in milliseconds. The
 build writes a temporary file and renames it into place: processes that build at once (Serve replicas) do not see
 each other's half-written files.
 """
@@ -81,7 +81,7 @@ def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(flags).encode(), version.encode(), cpu_gemm._cpu_name().encode(),
+        b"\0".join([source, " ".join(flags).encode(), version.encode(), cpu_gemm.cpu_identity().encode(),
                     platform.machine().encode()])
     ).hexdigest()[:20]
     directory = cpu_gemm.cache_dir()
