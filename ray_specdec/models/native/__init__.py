@@ -4,9 +4,9 @@
 RAY_SPECDEC_NATIVE=0. Callers keep their torch path for that case; nothing here is required.
 
 The shared object is built for this CPU (-march=native) and kept under `cpu_gemm.cache_dir()/native/`, keyed by
-the source, the flags, the compiler and the CPU (its kind and instruction sets: `cpu_gemm.cpu_identity`), so a process on the same machine loads it in milliseconds. The
-build writes a temporary file and renames it into place: processes that build at once (Serve replicas) do not see
-each other's half-written files.
+the source, the flags, the compiler and the CPU (its kind and instruction sets: `cpu_gemm.cpu_identity`), so a
+process on the same machine loads it in milliseconds. The build writes a temporary file and renames it into place:
+processes that build at once (Serve replicas) do not see each other's half-written files.
 """
 
 from __future__ import annotations
