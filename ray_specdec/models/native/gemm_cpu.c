@@ -43,13 +43,13 @@ typedef float vreg __attribute__((vector_size(32), aligned(4)));
 #define ROW_BLOCK 6
 #ifdef __AVX512F__
 #define PASS_VECS 4
-#define FEW_ROWS_VECS 4
 #else
 #define PASS_VECS 2
-/* One or two rows are too few accumulators for 16 outputs to hide the multiply-add latency: a product of one row
- * takes a whole 64-output block per pass on AVX2 (8 accumulators), of two rows 32 outputs (8). */
-#define FEW_ROWS_VECS 8
 #endif
+/* Accumulators a product of one or two rows spreads over (up to a whole block): with AVX2, 16 outputs of one row
+ * are too few independent sums to hide the multiply-add latency, so one row takes a 64-output block per pass and
+ * two rows 32 outputs. (AVX-512 takes a whole block per pass for any rows.) */
+#define FEW_ROWS_VECS 8
 
 #if defined(__AVX512F__) || (defined(__F16C__) && defined(__AVX2__))
 #define FAST_HALF 1
