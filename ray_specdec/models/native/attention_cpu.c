@@ -17,9 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__FMA__)
-#include <immintrin.h>
-#endif
+
+#include "simd_cpu.h"
 
 /* Keys per block: a block's keys and values (2 x 128 x D floats) stay in cache while every row of the group uses
  * them; each row's scores and weights for the block are one row of scratch. */
@@ -32,55 +31,30 @@
 typedef float vf16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 /* A vf16 is one register with AVX-512 and two with AVX2 (16 registers in all). Loops that keep many vectors live
- * use vreg, one register wide, cut to fit the register file: the value sums (rows x registers per pass, by rows in
- * a pass), and the score lane sums (scores8 on AVX2). Only the grouping changes; every lane's sums are the same
- * operations in the same order. */
+ * use vreg (simd_cpu.h), one register wide, cut to fit the register file: the value sums (rows x registers per pass,
+ * by rows in a pass), and the score lane sums (scores8 on AVX2). Only the grouping changes; every lane's sums are
+ * the same operations in the same order. */
 #ifdef __AVX512F__
-typedef float vreg __attribute__((vector_size(64), aligned(4)));
-#define VL 16
 #define VALUE_REGS_4 4 /* registers of value columns per pass for 4 (and 3) rows: 16 accumulators */
 #define VALUE_REGS_2 4
 #define VALUE_REGS_1 4
 #define MAX_VALUE_REGS 4
 #else
-typedef float vreg __attribute__((vector_size(32), aligned(4)));
-#define VL 8
 #define VALUE_REGS_4 2 /* 8 accumulators, 2 value registers and a weight broadcast of 16 registers */
 #define VALUE_REGS_2 4
 #define VALUE_REGS_1 8
 #define MAX_VALUE_REGS 8
 #endif
 
-/* a * b + c, one rounding where the CPU has fused multiply-add. Every sum that must give the same bits on two paths
- * (a key's score wherever it is scored, an output column's weighted values whichever loop adds them) is written
- * with these rather than left to the compiler's contraction of a * b + c, which depends on the loop around it: GCC
- * tuned for AMD Zen leaves a single accumulator chain as a multiply and an add (-mtune's avoid_fma_chains) and fuses
- * the same sum in a loop with two chains. */
+/* vfma for 16-lane vectors (simd_cpu.h says why sums use it). */
 static inline vf16 fma16(vf16 a, vf16 b, vf16 c) {
 #if defined(__AVX512F__)
-    return (vf16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+    return vfma(a, b, c);
 #elif defined(__FMA__)
     union halves { vf16 whole; __m256 half[2]; } x = {a}, y = {b}, z = {c}, r;
     r.half[0] = _mm256_fmadd_ps(x.half[0], y.half[0], z.half[0]);
     r.half[1] = _mm256_fmadd_ps(x.half[1], y.half[1], z.half[1]);
     return r.whole;
-#else
-    return a * b + c;
-#endif
-}
-
-#if defined(__AVX512F__)
-static inline vreg vfma(vreg a, vreg b, vreg c) { return fma16(a, b, c); }
-#elif defined(__FMA__)
-static inline vreg vfma(vreg a, vreg b, vreg c) { return (vreg)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-#else
-static inline vreg vfma(vreg a, vreg b, vreg c) { return a * b + c; }
-#endif
-
-/* The scalar one, for columns past the last whole register. */
-static inline float sfma(float a, float b, float c) {
-#if defined(__FMA__) || defined(__AVX512F__)
-    return fmaf(a, b, c);
 #else
     return a * b + c;
 #endif

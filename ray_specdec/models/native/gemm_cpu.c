@@ -23,17 +23,8 @@
 #endif
 
 #include "gemm_cpu.h"
+#include "simd_cpu.h"
 
-/* One hardware vector of floats (GCC / Clang vector extension), loadable from any float address: 16 floats with
- * AVX-512, else 8 (AVX2's width; a wider value would be split into two registers per operand and the accumulators
- * below would no longer fit the register file). */
-#ifdef __AVX512F__
-typedef float vreg __attribute__((vector_size(64), aligned(4)));
-#define VL 16
-#else
-typedef float vreg __attribute__((vector_size(32), aligned(4)));
-#define VL 8
-#endif
 #define LANES 16 /* outputs per panel block of the narrow kind (and the padding of the last) */
 /* Rows accumulated at once, and how many vectors of outputs a pass over the inputs carries: ROW_BLOCK x PASS_VECS
  * accumulators plus PASS_VECS weight vectors and a broadcast must fit the register file. AVX-512 (32 registers):
@@ -120,7 +111,7 @@ static inline __attribute__((always_inline)) void gemm_block(
         for (int v = 0; v < NV; v++) wv[v] = load_panel(FMT, P, (int64_t)i * ld + v * VL);
         for (int r = 0; r < NR; r++) {
             const float xi = x[(int64_t)r * x_stride + i];
-            for (int v = 0; v < NV; v++) acc[r][v] += xi * wv[v];
+            for (int v = 0; v < NV; v++) acc[r][v] = vfma(xi + (vreg){0}, wv[v], acc[r][v]);
         }
     }
     for (int r = 0; r < NR; r++)
