@@ -4,7 +4,8 @@ A verify forward attends 1 + n tree rows over the whole cache; a decode step, on
 those as small GEMMs per query and key block, far from the memory bound: on the 2-core development machine, a 12-row
 verify of the default target at 3k tokens of context spent ~2/3 of its time in attention (7.6 of ~12 ms), and every
 extra tree row cost about as much as reading the cache once more. `tree_attention` in native/attention_cpu.c reads
-each head's keys and values once for all rows (`python -m benchmarks.cpu_attention` prints both side by side).
+each key/value head's keys and values once for all rows of the query heads that share it (`python -m
+benchmarks.cpu_attention` prints both side by side).
 
 `install(model)` registers the function under `NAME` with HF's attention interface (and HF's sdpa mask builder for
 it, so masks are built exactly as for sdpa) and switches the model to it. The function takes the kernel for float32
