@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from transformers.utils import cached_file
@@ -35,6 +35,7 @@ from deployments.metrics import MetricsPush, replica_name
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.serving import api, openai_chat
+from ray_specdec.serving.event_stream import EventStream
 from ray_specdec.serving.metrics import CONTENT_TYPE, RouterMetrics, Snapshot, bandit_gauges, render
 from ray_specdec.serving.router import RequestError, Router
 
@@ -312,7 +313,7 @@ class OpenAIServer:
             status, message = _downstream_error(exc)
             self.metrics.record("rejected" if status < 500 else "error")
             raise ApiError(status, message, "invalid_request_error" if status < 500 else "server_error") from None
-        return StreamingResponse(self._events(choices, streams, firsts, bodies), media_type="text/event-stream")
+        return EventStream(self._events(choices, streams, firsts, bodies))
 
     async def _events(self, choices, streams, firsts, bodies):
         """Server-sent events of the choices' streams, interleaved as their chunks come."""

@@ -315,6 +315,31 @@ def test_metrics_of_every_replica_come_from_any_replica(url):
     assert metric_sum(samples, "ray_specdec:bandit_best_arm") >= 1
 
 
+def test_a_streaming_client_that_leaves_aborts_its_request(url):
+    """A client that closes its stream after the first chunk: the server notices (Serve cancels the response, whose
+    body then closes: serving/event_stream.py) and the engine ends the request as "abort" rather than running it to
+    its max_tokens."""
+    body = {"max_tokens": 200, "temperature": 0}
+    finish = {p: post(url, body | {"prompt": p}).json()["choices"][0]["finish_reason"] for p in PROMPTS}
+    prompt = next(p for p, reason in finish.items() if reason == "length")  # one that runs to max_tokens
+
+    def aborted() -> float:
+        return metric_sum(scrape_metrics(url), "ray_specdec:request_success_total", finished_reason="abort")
+
+    def settled() -> tuple[float] | None:  # the same count twice, the metrics push (every second) in between
+        first = aborted()
+        time.sleep(2.5)
+        return (first,) if aborted() == first else None
+
+    before = poll(settled, timeout_s=30)
+    assert before, "the abort count did not settle"
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"prompt": prompt, "stream": True}, timeout=60,
+                      trust_env=False) as response:  # fmt: skip
+        assert response.status_code == 200
+        assert next(line for line in response.iter_lines() if line.startswith("data: "))
+    assert poll(lambda: aborted() == before[0] + 1, timeout_s=30)
+
+
 def test_bandit_state_is_persisted(url, bandit_path):
     """The hub saves every 10 s while routers push; by now the file holds the module's rounds."""
     rounds = sum(b["rounds"] for b in httpx.get(f"{url}/v1/bandit", trust_env=False).json()["buckets"])
