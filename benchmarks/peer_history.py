@@ -58,6 +58,8 @@ RUNS: list[tuple[int, str, tuple[str, ...], str]] = [
     (32, "2026-11-27", ("serve-peers-thirty-second",), "plain sampled rounds drawn together; GELU in place"),
     (33, "2026-11-27", ("serve-peers-thirty-third",), "an AMD EPYC VM (AVX2, no AVX-512); guard and host trims"),
     (34, "2026-11-27", ("serve-peers-thirty-fourth",), "same AVX2 EPYC; native kernels fit AVX2's registers"),
+    (35, "2026-11-27", ("serve-peers-thirty-fifth",), "native attention laid out for AVX2; GQA heads share loads"),
+    (36, "2026-11-28", ("serve-peers-thirty-sixth",), "SSE bodies without anyio's cancel loop"),
 ]
 
 # The issue's goals (issue 18), greedy: ours over vLLM-CPU plain at 1 / 8 / 32, over vLLM's draft-model speculation
