@@ -30,24 +30,25 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = asyncio.ensure_future(self.stream_response(send))
-        left = asyncio.Event()
+        left = False  # the client disconnected
 
         async def listen() -> None:
+            nonlocal left
             try:
                 while (await receive())["type"] != "http.disconnect":
                     pass
             except Exception:  # noqa: BLE001 - a receive that fails says nothing about the body: it goes on
                 return
-            left.set()
+            left = True
             body.cancel()
 
         listener = asyncio.ensure_future(listen())
         try:
             await body  # cancelled with this task too (awaiting a task forwards a cancel to it)
         except asyncio.CancelledError:
-            if not left.is_set():
+            if not left:
                 raise  # the server cancelled the response, not the client
         finally:
             listener.cancel()
-        if self.background is not None and not left.is_set():
+        if self.background is not None and not left:
             await self.background()
