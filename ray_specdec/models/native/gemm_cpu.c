@@ -15,6 +15,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -146,52 +147,116 @@ static inline __attribute__((always_inline)) void gemm_block(
  * one thread, in the same order, so the result is the same bits). On the 2-core machine, in process at 32 requests
  * (tree none, fresh prompts, prefill's products on this path) beside a process busy 0.5 ms of every 2 ms: 758 / 732
  * tokens/s against 688 / 691 with a static split; 853 against 851 with nothing beside. */
+/* One pass of an output block over all rows: `nv` vectors of outputs at column c of the block (o, ld) of panel
+ * rows P (element format FMT), in groups of ROW_BLOCK rows. */
+static inline __attribute__((always_inline)) void gemm_pass(
+    const int FMT, int rows, int n_in, const void *restrict P, int ld, int b, int n64, int n16, int tail, int o, int c,
+    int pass, const float *restrict bias, const float *restrict padded_bias, float *restrict padded_out,
+    const float *restrict x, int x_stride, float *restrict y, int y_stride) {
+    const void *panel_ = P;
+    for (int r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+        const int nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
+        const float *xr = x + (int64_t)r0 * x_stride;
+        float *yr = y + (int64_t)r0 * y_stride;
+        if (b < n64 + n16) {
+            const float *b_ = bias ? bias + o + c : NULL;
+            float *y_ = yr + o + c;
+            const int y_stride_ = y_stride;
+            if (b >= n64) {
+                FOR_ROWS(PASS(LANES, ROW_BLOCK))
+            } else if (rows == 1) {
+                BLOCK(1, PASS(64, 1));
+            } else if (rows == 2) {
+                BLOCK(2, PASS(64, 2));
+            } else {
+                FOR_ROWS(PASS(64, ROW_BLOCK))
+            }
+        } else {
+            const float *b_ = bias ? padded_bias + c : NULL;
+            float *y_ = padded_out + c;
+            const int y_stride_ = LANES;
+            FOR_ROWS(PASS(LANES, ROW_BLOCK))
+            for (int r = 0; r < nr; r++)
+                for (int j = c; j < c + pass * VL && j < tail; j++)
+                    yr[(int64_t)r * y_stride + o + j] = padded_out[r * LANES + j];
+        }
+    }
+}
+
+/* Half panels are widened once per pass for products of at least this many rows: the pass's slice of the panel,
+ * [n_in, pass vectors], becomes float32 in a scratch buffer of the thread's (at most WIDEN_MAX_BYTES: it must stay
+ * in the core's cache), and every group of ROW_BLOCK rows reads that instead of widening it again. The values are
+ * the same floats (widening is exact) in the same order, so the bits are those of the unwidened kernel. On the
+ * 2-core AVX2 EPYC, the default target's 25 weights for 512 rows: 111 ms widening per group, 78 ms once per pass
+ * (float32 panels: 78; F.linear: 82). Few rows stay on the half panels: their products are bound by reading the
+ * weight, which the half format halves. */
+#define WIDEN_MIN_ROWS (4 * ROW_BLOCK)
+#define WIDEN_MAX_BYTES (256 * 1024)
+
+/* gemm_pass on float32 panels, compiled once for every format's widened passes (inlined into each, it tripled the
+ * build time of a portable x86-64 build). */
+static __attribute__((noinline)) void gemm_pass_f32(
+    int rows, int n_in, const float *restrict P, int ld, int b, int n64, int n16, int tail, int o, int c, int pass,
+    const float *restrict bias, const float *restrict padded_bias, float *restrict padded_out,
+    const float *restrict x, int x_stride, float *restrict y, int y_stride) {
+    gemm_pass(PANEL_F32, rows, n_in, P, ld, b, n64, n16, tail, o, c, pass, bias, padded_bias, padded_out, x,
+              x_stride, y, y_stride);
+}
+
+/* y[r] = x[r] @ W^T (+ bias) for rows r, W [n_out, n_in] given as panels P (pack_panels in native/__init__.py):
+ * the columns of W^T ([n_in, n_out]) cut into blocks of 64 outputs, then of 16, then the rest padded with zeros to
+ * 16, each block stored [n_in, 64 or 16] contiguously, one after the other; so block o starts at element o * n_in and
+ * is read front to back. The padded tail goes through the same vector code as every other block (its extra outputs
+ * are dropped): every output is computed the same way in every panel format. (A dot product per output over the
+ * weight's own layout chains every multiply-add of a row into one accumulator and was latency-bound: ~4x slower.)
+ * A block is computed in passes of PASS_VECS vectors of outputs (one pass with AVX-512, 16 outputs with AVX2), each
+ * pass over all rows in groups of ROW_BLOCK, so that the pass's slice of the panel stays in cache across the groups.
+ * Output blocks are claimed one at a time by `threads` OpenMP threads: a thread that another process preempts
+ * mid-product leaves its blocks to the other instead of holding it at the end (each block is still computed whole by
+ * one thread, in the same order, so the result is the same bits). On the 2-core machine, in process at 32 requests
+ * (tree none, fresh prompts, prefill's products on this path) beside a process busy 0.5 ms of every 2 ms: 758 / 732
+ * tokens/s against 688 / 691 with a static split; 853 against 851 with nothing beside. */
 static inline __attribute__((always_inline)) void gemm_panels(
     const int FMT, int rows, int n_out, int n_in, const void *restrict P, const float *restrict bias,
     const float *restrict x, int x_stride, float *restrict y, int y_stride, int threads) {
     const int elem = FMT == PANEL_F32 ? 4 : 2;
     const int n64 = n_out / 64, n16 = (n_out - 64 * n64) / 16, tail = n_out - 64 * n64 - 16 * n16;
     const int blocks = n64 + n16 + (tail > 0);
+    const int64_t widen_floats = (int64_t)n_in * PASS_VECS * VL;
+    const int widen = FMT != PANEL_F32 && rows >= WIDEN_MIN_ROWS && widen_floats * 4 <= WIDEN_MAX_BYTES;
     (void)threads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && blocks > 1)
-    for (int b = 0; b < blocks; b++) {
-        const int o = b < n64 ? 64 * b : 64 * n64 + 16 * (b - n64);
-        const int ld = b < n64 ? 64 : LANES;
-        const void *panel = (const char *)P + (int64_t)o * n_in * elem;
-        float padded_bias[LANES] = {0}, padded_out[ROW_BLOCK * LANES];
-        if (b == n64 + n16 && bias)
-            for (int j = 0; j < tail; j++) padded_bias[j] = bias[o + j];
-        const int pass = rows <= 2 ? PASS(ld, rows) : PASS(ld, ROW_BLOCK);
-        for (int c = 0; c < ld; c += pass * VL) {
-            const void *panel_ = (const char *)panel + (int64_t)c * elem;
-            for (int r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
-                const int nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
-                const float *xr = x + (int64_t)r0 * x_stride;
-                float *yr = y + (int64_t)r0 * y_stride;
-                if (b < n64 + n16) {
-                    const float *b_ = bias ? bias + o + c : NULL;
-                    float *y_ = yr + o + c;
-                    const int y_stride_ = y_stride;
-                    if (b >= n64) {
-                        FOR_ROWS(PASS(LANES, ROW_BLOCK))
-                    } else if (rows == 1) {
-                        BLOCK(1, PASS(64, 1));
-                    } else if (rows == 2) {
-                        BLOCK(2, PASS(64, 2));
-                    } else {
-                        FOR_ROWS(PASS(64, ROW_BLOCK))
-                    }
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    {
+        float *wide = widen ? aligned_alloc(64, (size_t)(widen_floats * 4 + 63) / 64 * 64) : NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int b = 0; b < blocks; b++) {
+            const int o = b < n64 ? 64 * b : 64 * n64 + 16 * (b - n64);
+            const int ld = b < n64 ? 64 : LANES;
+            const void *panel = (const char *)P + (int64_t)o * n_in * elem;
+            float padded_bias[LANES] = {0}, padded_out[ROW_BLOCK * LANES];
+            if (b == n64 + n16 && bias)
+                for (int j = 0; j < tail; j++) padded_bias[j] = bias[o + j];
+            const int pass = rows <= 2 ? PASS(ld, rows) : PASS(ld, ROW_BLOCK);
+            for (int c = 0; c < ld; c += pass * VL) {
+                const void *slice = (const char *)panel + (int64_t)c * elem;
+                if (wide) { /* this pass's slice as float32 [n_in, pass * VL], read by every group of rows */
+                    const int width = pass * VL;
+                    for (int i = 0; i < n_in; i++)
+                        for (int v = 0; v < pass; v++)
+                            *(vreg *)(wide + (int64_t)i * width + v * VL) =
+                                load_panel(FMT, slice, (int64_t)i * ld + v * VL);
+                    gemm_pass_f32(rows, n_in, wide, width, b, n64, n16, tail, o, c, pass, bias, padded_bias,
+                                  padded_out, x, x_stride, y, y_stride);
+                } else if (FMT == PANEL_F32) {
+                    gemm_pass_f32(rows, n_in, slice, ld, b, n64, n16, tail, o, c, pass, bias, padded_bias,
+                                  padded_out, x, x_stride, y, y_stride);
                 } else {
-                    const float *b_ = bias ? padded_bias + c : NULL;
-                    float *y_ = padded_out + c;
-                    const int y_stride_ = LANES;
-                    FOR_ROWS(PASS(LANES, ROW_BLOCK))
-                    for (int r = 0; r < nr; r++)
-                        for (int j = c; j < c + pass * VL && j < tail; j++)
-                            yr[(int64_t)r * y_stride + o + j] = padded_out[r * LANES + j];
+                    gemm_pass(FMT, rows, n_in, slice, ld, b, n64, n16, tail, o, c, pass, bias, padded_bias,
+                              padded_out, x, x_stride, y, y_stride);
                 }
             }
         }
+        free(wide);
     }
 }
 
