@@ -3,7 +3,8 @@ the same tokens copies them instead of computing them again (vLLM's automatic pr
 
 Exact by construction. A prompt is prefilled in chunks cut at fixed positions (multiples of `prefill_chunk` from its
 start; the last one ends before the prompt's last token, the first root), and each chunk runs its own forward
-(`TargetModel._prefill_rows`): a chunk's K/V are a function of the K/V before it, its tokens and its bounds, nothing
+(`TargetModel._prefill_chunks`: alone, or beside other requests' chunks through batch-invariant operations): a
+chunk's K/V are a function of the K/V before it, its tokens and its bounds, nothing
 else. A cached chunk is therefore bit for bit what a new request would compute itself exactly when that request cuts
 the same chunk after the same tokens. The index keys each chunk by its whole token prefix (a chain: parent chunk +
 own tokens) and checks the tokens and the parent on every hit, so a hash collision is a miss, never a wrong hit. A

@@ -15,8 +15,8 @@ must not: in float32, each row's logits and K/V must be the bits it gets alone. 
 - Activations: torch's elementwise kernels run vectors over the flattened tensor and a scalar loop over the tail; the
   two round GELU / SiLU differently (of a million random inputs, ~35% of GELU's and ~4% of SiLU's results differed
   on the development machine), and which elements fall in a tail depends on the row count and on how torch splits
-  the elements over threads. With one thread and a width that
-  is a multiple of VECTOR_MULTIPLE, every element takes the vector path (`activate`).
+  the elements over threads. With one thread and a width that is a multiple of VECTOR_MULTIPLE, every element takes
+  the vector path (`activate`); an exact GELU runs the native decoder's row loop instead, on every thread.
 - Rotary cos / sin come from a table per position (`RotaryTable`), computed in fixed blocks, so a row's values depend
   on its position only.
 - LayerNorm / RMSNorm reduce each row on its own (they run on one thread all the same: `normalize`), embeddings
@@ -24,8 +24,9 @@ must not: in float32, each row's logits and K/V must be the bits it gets alone. 
   checks the whole forward).
 
 `why_unsupported(model)` names what keeps a model out (see TargetModel for the rest: float32 on CPU, the lean loop,
-the native kernels). Prefill chunks do not go through these operations: each chunk runs its own products, so its K/V
-depend on its own rows only.
+the native kernels). A step's prefill chunks run together through these products, activations, norms and rotary
+values, each chunk attending on its own (sdpa, over its own rows and cache): so a chunk's K/V are the bits it gets
+alone, whatever other requests' chunks share its forward (TargetModel._prefill_chunks).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import contextlib
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from transformers import activations as hf_activations
 
 from ray_specdec.models import cpu_gemm, tp_shards
 
@@ -90,11 +93,37 @@ def _one_thread():
 
 
 def activate(fn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for x [..., width] (width a multiple of VECTOR_MULTIPLE, contiguous) on one thread: no element falls in
-    a scalar tail. (An activation is a small share of a verify forward; one thread is no slower at these sizes. torch's
+    """fn(x) for x [..., width] (width a multiple of VECTOR_MULTIPLE, contiguous): an exact (erf) GELU through the
+    native decoder's `gelu_rows` on every thread, a row per thread at a time; anything else through torch on one
+    thread, so that no element falls in a scalar tail. (One thread is no slower for a verify step's few rows, but a
+    step's prefill chunks run ~1,000 rows together, where torch's GELU on one thread took ~10% of the forward. torch's
     thread count is per process: a forward in another Python thread meanwhile also runs on one.)"""
+    if _exact_gelu(fn) and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and not (
+            torch.is_grad_enabled() and x.requires_grad):  # fmt: skip
+        from ray_specdec.models import native
+
+        lib = native.load()
+        if lib is not None:
+            out = torch.empty_like(x)
+            width = x.shape[-1]
+            lib.gelu_rows(x.numel() // max(width, 1), width, x.data_ptr(), out.data_ptr(), torch.get_num_threads())
+            return out
     with _one_thread():
         return fn(x)
+
+
+def _exact_gelu(fn: nn.Module) -> bool:
+    """Whether fn is the erf GELU as torch and HF define it, with the forward its class had at import (a kernel
+    library may replace it)."""
+    kind = type(fn)
+    if _GELU_FORWARDS.get(kind) is not kind.forward or "forward" in vars(fn):
+        return False
+    if kind is nn.GELU:
+        return fn.approximate == "none"
+    return getattr(fn, "act", None) is F.gelu
+
+
+_GELU_FORWARDS = {nn.GELU: nn.GELU.forward, hf_activations.GELUActivation: hf_activations.GELUActivation.forward}
 
 
 def normalize(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ nothing about the output may change.
 One forward can carry the rows of several requests (continuous batching): the rows are concatenated into one
 activation, so every product reads each weight once for all of them, and attention runs per `Span` (a request's
 rows) over that request's own cache with its own mask. With `batch_invariant=True` the products, activations,
-rotary tables and tree attention are batch_invariant.py's, so a row's result does not depend on the other rows;
+rotary tables and tree attention are batch_invariant.py's, so a row's result does not depend on the other rows (a
+forward of prefill chunks only takes the same operations but attends each chunk through the model's attention);
 otherwise they are the model's own calls (HF's logits bit for bit). A forward without logits (prefill chunks, which
 need only their K/V) stops at the last layer's K/V: the rest of that layer only feeds the head.
 
@@ -219,9 +220,9 @@ class LeanForward:
         self.attention_of = _neox_attention if neox else _llama_attention
         self._eager = (modeling_gpt_neox if neox else modeling_llama).eager_attention_forward
         self._head = model.get_output_embeddings()
-        # What batch invariance changes for verify rows, resolved once: products, activations, rotary values, tree
-        # attention. Prefill chunks keep the model's own products (the planned path for their row count, cpu_gemm):
-        # each chunk runs alone, so its K/V depend on its own rows anyway.
+        # What batch invariance changes, resolved once: products, activations, rotary values and, for verify rows,
+        # tree attention. Prefill chunks run together with the same products, activations and rotary values, each
+        # attending on its own through the model's attention (TargetModel._prefill_chunks).
         self.batch_invariant = batch_invariant
         self._table = None
         # CUDA graphs of the work around each attention (step_graphs.py), where the target installs them.
@@ -251,7 +252,10 @@ class LeanForward:
         their K/V)."""
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, self._eager)
         invariant_rows = self.batch_invariant and all(span.tree for span in spans)
-        ops = _INVARIANT_OPS if invariant_rows else _MODEL_OPS
+        # prefill chunks together (TargetModel._prefill_chunks): each row's products, activations, norms and rotary
+        # values the batch-invariant ones, each chunk attending on its own through the model's attention
+        invariant_chunks = self.batch_invariant and not any(span.tree for span in spans)
+        ops = _INVARIANT_OPS if invariant_rows or invariant_chunks else _MODEL_OPS
         graphs = self.graphs
         if graphs is None or invariant_rows or not graphs.covers(input_ids.shape[1]):
             graphs = None
@@ -273,7 +277,8 @@ class LeanForward:
                 else:
                     # Without logits the last layer's K/V are all that is left to compute (see _layers_eagerly).
                     keys_only = None if logits or ragged is not None or pooled is not None else spans
-                    hidden = self._layers_eagerly(input_ids, position_ids, attend, ops, invariant_rows, keys_only)
+                    hidden = self._layers_eagerly(input_ids, position_ids, attend, ops,
+                                                  invariant_rows or invariant_chunks, keys_only)
             for batched in (ragged, pooled):
                 if batched is not None:
                     batched.finish()
@@ -283,14 +288,15 @@ class LeanForward:
                 hidden = hidden[:, rows]
             return ops.product(self._head, ops.normalize(self._norm, hidden))
 
-    def _layers_eagerly(self, input_ids, position_ids, attend, ops: _Ops, invariant_rows: bool,
+    def _layers_eagerly(self, input_ids, position_ids, attend, ops: _Ops, invariant: bool,
                         keys_only: Sequence[Span] | None = None) -> torch.Tensor | None:
-        """The layers over all rows -> the last layer's output; keys_only (spans that need no logits: prefill chunks)
+        """The layers over all rows (`invariant`: rotary values from the table, and verify rows through the native
+        decoder where it runs) -> the last layer's output; keys_only (spans that need no logits: prefill chunks)
         -> None, after the last layer's K/V are in the spans' caches: its attention, output projection and MLP only
         make the hidden states that the head reads, so they are skipped (the caches hold the same bits as after a
         whole forward; a sixth of a prefill chunk's work for the default six-layer target)."""
         hidden = self._embed(input_ids)
-        if invariant_rows:
+        if invariant:
             cos, sin = self._table(position_ids, int(position_ids.max()) + 1)
             native_layers = self.native_decoder
             if native_layers is not None and isinstance(attend, _RaggedAttention):

@@ -11,9 +11,9 @@ verify rows).
 
 `forward_batch` runs one forward over the segments of many requests (continuous batching): each request's verify
 rows (``[root, *tree nodes]`` with its tree mask) or prefill chunk. On the lean loop all verify rows share every
-product (each weight is read once per step) and attend per request over their own caches; each prefill chunk runs
-its own products (compute-bound: its weight reads are amortised over its rows, and its K/V depend on its own rows
-only); on CUDA a step's prefill chunks ride in its verify forward (`one_forward`). Where the lean loop does not run
+product (each weight is read once per step) and attend per request over their own caches; on CPU the step's prefill
+chunks run together in one forward before it (`_prefill_chunks`: batch-invariant products, each chunk attending on its
+own, so a chunk's K/V are the bits it gets alone), and on CUDA they ride in its verify forward (`one_forward`). Where the lean loop does not run
 (other architectures, training mode) every segment runs its own HF forward inside `forward_batch`: correct, not
 batched. A DeepSpeed AutoTP shard runs the lean loop too, over its share of the heads (tp_shards.py), eagerly and
 over caches of its own. `verify` and `prefill` are `forward_batch` over one segment.
@@ -37,6 +37,7 @@ and the forward replays CUDA graphs (step_graphs.py): the whole of it, attention
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -161,7 +162,7 @@ class TargetModel:
         (Without batch invariance, e.g. on CUDA, a request's rows may round differently with other rows beside them:
         cuBLAS picks its kernel by the row count.)
         batch_invariant: verify rows take models/batch_invariant.py's operations, so a segment's results do not
-        depend on what shares its forward (the planned GEMM paths still serve prefill chunks). None: on where the lean
+        depend on what shares its forward (prefill chunks' too: `_prefill_chunks`). None: on where the lean
         loop and the native attention are (float32 on CPU) unless RAY_SPECDEC_BATCH_INVARIANT=0; True insists; False
         keeps the planned paths. `batch_invariant_why` says why it is off.
         kv_pool: caches with a capacity (a KV budget's share) live in one pool per layer and a step's verify rows
@@ -216,7 +217,8 @@ class TargetModel:
             if self.lean_why is None else None
         )  # fmt: skip
         # One forward per step for prefill segments and verify rows together, where nothing is batch-invariant anyway
-        # (CUDA): on CPU each prefill chunk runs alone, so that its K/V never depend on what shares its step.
+        # (CUDA): on CPU the chunks run together before the verify rows (`_prefill_chunks`), whose native decoder
+        # attends ragged (sdpa's blocked kernel is ~3x faster for a chunk's hundreds of causal rows).
         self.one_forward = self._lean is not None and not self.batch_invariant and not self._eager and (
             self.device.type == "cuda")
         self.kv_pool_why: str | None = fast_paths.switch_why(
@@ -300,9 +302,7 @@ class TargetModel:
             work = [r for r in rows if r.tokens.numel()]  # an empty prefill appends nothing
             logits = dict(zip(map(id, verify), self._all_rows(work))) if work else {}
         else:  # the chunks first: a verify of the same cache attends over its chunk
-            for r in rows:
-                if not r.verify:
-                    self._prefill_rows(r)
+            self._prefill_chunks([r for r in rows if not r.verify])
             logits = dict(zip(map(id, verify), self._verify_rows(verify))) if verify else {}
         for r in verify:
             r.segment.cache.pending_rows = r.tokens.numel()
@@ -438,23 +438,40 @@ class TargetModel:
         # cast once for the whole forward (forward_batch's cast of each segment is then a no-op)
         return list(logits[0].to(self._logits_dtype).split([r.tokens.numel() for r in rows if r.verify]))
 
-    def _prefill_rows(self, rows: _Rows) -> None:
-        """Append a prefill segment's tokens in chunks of PREFILL_CHUNK (EAGER_PREFILL_CHUNK for eager attention),
-        each its own forward: its products and attention depend on its own rows only."""
-        cache = rows.segment.cache
+    def _prefill_chunks(self, chunks: list[_Rows]) -> None:
+        """Append every prefill segment's tokens, each cut into pieces of PREFILL_CHUNK from its start
+        (EAGER_PREFILL_CHUNK for eager attention). On the batch-invariant lean loop the pieces of all segments run
+        together, one forward per round of pieces (a segment's second piece in the second, ...): the products,
+        activations, norms and rotary values of a row do not depend on the rows beside it there, and each piece
+        attends alone, so its K/V are the bits it gets in a forward of its own. Elsewhere each piece runs its own
+        forward (the model's products, whose rounding depends on the row count: a piece's K/V then depend on its own
+        rows only)."""
         size = min(PREFILL_CHUNK, EAGER_PREFILL_CHUNK) if self._eager else PREFILL_CHUNK
-        for start in range(0, rows.tokens.numel(), size):
-            chunk = rows.tokens[start : start + size].to(self.device)
-            if self._lean is None or not self._lean.available:
+        pieces = [[(r.segment.cache, r.tokens[start : start + size]) for start in range(0, r.tokens.numel(), size)]
+                  for r in chunks]  # fmt: skip
+        together = self._lean is not None and self._lean.available and self._lean.batch_invariant
+        for round_ in itertools.zip_longest(*pieces) if together else (p for r in pieces for p in r):
+            work = [p for p in round_ if p is not None] if together else [round_]
+            self._prefill_pieces(work)
+
+    def _prefill_pieces(self, pieces: list[tuple[TargetCache, torch.Tensor]]) -> None:
+        """One forward that appends each (cache, tokens) piece to its cache (distinct caches)."""
+        if self._lean is None or not self._lean.available:
+            for cache, tokens in pieces:
                 # Default mask and positions: HF derives both from the cache length, which commit keeps exact.
-                self._hf_forward(chunk, None, None, cache, logits_to_keep=1)
-                continue
-            cache_len = cache.length
-            positions = torch.arange(cache_len, cache_len + chunk.numel(), device=self.device)
-            mask = prefill_mask(cache_len, chunk.numel(), self._window, self.dtype if self._eager else None)
-            span = Span(0, chunk.numel(), cache.kv, None if mask is None else self._masks.place(mask), tree=False)
-            with self._sdpa_backends():
-                self._lean.forward(chunk[None], positions[None], [span], logits=False)
+                self._hf_forward(tokens.to(self.device), None, None, cache, logits_to_keep=1)
+            return
+        spans, positions, start = [], [], 0
+        for cache, tokens in pieces:
+            cache_len, n = cache.length, tokens.numel()
+            positions.append(torch.arange(cache_len, cache_len + n))
+            mask = prefill_mask(cache_len, n, self._window, self.dtype if self._eager else None)
+            spans.append(Span(start, start + n, cache.kv, None if mask is None else self._masks.place(mask),
+                              tree=False))  # fmt: skip
+            start += n
+        input_ids = torch.cat([tokens for _, tokens in pieces]).to(self.device)[None]
+        with self._sdpa_backends():
+            self._lean.forward(input_ids, torch.cat(positions).to(self.device)[None], spans, logits=False)
 
     def _hf_forward(self, tokens, positions, mask, cache: TargetCache, **kwargs):
         """The model's own forward over one segment: tokens / positions [S], mask [1, 1, S, cache + S] or None."""

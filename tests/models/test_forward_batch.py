@@ -11,6 +11,7 @@ import torch
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
 from ray_specdec.models import batch_invariant, cpu_attention, native
+from ray_specdec.models import target as target_module
 from ray_specdec.models.kv_cache import CacheFull
 from ray_specdec.models.attention_masks import tree_attention_mask
 from ray_specdec.models.target import Segment, TargetModel
@@ -102,15 +103,36 @@ def test_a_verify_alone_and_in_a_batch_are_bit_identical(target, mates):
         assert (out is None) == (segment.tree is None)
 
 
-def test_prefill_chunks_alone_and_in_a_batch_are_bit_identical(target):
-    alone = target.new_cache()
-    target.forward_batch([Segment(alone, tokens(37, 5, target.vocab_size))])
-    mine = target.new_cache()
+@pytest.mark.parametrize("length, cached", [(37, 0), (10, 0), (9, 30)])
+def test_prefill_chunks_alone_and_in_a_batch_are_bit_identical(target, length, cached):
+    """A prefill chunk (first, or after cached tokens: masked) alone, then beside a verify and other requests' chunks,
+    which run together in one forward (TargetModel._prefill_chunks): the same K/V, torch.equal. 10 rows alone stay
+    on the native GEMM's half panels, beside the others' 100 they are widened once per pass (gemm_cpu.c)."""
+    alone = cache_with(target, cached, 4) if cached else target.new_cache()
+    target.forward_batch([Segment(alone, tokens(length, 5, target.vocab_size))])
+    mine = cache_with(target, cached, 4) if cached else target.new_cache()
     batch = [verify_segment(target, cache_with(target, 20, 6), "2,2,1", 7),
-             Segment(mine, tokens(37, 5, target.vocab_size)),
-             Segment(target.new_cache(), tokens(12, 8, target.vocab_size))]
+             Segment(target.new_cache(), tokens(100, 9, target.vocab_size)),
+             Segment(mine, tokens(length, 5, target.vocab_size)),
+             Segment(cache_with(target, 15, 3), tokens(12, 8, target.vocab_size))]
     target.forward_batch(batch)
     assert all(torch.equal(a, b) for a, b in zip(kv(mine), kv(alone), strict=True))
+
+
+def test_long_prefills_run_in_rounds_of_pieces_with_the_bits_of_each_alone(target, monkeypatch):
+    """Segments longer than PREFILL_CHUNK are cut into pieces from their start; the pieces of several segments run
+    in rounds (every first piece together, then every second one): each cache holds the bits of its own prefill."""
+    monkeypatch.setattr(target_module, "PREFILL_CHUNK", 16)
+    prompts = [tokens(40, 11, target.vocab_size), tokens(20, 12, target.vocab_size), tokens(7, 13, target.vocab_size)]
+    alone = []
+    for prompt in prompts:
+        alone.append(target.new_cache())
+        target.forward_batch([Segment(alone[-1], prompt)])
+    together = [target.new_cache() for _ in prompts]
+    target.forward_batch([Segment(cache, prompt) for cache, prompt in zip(together, prompts)])
+    for a, b, prompt in zip(alone, together, prompts):
+        assert b.length == len(prompt)
+        assert all(torch.equal(x, y) for x, y in zip(kv(a), kv(b), strict=True))
 
 
 def test_root_logits_do_not_depend_on_the_tree_size(target):
@@ -269,6 +291,23 @@ def test_fallback_forward_batch_runs_each_segment_through_hf():
     logits = target.forward_batch(batch)
     one = target.verify(cache_with(target, 12, 1), int(batch[0].tokens[0]), batch[0].tree, batch[0].tokens[1:])
     assert torch.equal(logits[0], one) and logits[1] is None and batch[1].cache.length == 5
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_an_exact_gelu_row_does_not_depend_on_the_rows_beside_it(threads):
+    """batch_invariant.activate runs an exact GELU through the native row loop on every thread: each row the bits
+    it gets alone, for any row count (including counts past the parallel threshold), and torch's GELU to rounding."""
+    from transformers.activations import GELUActivation
+
+    x = torch.randn(40, 1536, generator=torch.Generator().manual_seed(5)) * 4
+    for fn in (torch.nn.GELU(), GELUActivation()):
+        together = batch_invariant.activate(fn, x)
+        alone = torch.cat([batch_invariant.activate(fn, x[r : r + 1]) for r in range(40)])
+        assert torch.equal(together, alone)
+        assert torch.equal(batch_invariant.activate(fn, x[7:30]), together[7:30])
+        torch.testing.assert_close(together, fn(x), rtol=1e-5, atol=1e-6)
+    tanh = torch.nn.GELU(approximate="tanh")  # not the exact form: torch's own, on one thread
+    torch.testing.assert_close(batch_invariant.activate(tanh, x), tanh(x), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)

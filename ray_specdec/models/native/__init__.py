@@ -148,6 +148,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tree_attention_ragged.restype = i
     lib.decoder_layers.argtypes = [p, i, p, p, p, i, p, i]
     lib.decoder_layers.restype = i
+    lib.gelu_rows.argtypes = [i, i, p, p, i]
+    lib.gelu_rows.restype = None
     lib.shm_sum_f32.argtypes = [p, i, i, i64, i64, p, p, i64, ctypes.c_double]
     lib.shm_sum_f32.restype = i
     lib.omp_team_thread_ids.argtypes = [i, p]
