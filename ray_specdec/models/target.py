@@ -13,10 +13,10 @@ verify rows).
 rows (``[root, *tree nodes]`` with its tree mask) or prefill chunk. On the lean loop all verify rows share every
 product (each weight is read once per step) and attend per request over their own caches; on CPU the step's prefill
 chunks run together in one forward before it (`_prefill_chunks`: batch-invariant products, each chunk attending on its
-own, so a chunk's K/V are the bits it gets alone), and on CUDA they ride in its verify forward (`one_forward`). Where the lean loop does not run
-(other architectures, training mode) every segment runs its own HF forward inside `forward_batch`: correct, not
-batched. A DeepSpeed AutoTP shard runs the lean loop too, over its share of the heads (tp_shards.py), eagerly and
-over caches of its own. `verify` and `prefill` are `forward_batch` over one segment.
+own, so a chunk's K/V are the bits it gets alone), and on CUDA they ride in its verify forward (`one_forward`). Where
+the lean loop does not run (other architectures, training mode) every segment runs its own HF forward inside
+`forward_batch`: correct, not batched. A DeepSpeed AutoTP shard runs the lean loop too, over its share of the heads
+(tp_shards.py), eagerly and over caches of its own. `verify` and `prefill` are `forward_batch` over one segment.
 
 Batch invariance (float32 on CPU with the native kernels and the lean loop, on by default there, tensor-parallel shards
 included: their row-parallel products are summed over the ranks in rank order): a segment's logits
@@ -449,9 +449,11 @@ class TargetModel:
         size = min(PREFILL_CHUNK, EAGER_PREFILL_CHUNK) if self._eager else PREFILL_CHUNK
         pieces = [[(r.segment.cache, r.tokens[start : start + size]) for start in range(0, r.tokens.numel(), size)]
                   for r in chunks]  # fmt: skip
-        together = self._lean is not None and self._lean.available and self._lean.batch_invariant
-        for round_ in itertools.zip_longest(*pieces) if together else (p for r in pieces for p in r):
-            work = [p for p in round_ if p is not None] if together else [round_]
+        if self._lean is not None and self._lean.available and self._lean.batch_invariant:
+            rounds = [[p for p in round_ if p is not None] for round_ in itertools.zip_longest(*pieces)]
+        else:
+            rounds = [[p] for segment in pieces for p in segment]
+        for work in rounds:
             self._prefill_pieces(work)
 
     def _prefill_pieces(self, pieces: list[tuple[TargetCache, torch.Tensor]]) -> None:
