@@ -50,8 +50,8 @@ def markdown(report: dict) -> str:
             else f"sdpa ({hardware.get('target_native_attention_why')})"))
     if "target_batch_invariant" in hardware:
         lines.append("Our engine's verify rows: " + (
-            "batch-invariant (native GEMM and attention for every row count, models/batch_invariant.py; the GEMM "
-            "plan serves prefill chunks)" if hardware["target_batch_invariant"]
+            "batch-invariant (native GEMM and attention for every row count, models/batch_invariant.py; a step's "
+            "prefill chunks together on the native GEMM, each attending alone)" if hardware["target_batch_invariant"]
             else f"the GEMM plan ({hardware.get('target_batch_invariant_why')})"))
     if "target_native_decoder_why" in hardware:
         why = hardware["target_native_decoder_why"]
