@@ -107,7 +107,7 @@ static inline float silu(float x) { return x / (1.0f + expf(-x)); }
  * whole vector take a scalar path that rounds differently), this uses them all: for the ~1,000 rows of a
  * continuous-batching step's prefill chunks on the 2-core machine, ~0.6 ms a layer against torch's 1.7 on one
  * thread. */
-void gelu_rows(int R, int I, const float *restrict x, float *restrict y, int threads) {
+void gelu_rows(int R, int I, const float *x, float *y, int threads) { /* y may be x */
 #pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)R * I >= PARALLEL_MIN_ELEMENTS)
     for (int r = 0; r < R; r++)
         for (int i = 0; i < I; i++) y[(int64_t)r * I + i] = gelu(x[(int64_t)r * I + i]);
@@ -172,9 +172,7 @@ int decoder_layers(const decoder_t *m, int R, float *hidden, const float *cos, c
                 for (int i = 0; i < I; i++) u[i] = silu(g[i]) * u[i];
             }
         } else {
-#pragma omp parallel for num_threads(threads) if (threads > 1 && (int64_t)R * I >= PARALLEL_MIN_ELEMENTS)
-            for (int r = 0; r < R; r++)
-                for (int i = 0; i < I; i++) up[(int64_t)r * I + i] = gelu(up[(int64_t)r * I + i]);
+            gelu_rows(R, I, up, up, threads);
         }
         gemm_rows(w->down_fmt, R, E, I, w->down, w->down_b, up, I, mlp, E);
         if (m->parallel_residual)

@@ -134,21 +134,8 @@ static inline __attribute__((always_inline)) void gemm_block(
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 #define PASS(width, rows) MIN((width) / VL, (rows) <= 2 ? FEW_ROWS_VECS / (rows) : PASS_VECS)
 
-/* y[r] = x[r] @ W^T (+ bias) for rows r, W [n_out, n_in] given as panels P (pack_panels in native/__init__.py):
- * the columns of W^T ([n_in, n_out]) cut into blocks of 64 outputs, then of 16, then the rest padded with zeros to
- * 16, each block stored [n_in, 64 or 16] contiguously, one after the other; so block o starts at element o * n_in and
- * is read front to back. The padded tail goes through the same vector code as every other block (its extra outputs
- * are dropped): every output is computed the same way in every panel format. (A dot product per output over the
- * weight's own layout chains every multiply-add of a row into one accumulator and was latency-bound: ~4x slower.)
- * A block is computed in passes of PASS_VECS vectors of outputs (one pass with AVX-512, 16 outputs with AVX2), each
- * pass over all rows in groups of ROW_BLOCK, so that the pass's slice of the panel stays in cache across the groups.
- * Output blocks are claimed one at a time by `threads` OpenMP threads: a thread that another process preempts
- * mid-product leaves its blocks to the other instead of holding it at the end (each block is still computed whole by
- * one thread, in the same order, so the result is the same bits). On the 2-core machine, in process at 32 requests
- * (tree none, fresh prompts, prefill's products on this path) beside a process busy 0.5 ms of every 2 ms: 758 / 732
- * tokens/s against 688 / 691 with a static split; 853 against 851 with nothing beside. */
-/* One pass of an output block over all rows: `nv` vectors of outputs at column c of the block (o, ld) of panel
- * rows P (element format FMT), in groups of ROW_BLOCK rows. */
+/* One pass of block b over all rows: `pass` vectors of outputs at column c of the block (first output o), whose
+ * panel slice starts at P with row stride ld (element format FMT), in groups of ROW_BLOCK rows. */
 static inline __attribute__((always_inline)) void gemm_pass(
     const int FMT, int rows, int n_in, const void *restrict P, int ld, int b, int n64, int n16, int tail, int o, int c,
     int pass, const float *restrict bias, const float *restrict padded_bias, float *restrict padded_out,
@@ -187,8 +174,8 @@ static inline __attribute__((always_inline)) void gemm_pass(
  * [n_in, pass vectors], becomes float32 in a scratch buffer of the thread's (at most WIDEN_MAX_BYTES: it must stay
  * in the core's cache), and every group of ROW_BLOCK rows reads that instead of widening it again. The values are
  * the same floats (widening is exact) in the same order, so the bits are those of the unwidened kernel. On the
- * 2-core AVX2 EPYC, the default target's 25 weights for 512 rows: 111 ms widening per group, 78 ms once per pass
- * (float32 panels: 78; F.linear: 82). Few rows stay on the half panels: their products are bound by reading the
+ * 2-core AVX2 EPYC, the default target's 25 weights for 512 rows: 111 ms widening per group, 77-82 ms once per
+ * pass (F.linear: 82-102 in the same sittings). Few rows stay on the half panels: their products are bound by reading the
  * weight, which the half format halves. */
 #define WIDEN_MIN_ROWS (4 * ROW_BLOCK)
 #define WIDEN_MAX_BYTES (256 * 1024)
