@@ -95,7 +95,7 @@ def activity(before: Snapshot, after: Snapshot, seconds: float, hz: int) -> list
 
 def idle_app(folder: Path) -> None:
     """(In a process of its own.) The app as benchmarks/serve_peers.py starts it, one warm-up request, then idle
-    until `folder/stop` exists; `folder/ready` says it is up."""
+    until `folder/stop` exists; `folder/ready` says it is up, `folder/url` where it answers."""
     import httpx
 
     from benchmarks.serve_peers_servers import ours_server
@@ -103,6 +103,7 @@ def idle_app(folder: Path) -> None:
     with ours_server(argparse.Namespace(ours_ingress="direct")) as endpoint:
         httpx.post(f"{endpoint.url}/v1/completions", json={"prompt": "def f(x):", "max_tokens": 8}, timeout=120,
                    trust_env=False).raise_for_status()  # fmt: skip
+        (folder / "url").write_text(endpoint.url)
         (folder / "ready").touch()
         while not (folder / "stop").exists():
             time.sleep(0.5)

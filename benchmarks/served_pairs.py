@@ -1,0 +1,215 @@
+"""Served against in-process at one request, on the same prompts, interleaved block by block in one sitting.
+
+Issue 18 asks for served concurrency-1 throughput within 10% of the in-process loop. serve_peers measures it with one
+block of prompts per system, minutes apart, and on the 2-core machine a block moves by 10-15% from one minute to the
+next, so its ratio moved between 0.75x and 0.92x over runs that changed nothing on the served path. Here every block
+of `--block` fresh prompts runs in three modes back to back, in an order that rotates from block to block, so that
+drift lands on all three alike:
+- `alone`: the in-process loop (this process, the app's policy) while every process of the app and of its Ray is
+  stopped (SIGSTOP; measured equal to no Ray at all: "The engine beside an idle Serve app" in docs/BENCHMARKS.md);
+- `beside`: the same loop while the app runs, idle: what Ray's and Serve's processes cost the loop before any HTTP;
+- `served`: one streaming request at a time to the engine replica's own port (direct ingress, as `serve run
+  deployments:app` answers), the app started as serve_peers starts it, in a process of its own (this process is
+  only its client).
+served / alone is the issue's ratio; beside / alone is the platform's share of it and served / beside the request
+path's. Greedy texts of `served` and `alone` are compared prompt by prompt.
+
+Run from the repository root: python -m benchmarks.served_pairs [--blocks 6] [--block 10] [--tree none]
+[--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODES = ("alone", "beside", "served")
+ORDERS = tuple(itertools.permutations(MODES))  # block b runs ORDERS[b % 6]: each mode first, second and last alike
+WARMUP_PROMPTS = 4
+
+
+def app_processes(root: int, proc: Path = Path("/proc")) -> list[int]:
+    """`root` and every process below it (Ray's GCS, raylet and workers hang under the driver that started them)."""
+    children: dict[int, list[int]] = {}
+    for pid_dir in proc.iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            stat = (pid_dir / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])  # ppid: field 4 of proc(5)
+        children.setdefault(parent, []).append(int(pid_dir.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+class Frozen:
+    """SIGSTOP to the app's processes for the duration of a `with`, SIGCONT after (ones that ended are skipped)."""
+
+    def __init__(self, root: int):
+        self.root = root
+        self.pids: list[int] = []
+
+    def __enter__(self) -> "Frozen":
+        self.pids = app_processes(self.root)
+        self._signal(signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def summarize(block: list[dict[str, Any]]) -> dict[str, float]:
+    """A mode's requests in one block -> tokens/s over the block and mean ms a request."""
+    seconds = sum(r["seconds"] for r in block)
+    return {"tokens_per_s": sum(r["tokens"] for r in block) / seconds, "ms_per_request": 1000 * seconds / len(block)}
+
+
+def ratio_rows(blocks: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per ratio (served / alone, beside / alone, served / beside): the median over blocks and the range."""
+    out = {}
+    for top, bottom in (("served", "alone"), ("beside", "alone"), ("served", "beside")):
+        values = [b[top]["tokens_per_s"] / b[bottom]["tokens_per_s"] for b in blocks]
+        out[f"{top}/{bottom}"] = {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+                                  "max": round(max(values), 3)}  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=6, help="blocks of prompts, each run in all three modes")
+    parser.add_argument("--block", type=int, default=10, help="prompts per block")
+    parser.add_argument("--tree", default="policy", help='"policy" (the service\'s choice) or a tree config')
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=131)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.blocks < 1 or args.block < 1 or args.max_tokens < 1:
+        parser.error("--blocks, --block and --max-tokens must be at least 1")
+
+    from ray_specdec.config import TreeConfig
+
+    try:
+        tree = None if args.tree == "policy" else TreeConfig.parse(args.tree)
+    except ValueError as exc:
+        parser.error(f"--tree: {exc}")
+
+    import httpx
+    import torch
+
+    from benchmarks.serve_peers import request_body, select_prompts, stream_one
+    from benchmarks.serve_peers_results import count_tokens
+    from benchmarks.serve_peers_servers import TARGET, Endpoint
+    from benchmarks.served_overhead import _start_app, _stop_app
+    from ray_specdec.bandit import Bandit
+    from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams
+    from ray_specdec.engine import SpeculativeEngine
+    from ray_specdec.factory import load_drafter, load_target
+
+    prompts = select_prompts(WARMUP_PROMPTS + args.blocks * args.block, args.seed)
+    # an engine per in-process mode, each seeing every prompt once as the app does: a second run of a prompt on one
+    # engine would take its prefill from the prefix cache
+    engines = {mode: SpeculativeEngine(load_target(str(TARGET), dtype="float32", device="cpu"),
+                                       load_drafter(None, dtype="float32"), Bandit(), lookup=DEFAULT_LOOKUP,
+                                       plain_lookup=DEFAULT_PLAIN_LOOKUP)  # the app's policy, as serve_peers' inproc
+               for mode in ("alone", "beside")}  # fmt: skip
+    encode = engines["alone"].encode
+    params = SamplingParams(max_new_tokens=args.max_tokens)
+    fields = {} if tree is None else {"tree": args.tree}
+
+    def in_process(mode: str, prompt: str) -> dict[str, Any]:
+        start = time.perf_counter()
+        gen = engines[mode].generate(prompt, params, tree)
+        return {"seconds": time.perf_counter() - start, "tokens": len(gen.token_ids), "text": gen.text}
+
+    async def served_block(endpoint: Endpoint, block: list[str]) -> list[dict[str, Any]]:
+        out = []
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
+            for i, prompt in enumerate(block):
+                body = request_body(endpoint, prompt, args.max_tokens, 0.0, fields)
+                result = await stream_one(client, endpoint.url, body, i, 120.0)
+                if result.error:
+                    raise RuntimeError(f"a served request failed: {result.error}")
+                tokens = count_tokens(result, lambda text: len(encode(text)))
+                out.append({"seconds": result.latency_s, "tokens": tokens, "text": result.text,
+                            "ttft_s": result.ttft_s})  # fmt: skip
+        return out
+
+    with tempfile.TemporaryDirectory() as folder:
+        app = _start_app(Path(folder))
+        try:
+            endpoint = Endpoint((Path(folder) / "url").read_text().strip(), None)
+            print(f"the app answers at {endpoint.url}; this process runs the in-process loop and the client",
+                  flush=True)  # fmt: skip
+            warm = prompts[:WARMUP_PROMPTS]
+            asyncio.run(served_block(endpoint, warm))
+            for mode, prompt in itertools.product(engines, warm):
+                in_process(mode, prompt)
+            blocks, mismatches, compared = [], 0, 0
+            for b in range(args.blocks):
+                block = prompts[WARMUP_PROMPTS + b * args.block:WARMUP_PROMPTS + (b + 1) * args.block]
+                runs: dict[str, list[dict[str, Any]]] = {}
+                for mode in ORDERS[b % len(ORDERS)]:
+                    if mode == "served":
+                        runs[mode] = asyncio.run(served_block(endpoint, block))
+                    elif mode == "alone":
+                        with Frozen(app.pid):
+                            runs[mode] = [in_process(mode, p) for p in block]
+                    else:
+                        runs[mode] = [in_process(mode, p) for p in block]
+                for served, alone in zip(runs["served"], runs["alone"]):
+                    compared += 1
+                    mismatches += served["text"] != alone["text"]
+                summary = {mode: summarize(runs[mode]) for mode in MODES}
+                ttfts = [r["ttft_s"] for r in runs["served"] if r["ttft_s"] is not None]
+                summary["served"]["ttft_p50_ms"] = 1000 * statistics.median(ttfts) if ttfts else None
+                blocks.append(summary)
+                print(f"block {b + 1}/{args.blocks} ({' '.join(ORDERS[b % len(ORDERS)])}): "
+                      + ", ".join(f"{m} {summary[m]['tokens_per_s']:.1f} tok/s" for m in MODES)
+                      + f"; served / alone {summary['served']['tokens_per_s'] / summary['alone']['tokens_per_s']:.3f}",
+                      flush=True)  # fmt: skip
+        finally:
+            _stop_app(Path(folder), app)
+    ratios = ratio_rows(blocks)
+    result = {
+        "tree": args.tree, "blocks": args.blocks, "block": args.block, "max_tokens": args.max_tokens,
+        "seed": args.seed, "ratios": ratios,
+        "blocks_detail": [{m: {k: (round(v, 2) if v is not None else None) for k, v in s.items()}
+                           for m, s in b.items()} for b in blocks],  # fmt: skip
+        "greedy_mismatches": mismatches, "greedy_compared": compared,
+        "hardware": {"cpus": os.cpu_count(), "machine": platform.machine(), "torch_threads": torch.get_num_threads()},
+    }
+    print()
+    for name, r in ratios.items():
+        print(f"{name:15s} median {r['median']:.3f}x (blocks {r['min']:.3f}-{r['max']:.3f})")
+    print(f"greedy texts served against alone: {mismatches} of {compared} differ")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
