@@ -16,7 +16,8 @@ chunks run together in one forward before it (`_prefill_chunks`: batch-invariant
 own, so a chunk's K/V are the bits it gets alone), and on CUDA they ride in its verify forward (`one_forward`). Where
 the lean loop does not run (other architectures, training mode) every segment runs its own HF forward inside
 `forward_batch`: correct, not batched. A DeepSpeed AutoTP shard runs the lean loop too, over its share of the heads
-(tp_shards.py), eagerly and over caches of its own. `verify` and `prefill` are `forward_batch` over one segment.
+(tp_shards.py), eagerly and over caches of its own. `verify` and `prefill` are `forward_batch` over one segment. Where
+each segment's rows sit in a forward, at which positions and over which mask, is step_spans.py's.
 
 Batch invariance (float32 on CPU with the native kernels and the lean loop, on by default there, tensor-parallel shards
 included: their row-parallel products are summed over the ranks in rank order): a segment's logits
@@ -37,7 +38,6 @@ and the forward replays CUDA graphs (step_graphs.py): the whole of it, attention
 from __future__ import annotations
 
 import contextlib
-import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -46,9 +46,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from ray_specdec.models import cpu_attention, cpu_gemm, fast_paths, kv_pool, lean_forward, tp_shards
-from ray_specdec.models.attention_masks import TreeMasks, prefill_mask
+from ray_specdec.models.attention_masks import TreeMasks
 from ray_specdec.models.kv_cache import GrowableKVCache
-from ray_specdec.models.lean_forward import Span
+from ray_specdec.models.step_spans import (Rows, Segment, all_spans, prefill_rounds, prefill_spans, verify_positions,
+                                           verify_spans)
 from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path, sliding_window
 from ray_specdec.tree import TreeTensors
 
@@ -85,29 +86,6 @@ class TargetCache:
     def capacity(self) -> int | None:
         """Rows the cache was preallocated with and never grows past (None: it grows up to the context)."""
         return self.kv.fixed_capacity
-
-
-@dataclass
-class Segment:
-    """One request's part of a batched forward: a prefill chunk (tree None: appended causally, no logits) or a
-    verify (`tokens` = [root, *tree nodes], S == 1 + tree.num_nodes)."""
-
-    cache: TargetCache
-    tokens: torch.Tensor  # [S] long: a prefill chunk, or [root, *tree node tokens] (BFS order)
-    tree: TreeTensors | None = None
-
-
-@dataclass
-class _Rows:
-    """A checked segment, ready for the forward: its tokens and its cache's length."""
-
-    segment: Segment
-    tokens: torch.Tensor  # [S] long, where the segment's were (the host's: one copy to the device for the forward)
-    cache_len: int
-
-    @property
-    def verify(self) -> bool:
-        return self.segment.tree is not None
 
 
 class TargetModel:
@@ -350,7 +328,7 @@ class TargetModel:
         if pooled:
             self._pool.compact(pooled)
 
-    def _checked(self, segment: Segment, ahead: int = 0) -> _Rows:
+    def _checked(self, segment: Segment, ahead: int = 0) -> Rows:
         """The segment's rows, after checking that it fits (context, capacity) and that its cache is committed;
         `ahead`: rows a prefill chunk of the same forward adds to the cache first."""
         cache, tree = segment.cache, segment.tree
@@ -368,16 +346,16 @@ class TargetModel:
         if cache.capacity is not None and cache_len + tokens.numel() > cache.capacity:
             raise ValueError(f"{what} needs {cache_len + tokens.numel()} cache rows but the cache holds "
                              f"{cache.capacity} (new_cache(capacity=...))")  # fmt: skip
-        return _Rows(segment, tokens, cache_len)
+        return Rows(segment, tokens, cache_len)
 
-    def _input_ids(self, rows: list[_Rows]) -> torch.Tensor:
+    def _input_ids(self, rows: list[Rows]) -> torch.Tensor:
         """[1, sum S_i]: the rows' tokens in order on the device, in one copy where they are on the host (a copy per
         segment cost a device synchronisation each)."""
         if all(r.tokens.device.type == "cpu" for r in rows):
             return torch.cat([r.tokens for r in rows]).to(self.device)[None]
         return torch.cat([r.tokens.to(self.device) for r in rows])[None]
 
-    def _verify_rows(self, verify: list[_Rows]) -> list[torch.Tensor]:
+    def _verify_rows(self, verify: list[Rows]) -> list[torch.Tensor]:
         """Logits [S_i, V] of every verify segment: one lean forward over all their rows, or HF's per segment."""
         if self._lean is None or not self._lean.available:
             return [self._hf_forward(r.tokens.to(self.device),
@@ -386,59 +364,29 @@ class TargetModel:
                     for r in verify]  # fmt: skip
         # A root alone sees every key: the batch-invariant path's native attention takes it without a mask (the same
         # bits: adding 0.0 changes no score); the model's attention functions keep theirs (another kernel without).
-        maskless = self._lean.batch_invariant and self._window is None
-        spans, start = [], 0
-        pooled = _attending_together(verify)
-        for r in verify:
-            tree, end = r.segment.tree, start + r.tokens.numel()
-            if id(r) in pooled:
-                spans.append(Span(start, end, r.segment.cache.kv, None, tree=True, tree_mask=tree.attn_mask,
-                                  ancestors=tree.attn_mask))  # fmt: skip
-            else:
-                mask = None if maskless and tree.num_nodes == 0 else self._masks(r.cache_len, tree)
-                spans.append(Span(start, end, r.segment.cache.kv, mask, tree=True, ancestors=tree.attn_mask))
-            start = end
+        spans = verify_spans(verify, self._masks, self._lean.batch_invariant and self._window is None)
         input_ids = self._input_ids(verify)
         with self._sdpa_backends():
-            logits = self._lean.forward(input_ids, _positions(verify).to(self.device)[None], spans)[0]
+            logits = self._lean.forward(input_ids, verify_positions(verify).to(self.device)[None], spans)[0]
         return list(logits.to(self._logits_dtype).split([r.tokens.numel() for r in verify]))
 
-    def _all_rows(self, rows: list[_Rows]) -> list[torch.Tensor]:
+    def _all_rows(self, rows: list[Rows]) -> list[torch.Tensor]:
         """`one_forward`: every segment's rows in one lean forward, each attending over its own cache (a prefill
         segment causally, whole: its mask covers all its rows); -> logits [S_i, V] of the verify segments only."""
-        spans, positions, logit_rows, start = [], [], [], 0
-        # a verify after a chunk of its cache attends on its own, after the chunk's span has written its K/V (the
-        # pooled verifies attend before every other span: lean_forward._attend)
-        chunked = {id(r.segment.cache) for r in rows if not r.verify}
-        pooled = _attending_together([r for r in rows if r.verify and id(r.segment.cache) not in chunked])
-        for r in rows:
-            n = r.tokens.numel()
-            tree_mask = None
-            if r.verify:
-                if id(r) in pooled:
-                    mask, tree_mask = None, r.segment.tree.attn_mask
-                else:
-                    mask = self._masks(r.cache_len, r.segment.tree)
-                positions.append(r.segment.tree.position_ids(r.cache_len))
-                logit_rows.append(torch.arange(start, start + n))
-            else:  # additive and aligned off the CPU: a bool mask would be converted and padded at every layer
-                mask = prefill_mask(r.cache_len, n, self._window, None if self.device.type == "cpu" else self.dtype)
-                mask = None if mask is None else self._masks.place(mask)
-                positions.append(torch.arange(r.cache_len, r.cache_len + n))
-            spans.append(Span(start, start + n, r.segment.cache.kv, mask, tree=r.verify, tree_mask=tree_mask,
-                              ancestors=r.segment.tree.attn_mask if r.verify else None))  # fmt: skip
-            start += n
+        # a chunk's mask additive and aligned off the CPU: a bool mask would be converted and padded at every layer
+        spans, positions, keep = all_spans(rows, self._masks, self._window,
+                                           None if self.device.type == "cpu" else self.dtype)  # fmt: skip
         input_ids = self._input_ids(rows)
-        keep = torch.cat(logit_rows).to(self.device) if logit_rows else None
+        keep = None if keep is None else keep.to(self.device)
         with self._sdpa_backends():
-            logits = self._lean.forward(input_ids, torch.cat(positions).to(self.device)[None], spans,
+            logits = self._lean.forward(input_ids, positions.to(self.device)[None], spans,
                                         logits=keep is not None, rows=keep)  # fmt: skip
         if logits is None:
             return []
         # cast once for the whole forward (forward_batch's cast of each segment is then a no-op)
         return list(logits[0].to(self._logits_dtype).split([r.tokens.numel() for r in rows if r.verify]))
 
-    def _prefill_chunks(self, chunks: list[_Rows]) -> None:
+    def _prefill_chunks(self, chunks: list[Rows]) -> None:
         """Append every prefill segment's tokens, each cut into pieces of PREFILL_CHUNK from its start
         (EAGER_PREFILL_CHUNK for eager attention). On the batch-invariant lean loop the pieces of all segments run
         together, one forward per round of pieces (a segment's second piece in the second, ...): the products,
@@ -447,13 +395,8 @@ class TargetModel:
         forward (the model's products, whose rounding depends on the row count: a piece's K/V then depend on its own
         rows only)."""
         size = min(PREFILL_CHUNK, EAGER_PREFILL_CHUNK) if self._eager else PREFILL_CHUNK
-        pieces = [[(r.segment.cache, r.tokens[start : start + size]) for start in range(0, r.tokens.numel(), size)]
-                  for r in chunks]  # fmt: skip
-        if self._lean is not None and self._lean.available and self._lean.batch_invariant:
-            rounds = [[p for p in round_ if p is not None] for round_ in itertools.zip_longest(*pieces)]
-        else:
-            rounds = [[p] for segment in pieces for p in segment]
-        for work in rounds:
+        together = self._lean is not None and self._lean.available and self._lean.batch_invariant
+        for work in prefill_rounds(chunks, size, together):
             self._prefill_pieces(work)
 
     def _prefill_pieces(self, pieces: list[tuple[TargetCache, torch.Tensor]]) -> None:
@@ -463,17 +406,10 @@ class TargetModel:
                 # Default mask and positions: HF derives both from the cache length, which commit keeps exact.
                 self._hf_forward(tokens.to(self.device), None, None, cache, logits_to_keep=1)
             return
-        spans, positions, start = [], [], 0
-        for cache, tokens in pieces:
-            cache_len, n = cache.length, tokens.numel()
-            positions.append(torch.arange(cache_len, cache_len + n))
-            mask = prefill_mask(cache_len, n, self._window, self.dtype if self._eager else None)
-            spans.append(Span(start, start + n, cache.kv, None if mask is None else self._masks.place(mask),
-                              tree=False))  # fmt: skip
-            start += n
+        spans, positions = prefill_spans(pieces, self._masks, self._window, self.dtype if self._eager else None)
         input_ids = torch.cat([tokens for _, tokens in pieces]).to(self.device)[None]
         with self._sdpa_backends():
-            self._lean.forward(input_ids, torch.cat(positions).to(self.device)[None], spans, logits=False)
+            self._lean.forward(input_ids, positions.to(self.device)[None], spans, logits=False)
 
     def _hf_forward(self, tokens, positions, mask, cache: TargetCache, **kwargs):
         """The model's own forward over one segment: tokens / positions [S], mask [1, 1, S, cache + S] or None."""
@@ -497,19 +433,3 @@ class TargetModel:
                 "(max_position_embeddings); shorten the prompt or max_tokens"
             )
 
-
-def _attending_together(verify: Sequence[_Rows]) -> set[int]:
-    """ids of the verify segments over pooled caches that attend together (kv_pool.attend_together): they go to the
-    lean forward with their tree (`Span.tree_mask`) instead of a mask of their own."""
-    if not kv_pool.attend_together([r.segment.cache.kv for r in verify]):
-        return set()
-    return {id(r) for r in verify if kv_pool.pool_of(r.segment.cache.kv) is not None}
-
-
-def _positions(verify: Sequence[_Rows]) -> torch.Tensor:
-    """[R] position of every verify row (its tree depth past its cache's length), all segments at once."""
-    lengths = torch.tensor([r.cache_len for r in verify])
-    if all(r.segment.tree.num_nodes == 0 for r in verify):
-        return lengths
-    sizes = torch.tensor([r.tokens.numel() for r in verify])
-    return torch.cat([r.segment.tree.depths for r in verify]) + lengths.repeat_interleave(sizes)
