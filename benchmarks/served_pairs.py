@@ -82,9 +82,15 @@ class Frozen:
 
 
 def summarize(block: list[dict[str, Any]]) -> dict[str, float]:
-    """A mode's requests in one block -> tokens/s over the block and mean ms a request."""
-    seconds = sum(r["seconds"] for r in block)
-    return {"tokens_per_s": sum(r["tokens"] for r in block) / seconds, "ms_per_request": 1000 * seconds / len(block)}
+    """A mode's requests in one block -> tokens/s over the block, mean ms a request, tokens and seconds."""
+    seconds, tokens = sum(r["seconds"] for r in block), sum(r["tokens"] for r in block)
+    return {"tokens_per_s": tokens / seconds, "ms_per_request": 1000 * seconds / len(block), "tokens": tokens,
+            "seconds": seconds}  # fmt: skip
+
+
+def overall(blocks: list[dict[str, dict[str, float]]]) -> dict[str, float]:
+    """Per mode, tokens/s over every block together (all its tokens over all its seconds)."""
+    return {mode: sum(b[mode]["tokens"] for b in blocks) / sum(b[mode]["seconds"] for b in blocks) for mode in MODES}
 
 
 def ratio_rows(blocks: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -192,10 +198,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       flush=True)  # fmt: skip
         finally:
             _stop_app(Path(folder), app)
-    ratios = ratio_rows(blocks)
+    ratios, whole = ratio_rows(blocks), overall(blocks)
     result = {
         "tree": args.tree, "blocks": args.blocks, "block": args.block, "max_tokens": args.max_tokens,
         "seed": args.seed, "ratios": ratios,
+        "overall_tokens_per_s": {mode: round(v, 1) for mode, v in whole.items()},
         "blocks_detail": [{m: {k: (round(v, 2) if v is not None else None) for k, v in s.items()}
                            for m, s in b.items()} for b in blocks],  # fmt: skip
         "greedy_mismatches": mismatches, "greedy_compared": compared,
@@ -204,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print()
     for name, r in ratios.items():
         print(f"{name:15s} median {r['median']:.3f}x (blocks {r['min']:.3f}-{r['max']:.3f})")
+    print("all blocks together: " + ", ".join(f"{m} {v:.1f} tok/s" for m, v in whole.items())
+          + f"; served / alone {whole['served'] / whole['alone']:.3f}")
     print(f"greedy texts served against alone: {mismatches} of {compared} differ")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

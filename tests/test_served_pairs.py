@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.served_pairs import MODES, ORDERS, Frozen, app_processes, main, ratio_rows, summarize
+from benchmarks.served_pairs import MODES, ORDERS, Frozen, app_processes, main, overall, ratio_rows, summarize
 
 STAT = "{pid} (python3 (x)) S {ppid} {pid} {pid} 0 -1 4194560 100 0 0 0 5 1 0 0 20 0 3 0 77 0 0"
 
@@ -72,12 +72,16 @@ def test_every_mode_takes_every_place_equally_often_over_six_blocks():
 
 def test_summarize_and_ratios():
     block = [{"seconds": 0.5, "tokens": 64}, {"seconds": 1.5, "tokens": 36}]
-    assert summarize(block) == {"tokens_per_s": 50.0, "ms_per_request": 1000.0}
+    assert summarize(block) == {"tokens_per_s": 50.0, "ms_per_request": 1000.0, "tokens": 100, "seconds": 2.0}
 
     def blocks(alone, beside, served):
         return {"alone": {"tokens_per_s": alone}, "beside": {"tokens_per_s": beside},
                 "served": {"tokens_per_s": served}}  # fmt: skip
 
+    whole = overall([{m: {"tokens": 100, "seconds": 1.0} for m in MODES},
+                     {"alone": {"tokens": 300, "seconds": 1.0}, "beside": {"tokens": 100, "seconds": 3.0},
+                      "served": {"tokens": 50, "seconds": 1.0}}])  # fmt: skip
+    assert whole == {"alone": 200.0, "beside": 50.0, "served": 75.0}
     rows = ratio_rows([blocks(200, 180, 162), blocks(100, 80, 72), blocks(300, 300, 210)])
     assert rows["served/alone"] == {"median": 0.72, "min": 0.7, "max": 0.81}
     assert rows["beside/alone"] == {"median": 0.9, "min": 0.8, "max": 1.0}
