@@ -12,7 +12,9 @@ drift lands on all three alike:
   deployments:app` answers), the app started as serve_peers starts it, in a process of its own (this process is
   only its client).
 served / alone is the issue's ratio; beside / alone is the platform's share of it and served / beside the request
-path's. Greedy texts of `served` and `alone` are compared prompt by prompt.
+path's, which includes this client's own CPU time on the same cores (printed; a real client runs elsewhere: the
+client here is the standard library's, `LeanClient`). Greedy texts of `served` and `alone` are compared prompt by
+prompt.
 
 Run from the repository root: python -m benchmarks.served_pairs [--blocks 6] [--block 10] [--tree none]
 [--json results.json]
@@ -21,7 +23,7 @@ Run from the repository root: python -m benchmarks.served_pairs [--blocks 6] [--
 from __future__ import annotations
 
 import argparse
-import asyncio
+import http.client
 import itertools
 import json
 import os
@@ -30,6 +32,7 @@ import signal
 import statistics
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +84,35 @@ class Frozen:
                 pass
 
 
+class LeanClient:
+    """Streaming completions over one kept-alive connection, with the standard library only: the client shares the
+    two cores with the app, and httpx's asyncio client took ~10 ms of CPU a request there (a real client runs
+    elsewhere)."""
+
+    def __init__(self, url: str, timeout_s: float = 120.0):
+        parsed = urllib.parse.urlsplit(url)
+        self.url = url
+        self.connection = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout_s)
+
+    def stream(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /v1/completions (stream: true) -> seconds, tokens (the usage chunk's), text, ttft_s; raises on an
+        error status or an error event."""
+        from benchmarks.serve_peers_results import StreamTally
+
+        tally, start = StreamTally(), time.perf_counter()
+        self.connection.request("POST", "/v1/completions", json.dumps(body),
+                                {"Content-Type": "application/json"})  # fmt: skip
+        response = self.connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"a served request failed: HTTP {response.status}: {response.read()[:200]!r}")
+        for line in response:
+            tally.feed(line.decode().rstrip("\r\n"), time.perf_counter() - start)
+        if tally.error or not tally.done or tally.usage_tokens is None:
+            raise RuntimeError(f"a served request failed: {tally.error or 'no [DONE] or usage'}")
+        return {"seconds": time.perf_counter() - start, "tokens": tally.usage_tokens, "text": "".join(tally.text),
+                "ttft_s": tally.ttft_s}  # fmt: skip
+
+
 def summarize(block: list[dict[str, Any]]) -> dict[str, float]:
     """A mode's requests in one block -> tokens/s over the block, mean ms a request, tokens and seconds."""
     seconds, tokens = sum(r["seconds"] for r in block), sum(r["tokens"] for r in block)
@@ -122,12 +154,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ValueError as exc:
         parser.error(f"--tree: {exc}")
 
-    import httpx
     import torch
 
-    from benchmarks.serve_peers import request_body, select_prompts, stream_one
-    from benchmarks.serve_peers_results import count_tokens
-    from benchmarks.serve_peers_servers import TARGET, Endpoint
+    from benchmarks.serve_peers import select_prompts
+    from benchmarks.serve_peers_servers import TARGET
     from benchmarks.served_overhead import _start_app, _stop_app
     from ray_specdec.bandit import Bandit
     from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams
@@ -141,7 +171,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                        load_drafter(None, dtype="float32"), Bandit(), lookup=DEFAULT_LOOKUP,
                                        plain_lookup=DEFAULT_PLAIN_LOOKUP)  # the app's policy, as serve_peers' inproc
                for mode in ("alone", "beside")}  # fmt: skip
-    encode = engines["alone"].encode
     params = SamplingParams(max_new_tokens=args.max_tokens)
     fields = {} if tree is None else {"tree": args.tree}
 
@@ -150,27 +179,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gen = engines[mode].generate(prompt, params, tree)
         return {"seconds": time.perf_counter() - start, "tokens": len(gen.token_ids), "text": gen.text}
 
-    async def served_block(endpoint: Endpoint, block: list[str]) -> list[dict[str, Any]]:
-        out = []
-        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
-            for i, prompt in enumerate(block):
-                body = request_body(endpoint, prompt, args.max_tokens, 0.0, fields)
-                result = await stream_one(client, endpoint.url, body, i, 120.0)
-                if result.error:
-                    raise RuntimeError(f"a served request failed: {result.error}")
-                tokens = count_tokens(result, lambda text: len(encode(text)))
-                out.append({"seconds": result.latency_s, "tokens": tokens, "text": result.text,
-                            "ttft_s": result.ttft_s})  # fmt: skip
-        return out
+    def served_block(client: LeanClient, block: list[str]) -> list[dict[str, Any]]:
+        body = {"max_tokens": args.max_tokens, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}} | fields  # fmt: skip
+        return [client.stream(body | {"prompt": prompt}) for prompt in block]
 
     with tempfile.TemporaryDirectory() as folder:
         app = _start_app(Path(folder))
         try:
-            endpoint = Endpoint((Path(folder) / "url").read_text().strip(), None)
-            print(f"the app answers at {endpoint.url}; this process runs the in-process loop and the client",
+            client = LeanClient((Path(folder) / "url").read_text().strip())
+            print(f"the app answers at {client.url}; this process runs the in-process loop and the client",
                   flush=True)  # fmt: skip
             warm = prompts[:WARMUP_PROMPTS]
-            asyncio.run(served_block(endpoint, warm))
+            served_block(client, warm)
             for mode, prompt in itertools.product(engines, warm):
                 in_process(mode, prompt)
             blocks, mismatches, compared = [], 0, 0
@@ -179,7 +200,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 runs: dict[str, list[dict[str, Any]]] = {}
                 for mode in ORDERS[b % len(ORDERS)]:
                     if mode == "served":
-                        runs[mode] = asyncio.run(served_block(endpoint, block))
+                        cpu = time.process_time()  # this process is only the client meanwhile
+                        runs[mode] = served_block(client, block)
+                        client_cpu_s = time.process_time() - cpu
                     elif mode == "alone":
                         with Frozen(app.pid):
                             runs[mode] = [in_process(mode, p) for p in block]
@@ -191,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 summary = {mode: summarize(runs[mode]) for mode in MODES}
                 ttfts = [r["ttft_s"] for r in runs["served"] if r["ttft_s"] is not None]
                 summary["served"]["ttft_p50_ms"] = 1000 * statistics.median(ttfts) if ttfts else None
+                summary["served"]["client_cpu_ms_per_request"] = 1000 * client_cpu_s / len(block)
                 blocks.append(summary)
                 print(f"block {b + 1}/{args.blocks} ({' '.join(ORDERS[b % len(ORDERS)])}): "
                       + ", ".join(f"{m} {summary[m]['tokens_per_s']:.1f} tok/s" for m in MODES)
@@ -213,6 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:15s} median {r['median']:.3f}x (blocks {r['min']:.3f}-{r['max']:.3f})")
     print("all blocks together: " + ", ".join(f"{m} {v:.1f} tok/s" for m, v in whole.items())
           + f"; served / alone {whole['served'] / whole['alone']:.3f}")
+    client = statistics.median(b["served"]["client_cpu_ms_per_request"] for b in blocks)
+    print(f"the client's own CPU time (on the same cores): {client:.1f} ms a request (median over blocks)")
     print(f"greedy texts served against alone: {mismatches} of {compared} differ")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,16 +1,20 @@
 """benchmarks/served_pairs.py: which processes it stops, the block orders and the ratios (the benchmark itself starts
 Ray and measures speed, so it is not run here)."""
 
+import http.server
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks.served_pairs import MODES, ORDERS, Frozen, app_processes, main, overall, ratio_rows, summarize
+from benchmarks.served_pairs import (MODES, ORDERS, Frozen, LeanClient, app_processes, main, overall, ratio_rows,
+                                     summarize)
 
 STAT = "{pid} (python3 (x)) S {ppid} {pid} {pid} 0 -1 4194560 100 0 0 0 5 1 0 0 20 0 3 0 77 0 0"
 
@@ -95,3 +99,45 @@ def test_bad_arguments_exit_with_a_message(argv, capsys):
         main(argv)
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+class _SSE(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, chunked bodies
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["prompt"] == "bad":
+            self.send_response(400)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"no")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": body["prompt"]}]},
+                  {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": 3}}]
+        payloads = [f"data: {json.dumps(e)}\r\n\r\n" for e in events] + ["data: [DONE]\r\n\r\n"]
+        for payload in payloads:
+            data = payload.encode()
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_lean_client_streams_several_requests_over_one_connection():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SSE)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = LeanClient(f"http://127.0.0.1:{server.server_address[1]}")
+        for prompt in ("bc", "de"):  # the second on the kept-alive connection
+            out = client.stream({"prompt": prompt, "stream": True})
+            assert out["text"] == "a" + prompt and out["tokens"] == 3
+            assert 0 <= out["ttft_s"] <= out["seconds"]
+        with pytest.raises(RuntimeError, match="HTTP 400"):
+            client.stream({"prompt": "bad"})
+    finally:
+        server.shutdown()
