@@ -109,7 +109,8 @@ def idle_app(folder: Path) -> None:
             time.sleep(0.5)
 
 
-def _start_app(folder: Path) -> subprocess.Popen:
+def start_app(folder: Path) -> subprocess.Popen:
+    """`idle_app` in a process of its own; -> that process once the app answers (its address in `folder/url`)."""
     with open(folder / "app.log", "w") as log:  # the child keeps its own descriptor
         app = subprocess.Popen([sys.executable, "-m", "benchmarks.served_overhead", "--idle-app", str(folder)],
                                stdout=subprocess.DEVNULL, stderr=log)  # fmt: skip
@@ -123,7 +124,8 @@ def _start_app(folder: Path) -> subprocess.Popen:
     return app
 
 
-def _stop_app(folder: Path, app: subprocess.Popen) -> None:
+def stop_app(folder: Path, app: subprocess.Popen) -> None:
+    """Stops `start_app`'s app and waits for Ray's processes to exit."""
     (folder / "stop").touch()
     try:
         app.wait(timeout=120)
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     run("alone")
     with tempfile.TemporaryDirectory() as folder:
-        app = _start_app(Path(folder))
+        app = start_app(Path(folder))
         try:
             time.sleep(2.0)
             before = snapshot()
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             processes = activity(before, snapshot(), args.sample, os.sysconf("SC_CLK_TCK"))
             run("beside")
         finally:
-            _stop_app(Path(folder), app)
+            stop_app(Path(folder), app)
     run("after")
     mine = os.getpid()
     others = [p for p in processes if p["pid"] != mine]

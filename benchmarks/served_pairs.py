@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from benchmarks.serve_peers import select_prompts
     from benchmarks.serve_peers_servers import TARGET
-    from benchmarks.served_overhead import _start_app, _stop_app
+    from benchmarks.served_overhead import start_app, stop_app
     from ray_specdec.bandit import Bandit
     from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams
     from ray_specdec.engine import SpeculativeEngine
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return [client.stream(body | {"prompt": prompt}) for prompt in block]
 
     with tempfile.TemporaryDirectory() as folder:
-        app = _start_app(Path(folder))
+        app = start_app(Path(folder))
         try:
             client = LeanClient((Path(folder) / "url").read_text().strip())
             print(f"the app answers at {client.url}; this process runs the in-process loop and the client",
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       + f"; served / alone {summary['served']['tokens_per_s'] / summary['alone']['tokens_per_s']:.3f}",
                       flush=True)  # fmt: skip
         finally:
-            _stop_app(Path(folder), app)
+            stop_app(Path(folder), app)
     ratios, whole = ratio_rows(blocks), overall(blocks)
     result = {
         "tree": args.tree, "blocks": args.blocks, "block": args.block, "max_tokens": args.max_tokens,
