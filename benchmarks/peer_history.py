@@ -120,7 +120,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     goals = ", ".join(f"{key} >= {value}x" for key, value in GOALS.items())
     lines += ["", f"Ours is the service's own choice (its drafting, or plain rounds where drafting does not pay); "
                   f"`tree none` forces plain rounds. Bold: the issue's goal met in that run ({goals}, greedy). Ratios "
-                  f"are within one run; '-': the run had no such cell."]
+                  f"are within one run; '-': the run had no such cell. Served over in-process is one cell a run "
+                  f"(40 paired prompts in the later runs), which moves by 10-15% between runs on the 2-core machine: "
+                  f"`benchmarks/served_pairs` measures it interleaved block by block."]
     return "\n".join(lines) + "\n"
 
 
