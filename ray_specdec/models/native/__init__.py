@@ -32,7 +32,7 @@ from ray_specdec.models.loading import switched_on
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "decoder_cpu.c", "shm_cpu.c",
                              "threads_cpu.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h", "simd_cpu.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h", "simd_cpu.h", "attention_simd_cpu.h"))
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 # linear_panels splits a product's output blocks over torch's intra-op thread count; built without it if the
