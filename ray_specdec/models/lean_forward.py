@@ -51,6 +51,7 @@ from ray_specdec.models import batch_invariant as invariant
 from ray_specdec.models import cpu_attention, kv_pool
 from ray_specdec.models.kv_cache import GrowableKVCache
 from ray_specdec.models.native import decoder
+from ray_specdec.models.native import prefill as native_prefill
 
 # Exactly these classes: a subclass may change what a layer does.
 SUPPORTED = (GPTNeoXForCausalLM, LlamaForCausalLM)
@@ -215,7 +216,7 @@ class LeanForward:
         self._norm = body.final_layer_norm if neox else body.norm
         # A layer is the work before its attention, the attention, and the work after it (step_graphs.py graphs the
         # two around the attention).
-        self.before = self._neox_before if neox else self._llama_before
+        self.projections = self._neox_projections if neox else self._llama_projections
         self.after = self._neox_after if neox else self._llama_after
         self.attention_of = _neox_attention if neox else _llama_attention
         self._eager = (modeling_gpt_neox if neox else modeling_llama).eager_attention_forward
@@ -277,8 +278,12 @@ class LeanForward:
                 else:
                     # Without logits the last layer's K/V are all that is left to compute (see _layers_eagerly).
                     keys_only = None if logits or ragged is not None or pooled is not None else spans
+                    # The batch-invariant prefill chunks' rotary and cache writes in one native pass per layer.
+                    writes = invariant_chunks and pooled is None and native_prefill.available(
+                        self._embed.weight.dtype, self._embed.weight.device)
                     hidden = self._layers_eagerly(input_ids, position_ids, attend, ops,
-                                                  invariant_rows or invariant_chunks, keys_only)
+                                                  invariant_rows or invariant_chunks, keys_only,
+                                                  prefill=spans if writes else None)  # fmt: skip
             for batched in (ragged, pooled):
                 if batched is not None:
                     batched.finish()
@@ -289,12 +294,15 @@ class LeanForward:
             return ops.product(self._head, ops.normalize(self._norm, hidden))
 
     def _layers_eagerly(self, input_ids, position_ids, attend, ops: _Ops, invariant: bool,
-                        keys_only: Sequence[Span] | None = None) -> torch.Tensor | None:
+                        keys_only: Sequence[Span] | None = None,
+                        prefill: Sequence[Span] | None = None) -> torch.Tensor | None:
         """The layers over all rows (`invariant`: rotary values from the table, and verify rows through the native
         decoder where it runs) -> the last layer's output; keys_only (spans that need no logits: prefill chunks)
         -> None, after the last layer's K/V are in the spans' caches: its attention, output projection and MLP only
         make the hidden states that the head reads, so they are skipped (the caches hold the same bits as after a
-        whole forward; a sixth of a prefill chunk's work for the default six-layer target)."""
+        whole forward; a sixth of a prefill chunk's work for the default six-layer target). prefill (with
+        `invariant`: the forward's spans, all prefill chunks): their rotary and cache writes through
+        native/prefill.py, which attends them as `attend` would (the same bits)."""
         hidden = self._embed(input_ids)
         if invariant:
             cos, sin = self._table(position_ids, int(position_ids.max()) + 1)
@@ -304,6 +312,8 @@ class LeanForward:
                 return native_layers.run(hidden.contiguous(), cos, sin, tables)
         else:
             cos, sin = self._rotary(hidden, position_ids=position_ids)
+        if prefill is not None and invariant:
+            return self._prefill_layers(hidden, cos[0], sin[0], prefill, ops, keys_only is not None)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         last = len(self._layers) - 1
         for index, layer in enumerate(self._layers):
@@ -316,6 +326,23 @@ class LeanForward:
                 return None
             attended = attend(self.attention_of(layer), *self.before(layer, hidden, cos, sin, ops))
             hidden = self.after(layer, hidden, attended, ops)
+        return hidden
+
+    def _prefill_layers(self, hidden, cos, sin, spans: Sequence[Span], ops: _Ops,
+                        keys_only: bool) -> torch.Tensor | None:
+        """_layers_eagerly's loop for prefill spans through native_prefill.PrefillWrites (cos / sin [R, rotary])."""
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, self._eager)
+        writes = native_prefill.PrefillWrites(spans, len(self._layers), cos, sin)
+        last = len(self._layers) - 1
+        for index, layer in enumerate(self._layers):
+            module = self.attention_of(layer)
+            if keys_only and index == last:
+                writes.keys(module, *self.projections(layer, hidden, ops))
+                hidden = None
+                break
+            attended = writes.attend(module, *self.projections(layer, hidden, ops), attention)
+            hidden = self.after(layer, hidden, attended, ops)
+        writes.finish()
         return hidden
 
     @staticmethod
@@ -343,14 +370,19 @@ class LeanForward:
             out[span.start : span.end] = rows.reshape(span.end - span.start, -1)
         return out[None]
 
+    def before(self, layer, hidden, cos, sin, ops: _Ops):
+        """A layer up to its attention -> query [1, H, R, D], key, value [1, Hkv, R, D] (rotated)."""
+        query, key, value = self.projections(layer, hidden, ops)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin), value
+
     @staticmethod
-    def _neox_before(layer, hidden, cos, sin, ops: _Ops):
-        """A GPTNeoX layer up to its attention -> query [1, H, R, D], key, value [1, Hkv, R, D]."""
+    def _neox_projections(layer, hidden, ops: _Ops):
+        """A GPTNeoX layer up to its rotary -> query [1, H, R, D], key, value [1, Hkv, R, D]: views of the fused
+        QKV product's output."""
         attn = layer.attention
         rows = hidden.shape[:-1]
         qkv = ops.product(attn.query_key_value, ops.normalize(layer.input_layernorm, hidden))
-        query, key, value = qkv.view(*rows, -1, 3 * attn.head_size).transpose(1, 2).chunk(3, dim=-1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin), value
+        return qkv.view(*rows, -1, 3 * attn.head_size).transpose(1, 2).chunk(3, dim=-1)
 
     @staticmethod
     def _neox_after(layer, hidden, attended, ops: _Ops) -> torch.Tensor:
@@ -367,8 +399,8 @@ class LeanForward:
         return feed_forward(ops.normalize(layer.post_attention_layernorm, out)) + out
 
     @staticmethod
-    def _llama_before(layer, hidden, cos, sin, ops: _Ops):
-        """A Llama layer up to its attention -> query [1, H, R, D], key, value [1, Hkv, R, D]."""
+    def _llama_projections(layer, hidden, ops: _Ops):
+        """A Llama layer up to its rotary -> query [1, H, R, D], key, value [1, Hkv, R, D] (views)."""
         attn = layer.self_attn
         rows = hidden.shape[:-1]
         normed = ops.normalize(layer.input_layernorm, hidden)
@@ -376,7 +408,7 @@ class LeanForward:
         query = ops.product(attn.q_proj, normed).view(shape).transpose(1, 2)
         key = ops.product(attn.k_proj, normed).view(shape).transpose(1, 2)
         value = ops.product(attn.v_proj, normed).view(shape).transpose(1, 2)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin), value
+        return query, key, value
 
     @staticmethod
     def _llama_after(layer, hidden, attended, ops: _Ops) -> torch.Tensor:

@@ -30,8 +30,8 @@ from ray_specdec.models.loading import switched_on
 
 # Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "decoder_cpu.c", "shm_cpu.c",
-                             "threads_cpu.c"))
+                for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "decoder_cpu.c", "prefill_cpu.c",
+                             "shm_cpu.c", "threads_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h", "simd_cpu.h", "attention_simd_cpu.h"))
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
@@ -149,6 +149,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.decoder_layers.argtypes = [p, i, p, p, p, i, p, i]
     lib.decoder_layers.restype = i
     lib.gelu_rows.argtypes = [i, i, p, p, i]
+    lib.prefill_writes.argtypes = [i, i, i, i, i, p, i64, i64, p, i64, i64, p, i64, i64, p, p, p, i, p, i]
+    lib.prefill_writes.restype = i
     lib.gelu_rows.restype = None
     lib.shm_sum_f32.argtypes = [p, i, i, i64, i64, p, p, i64, ctypes.c_double]
     lib.shm_sum_f32.restype = i

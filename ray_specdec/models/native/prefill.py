@@ -1,0 +1,132 @@
+"""A step's prefill chunks between their QKV products and their attention, natively (native/prefill_cpu.c).
+
+The batch-invariant lean forward runs every prefill chunk of a step in one forward (TargetModel._prefill_chunks),
+each chunk attending on its own over its cache. In torch each layer then rotates all rows' queries and keys (a
+dozen strided passes), copies every chunk's keys and values into its cache, and concatenates the chunks' attention
+outputs. `PrefillWrites` does the first two in one native pass per layer, writing keys and values straight into the
+caches' buffers, and gathers the outputs into one buffer: the same bits as the torch path (the rotary rounds each
+product and sum as torch does), with fewer passes over memory.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ray_specdec.models import native
+from ray_specdec.models.loading import switched_on
+
+# Columns of prefill_writes' segment table (SEG_* in prefill_cpu.c): first row, rows, first cache row, the keys'
+# address, head stride and row stride (floats), the values'.
+FIELDS = 9
+FIRST, ROWS, DEST, KEYS, VALUES = 0, 1, 2, 3, 6
+
+
+def available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel runs here: float32 on CPU, with the native library built, unless
+    RAY_SPECDEC_NATIVE_PREFILL=0 (the torch path, the same bits)."""
+    return (dtype == torch.float32 and device.type == "cpu" and switched_on("RAY_SPECDEC_NATIVE_PREFILL")
+            and native.load() is not None)  # fmt: skip
+
+
+def write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          table: torch.Tensor, with_queries: bool = True) -> torch.Tensor | None:
+    """query [1, H, R, D], key / value [1, Hkv, R, D] (any strides with the last dimension contiguous), cos / sin
+    [R, rotary] contiguous, table int64 [segments, FIELDS] -> the rotated queries [1, H, R, D] (None without
+    with_queries), after every segment's rotated keys and its values are written to its cache rows (the buffers must
+    be live and hold them)."""
+    lib = native.load()
+    if lib is None:
+        raise RuntimeError(f"native prefill writes unavailable: {native.why_unavailable()}")
+    _, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    for name, t in (("query", query), ("key", key), ("value", value), ("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 on CPU with a contiguous last dimension")
+    if key.shape != (1, kv_heads, rows, dim) or value.shape != key.shape or query.shape[0] != 1:
+        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} do "
+                         "not agree")  # fmt: skip
+    rotary = cos.shape[-1]
+    if cos.shape != (rows, rotary) or sin.shape != cos.shape or not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError(f"cos / sin must be contiguous [{rows}, rotary], got {tuple(cos.shape)}")
+    if rotary % 2 or rotary > dim:
+        raise ValueError(f"a rotary of {rotary} dimensions does not fit heads of {dim}")
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != FIELDS or not table.is_contiguous():
+        raise ValueError(f"a segment table is a contiguous int64 [segments, {FIELDS}], got {tuple(table.shape)}")
+    out = torch.empty(1, heads, rows, dim, dtype=torch.float32) if with_queries else None
+    failed = lib.prefill_writes(
+        rows, heads, kv_heads, dim, rotary, query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(),
+        key.stride(1), key.stride(2), value.data_ptr(), value.stride(1), value.stride(2), cos.data_ptr(),
+        sin.data_ptr(), None if out is None else out.data_ptr(), table.shape[0], table.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise ValueError("a prefill segment's rows fall outside the step's rows (or scratch memory ran out)")
+    return out
+
+
+class PrefillWrites:
+    """One forward's prefill spans (lean_forward.Span: rows [start, end) of the step, a GrowableKVCache, a mask):
+    per layer, their K/V written to their caches and each span attending over its cache through the model's
+    attention function; `finish` then advances every cache by its span's rows. Every layer's table is built once per
+    forward, at the first layer (a new cache creates its layers from that layer's K/V shapes), as
+    lean_forward._RaggedAttention builds its own."""
+
+    def __init__(self, spans: Sequence, layers: int, cos: torch.Tensor, sin: torch.Tensor):
+        """cos / sin [R, rotary] of the step's rows."""
+        self._spans, self._layers = spans, layers
+        self._cos, self._sin = cos.contiguous(), sin.contiguous()
+        self._tables: torch.Tensor | None = None  # [layers, spans, FIELDS]
+        self._ends: list[int] = []  # each span's cache rows once its rows are in
+
+    def keys(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The layer's K/V into the caches, without queries or attention (a last layer whose output nothing reads)."""
+        write(query, key, value, self._cos, self._sin, self._table(module.layer_idx, key), with_queries=False)
+
+    def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention: Callable) -> torch.Tensor:
+        """query [1, H, R, D], key / value [1, Hkv, R, D] before the rotary -> the attention's output [1, R, H * D]:
+        `attention(module, query rows, keys, values, mask, dropout=0.0, scaling=)` per span ([1, S, H, D]), the
+        arguments the torch path gives it."""
+        layer_idx = module.layer_idx
+        rotated = write(query, key, value, self._cos, self._sin, self._table(layer_idx, key))
+        rows = query.shape[2]
+        out = None
+        for span, end in zip(self._spans, self._ends):
+            keys, values = span.cache.layers[layer_idx].buffers
+            attended, _ = attention(module, rotated[:, :, span.start : span.end], keys[:, :, :end],
+                                    values[:, :, :end], span.mask, dropout=0.0, scaling=module.scaling)  # fmt: skip
+            if len(self._spans) == 1 and span.start == 0 and span.end == rows:
+                return attended.reshape(1, rows, -1)
+            if out is None:
+                out = attended.new_empty(1, rows, attended.shape[-2] * attended.shape[-1])
+            out[0, span.start : span.end] = attended.reshape(span.end - span.start, -1)
+        return out
+
+    def finish(self) -> None:
+        """Every span's cache holds its rows (each layer wrote them)."""
+        if self._tables is not None:
+            for span in self._spans:
+                span.cache.advance(span.end - span.start)
+
+    def _table(self, layer_idx: int, key: torch.Tensor) -> torch.Tensor:
+        if self._tables is None:
+            self._tables = self._build(key)
+        return self._tables[layer_idx]
+
+    def _build(self, key: torch.Tensor) -> torch.Tensor:
+        empty = key.new_empty(1, key.shape[1], 0, key.shape[-1])
+        buffers, columns = [], []
+        for span in self._spans:
+            cache, rows = span.cache, span.end - span.start
+            for index in range(len(cache.layers), self._layers):  # a cache's first write: create its layers
+                cache.update(empty, empty, index)
+            first = cache.get_seq_length()
+            buffers.append(cache.reserve(first + rows))  # [layers, 6]: keys' address and strides, the values'
+            columns.append((span.start, rows, first))
+            self._ends.append(first + rows)
+        tables = torch.empty(self._layers, len(self._spans), FIELDS, dtype=torch.int64)
+        tables[:, :, KEYS:] = torch.stack(buffers, dim=1)
+        tables[:, :, :KEYS] = torch.tensor(columns, dtype=torch.int64)
+        return tables
