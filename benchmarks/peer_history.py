@@ -61,6 +61,7 @@ RUNS: list[tuple[int, str, tuple[str, ...], str]] = [
     (35, "2026-11-27", ("serve-peers-thirty-fifth",), "native attention laid out for AVX2; GQA heads share loads"),
     (36, "2026-11-28", ("serve-peers-thirty-sixth",), "SSE bodies without anyio's cancel loop"),
     (37, "2026-11-28", ("serve-peers-thirty-seventh",), "a step's prefill chunks in one forward"),
+    (38, "2026-11-28", ("serve-peers-thirty-eighth",), "prefill rotary and cache writes in one native pass"),
 ]
 
 # The issue's goals (issue 18), greedy: ours over vLLM-CPU plain at 1 / 8 / 32, over vLLM's draft-model speculation

@@ -67,6 +67,11 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return tree_attention(query, key, value, mask, query.shape[-1] ** -0.5 if scaling is None else scaling), None
 
 
+def runs_natively(query, key, value, attention_mask) -> bool:
+    """Whether `attention` (no dropout, no extra arguments) takes the native kernel for these operands, not sdpa."""
+    return _kernel_mask(query, key, value, attention_mask, 0.0, {}) is not False
+
+
 def _kernel_mask(query, key, value, attention_mask, dropout, kwargs) -> torch.Tensor | None | bool:
     """The additive float mask [1 or H, S, L] the kernel takes (None: no mask), or False where sdpa must run."""
     _, heads, rows, _ = query.shape

@@ -17,7 +17,9 @@ rows) over that request's own cache with its own mask. With `batch_invariant=Tru
 rotary tables and tree attention are batch_invariant.py's, so a row's result does not depend on the other rows (a
 forward of prefill chunks only takes the same operations but attends each chunk through the model's attention);
 otherwise they are the model's own calls (HF's logits bit for bit). A forward without logits (prefill chunks, which
-need only their K/V) stops at the last layer's K/V: the rest of that layer only feeds the head.
+need only their K/V) stops at the last layer's K/V: the rest of that layer only feeds the head. A batch-invariant
+forward of prefill chunks on CPU rotates their queries and keys and writes their K/V into the caches in one native
+pass per layer (native/prefill.py), with the torch path's bits.
 
 `why_unsupported(model)` names what keeps a model on HF's forward: other architectures (a family whose layers do
 anything else, e.g. Qwen3's q/k norms, needs its own loop here), training mode and devices other than the CPU and

@@ -105,14 +105,15 @@ def test_the_switch_and_where_it_runs(monkeypatch):
 def test_a_steps_prefill_chunks_leave_the_torch_paths_caches_and_logits(build, monkeypatch):
     """The same prefill chunks (fresh caches and a cached prefix, one piece of 1 row) and a verify after them, once
     through the native writes and once through torch: every cache row and every logit torch.equal, and the native
-    writes ran once per layer (the test would notice the path not being taken)."""
+    writes ran once per layer and the longer chunks called torch's sdpa directly (the test would notice either path
+    not being taken)."""
     target = TargetModel(build(torch.float32, seed=3))
     assert target.batch_invariant
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, target.vocab_size, (n,), generator=g) for n in (37, 1, 90, 12)]
     follow = torch.randint(1, target.vocab_size, (9,), generator=g)
-    calls = []
-    real = prefill.write
+    calls, direct = [], []
+    real, real_sdpa = prefill.write, prefill.sdpa_heads_first
 
     def counted(*args, **kwargs):
         calls.append(kwargs.get("with_queries", True))
@@ -128,12 +129,42 @@ def test_a_steps_prefill_chunks_leave_the_torch_paths_caches_and_logits(build, m
         return [t.clone() for c in caches for layer in c.kv.layers for t in (layer.keys, layer.values)], logits
 
     monkeypatch.setattr(prefill, "write", counted)
+    monkeypatch.setattr(prefill, "sdpa_heads_first", lambda *args: direct.append(1) or real_sdpa(*args))
     native_kv, native_logits = run("1")
     layers = target.model.config.num_hidden_layers
-    assert len(calls) >= 2 * layers and calls.count(False) >= 1  # the prefix's forward and the step's, last layer keys only
+    # the prefix's forward and the step's, each last layer keys only
+    assert len(calls) >= 2 * layers and calls.count(False) >= 1
+    assert direct  # the chunks of 37 and 90 rows call torch's sdpa themselves
     calls.clear()
     torch_kv, torch_logits = run("0")
     assert not calls
     assert len(native_kv) == len(torch_kv) == 2 * layers * len(prompts)
     assert all(torch.equal(a, b) for a, b in zip(native_kv, torch_kv))
     assert torch.equal(native_logits, torch_logits)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("rows, cached, masked", [(9, 0, False), (9, 20, True), (1, 20, False), (1, 20, True)])
+def test_sdpa_heads_first_is_hfs_sdpa_function_before_its_transpose(groups, rows, cached, masked):
+    """The chunk's own sdpa call against HF's sdpa_attention_forward: the same bits, or None where HF would pack one
+    grouped query row's heads under a mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Module(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = groups
+
+    g = torch.Generator().manual_seed(6)
+    kv_heads, dim, length = 2, 16, cached + rows
+    query = torch.randn(1, kv_heads * groups, rows, dim, generator=g)
+    key, value = (torch.randn(1, kv_heads, length, dim, generator=g) for _ in range(2))
+    mask = None
+    if masked:
+        mask = torch.zeros(1, 1, rows, length)
+        mask[..., cached:] = torch.triu(torch.full((rows, rows), torch.finfo(torch.float32).min), diagonal=1)
+    ours = prefill.sdpa_heads_first(Module(), query, key, value, mask, 0.25)
+    if groups > 1 and rows == 1 and masked:
+        assert ours is None
+        return
+    hf, _ = sdpa_attention_forward(Module(), query, key, value, mask, dropout=0.0, scaling=0.25)
+    assert torch.equal(ours.transpose(1, 2), hf)
