@@ -37,6 +37,7 @@ class SegmentSpec:
 class StepWork:
     releases: list[str] = field(default_factory=list)
     allocations: list[tuple[str, int]] = field(default_factory=list)  # (request id, KV rows to preallocate)
+    resizes: list[tuple[str, int]] = field(default_factory=list)  # (request id, its cache's new capacity in rows)
     commits: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (request id, verify rows kept)
     segments: list[SegmentSpec] = field(default_factory=list)
     # prefix caching (prefix_cache.py): cached chunks copied into a new cache, in order; chunks evicted; prefill
@@ -109,6 +110,8 @@ class TargetCaches:
             if request_id in self.caches:
                 raise ValueError(f"request {request_id!r} already has a cache")
             self.caches[request_id] = self.target.new_cache(capacity)
+        for request_id, capacity in work.resizes:
+            self.target.resize(self._cache(request_id), capacity)
         for request_id, blocks in work.loads:
             cache = self._cache(request_id)
             for block in blocks:

@@ -172,6 +172,23 @@ class GrowableKVCache(Cache):
             self._reserved = min(layer.capacity for layer in self.layers)
         return self._buffers
 
+    def resize(self, capacity: int) -> None:
+        """A preallocated cache holds `capacity` rows from now on (at least the rows it holds): every layer's
+        buffers, where allocated, are replaced by ones of that size holding the same rows; layers made later take
+        it too. Addresses `reserve` handed out before are stale."""
+        if self.fixed_capacity is None:
+            raise ValueError("only a preallocated cache is resized (the others grow by themselves)")
+        if capacity < self.get_seq_length():
+            raise ValueError(f"a capacity of {capacity} rows is below the {self.get_seq_length()} rows the cache holds")
+        self.fixed_capacity = capacity
+        self.layer_class_to_replicate = partial(GrowableLayer, max_capacity=capacity, preallocate=True)
+        for layer in self.layers:
+            layer.max_capacity = capacity
+            if layer._keys is not None and layer.capacity > 0 and layer.capacity != capacity:
+                layer._keys = _regrow(layer._keys, capacity, layer.length)
+                layer._values = _regrow(layer._values, capacity, layer.length)
+        self._buffers = None
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Rows the layer holds (0 before its first write); every layer is one of ours."""
         return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0

@@ -10,8 +10,9 @@ rows write their K/V with one `index_copy_` per layer, gather every request's ca
 `[B, Hkv, L, D]` with one indexing op, and attend in one sdpa call with a `[B, 1, Q, L]` mask built once per forward
 (each request's cached columns and its own tree's ancestors). A few launches per layer, whatever the batch size.
 
-Layout. Per layer, keys `[rows, Hkv, Dk]` and values `[rows, Hkv, Dv]`. A request's range is its KV budget share (the
-scheduler's allocation: prompt, max_tokens and tree rows), placed first fit. Its `GrowableKVCache` sees it as
+Layout. Per layer, keys `[rows, Hkv, Dk]` and values `[rows, Hkv, Dv]`. A request's range is its KV grant (the
+scheduler's allocation, prefill_plan.py), placed first fit, and moved to a larger range when the grant grows
+(`resize`). Its `GrowableKVCache` sees it as
 `[1, Hkv, capacity, D]` views, so every other path (prefill chunks through the model's attention, compaction after
 acceptance, prefix-cache copies, HF's forward) works on it unchanged. When no free range fits, the pool doubles (one
 copy of its rows; every live cache's views are rebound between forwards); where the device has no memory left for
@@ -92,6 +93,31 @@ class KVPool:
         """Give the cache's rows back now (the cache must not be used after this); a cache not of this pool: no-op."""
         if getattr(cache, "pool", None) is self:
             cache.pool_release()
+
+    def resize(self, cache: GrowableKVCache, capacity: int) -> None:
+        """Move one of this pool's caches to a range of `capacity` rows (at least the rows it holds), its rows
+        copied there (a request's KV granted as it decodes); the pool grows where no free range fits."""
+        if getattr(cache, "pool", None) is not self:
+            raise ValueError("a cache of another pool (or none) resized by this pool")
+        length = cache.get_seq_length()
+        if capacity < max(length, 1):
+            raise ValueError(f"a capacity of {capacity} rows is below the {length} rows the cache holds")
+        with self._lock:
+            offset = self._place(capacity)
+            if offset is None:  # a growth rebinds every live cache, this one included, to the new pools
+                self._grow(max(2 * self.rows, self.rows + capacity, MIN_POOL_ROWS))
+                offset = self._place(capacity)
+            old = cache.pool_offset
+            for pool in self.keys + self.values:
+                pool[offset:offset + length] = pool[old:old + length]
+            cache.pool_release.detach()
+            self._release(old, cache.fixed_capacity)
+            cache.pool_offset, cache.fixed_capacity = offset, capacity
+            for layer in cache.layers:
+                layer.max_capacity = capacity
+            self._bind(cache)
+            self._caches[offset] = cache
+            cache.pool_release = weakref.finalize(cache, self._release, offset, capacity)
 
     def compact(self, moves: Sequence[tuple[GrowableKVCache, int, Sequence[int]]]) -> None:
         """`cache.compact(base, keep)` for every (cache, base, keep) of this pool's caches, together: the rows that

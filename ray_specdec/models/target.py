@@ -257,6 +257,21 @@ class TargetModel:
                 return TargetCache(kv)
         return TargetCache(GrowableKVCache(max_capacity=capacity, preallocate=True))
 
+    def resize(self, cache: TargetCache, capacity: int) -> None:
+        """A request's cache (of `new_cache(capacity)`) holds `capacity` rows from now on, its rows kept: the
+        scheduler grants a request's KV as it decodes (prefill_plan.PrefillPlan.grow)."""
+        pool = kv_pool.pool_of(cache.kv)
+        if pool is None:
+            cache.kv.resize(capacity)
+            return
+        try:
+            pool.resize(cache.kv, capacity)
+        except torch.OutOfMemoryError:  # the pool cannot grow: the cache leaves it for buffers of its own
+            own = GrowableKVCache(max_capacity=capacity, preallocate=True)
+            own.append_rows([(layer.keys, layer.values) for layer in cache.kv.layers])
+            pool.free(cache.kv)
+            cache.kv = own
+
     def release(self, cache: TargetCache) -> None:
         """The request is done with the cache: a pooled one's rows are free at once (else when it is collected)."""
         if self._pool is not None:
