@@ -152,6 +152,9 @@ class AppArgs(BaseModel):
     prefill_chunk: int = Field(_SCHEDULER.prefill_chunk, ge=1)  # prompt tokens per prefill chunk
     # keep prompt chunks' KV in the budget nobody reserved, for later prompts that start the same (the same output)
     prefix_cache: bool = _SCHEDULER.prefix_cache
+    # grow each request's KV as it decodes (admitted on its prompt's rows, never preempted: a request whose growth
+    # does not fit waits a step) instead of reserving prompt + max_tokens at admission (ray_specdec/prefill_plan.py)
+    kv_grow: bool = _SCHEDULER.kv_grow
     # serving shape. "engine": each engine replica answers HTTP itself (the proxy hands it the request; no hop in
     # between). "router": router replicas answer HTTP and forward to the engine replicas, one hop further, and a
     # request whose engine replica dies mid-stream continues on another (docs/INTERFACES.md, "Serving")

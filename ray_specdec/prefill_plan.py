@@ -1,9 +1,23 @@
-"""The scheduler's KV budget and its prompts' prefill: reservations, the prefix cache's room, each step's chunks.
+"""The scheduler's KV budget and its prompts' prefill: grants, the prefix cache's room, each step's chunks.
 
-A request reserves, at admission, every KV row it can ever need (`Scheduler.check`); cached prompt chunks
-(prefix_cache.py) live in what no request reserved, and are evicted, least recently used first, whenever a request
-needs their room (`make_room`). Each step, `plan` picks the prefill chunks that run beside the rounds: oldest request
-first, within the rows the rounds leave (always at least one chunk), each cut at a fixed multiple of
+Every request has a reservation, the KV rows it can ever need (`Scheduler.check`: prompt + max_new_tokens + its
+largest verify), and a grant, the rows its cache holds now. With `SchedulerConfig.kv_grow` off, the grant is the
+reservation from admission on. With it on (the default), a request is granted twice what its prompt and first round
+need at admission (or just that, where twice does not fit), and more as it decodes (`grow`: doubling, as a growing
+buffer does, or just what its next round needs). A chat request
+without max_tokens reserves the rest of the context, yet most stop long before: counting reservations would cap the
+requests in flight at budget / context, counting grants caps them at what they hold.
+
+What keeps that safe without preempting anybody (vLLM preempts and recomputes; a recomputed cache is not the same
+bits as the decoded one, so greedy tokens could change): a grant is made only where the banker's check still passes
+(`safe`): in some order every request can grow to its reservation and finish, each freeing its rows for the next. One
+that cannot grow this step skips its round and keeps its cache (`Scheduler.step`: nothing is admitted while one
+waits), and a request that can always exists, so every admitted request finishes, and the granted rows never exceed
+the budget. Cached prompt chunks (prefix_cache.py) live in what no request was granted, and are evicted, least
+recently used first, whenever a grant needs their room (`make_room`).
+
+Each step, `plan` picks the prefill chunks that run beside the rounds: oldest request first, within the rows the
+rounds leave (always at least one chunk), each cut at a fixed multiple of
 `prefill_chunk` from its prompt's start, so that its K/V never depend on what else shares the step (batch
 invariance, and a cached chunk is the same bits as a computed one). A request whose last chunk runs has its first
 round in the same step (`Scheduler.step`): its `chunk_end` is then its last prompt token, the round's root.
@@ -15,7 +29,7 @@ Requests are the scheduler's (`request_state.Request`): this module reads their 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
@@ -27,17 +41,51 @@ if TYPE_CHECKING:
 
 
 class PrefillPlan:
-    """KV rows reserved by running requests, the prefix cache beside them, and the prefill chunks of each step."""
+    """KV rows granted to running requests, the prefix cache beside them, and the prefill chunks of each step."""
 
     def __init__(self, budget: int, chunk: int, prefix_cache: bool):
         self.budget = budget  # KV rows in all (SchedulerConfig.kv_budget_tokens)
         self.chunk = chunk  # prompts are cut at multiples of this (SchedulerConfig.prefill_chunk)
-        self.reserved = 0  # KV rows reserved by running requests
+        self.reserved = 0  # KV rows granted to running requests (their caches' capacities)
         self.prefix = PrefixIndex(chunk) if prefix_cache else None  # cached prompt chunks
 
     def fits_now(self, rows: int) -> bool:
-        """Whether `rows` more can be reserved now (cached prompt chunks make way: `make_room`)."""
+        """Whether `rows` more can be granted now (cached prompt chunks make way: `make_room`)."""
         return self.reserved + rows <= self.budget
+
+    def safe(self, running: Iterable[Request], joining: Request | None = None) -> bool:
+        """The banker's check over the running requests (and `joining`, with its first grant): whether, in some
+        order, each can grow from its grant to its reservation while the ones before it have finished and freed
+        theirs. Cached prompt chunks count as free: they make way for grants."""
+        free = self.budget - self.reserved - (joining.granted if joining is not None else 0)
+        requests = [*running, joining] if joining is not None else running
+        for need, held in sorted((r.reserved - r.granted, r.granted) for r in requests):
+            if need > free:
+                return False
+            free += held
+        return True
+
+    def can_admit(self, r: Request, grants: Iterable[int], running: Iterable[Request], work: StepWork) -> bool:
+        """Whether one of `grants` (rows, most first) fits now as r's first (cached chunks evicted for it) and leaves
+        every request able to finish; r.granted is then that one."""
+        for r.granted in grants:
+            if self.safe(running, r) and self.make_room(r.granted, work):
+                return True
+        return False
+
+    def grow(self, r: Request, capacities: Iterable[int], running: Iterable[Request], work: StepWork) -> bool:
+        """Grant r the first of `capacities` (rows, above its grant) that fits now and keeps every request able to
+        finish; its cache grows with `work` -> whether one was granted."""
+        for capacity in capacities:
+            extra = capacity - r.granted
+            r.granted += extra
+            self.reserved += extra
+            if self.safe(running) and self.make_room(0, work):
+                work.resizes.append((r.request_id, capacity))
+                return True
+            r.granted -= extra
+            self.reserved -= extra
+        return False
 
     def make_room(self, rows: int, work: StepWork) -> bool:
         """Evict cached prompt chunks (least recently used first) until `rows` more fit the budget beside them ->
@@ -52,16 +100,16 @@ class PrefillPlan:
         return True
 
     def admit(self, r: Request, work: StepWork) -> None:
-        """r's reservation is taken (make_room said it fits); with the prefix cache, the cached chunks its prompt
+        """r's first grant is taken (`can_admit` said it fits); with the prefix cache, the cached chunks its prompt
         starts with are copied into its cache."""
-        self.reserved += r.reserved
-        work.allocations.append((r.request_id, r.reserved))
+        self.reserved += r.granted
+        work.allocations.append((r.request_id, r.granted))
         if self.prefix is not None and r.prefilled == 0:
             self.prefix.queried_rows += len(r.tokens) - 1
             self.load_cached(r, work)
 
     def release(self, r: Request) -> None:
-        self.reserved -= r.reserved
+        self.reserved -= r.granted
 
     def reset(self, running) -> StepWork:
         """The target lost every cache: the cached chunks are gone and every running request prefills again from
@@ -71,7 +119,7 @@ class PrefillPlan:
         work = StepWork()
         for r in running:
             r.prefilled, r.prefix_key = 0, ROOT
-            work.allocations.append((r.request_id, r.reserved))
+            work.allocations.append((r.request_id, r.granted))
         return work
 
     def load_cached(self, r: Request, work: StepWork) -> None:

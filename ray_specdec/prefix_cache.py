@@ -17,9 +17,10 @@ prompts that share fewer than `prefill_chunk` tokens share nothing here: a finer
 same whatever the chunk (the native attention over a causal chain), which the prefill path does not do yet.
 
 Memory. A cached chunk is a copy (on every tensor-parallel rank: each keeps its shard), and its rows count against
-the scheduler's KV budget beside the requests' reservations. Cached rows only take budget nobody reserved: admission
-evicts the least recently used chunks (a chunk and every chunk after it, which nothing can reach without it) before a
-request would wait, and a new chunk is kept only where the budget has room for it after evictions.
+the scheduler's KV budget beside the requests' grants (prefill_plan.py). Cached rows only take budget no request holds:
+admission and a request's growth evict the least recently used chunks (a chunk and every chunk after it, which
+nothing can reach without it) before a request would wait, and a new chunk is kept only where the budget has room for
+it after evictions.
 
 The scheduler owns this index and tells the target what to do through `StepWork` (`loads`, `drops`, `saves`); the
 target holds the rows (`target_backend.PrefixStore`).

@@ -37,7 +37,8 @@ class Request:
     stop: StopChecker
     draft_gen: torch.Generator
     target_gen: torch.Generator
-    reserved: int  # KV rows reserved at admission
+    reserved: int  # KV rows it can ever need (prompt + max_new_tokens + its largest verify)
+    granted: int = 0  # KV rows its cache holds (SchedulerConfig.kv_grow: from its prompt's toward `reserved`)
     stats: GenerationStats = field(default_factory=GenerationStats)
     drafter: LazyDrafter | None = None
     lookup_index: LookupIndex | None = None  # undrafted rounds' lookup (plain_lookup), built at the first such round

@@ -1,7 +1,7 @@
 """The round loop: a step scheduler over every in-flight request (continuous batching of speculative rounds).
 
 One `step()`:
-1. admission: waiting requests join while their KV reservation fits the budget (`SchedulerConfig`), and this step's
+1. admission: waiting requests join while their first KV grant fits the budget (`SchedulerConfig`), and this step's
    prefill chunks are picked within the rows the rounds leave; a request whose prompt's last chunk is among them
    also runs its first round in this step, verified after the chunk in the same forward, so that its first tokens
    come with the chunk's step (as a plain server samples its first token from the prefill), not a step later;
@@ -20,10 +20,13 @@ start), never by what else runs in the step, and the target's batched forward co
 whatever shares the forward (`TargetModel.batch_invariant`). So a greedy request's tokens do not depend on the other
 requests in flight, nor on the tree sizes goodput picks for it.
 
-KV budget (prefill_plan.py: reservations, the prefix cache's room, each step's prefill chunks). Each request
-reserves, at admission, the KV rows it can ever need (prompt + max_new_tokens + its largest verify), and its cache is
-preallocated to that size: nothing grows past the budget, a request admitted always finishes, and one that can never
-fit is refused at once (`RequestTooLarge`). Beyond `max_waiting` queued requests, `add` raises `QueueFull`.
+KV budget (prefill_plan.py: grants, the prefix cache's room, each step's prefill chunks). Each request has a
+reservation, the KV rows it can ever need (prompt + max_new_tokens + its largest verify), and a grant, the rows its
+cache holds: its prompt and one verify at admission, more as it decodes (`SchedulerConfig.kv_grow`; off: the whole
+reservation at admission). A grant is made only where every request can still finish (the banker's check), so a
+request whose growth does not fit skips a round instead of anyone being preempted: nothing grows past the budget, a
+request admitted always finishes with the tokens it would have had alone, and one that can never fit is refused at
+once (`RequestTooLarge`). Beyond `max_waiting` queued requests, `add` raises `QueueFull`.
 
 Prefix caching (prefix_cache.py, `SchedulerConfig.prefix_cache`). Prefill chunks are kept after their forward where the
 budget has room, and an admitted request whose prompt starts with cached chunks has them copied into its cache and
@@ -115,6 +118,7 @@ class Scheduler:
         self.rounds_unrecorded = 0  # rounds whose tree is none of the policy's arms (cut at the end of a request)
         self.lookup_rows = float(self.config.lookup)  # mean verify rows a drafted tree's lookup branch added (EW)
         self.steps = 0
+        self.kv_waits = 0  # decoding requests that skipped the last step's round: their KV could not grow
         self.load = 1  # requests decoding in the current step: the policy's load level for its rounds
         self._work = StepWork()
 
@@ -147,15 +151,16 @@ class Scheduler:
             raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
         params.check_vocab(self.target.vocab_size)
         reserved = self.check(len(tokens), params, tree)
+        draft_gen, target_gen = make_generators(params.seed)
+        r = Request(request_id, tokens, len(tokens), params, tree,
+                    StopChecker(self.tokenizer, params, self.target.eos_token_ids), draft_gen, target_gen, reserved)
         self._admit()  # the queue's length is then what really waits
-        admissible = not self.waiting and len(self.running) < self.config.max_running and self.kv.fits_now(reserved)
+        r.granted = self._first_grants(r)[-1]
+        admissible = (not self.waiting and not self.kv_waits and len(self.running) < self.config.max_running
+                      and self.kv.fits_now(r.granted) and self.kv.safe(self.running.values(), r))  # fmt: skip
         if len(self.waiting) >= self.config.max_waiting and not admissible:  # FIFO: nothing overtakes the queue
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_waiting); retry later")
-        draft_gen, target_gen = make_generators(params.seed)
-        self.waiting.append(Request(
-            request_id, tokens, len(tokens), params, tree,
-            StopChecker(self.tokenizer, params, self.target.eos_token_ids), draft_gen, target_gen, reserved,
-        ))  # fmt: skip
+        self.waiting.append(r)
         self._admit()
 
     def abort(self, request_id: str) -> bool:
@@ -174,7 +179,7 @@ class Scheduler:
 
     @property
     def reserved(self) -> int:
-        """KV rows reserved by running requests."""
+        """KV rows granted to running requests (their caches' capacities)."""
         return self.kv.reserved
 
     @property
@@ -210,6 +215,10 @@ class Scheduler:
         self._admit()
         decoding = [r for r in self.running.values() if r.decoding]
         prefilling = [r for r in self.running.values() if not r.decoding]
+        short = [r for r in decoding if not self._room(r)]  # their KV cannot grow this step: they wait a round
+        self.kv_waits = len(short)
+        if short:
+            decoding = [r for r in decoding if r not in short]
         work, self._work = self._work, StepWork()
         # prefill chunks first, within what the rounds leave of the step's rows (as many as their last rounds had)
         rounds_hint = sum(1 + (0 if r.draft is None else r.draft.tokens.numel()) for r in decoding)
@@ -280,8 +289,11 @@ class Scheduler:
         self.cost.set_prior(measure_prior(self.target, self.drafter))
 
     def _admit(self) -> None:
-        while (self.waiting and len(self.running) < self.config.max_running
-               and self.kv.make_room(self.waiting[0].reserved, self._work)):
+        """Waiting requests join, oldest first, while their first grant fits; none while a running one waits for KV
+        (they would take the rows it waits for)."""
+        while (self.waiting and not self.kv_waits and len(self.running) < self.config.max_running
+               and self.kv.can_admit(self.waiting[0], self._first_grants(self.waiting[0]), self.running.values(),
+                                     self._work)):
             r = self.waiting.popleft()
             self.running[r.request_id] = r
             r.admitted = True
@@ -305,7 +317,7 @@ class Scheduler:
             choice = [0] * len(decoding)
         for r, c, i in zip(decoding, candidates, choice):
             lookup = min(self.config.lookup if r.params.greedy else 0, r.stop.remaining - 1)
-            r.arm, r.lookup = fit_tree(c.trees[i], lookup, room=r.reserved - (len(r.tokens) - 1))
+            r.arm, r.lookup = fit_tree(c.trees[i], lookup, room=r.granted - (len(r.tokens) - 1))
 
     def _candidate(self, r: Request) -> Candidate:
         """The request's trees for this step: its policy's pick, then the policy's smaller arms (goodput may take
@@ -352,7 +364,7 @@ class Scheduler:
     def _plain_lookup(self, r: Request) -> Draft:
         """An undrafted round's draft: a prompt-lookup proposal of up to `plain_lookup` tokens as a chain (no drafter
         runs), for a greedy request whose rounds the scheduler steers; else no draft."""
-        room = r.reserved - len(r.tokens)  # verify rows past the root that the reservation holds
+        room = r.granted - len(r.tokens)  # verify rows past the root that its cache holds
         size = min(self.config.plain_lookup, r.stop.remaining - 1, room)
         if size <= 0 or r.tree is not None or not r.params.greedy:
             return empty_draft()
@@ -431,6 +443,7 @@ class Scheduler:
             # before allocations
             self._work.allocations = [a for a in self._work.allocations if a[0] != r.request_id]
             self._work.loads = [a for a in self._work.loads if a[0] != r.request_id]
+            self._work.resizes = [a for a in self._work.resizes if a[0] != r.request_id]
             self._work.releases.append(r.request_id)
             r.admitted = False
 
@@ -451,6 +464,27 @@ class Scheduler:
 
     def _note_prefill(self, seconds: float, tokens: int) -> None:
         self.start_rule.note_prefill(seconds, tokens)
+
+    def _needed(self, r: Request) -> int:
+        """KV rows r's cache needs for its next round: its context and its largest verify (at most its reservation)."""
+        verify = r.reserved - r.prompt_len - r.params.max_new_tokens
+        return min(r.reserved, len(r.tokens) - 1 + verify)
+
+    def _first_grants(self, r: Request) -> tuple[int, ...]:
+        """The KV rows r may be granted at admission, most first: its whole reservation (kv_grow off), else twice what
+        its prompt and first round need (its first rounds grow into it without a copy), else just that."""
+        if not self.config.kv_grow:
+            return (r.reserved,)
+        needed = self._needed(r)
+        return tuple(dict.fromkeys((min(r.reserved, 2 * needed), needed)))
+
+    def _room(self, r: Request) -> bool:
+        """Whether r's cache holds its next round, grown where it must (doubled, else just enough, if granted)."""
+        needed = self._needed(r)
+        if needed <= r.granted:
+            return True
+        doubled = min(r.reserved, max(needed, 2 * r.granted))
+        return self.kv.grow(r, dict.fromkeys((doubled, needed)), self.running.values(), self._work)
 
     def _max_verify_rows(self, params: SamplingParams, tree: TreeConfig | None) -> int:
         trees = [tree] if tree is not None else list(self.policy.arms) if self.drafter is not None else []

@@ -40,6 +40,9 @@ class SchedulerConfig:
     goodput: bool = True  # shrink the policy's picks when the batch's goodput says so (goodput.py)
     guard: bool = True  # run a load level undrafted while its drafted steps measure slower (speculation_guard.py)
     prefix_cache: bool = True  # keep prompt chunks' KV in unreserved budget for later prompts (prefix_cache.py)
+    # on: admit against the KV requests hold and grow each one's as it decodes, a request waiting a step where its
+    # growth would leave some request unable to finish (never preempted: exact); off: reserve each one's most
+    kv_grow: bool = True  # grow each request's KV as it decodes instead of reserving its most at admission
 
     def __post_init__(self) -> None:
         for name in ("kv_budget_tokens", "max_running", "step_tokens", "prefill_chunk"):

@@ -225,9 +225,10 @@ def budget_requests(n: int) -> list[tuple[str, list[int], SamplingParams, None]]
 
 
 def test_the_kv_budget_queues_what_does_not_fit_and_refuses_what_never_will(tiny):
-    """Each request reserves prompt + 20 + 5 verify rows (~46): a budget of 120 runs two at a time."""
+    """Each request reserves prompt + 20 + 5 verify rows (~46), granted whole at admission (kv_grow off): a budget
+    of 120 runs two at a time."""
     target, drafter = tiny
-    config = SchedulerConfig(kv_budget_tokens=120, max_waiting=4)
+    config = SchedulerConfig(kv_budget_tokens=120, max_waiting=4, kv_grow=False)
     scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((2, 1)), config)
     requests = budget_requests(8)
     with pytest.raises(RequestTooLarge, match="KV budget"):
@@ -285,7 +286,7 @@ def test_a_target_that_loses_every_cache_loses_no_request(tiny, at_step):
 def test_aborts_of_waiting_and_running_requests(tiny, after_reset):
     target, drafter = tiny
     scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((2, 1)),
-                          SchedulerConfig(kv_budget_tokens=120))  # fmt: skip
+                          SchedulerConfig(kv_budget_tokens=120, kv_grow=False))  # fmt: skip
     requests = budget_requests(4)
     for request in requests:
         scheduler.add(*request)

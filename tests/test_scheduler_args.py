@@ -14,10 +14,10 @@ from ray_specdec.scheduler_args import add_scheduler_arguments, field_comments, 
 # a value other than the default for every field
 CHANGED = {"kv_budget_tokens": 4096, "max_running": 8, "max_waiting": 3, "step_tokens": 768, "prefill_chunk": 128,
            "min_path_prob": 0.05, "lookup": 4, "plain_lookup": 3, "goodput": False, "guard": False,
-           "prefix_cache": False}
+           "prefix_cache": False, "kv_grow": False}
 ARGV = ["--kv-budget-tokens", "4096", "--max-running", "8", "--max-waiting", "3", "--step-tokens", "768",
         "--prefill-chunk", "128", "--min-path-prob", "0.05", "--lookup", "4", "--plain-lookup", "3", "--no-goodput",
-        "--no-guard", "--no-prefix-cache"]
+        "--no-guard", "--no-prefix-cache", "--no-kv-grow"]
 
 
 def parser(defaults: SchedulerConfig = SchedulerConfig()) -> OneLineParser:

@@ -160,7 +160,7 @@ class EngineLoop:
     def stats(self) -> dict:
         s = self.scheduler
         return {"running": s.num_running, "waiting": s.num_waiting, "kv_reserved": s.reserved,
-                "kv_budget": s.config.kv_budget_tokens, "steps": s.steps, "faults": self.faults,
+                "kv_budget": s.config.kv_budget_tokens, "kv_waits": s.kv_waits, "steps": s.steps, "faults": self.faults,
                 "recoveries": self.recoveries, "healthy": self.healthy, "guard": self.guard_summary}  # fmt: skip
 
     def _run(self, scheduler, built: list, ready: threading.Event) -> None:

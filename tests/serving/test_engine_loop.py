@@ -213,8 +213,9 @@ def test_a_target_that_does_not_come_back_fails_every_request_in_flight(make_loo
 
 def test_requests_that_cannot_run_fail_before_their_first_chunk(make_loop):
     long = SamplingParams(max_new_tokens=2000, ignore_eos=True)
-    # the first request's reservation (5 + 2000 + 5 rows) leaves no room for a second (5 + 64 + 5): it waits
-    loop = make_loop(config=SchedulerConfig(kv_budget_tokens=2050, max_waiting=1))
+    # the first request's reservation (5 + 2000 + 5 rows), granted whole, leaves no room for a second (5 + 64 + 5):
+    # it waits
+    loop = make_loop(config=SchedulerConfig(kv_budget_tokens=2050, max_waiting=1, kv_grow=False))
 
     async def main():
         with pytest.raises(RequestTooLarge, match="context length"):
