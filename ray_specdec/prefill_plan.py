@@ -4,9 +4,9 @@ Every request has a reservation, the KV rows it can ever need (`Scheduler.check`
 largest verify), and a grant, the rows its cache holds now. With `SchedulerConfig.kv_grow` off, the grant is the
 reservation from admission on. With it on (the default), a request is granted twice what its prompt and first round
 need at admission (or just that, where twice does not fit), and more as it decodes (`grow`: doubling, as a growing
-buffer does, or just what its next round needs). A chat request
-without max_tokens reserves the rest of the context, yet most stop long before: counting reservations would cap the
-requests in flight at budget / context, counting grants caps them at what they hold.
+buffer does, or just what its next round needs). A chat request without max_tokens reserves the rest of the
+context, yet most stop long before: counting reservations would cap the requests in flight at budget / context,
+counting grants caps them at what they hold.
 
 What keeps that safe without preempting anybody (vLLM preempts and recomputes; a recomputed cache is not the same
 bits as the decoded one, so greedy tokens could change): a grant is made only where the banker's check still passes
@@ -68,8 +68,9 @@ class PrefillPlan:
     def can_admit(self, r: Request, grants: Iterable[int], running: Iterable[Request], work: StepWork) -> bool:
         """Whether one of `grants` (rows, most first) fits now as r's first (cached chunks evicted for it) and leaves
         every request able to finish; r.granted is then that one."""
-        for r.granted in grants:
-            if self.safe(running, r) and self.make_room(r.granted, work):
+        for grant in grants:
+            r.granted = grant  # (not counted in `reserved` before `admit`)
+            if self.safe(running, r) and self.make_room(grant, work):
                 return True
         return False
 

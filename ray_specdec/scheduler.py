@@ -22,8 +22,8 @@ requests in flight, nor on the tree sizes goodput picks for it.
 
 KV budget (prefill_plan.py: grants, the prefix cache's room, each step's prefill chunks). Each request has a
 reservation, the KV rows it can ever need (prompt + max_new_tokens + its largest verify), and a grant, the rows its
-cache holds: its prompt and one verify at admission, more as it decodes (`SchedulerConfig.kv_grow`; off: the whole
-reservation at admission). A grant is made only where every request can still finish (the banker's check), so a
+cache holds: twice what its prompt and first round need at admission (or just that), more as it decodes
+(`SchedulerConfig.kv_grow`; off: the whole reservation at admission). A grant is made only where every request can still finish (the banker's check), so a
 request whose growth does not fit skips a round instead of anyone being preempted: nothing grows past the budget, a
 request admitted always finishes with the tokens it would have had alone, and one that can never fit is refused at
 once (`RequestTooLarge`). Beyond `max_waiting` queued requests, `add` raises `QueueFull`.

@@ -114,6 +114,7 @@ def test_concurrent_requests_get_the_engines_tokens(make_loop, expected):
     assert run(collect_all(loop)) == expected
     wait_until(lambda: not loop.scheduler.has_work)
     assert not loop.scheduler.target.caches and loop.stats()["kv_reserved"] == 0 and loop.healthy
+    assert loop.stats()["kv_waits"] == 0
 
 
 def test_a_scheduler_built_by_a_function_is_built_and_stepped_on_the_loops_thread(models, expected):
