@@ -62,6 +62,7 @@ RUNS: list[tuple[int, str, tuple[str, ...], str]] = [
     (36, "2026-11-28", ("serve-peers-thirty-sixth",), "SSE bodies without anyio's cancel loop"),
     (37, "2026-11-28", ("serve-peers-thirty-seventh",), "a step's prefill chunks in one forward"),
     (38, "2026-11-28", ("serve-peers-thirty-eighth",), "prefill rotary and cache writes in one native pass"),
+    (39, "2026-11-28", ("serve-peers-thirty-ninth",), "KV grown as requests decode (kv_grow)"),
 ]
 
 # The issue's goals (issue 18), greedy: ours over vLLM-CPU plain at 1 / 8 / 32, over vLLM's draft-model speculation
