@@ -43,8 +43,9 @@ if TYPE_CHECKING:
 class PrefillPlan:
     """KV rows granted to running requests, the prefix cache beside them, and the prefill chunks of each step."""
 
-    def __init__(self, budget: int, chunk: int, prefix_cache: bool):
+    def __init__(self, budget: int, chunk: int, prefix_cache: bool, grow: bool = True):
         self.budget = budget  # KV rows in all (SchedulerConfig.kv_budget_tokens)
+        self.grow_kv = grow  # grants grow as requests decode (SchedulerConfig.kv_grow), else reservations whole
         self.chunk = chunk  # prompts are cut at multiples of this (SchedulerConfig.prefill_chunk)
         self.reserved = 0  # KV rows granted to running requests (their caches' capacities)
         self.prefix = PrefixIndex(chunk) if prefix_cache else None  # cached prompt chunks
@@ -65,10 +66,31 @@ class PrefillPlan:
             free += held
         return True
 
-    def can_admit(self, r: Request, grants: Iterable[int], running: Iterable[Request], work: StepWork) -> bool:
-        """Whether one of `grants` (rows, most first) fits now as r's first (cached chunks evicted for it) and leaves
-        every request able to finish; r.granted is then that one."""
-        for grant in grants:
+    @staticmethod
+    def needed(r: Request) -> int:
+        """KV rows r's cache needs for its next round: its context and its largest verify (at most its reservation)."""
+        verify = r.reserved - r.prompt_len - r.params.max_new_tokens
+        return min(r.reserved, len(r.tokens) - 1 + verify)
+
+    def first_grants(self, r: Request) -> tuple[int, ...]:
+        """The KV rows r may be granted at admission, most first: its whole reservation (kv_grow off), else twice what
+        its prompt and first round need (its first rounds grow into it without a copy), else just that."""
+        if not self.grow_kv:
+            return (r.reserved,)
+        needed = self.needed(r)
+        return tuple(dict.fromkeys((min(r.reserved, 2 * needed), needed)))
+
+    def room(self, r: Request, running: Iterable[Request], work: StepWork) -> bool:
+        """Whether r's cache holds its next round, grown where it must (doubled, else just enough, if granted)."""
+        needed = self.needed(r)
+        if needed <= r.granted:
+            return True
+        return self.grow(r, dict.fromkeys((min(r.reserved, max(needed, 2 * r.granted)), needed)), running, work)
+
+    def can_admit(self, r: Request, running: Iterable[Request], work: StepWork) -> bool:
+        """Whether one of r's first grants (most first) fits now (cached chunks evicted for it) and leaves every
+        request able to finish; r.granted is then that one."""
+        for grant in self.first_grants(r):
             r.granted = grant  # (not counted in `reserved` before `admit`)
             if self.safe(running, r) and self.make_room(grant, work):
                 return True

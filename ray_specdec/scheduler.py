@@ -23,10 +23,10 @@ requests in flight, nor on the tree sizes goodput picks for it.
 KV budget (prefill_plan.py: grants, the prefix cache's room, each step's prefill chunks). Each request has a
 reservation, the KV rows it can ever need (prompt + max_new_tokens + its largest verify), and a grant, the rows its
 cache holds: twice what its prompt and first round need at admission (or just that), more as it decodes
-(`SchedulerConfig.kv_grow`; off: the whole reservation at admission). A grant is made only where every request can still finish (the banker's check), so a
-request whose growth does not fit skips a round instead of anyone being preempted: nothing grows past the budget, a
-request admitted always finishes with the tokens it would have had alone, and one that can never fit is refused at
-once (`RequestTooLarge`). Beyond `max_waiting` queued requests, `add` raises `QueueFull`.
+(`SchedulerConfig.kv_grow`; off: the whole reservation at admission). A grant is made only where every request can
+still finish (the banker's check), so a request whose growth does not fit skips a round instead of anyone being
+preempted: nothing grows past the budget, a request admitted always finishes with the tokens it would have had
+alone, and one that can never fit is refused at once (`RequestTooLarge`). Beyond `max_waiting` queued requests, `add` raises `QueueFull`.
 
 Prefix caching (prefix_cache.py, `SchedulerConfig.prefix_cache`). Prefill chunks are kept after their forward where the
 budget has room, and an admitted request whose prompt starts with cached chunks has them copied into its cache and
@@ -102,7 +102,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         # KV reservations, the prefix cache (cached prompt chunks) and each step's prefill chunks
-        self.kv = PrefillPlan(config.kv_budget_tokens, config.prefill_chunk, config.prefix_cache)
+        self.kv = PrefillPlan(config.kv_budget_tokens, config.prefill_chunk, config.prefix_cache, config.kv_grow)
         # the drafter's states after prompts it prefilled (drafter_cache.py)
         self.drafter_states = DrafterStates() if config.prefix_cache and drafter is not None else None
         # the drafting requests' root states, one slot each (mamba_state.StateSlots; allocated on the first draft)
@@ -155,7 +155,7 @@ class Scheduler:
         r = Request(request_id, tokens, len(tokens), params, tree,
                     StopChecker(self.tokenizer, params, self.target.eos_token_ids), draft_gen, target_gen, reserved)
         self._admit()  # the queue's length is then what really waits
-        r.granted = self._first_grants(r)[-1]
+        r.granted = self.kv.first_grants(r)[-1]
         admissible = (not self.waiting and not self.kv_waits and len(self.running) < self.config.max_running
                       and self.kv.fits_now(r.granted) and self.kv.safe(self.running.values(), r))  # fmt: skip
         if len(self.waiting) >= self.config.max_waiting and not admissible:  # FIFO: nothing overtakes the queue
@@ -215,7 +215,8 @@ class Scheduler:
         self._admit()
         decoding = [r for r in self.running.values() if r.decoding]
         prefilling = [r for r in self.running.values() if not r.decoding]
-        short = [r for r in decoding if not self._room(r)]  # their KV cannot grow this step: they wait a round
+        # requests whose KV cannot grow to hold their next round this step: they wait a round
+        short = [r for r in decoding if not self.kv.room(r, self.running.values(), self._work)]
         self.kv_waits = len(short)
         if short:
             decoding = [r for r in decoding if r not in short]
@@ -292,8 +293,7 @@ class Scheduler:
         """Waiting requests join, oldest first, while their first grant fits; none while a running one waits for KV
         (they would take the rows it waits for)."""
         while (self.waiting and not self.kv_waits and len(self.running) < self.config.max_running
-               and self.kv.can_admit(self.waiting[0], self._first_grants(self.waiting[0]), self.running.values(),
-                                     self._work)):
+               and self.kv.can_admit(self.waiting[0], self.running.values(), self._work)):
             r = self.waiting.popleft()
             self.running[r.request_id] = r
             r.admitted = True
@@ -464,27 +464,6 @@ class Scheduler:
 
     def _note_prefill(self, seconds: float, tokens: int) -> None:
         self.start_rule.note_prefill(seconds, tokens)
-
-    def _needed(self, r: Request) -> int:
-        """KV rows r's cache needs for its next round: its context and its largest verify (at most its reservation)."""
-        verify = r.reserved - r.prompt_len - r.params.max_new_tokens
-        return min(r.reserved, len(r.tokens) - 1 + verify)
-
-    def _first_grants(self, r: Request) -> tuple[int, ...]:
-        """The KV rows r may be granted at admission, most first: its whole reservation (kv_grow off), else twice what
-        its prompt and first round need (its first rounds grow into it without a copy), else just that."""
-        if not self.config.kv_grow:
-            return (r.reserved,)
-        needed = self._needed(r)
-        return tuple(dict.fromkeys((min(r.reserved, 2 * needed), needed)))
-
-    def _room(self, r: Request) -> bool:
-        """Whether r's cache holds its next round, grown where it must (doubled, else just enough, if granted)."""
-        needed = self._needed(r)
-        if needed <= r.granted:
-            return True
-        doubled = min(r.reserved, max(needed, 2 * r.granted))
-        return self.kv.grow(r, dict.fromkeys((doubled, needed)), self.running.values(), self._work)
 
     def _max_verify_rows(self, params: SamplingParams, tree: TreeConfig | None) -> int:
         trees = [tree] if tree is not None else list(self.policy.arms) if self.drafter is not None else []

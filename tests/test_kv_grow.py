@@ -216,3 +216,18 @@ def test_a_pooled_cache_that_the_pool_cannot_grow_for_leaves_it_with_its_rows(mo
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
     pooled.release(cache)
     pooled.release(other)
+
+
+def test_first_grants_and_what_a_round_needs():
+    params = SamplingParams(max_new_tokens=100)
+    r = SimpleNamespace(request_id="r", tokens=list(range(30)), prompt_len=30, params=params, reserved=30 + 100 + 6,
+                        granted=0)  # fmt: skip
+    grows, whole = PrefillPlan(1000, 32, False), PrefillPlan(1000, 32, False, grow=False)
+    assert PrefillPlan.needed(r) == 29 + 6  # the prompt's rows but its last (the first root), and one verify
+    assert grows.first_grants(r) == (70, 35) and whole.first_grants(r) == (136,)
+    r.tokens = list(range(128))  # near its end: never past its reservation
+    assert PrefillPlan.needed(r) == 133 and grows.first_grants(r) == (136, 133)
+    r.granted = 70
+    work = StepWork()
+    assert grows.room(r, [r], work) and r.granted == 136 and work.resizes == [("r", 136)]
+    assert grows.room(r, [r], work) and len(work.resizes) == 1  # it holds its next round: nothing to grow
