@@ -26,7 +26,8 @@ cache holds: twice what its prompt and first round need at admission (or just th
 (`SchedulerConfig.kv_grow`; off: the whole reservation at admission). A grant is made only where every request can
 still finish (the banker's check), so a request whose growth does not fit skips a round instead of anyone being
 preempted: nothing grows past the budget, a request admitted always finishes with the tokens it would have had
-alone, and one that can never fit is refused at once (`RequestTooLarge`). Beyond `max_waiting` queued requests, `add` raises `QueueFull`.
+alone, and one that can never fit is refused at once (`RequestTooLarge`). Beyond `max_waiting` queued requests,
+`add` raises `QueueFull`.
 
 Prefix caching (prefix_cache.py, `SchedulerConfig.prefix_cache`). Prefill chunks are kept after their forward where the
 budget has room, and an admitted request whose prompt starts with cached chunks has them copied into its cache and

@@ -165,7 +165,8 @@ def test_nothing_is_admitted_while_a_running_request_waits_for_kv(tiny):
 
 
 def test_pooled_caches_grow_as_their_requests_decode():
-    """The pooled path (the GPU's, checked on the CPU in float64): ranges move as grants grow; greedy tokens as alone."""
+    """The pooled path (the GPU's, checked on the CPU in float64): ranges move as grants grow; greedy tokens as
+    alone."""
     model = tiny_gpt_neox(torch.float64, max_positions=600)
     pooled = TargetModel(model, lean=True, batch_invariant=False, kv_pool=True)
     assert pooled.kv_pool_why is None
