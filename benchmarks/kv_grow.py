@@ -2,8 +2,8 @@
 
 The load is chat's without max_tokens: each request may generate up to the rest of the target's context (8,192
 rows with the shipped target), so it reserves ~8k KV rows, yet it stops at the first line break after 64 tokens
-(`min_tokens` 64, every token whose text holds a line break a stop token), as most chat answers end long before the context does. A closed loop
-keeps `--concurrency` requests in the scheduler (a finished one is replaced at once) for `--duration` seconds, greedy,
+(`min_tokens` 64, every token whose text holds a line break a stop token), as most chat answers end long before the
+context does. A closed loop keeps `--concurrency` requests in the scheduler (a finished one is replaced at once) for `--duration` seconds, greedy,
 held-out code prompts of 32-512 tokens, the app's policy (the bandit, goodput, the guard, lookup), the app's KV budget
 (`--kv-budget-gib`, 2 by default). Cells alternate between the two settings, each on an engine of its own (so that
 no engine's prefix cache holds another's prompts), every cell on fresh prompts; both engines see the same prompts in
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--prompts", type=int, default=400, help="prompts per pair of cells (each cell sends at most these)")
     p.add_argument("--kv-budget-gib", type=float, default=2.0, help="the KV budget (the app's default: 2)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="requests with this max_tokens and no stop before it (default: chat's, the rest of the context)")
+                   help="requests with this max_tokens and no stop before it (default: chat's, the rest of the "
+                        "context)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     for name in ("concurrency", "repeats", "prompts"):
@@ -160,8 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ratio = statistics.median(on) / statistics.median(off)
     print(f"kv_grow on / off, medians: {ratio:.2f}x; greedy tokens differ in {differ} of {compared} requests both "
           f"finished", flush=True)
-    results = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "duration_s": args.duration, "kv_budget_gib": args.kv_budget_gib,
-               "kv_budget_rows": engine.scheduler.config.kv_budget_tokens, "context": context, "cells": cells,
+    results = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "duration_s": args.duration,
+               "kv_budget_gib": args.kv_budget_gib, "kv_budget_rows": engine.scheduler.config.kv_budget_tokens, "context": context, "cells": cells,
                "on_over_off": ratio, "compared": compared, "differ": differ}  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
