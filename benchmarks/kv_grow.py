@@ -1,13 +1,13 @@
 """KV granted as requests decode against KV reserved whole at admission (`SchedulerConfig.kv_grow`), in process.
 
-The load is chat's without max_tokens: each request may generate up to the rest of the target's context (8,192
-rows with the shipped target), so it reserves ~8k KV rows, yet it stops at the first line break after 64 tokens
-(`min_tokens` 64, every token whose text holds a line break a stop token), as most chat answers end long before the
-context does. A closed loop keeps `--concurrency` requests in the scheduler (a finished one is replaced at once) for `--duration` seconds, greedy,
-held-out code prompts of 32-512 tokens, the app's policy (the bandit, goodput, the guard, lookup), the app's KV budget
-(`--kv-budget-gib`, 2 by default). Cells alternate between the two settings, each on an engine of its own (so that
-no engine's prefix cache holds another's prompts), every cell on fresh prompts; both engines see the same prompts in
-the same order, and the greedy tokens of every request both finished are compared.
+The load is chat's without max_tokens: each request may generate up to the rest of the target's context (8,192 rows with
+the shipped target), so it reserves ~8k KV rows, yet it stops at the first line break after 64 tokens (`min_tokens` 64,
+every token whose text holds a line break a stop token), as most chat answers end long before the context does. A closed
+loop keeps `--concurrency` requests in the scheduler (a finished one is replaced at once) for `--duration` seconds,
+greedy, held-out code prompts of 32-512 tokens, the app's policy (the bandit, goodput, the guard, lookup), the app's KV
+budget (`--kv-budget-gib`, 2 by default). Cells alternate between the two settings, each on an engine of its own (so
+that no engine's prefix cache holds another's prompts), every cell on fresh prompts; both engines see the same prompts
+in the same order, and the greedy tokens of every request both finished are compared.
 
 `--max-tokens N` sends serve_peers' load instead (max_tokens N, no stop before it): where reservations never fill
 the budget, what the grants cost.
@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"kv_grow on / off, medians: {ratio:.2f}x; greedy tokens differ in {differ} of {compared} requests both "
           f"finished", flush=True)
     results = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "duration_s": args.duration,
-               "kv_budget_gib": args.kv_budget_gib, "kv_budget_rows": engine.scheduler.config.kv_budget_tokens, "context": context, "cells": cells,
-               "on_over_off": ratio, "compared": compared, "differ": differ}  # fmt: skip
+               "kv_budget_gib": args.kv_budget_gib, "kv_budget_rows": engine.scheduler.config.kv_budget_tokens,
+               "context": context, "cells": cells, "on_over_off": ratio, "compared": compared, "differ": differ}  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))
