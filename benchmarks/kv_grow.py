@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"finished", flush=True)
     results = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "duration_s": args.duration,
                "kv_budget_gib": args.kv_budget_gib, "kv_budget_rows": engine.scheduler.config.kv_budget_tokens,
-               "context": context, "cells": cells, "on_over_off": ratio, "compared": compared, "differ": differ}  # fmt: skip
+               "context": context, "cells": cells, "on_over_off": ratio, "compared": compared,
+               "differ": differ}  # fmt: skip
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))
