@@ -99,15 +99,13 @@ class PrefillPlan:
     def grow(self, r: Request, capacities: Iterable[int], running: Iterable[Request], work: StepWork) -> bool:
         """Grant r the first of `capacities` (rows, above its grant) that fits now and keeps every request able to
         finish; its cache grows with `work` -> whether one was granted."""
+        held = r.granted
         for capacity in capacities:
-            extra = capacity - r.granted
-            r.granted += extra
-            self.reserved += extra
+            r.granted, self.reserved = capacity, self.reserved + capacity - held
             if self.safe(running) and self.make_room(0, work):
                 work.resizes.append((r.request_id, capacity))
                 return True
-            r.granted -= extra
-            self.reserved -= extra
+            r.granted, self.reserved = held, self.reserved - capacity + held
         return False
 
     def make_room(self, rows: int, work: StepWork) -> bool:

@@ -216,11 +216,9 @@ class Scheduler:
         self._admit()
         decoding = [r for r in self.running.values() if r.decoding]
         prefilling = [r for r in self.running.values() if not r.decoding]
-        # requests whose KV cannot grow to hold their next round this step: they wait a round
-        short = [r for r in decoding if not self.kv.room(r, self.running.values(), self._work)]
-        self.kv_waits = len(short)
-        if short:
-            decoding = [r for r in decoding if r not in short]
+        # a request whose KV cannot grow to hold its next round this step waits a round
+        fitting = [r for r in decoding if self.kv.room(r, self.running.values(), self._work)]
+        self.kv_waits, decoding = len(decoding) - len(fitting), fitting
         work, self._work = self._work, StepWork()
         # prefill chunks first, within what the rounds leave of the step's rows (as many as their last rounds had)
         rounds_hint = sum(1 + (0 if r.draft is None else r.draft.tokens.numel()) for r in decoding)
