@@ -11,13 +11,18 @@ rows write their K/V with one `index_copy_` per layer, gather every request's ca
 (each request's cached columns and its own tree's ancestors). A few launches per layer, whatever the batch size.
 
 Layout. Per layer, keys `[rows, Hkv, Dk]` and values `[rows, Hkv, Dv]`. A request's range is its KV grant (the
-scheduler's allocation, prefill_plan.py), placed first fit, and moved to a larger range when the grant grows
-(`resize`). Its `GrowableKVCache` sees it as
-`[1, Hkv, capacity, D]` views, so every other path (prefill chunks through the model's attention, compaction after
-acceptance, prefix-cache copies, HF's forward) works on it unchanged. When no free range fits, the pool doubles (one
-copy of its rows; every live cache's views are rebound between forwards); where the device has no memory left for
-that, the request gets a cache of its own and attends on its own, as before. A range is freed when the request's cache
-is released (`free`), or at the latest when the cache is garbage-collected.
+scheduler's allocation, prefill_plan.py), placed in the smallest free range that fits. When the grant grows (`resize`)
+the range extends in place, or slides down over free rows just below it, where those around it suffice; else it moves
+to a free range. Its `GrowableKVCache` sees it as `[1, Hkv, capacity, D]` views, so every other path (prefill chunks
+through the model's attention, compaction after acceptance, prefix-cache copies, HF's forward) works on it unchanged.
+When no free range fits, the pool either packs (caches' rows slid down over the free ranges below them, in one gather
+and scatter per layer, until enough rows at the end are free; chosen where an eighth of the pool stays free after it)
+or doubles (one copy of its rows into twice the memory; every live cache's views are rebound between forwards). Where
+the device has no memory to double, the pool grows by less, down to just the rows it lacks, and packs; so while the
+caches' grants fit the device (the scheduler keeps them within its KV budget) none is refused for the pool's fragments
+(`benchmarks/kv_pool_limit.py`; tests/models/test_kv_pool_packing.py). Where even that fails, the request gets a cache
+of its own and attends on its own, as before. A range is freed when the request's cache is released (`free`), or at
+the latest when the cache is garbage-collected.
 
 Exactness. The gathered keys, values and queries are copies of the same numbers, and masked columns add the dtype's
 minimum as the per-request masks do, so the result is sdpa's over the same inputs; only the batch shape differs,
@@ -27,6 +32,7 @@ the per-request path in float64 on the CPU (logits to 1e-10, the same greedy tok
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from typing import Sequence
@@ -58,9 +64,15 @@ class KVPool:
         self.keys: list[torch.Tensor] = []  # per layer [rows, Hkv, Dk]
         self.values: list[torch.Tensor] = []  # per layer [rows, Hkv, Dv]
         self._free: list[tuple[int, int]] = []  # free ranges [start, end), ascending, never adjacent
+        # Per cache (by a key of its own): its range (offset, capacity), and the cache while it lives. A cache
+        # collected gives its range back through its key (`_drop`), wherever the range has moved since.
+        self._ranges: dict[int, tuple[int, int]] = {}
         self._caches: weakref.WeakValueDictionary[int, GrowableKVCache] = weakref.WeakValueDictionary()
+        self._keys = itertools.count()
         # A collected cache's rows come back from whichever thread the garbage collector runs on.
         self._lock = threading.RLock()
+        self.packs = 0  # times caches' rows were slid down over free ranges to free rows at the end (`_pack`)
+        self.moved_rows = 0  # rows copied by packs and by grants moved to larger ranges
         if rows:
             self._grow(rows)
 
@@ -69,24 +81,32 @@ class KVPool:
         return sum(end - start for start, end in self._free)
 
     def new_cache(self, capacity: int) -> GrowableKVCache | None:
-        """A cache of `capacity` rows in the pool (growing it if no free range fits), or None where the device has no
-        memory for that."""
+        """A cache of `capacity` rows in the pool (packing or growing it if no free range fits), or None where the
+        device has no memory for that."""
         if capacity < 1:
             raise ValueError(f"a cache needs a capacity of at least one row, got {capacity}")
         with self._lock:
             offset = self._place(capacity)
-            if offset is None:
+            if offset is None and not (self.free_rows >= capacity and self._worth_packing(capacity)):
                 try:
-                    self._grow(max(2 * self.rows, self.rows + capacity, MIN_POOL_ROWS, 8 * capacity))
+                    self._grow_for(capacity, max(2 * self.rows, MIN_POOL_ROWS, 8 * capacity))
+                    offset = self._place(capacity)
                 except torch.OutOfMemoryError:
-                    return None
+                    pass
+            if offset is None:  # packed, the last rows are free (grown by what they lack)
+                self._pack(capacity)
+                if self.free_rows < capacity:
+                    try:
+                        self._grow(self.rows + capacity - self.free_rows)
+                    except torch.OutOfMemoryError:
+                        return None
                 offset = self._place(capacity)
             cache = GrowableKVCache(max_capacity=capacity, preallocate=True)
-            cache.pool, cache.pool_offset = self, offset
             cache.layers = [_pooled_layer(capacity) for _ in range(self.layers)]
-            self._bind(cache)
-            self._caches[offset] = cache
-            cache.pool_release = weakref.finalize(cache, self._release, offset, capacity)
+            cache.pool, cache.pool_key = self, next(self._keys)
+            self._caches[cache.pool_key] = cache
+            cache.pool_release = weakref.finalize(cache, self._drop, cache.pool_key)
+            self._rebind(cache, offset, capacity)
             return cache
 
     def free(self, cache: GrowableKVCache) -> None:
@@ -95,29 +115,53 @@ class KVPool:
             cache.pool_release()
 
     def resize(self, cache: GrowableKVCache, capacity: int) -> None:
-        """Move one of this pool's caches to a range of `capacity` rows (at least the rows it holds), its rows
-        copied there (a request's KV granted as it decodes); the pool grows where no free range fits."""
+        """Give one of this pool's caches a range of `capacity` rows (at least the rows it holds), its rows kept (a
+        request's KV granted as it decodes): extended in place, or slid down, where the free rows around its range
+        suffice, else moved to the best-fitting free range, else packed with it last or the pool grown; the pool
+        raises OutOfMemoryError where not even packing and the device's memory make room (the cache keeps its rows)."""
         if getattr(cache, "pool", None) is not self:
             raise ValueError("a cache of another pool (or none) resized by this pool")
         length = cache.get_seq_length()
         if capacity < max(length, 1):
             raise ValueError(f"a capacity of {capacity} rows is below the {length} rows the cache holds")
         with self._lock:
-            offset = self._place(capacity)
-            if offset is None:  # a growth rebinds every live cache, this one included, to the new pools
-                self._grow(max(2 * self.rows, self.rows + capacity, MIN_POOL_ROWS))
-                offset = self._place(capacity)
-            old = cache.pool_offset
-            for pool in self.keys + self.values:
-                pool[offset:offset + length] = pool[old:old + length]
-            cache.pool_release.detach()
-            self._release(old, cache.fixed_capacity)
-            cache.pool_offset, cache.fixed_capacity = offset, capacity
-            for layer in cache.layers:
-                layer.max_capacity = capacity
-            self._bind(cache)
-            self._caches[offset] = cache
-            cache.pool_release = weakref.finalize(cache, self._release, offset, capacity)
+            old, held = self._ranges[cache.pool_key]
+            if capacity <= held:
+                if capacity < held:
+                    self._release(old + capacity, held - capacity)
+                self._rebind(cache, old, capacity)
+                return
+            # Its own range and the free rows around it, if they hold the grant: it extends in place, or slides down
+            # over the free rows below it (a copy of its own rows only). Else the best-fitting free range, if any.
+            self._release(old, held)
+            start, end = next((s, e) for s, e in self._free if s <= old < e)
+            offset = start if end - start >= capacity else self._place(capacity)
+            if offset == start:
+                self._take(start, capacity)
+            elif offset is None:
+                self._take(old, held, within=True)  # its range again, until it is packed or the pool grows
+                if not (self.free_rows + held >= capacity and self._worth_packing(capacity - held)):
+                    try:  # a growth keeps every cache's offset and rebinds it to the new pools
+                        self._grow_for(capacity, max(2 * self.rows, MIN_POOL_ROWS))
+                        offset = self._place(capacity)
+                    except torch.OutOfMemoryError:
+                        pass
+                if offset is None:  # packed with this cache's rows last, it extends into the free rows after them
+                    self._pack(capacity - held, last=cache)
+                    old = cache.pool_offset
+                    if not self._take(old + held, capacity - held):
+                        self._grow(old + capacity)  # OutOfMemoryError: the cache keeps its rows and range, packed
+                        self._take(old + held, capacity - held)
+                    self._rebind(cache, old, capacity)
+                    return
+                self._release(old, held)
+            if offset != old and length:
+                overlap = offset < old + length and old < offset + length
+                for pool in self.keys + self.values:
+                    rows = pool[old:old + length]
+                    pool[offset:offset + length] = rows.clone() if overlap else rows
+                self.moved_rows += length
+            self._rebind(cache, offset, capacity)
 
     def compact(self, moves: Sequence[tuple[GrowableKVCache, int, Sequence[int]]]) -> None:
         """`cache.compact(base, keep)` for every (cache, base, keep) of this pool's caches, together: the rows that
@@ -139,20 +183,86 @@ class KVPool:
                 pool.index_copy_(0, index[1], pool.index_select(0, index[0]))
 
     def _place(self, capacity: int) -> int | None:
-        """First fit: the start of a free range of `capacity` rows, taken out of the free list (None: none fits)."""
-        for i, (start, end) in enumerate(self._free):
-            if end - start >= capacity:
-                if end - start == capacity:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + capacity, end)
-                return start
-        return None
+        """Best fit: the start of the smallest free range of at least `capacity` rows, taken out of the free list
+        (None: none fits)."""
+        fits = [(e - s, s) for s, e in self._free if e - s >= capacity]
+        if not fits:
+            return None
+        start = min(fits)[1]
+        self._take(start, capacity)
+        return start
+
+    def _take(self, start: int, rows: int, within: bool = False) -> bool:
+        """Take rows [start, start + rows) out of the free list if they are free: at the start of a free range (a
+        range extended in place), or (`within`) anywhere in one."""
+        for i, (s, e) in enumerate(self._free):
+            if (s == start or within and s <= start) and start + rows <= e:
+                self._free[i:i + 1] = [r for r in ((s, start), (start + rows, e)) if r[0] < r[1]]
+                return True
+        return False
+
+    def _worth_packing(self, rows: int) -> bool:
+        """Whether to pack (a copy of the rows the caches hold) rather than grow (a copy of the whole pool, into
+        twice its memory) to make room for `rows` more: where, once they are placed, an eighth of the pool stays free
+        (else the next request would pack again)."""
+        return self.free_rows - rows >= self.rows // 8
+
+    def _pack(self, need: int, last: GrowableKVCache | None = None) -> None:
+        """Slide caches' rows down over the free ranges, so that the last `need` rows of the pool (those after `last`,
+        when given) are free: the caches above the highest point from which that frees enough (all of them where
+        nothing does), one range after another in their order and `last` after them, in one gather and one scatter
+        per layer's keys and values. Free ranges below that point stay as they are."""
+        self.packs += 1
+        live = []  # (range, cache) of every cache but `last`, held here while they move
+        for key, placed in list(self._ranges.items()):
+            cache = self._caches.get(key)
+            if cache is None:  # gone (its `_drop` may be waiting for the lock): its rows are free
+                self._release(*self._ranges.pop(key))
+            elif cache is not last:
+                live.append((placed, cache))
+        live.sort(key=lambda rc: rc[0])
+        held = self._ranges[last.pool_key][1] if last is not None else 0
+        # From a point `start`: the caches at or above it slide down to it, `last` after them.
+        bottom = 0
+        for start in sorted({0, *(s for s, _ in self._free), *([last.pool_offset] if last is not None else [])}):
+            above = sum(capacity for (offset, capacity), _ in live if offset >= start)
+            if self.rows - start - above - held >= need:
+                bottom = start
+        moving = [(offset, capacity, cache) for (offset, capacity), cache in live if offset >= bottom]
+        if last is not None:
+            moving.append((*self._ranges[last.pool_key], last))
+        source, target, place = [], [], bottom
+        for offset, capacity, cache in moving:
+            length = cache.get_seq_length()
+            if offset != place and length:
+                source += range(offset, offset + length)
+                target += range(place, place + length)
+            place += capacity
+        if source:
+            index = torch.tensor([source, target]).to(self.device)
+            for pool in self.keys + self.values:
+                pool.index_copy_(0, index[1], pool.index_select(0, index[0]))
+            self.moved_rows += len(source)
+        self._free = [(s, e) for s, e in self._free if e <= bottom]
+        if last is not None and last.pool_offset < bottom:
+            self._release(last.pool_offset, held)
+        if place < self.rows:
+            self._release(place, self.rows - place)
+        place = bottom
+        for _, capacity, cache in moving:
+            self._rebind(cache, place, capacity)
+            place += capacity
+
+    def _drop(self, key: int) -> None:
+        """A cache freed or collected: its range (wherever it is now) is free again."""
+        with self._lock:
+            placed = self._ranges.pop(key, None)
+            if placed is not None:
+                self._release(*placed)
 
     def _release(self, offset: int, capacity: int) -> None:
         """Rows [offset, offset + capacity) are free again (merged with free neighbours)."""
         with self._lock:
-            self._caches.pop(offset, None)
             start, end = offset, offset + capacity
             kept = []
             for s, e in self._free:
@@ -164,6 +274,22 @@ class KVPool:
                     kept.append((s, e))
             kept.append((start, end))
             self._free = sorted(kept)
+
+    def _grow_for(self, capacity: int, rows: int) -> None:
+        """Grow the pool to `rows` rows or, where the device has no memory for that, to as many as it has, halving the
+        growth down to the fewest rows that fit a range of `capacity` after the last (OutOfMemoryError where not even
+        those fit)."""
+        tail = self._free[-1][1] - self._free[-1][0] if self._free and self._free[-1][1] == self.rows else 0
+        fewest = self.rows + capacity - tail
+        extra = max(rows, fewest) - self.rows
+        while True:
+            try:
+                self._grow(max(self.rows + extra, fewest))
+                return
+            except torch.OutOfMemoryError:
+                if self.rows + extra <= fewest:
+                    raise
+                extra //= 2
 
     def _grow(self, rows: int) -> None:
         """Pools of `rows` rows holding the old ones; every live cache's views rebound to them."""
@@ -178,6 +304,14 @@ class KVPool:
         for cache in list(self._caches.values()):
             self._bind(cache)
         self._release(old, rows - old)
+
+    def _rebind(self, cache: GrowableKVCache, offset: int, capacity: int) -> None:
+        """The cache holds rows [offset, offset + capacity) from now on (the free list already says so)."""
+        self._ranges[cache.pool_key] = (offset, capacity)
+        cache.pool_offset, cache.fixed_capacity = offset, capacity
+        for layer in cache.layers:
+            layer.max_capacity = capacity
+        self._bind(cache)
 
     def _bind(self, cache: GrowableKVCache) -> None:
         """Point the cache's layers at its rows: views [1, Hkv, capacity, D] of the pools (lengths kept)."""

@@ -1,0 +1,199 @@
+"""A KV pool under a memory limit (models/kv_pool.py): ranges extended in place, free rows in pieces packed into one
+range instead of growing the pool, growth by just what fits where doubling does not, and through all of it every
+cache's rows kept, no two ranges overlapping, and no request refused while the caches' capacities fit the limit.
+Checked on the CPU (the pool is the GPU's path, where growing past the device's memory raises OutOfMemoryError)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ray_specdec.config import TreeConfig
+from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.models.kv_pool import KVPool
+from ray_specdec.models.target import TargetModel
+from ray_specdec.scheduler import Scheduler, SchedulerConfig
+from ray_specdec.target_backend import LocalTarget
+from tests.test_kv_grow import requests, run
+from tests.tiny_models import tiny_gpt_neox
+
+
+def limited(rows: int, limit: int, layers: int = 2, kv_heads: int = 2, head_dim: int = 3) -> KVPool:
+    """A pool of `rows` rows that cannot grow past `limit` (a device out of memory past it)."""
+    pool = KVPool(layers, kv_heads, head_dim, head_dim, dtype=torch.float64, device="cpu", rows=rows)
+    grow = pool._grow
+
+    def grow_within(new_rows: int) -> None:
+        if new_rows > limit:
+            raise torch.OutOfMemoryError(f"no memory for {new_rows} rows")
+        grow(new_rows)
+
+    pool._grow = grow_within
+    return pool
+
+
+def fill(cache, rows: int, seed: int) -> list[torch.Tensor]:
+    """Append `rows` rows of numbers of its own to every layer of the cache; returns them per layer."""
+    g = torch.Generator().manual_seed(seed)
+    written = []
+    for layer in range(len(cache.layers)):
+        k = torch.randn(1, 2, rows, 3, generator=g, dtype=torch.float64)
+        cache.update(k, -k, layer)
+        written.append(k)
+    return written
+
+
+def check(pool: KVPool, caches: dict) -> None:
+    """Every live cache holds the rows written to it, at its own range of the pool; ranges and free rows tile the
+    pool without overlap."""
+    spans = [(c.pool_offset, c.pool_offset + c.fixed_capacity) for c, _ in caches.values()] + pool._free
+    covered = sorted(spans)
+    assert covered[0][0] == 0 and covered[-1][1] == pool.rows
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), covered
+    for cache, written in caches.values():
+        for layer, parts in enumerate(zip(*written)):
+            keys = torch.cat(parts, dim=2)
+            assert torch.equal(cache.layers[layer].keys, keys) and torch.equal(cache.layers[layer].values, -keys)
+            start = cache.pool_offset
+            assert torch.equal(pool.keys[layer][start:start + keys.shape[2]], keys[0].transpose(0, 1))
+
+
+def test_a_range_with_free_rows_after_it_grows_in_place():
+    pool = limited(64, limit=64)
+    a, b = pool.new_cache(8), pool.new_cache(8)
+    written = fill(a, 6, seed=1)
+    pool.free(b)
+    pool.resize(a, 40)  # b's rows and the rest after them: a keeps its offset
+    assert (a.pool_offset, a.fixed_capacity, pool._free, pool.packs) == (0, 40, [(40, 64)], 0)
+    check(pool, {"a": (a, [written])})
+    pool.resize(a, 10)  # a smaller grant gives its tail back
+    assert a.fixed_capacity == 10 and pool._free == [(10, 64)]
+
+
+def test_a_range_with_free_rows_around_it_slides_down_over_them():
+    pool = limited(100, limit=100)
+    a, b, c = pool.new_cache(20), pool.new_cache(20), pool.new_cache(20)
+    written = {"b": (b, [fill(b, 15, seed=5)]), "c": (c, [fill(c, 3, seed=6)])}
+    pool.free(a)
+    moved = pool.moved_rows
+    pool.resize(b, 35)  # 20 free below it: it slides down to row 0 (its 15 rows copied, overlapping their place)
+    assert (b.pool_offset, b.fixed_capacity, pool._free, pool.packs) == (0, 35, [(35, 40), (60, 100)], 0)
+    assert pool.moved_rows == moved + 15
+    check(pool, written)
+    pool.resize(c, 45)  # 5 free below it, 40 above: it slides down by 5
+    assert (c.pool_offset, c.fixed_capacity, pool._free) == (35, 45, [(80, 100)])
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.resize(b, 66)  # 20 free, 35 held: no room even packed, and the pool cannot grow
+    assert b.fixed_capacity == 35  # packed on the way (after c), its rows with it
+    check(pool, written)
+
+
+def test_a_range_goes_to_the_smallest_free_range_that_fits():
+    pool = limited(100, limit=100)
+    caches = [pool.new_cache(n) for n in (10, 30, 10, 20, 20, 10)]  # offsets 0, 10, 40, 50, 70, 90
+    pool.free(caches[1])
+    pool.free(caches[4])  # free: 30 rows at 10, 20 at 70
+    assert pool.new_cache(15).pool_offset == 70 and pool.new_cache(25).pool_offset == 10
+
+
+def test_free_rows_in_pieces_are_packed_rather_than_the_pool_grown():
+    pool = limited(100, limit=100)
+    caches = {i: pool.new_cache(20) for i in range(5)}  # the pool is full
+    written = {i: [fill(c, 5 + i, seed=i)] for i, c in caches.items()}
+    pool.free(caches.pop(1))
+    pool.free(caches.pop(3))  # 40 rows free, in two ranges of 20
+    big = pool.new_cache(30)
+    assert big is not None and pool.rows == 100 and pool.packs == 1
+    big_rows = [fill(big, 12, seed=9)]
+    live = {i: (c, written[i]) for i, c in caches.items()} | {"big": (big, big_rows)}
+    check(pool, live)
+    assert [c.pool_offset for c in caches.values()] == [0, 20, 40] and big.pool_offset == 60
+    pool.free(caches.pop(2))  # 20 rows free between 0's and 4's, 10 after big's
+    pool.resize(big, 40)  # the 10 after it are free: in place
+    assert (big.pool_offset, pool.packs, pool._free) == (60, 1, [(20, 40)])
+    pool.resize(big, 45)  # packed last, it extends into the free rows after the others
+    assert pool.packs == 2 and (big.pool_offset, big.fixed_capacity, pool._free) == (40, 45, [(85, 100)])
+    live = {i: (c, written[i]) for i, c in caches.items()} | {"big": (big, big_rows)}
+    check(pool, live)
+
+
+def test_a_pool_that_cannot_double_grows_by_what_fits():
+    pool = limited(32, limit=50)
+    a = pool.new_cache(30)
+    written = fill(a, 30, seed=2)
+    b = pool.new_cache(20)  # 64 rows do not fit under 50: 30 + 20 do
+    assert b is not None and pool.rows == 50
+    assert pool.new_cache(1) is None  # nothing left, not even packed
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.resize(b, 21)
+    check(pool, {"a": (a, [written]), "b": (b, [])})
+
+
+def test_a_cache_collected_while_the_pool_packs_gives_back_only_its_own_rows():
+    """A cache the garbage collector has taken, whose range goes back (its finalizer waiting for the pool's lock)
+    after a packing has already handed its rows to others, frees nothing twice."""
+    pool = limited(60, limit=60)
+    a, b, c = pool.new_cache(20), pool.new_cache(20), pool.new_cache(20)
+    written = {"a": [fill(a, 4, seed=3)], "c": [fill(c, 7, seed=4)]}
+    del pool._caches[b.pool_key]  # as the dictionary sees a collected cache
+    pool._pack(0)
+    assert (a.pool_offset, c.pool_offset, pool._free) == (0, 20, [(40, 60)])
+    b.pool_release()  # its finalizer runs late
+    assert pool._free == [(40, 60)]
+    check(pool, {"a": (a, written["a"]), "c": (c, written["c"])})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_requests_under_a_limit_keep_their_rows_and_are_never_refused_while_they_fit(seed):
+    """Requests come, decode (their grants doubling as they fill) and go, as under kv_grow, with their capacities
+    kept within the limit as the scheduler keeps them within its budget: no new cache is refused, no resize fails,
+    and every cache holds its rows after every operation."""
+    rnd, limit = random.Random(seed), 400
+    pool = limited(64, limit=limit)
+    caches: dict[int, tuple] = {}
+    ends: dict[int, int] = {}
+    for n in range(300):
+        held = sum(c.fixed_capacity for c, _ in caches.values())
+        if len(caches) < 8 and rnd.random() < 0.4:
+            prompt = rnd.randint(1, 40)
+            capacity = 2 * prompt
+            if held + capacity <= limit:
+                cache = pool.new_cache(capacity)
+                assert cache is not None, (held, capacity, pool.rows, pool._free)
+                caches[n], ends[n] = (cache, [fill(cache, prompt, seed=n)]), prompt + rnd.randint(1, 80)
+        for key in list(caches):
+            cache, written = caches[key]
+            length = cache.get_seq_length()
+            if length >= ends[key] or rnd.random() < 0.02:
+                if rnd.random() < 0.5:
+                    pool.free(cache)
+                del caches[key], cache  # else its range goes back as it is collected
+                continue
+            step = rnd.randint(1, 6)
+            if length + step > cache.fixed_capacity:
+                grant = 2 * (length + step)
+                if sum(c.fixed_capacity for c, _ in caches.values()) - cache.fixed_capacity + grant > limit:
+                    continue  # the scheduler would have it wait
+                pool.resize(cache, grant)
+            written.append(fill(cache, step, seed=1000 * n + key))
+        check(pool, caches)
+    assert pool.rows <= limit and pool.packs > 0
+
+
+def test_greedy_tokens_are_the_same_when_the_pool_packs_under_a_limit():
+    """The pooled path with the pool's growth capped below the scheduler's budget's need for doubling: the pool packs
+    and grows by what fits while requests decode, and every request gets the tokens it gets alone."""
+    model = tiny_gpt_neox(torch.float64, max_positions=600)
+    pooled = TargetModel(model, lean=True, batch_invariant=False, kv_pool=True)
+    pooled._pool = limited(64, 260, *pooled._kv_shape)  # kv_budget_tokens: 260
+    reqs = requests(6, 50)
+    alone = SpeculativeEngine(TargetModel(model), None)
+    expected = {request_id: alone.generate(prompt, params).token_ids for request_id, prompt, params in reqs}
+    scheduler = Scheduler(LocalTarget(pooled), None, None, TreeConfig(()),
+                          SchedulerConfig(kv_budget_tokens=260, prefill_chunk=32))  # fmt: skip
+    tokens, seen = run(scheduler, reqs)
+    assert tokens == expected and seen["running"] >= 4 and seen["waits"] > 0
+    assert pooled._pool.rows <= 260 and pooled._pool.packs > 0
+    assert pooled._pool.free_rows == pooled._pool.rows
