@@ -144,7 +144,9 @@ class AppArgs(BaseModel):
     # run a load level's rounds undrafted while its drafted steps measure slower (ray_specdec/speculation_guard.py)
     guard: bool = True
     # the scheduler of each engine replica (ray_specdec/scheduler.py, SchedulerConfig)
-    kv_budget_gib: float | None = Field(2.0, gt=0)  # KV of the admitted requests per replica (all its ranks)
+    # KV of the admitted requests per replica (all its ranks), in GiB; "auto": 90% of the device's memory free after
+    # loading the models. Either is checked against that memory as the replica starts (ray_specdec/kv_budget.py).
+    kv_budget_gib: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] | None = 2.0
     kv_budget_tokens: int | None = Field(None, ge=1)  # the same budget in cached tokens (instead of kv_budget_gib)
     max_running: int = Field(_SCHEDULER.max_running, ge=1)  # requests batched together per replica
     max_waiting: int = Field(_SCHEDULER.max_waiting, ge=0)  # queued requests per replica beyond which: 503

@@ -42,7 +42,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.loading import failure, load_tokenizer, switched_on
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
-from ray_specdec.prefill_plan import kv_budget_rows
+from ray_specdec.kv_budget import device_room, fitted_kv_budget
 from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
 from ray_specdec.serving.target_worker import TargetWorker, free_port, widened
@@ -126,7 +126,8 @@ class RankGroup:
             for i, rank in enumerate(self._ranks)
         ])  # fmt: skip
         self._steps, self.compiled_why = self._compile()
-        return infos[0]
+        rooms = [info.get("kv_room_bytes") for info in infos]  # each rank's device: the budget's share must fit all
+        return infos[0] | {"kv_room_bytes": None if None in rooms else min(rooms)}
 
     def _compile(self):
         """A step as a compiled graph over the ranks' `run` -> (the graph, None), or (None, why not)."""
@@ -224,7 +225,7 @@ class EngineReplica:
         num_cpus_per_rank: float = 1.0,
         policy: BanditConfig | TreeConfig = TreeConfig((1, 1, 1)),
         scheduler: SchedulerConfig = SchedulerConfig(),
-        kv_budget_gib: float | None = None,
+        kv_budget_gib: float | str | None = None,
         max_context: int | None = None,
         drafter_prefill_window: int | str | None = "auto",
         recover_timeout_s: float = 120.0,
@@ -263,13 +264,15 @@ class EngineReplica:
                 # unset, and a runtime environment may have set it to 1)
                 torch.set_num_threads(max(1, round(num_cpus_per_rank)))
                 self.backend = LocalTarget(TargetModel.from_pretrained(target, dtype=dtype, device=device))
-                kv_bytes = self.backend.target.kv_bytes_per_token
+                kv_bytes, room = self.backend.target.kv_bytes_per_token, device_room(self.backend.target.device)
             else:
                 self.backend = RankGroup(target, tp_size=tp_size, dtype=dtype, device=device,
                                          num_cpus_per_rank=num_cpus_per_rank)  # fmt: skip
-                kv_bytes = self.backend.info["kv_bytes_per_token"]
-            if kv_budget_gib is not None:
-                config = replace(config, kv_budget_tokens=kv_budget_rows(kv_budget_gib, kv_bytes))
+                kv_bytes, room = self.backend.info["kv_bytes_per_token"], self.backend.info.get("kv_room_bytes")
+            # a budget the device cannot hold fails here, with what would fit, not as an OOM mid-step under load
+            shards = tp_size if device != "cpu" else 1  # GPU ranks hold their shares apiece; CPU ranks share a host
+            config = replace(config, kv_budget_tokens=fitted_kv_budget(config.kv_budget_tokens, kv_budget_gib,
+                                                                       kv_bytes, room, shards))  # fmt: skip
             if drafter is not None:
                 self.drafter = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device,
                                                             prefill_window=drafter_prefill_window)  # fmt: skip

@@ -30,7 +30,7 @@ from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
 from ray_specdec.rounds import NO_TREE
 from ray_specdec.models.device_clock import synchronize
 from ray_specdec.models.loading import prefill_window_arg
-from ray_specdec.prefill_plan import kv_budget_rows
+from ray_specdec.kv_budget import device_room, fitted_kv_budget
 from ray_specdec.scheduler_args import add_scheduler_arguments, scheduler_config_from_args
 
 # Every method runs every prompt (and again at each temperature): with the prefix cache on, the methods after the
@@ -346,8 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     qa = qa_prompts(tok, args.qa_prompts, qa_buckets, args.seed)
     groups = ["short"] * len(short) + ["long"] * len(long) + ["qa"] * len(qa)  # the group of each prompt
     prompts = short + long + qa
-    if args.kv_budget_gib is not None:
-        scheduler = replace(scheduler, kv_budget_tokens=kv_budget_rows(args.kv_budget_gib, target.kv_bytes_per_token))
+    try:
+        scheduler = replace(scheduler, kv_budget_tokens=fitted_kv_budget(
+            scheduler.kv_budget_tokens, args.kv_budget_gib, target.kv_bytes_per_token, device_room(target.device)))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     fixed = replace(scheduler, lookup=0)  # the engines of fixed trees: each tree names its own lookup branch
     ours = SpeculativeEngine(target, drafter, trees[0], config=fixed)
     plain = SpeculativeEngine(target, None, config=fixed)

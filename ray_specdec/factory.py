@@ -85,16 +85,18 @@ def load_engine(
     dtype: str = "auto",
     device: str | None = "auto",
     scheduler: SchedulerConfig | None = None,
-    kv_budget_gib: float | None = None,
+    kv_budget_gib: float | str | None = None,
     drafter_prefill_window: int | str | None = "auto",
 ):
     """tree None: the device's default tree (config.default_tree); scheduler: the SchedulerConfig (None: the engine's
     DEFAULT_SCHEDULER, draft cut and lookup tokens included); kv_budget_gib: its KV budget in GiB of the target's cache
-    instead of rows; drafter_prefill_window: the drafter's state starts from this many last tokens of a request
-    ("auto": the window the drafter's config names, else all; None or "all": all)."""
+    instead of rows ("auto": kv_budget.AUTO_SHARE of the device's memory free after loading; either budget is checked
+    against that memory: LoadError where it does not fit); drafter_prefill_window: the drafter's state starts from
+    this many last tokens of a request ("auto": the window the drafter's config names, else all; None or "all":
+    all)."""
     from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
+    from ray_specdec.kv_budget import device_room, fitted_kv_budget
     from ray_specdec.models.loading import resolve_dtype, resolve_prefill_window
-    from ray_specdec.prefill_plan import kv_budget_rows
 
     from ray_specdec.models.loading import resolve_model_path
 
@@ -120,7 +122,11 @@ def load_engine(
         ) from None
     drafter_model = load_drafter(drafter, dtype, device, drafter_prefill_window)
     scheduler = scheduler or DEFAULT_SCHEDULER
-    if kv_budget_gib is not None:
-        scheduler = replace(scheduler, kv_budget_tokens=kv_budget_rows(kv_budget_gib, target_model.kv_bytes_per_token))
+    try:
+        rows = fitted_kv_budget(scheduler.kv_budget_tokens, kv_budget_gib, target_model.kv_bytes_per_token,
+                                device_room(device))  # fmt: skip
+    except ValueError as e:
+        raise LoadError(str(e)) from None
+    scheduler = replace(scheduler, kv_budget_tokens=rows)
     tree = tree if tree is not None else default_tree(str(device))
     return SpeculativeEngine(target_model, drafter_model, tree, config=scheduler)

@@ -187,7 +187,3 @@ class PrefillPlan:
             if added is not None:
                 work.saves.append((r.request_id, start, end, added[1]))
 
-
-def kv_budget_rows(budget_gib: float, bytes_per_token: int) -> int:
-    """A KV budget in GiB as rows of the target's cache."""
-    return max(1, math.floor(budget_gib * (1 << 30) / max(bytes_per_token, 1)))

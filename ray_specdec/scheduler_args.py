@@ -4,9 +4,10 @@
 `add_scheduler_arguments` adds a flag per field (`kv_budget_tokens` -> `--kv-budget-tokens`; booleans as
 `--goodput / --no-goodput`), typed, defaulted and described from the dataclass itself (the comment on each field is
 its help), every value checked by SchedulerConfig's own validation as it is parsed, so a bad one is argparse's
-one-line error. `--kv-budget-gib` gives the budget in GiB instead of rows (the app's `kv_budget_gib`): it becomes
-rows once the target's bytes per token are known (`prefill_plan.kv_budget_rows`). `scheduler_config_from_args` reads the
-fields back from anything that has them as attributes: argparse's namespace or the app's `AppArgs`.
+one-line error. `--kv-budget-gib` gives the budget in GiB instead of rows, or `auto` (the app's `kv_budget_gib`): it
+becomes rows once the target's bytes per token and the device's free memory are known (`kv_budget.fitted_kv_budget`,
+which checks either budget against that memory). `scheduler_config_from_args` reads the fields back from anything
+that has them as attributes: argparse's namespace or the app's `AppArgs`.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def add_scheduler_arguments(
                                metavar="N" if types[f.name] is int else "X",
                                help=_help(comments.get(f.name), default))
     budget.add_argument("--kv-budget-gib", type=_gib, default=None, metavar="GIB",
-                        help="the KV budget in GiB of the target's cache instead of rows (the app's kv_budget_gib)")
+                        help="the KV budget in GiB of the target's cache instead of rows, or 'auto': 90%% of the "
+                             "device's memory free after loading (the app's kv_budget_gib)")
 
 
 def scheduler_config_from_args(args, defaults: SchedulerConfig = SchedulerConfig()) -> SchedulerConfig:
@@ -126,11 +128,13 @@ def _checked(name: str, kind: type, defaults: SchedulerConfig):
     return parse
 
 
-def _gib(text: str) -> float:
+def _gib(text: str) -> float | str:
+    if text == "auto":
+        return text
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number of GiB or 'auto', got {text!r}") from None
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value

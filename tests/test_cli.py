@@ -15,8 +15,8 @@ from ray_specdec.cli import generate_parser, main
 from ray_specdec.config import SamplingParams
 from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
 from ray_specdec.factory import load_engine
+from ray_specdec.kv_budget import kv_budget_rows
 from ray_specdec.models.target import TargetModel
-from ray_specdec.prefill_plan import kv_budget_rows
 from ray_specdec.scheduler import SchedulerConfig
 from ray_specdec.scheduler_args import flag
 from tests.tiny_models import tiny_gpt_neox, tiny_tokenizer
