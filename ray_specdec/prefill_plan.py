@@ -28,7 +28,6 @@ Requests are the scheduler's (`request_state.Request`): this module reads their 
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Iterable
 
 import torch

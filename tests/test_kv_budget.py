@@ -4,6 +4,7 @@ tensor-parallel shares checked per device on GPUs."""
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
@@ -81,8 +82,6 @@ def test_the_cli_takes_auto_and_refuses_too_much_in_one_line(model_dirs, engines
         AUTO_SHARE * GIB / engines[-1].target.kv_bytes_per_token)
     code, out, err = run(argv + ["--kv-budget-gib", "2"], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "does not fit" in err
-    import argparse
-
     parser = argparse.ArgumentParser()
     add_scheduler_arguments(parser)
     with pytest.raises(SystemExit):
