@@ -164,18 +164,26 @@ def test_nothing_is_admitted_while_a_running_request_waits_for_kv(tiny):
         assert scheduler.reserved <= 260
 
 
-def test_pooled_caches_grow_as_their_requests_decode():
-    """The pooled path (the GPU's, checked on the CPU in float64): ranges move as grants grow; greedy tokens as
-    alone."""
+def decode_pooled(reqs, budget: int, pool=None) -> tuple[TargetModel, dict, dict, dict]:
+    """The requests through a scheduler of `budget` rows over a pooled float64 target (its pool `pool(target)` where
+    given) -> (the target, their tokens, their tokens alone, what `run` saw)."""
     model = tiny_gpt_neox(torch.float64, max_positions=600)
     pooled = TargetModel(model, lean=True, batch_invariant=False, kv_pool=True)
     assert pooled.kv_pool_why is None
-    reqs = requests(5, 60)
+    if pool is not None:
+        pooled._pool = pool(pooled)
     alone = SpeculativeEngine(TargetModel(model), None)
     expected = {request_id: alone.generate(prompt, params).token_ids for request_id, prompt, params in reqs}
     scheduler = Scheduler(LocalTarget(pooled), None, None, TreeConfig(()),
-                          SchedulerConfig(kv_budget_tokens=240, prefill_chunk=32))  # fmt: skip
+                          SchedulerConfig(kv_budget_tokens=budget, prefill_chunk=32))  # fmt: skip
     tokens, seen = run(scheduler, reqs)
+    return pooled, tokens, expected, seen
+
+
+def test_pooled_caches_grow_as_their_requests_decode():
+    """The pooled path (the GPU's, checked on the CPU in float64): ranges move as grants grow; greedy tokens as
+    alone."""
+    pooled, tokens, expected, seen = decode_pooled(requests(5, 60), 240)
     assert tokens == expected and seen["running"] == 5 and seen["waits"] > 0
     assert pooled._pool.free_rows == pooled._pool.rows
 

@@ -10,14 +10,8 @@ import random
 import pytest
 import torch
 
-from ray_specdec.config import TreeConfig
-from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.kv_pool import KVPool
-from ray_specdec.models.target import TargetModel
-from ray_specdec.scheduler import Scheduler, SchedulerConfig
-from ray_specdec.target_backend import LocalTarget
-from tests.test_kv_grow import requests, run
-from tests.tiny_models import tiny_gpt_neox
+from tests.test_kv_grow import decode_pooled, requests
 
 
 def limited(rows: int, limit: int, layers: int = 2, kv_heads: int = 2, head_dim: int = 3) -> KVPool:
@@ -185,15 +179,7 @@ def test_random_requests_under_a_limit_keep_their_rows_and_are_never_refused_whi
 def test_greedy_tokens_are_the_same_when_the_pool_packs_under_a_limit():
     """The pooled path with the pool's growth capped below the scheduler's budget's need for doubling: the pool packs
     and grows by what fits while requests decode, and every request gets the tokens it gets alone."""
-    model = tiny_gpt_neox(torch.float64, max_positions=600)
-    pooled = TargetModel(model, lean=True, batch_invariant=False, kv_pool=True)
-    pooled._pool = limited(64, 260, *pooled._kv_shape)  # kv_budget_tokens: 260
-    reqs = requests(6, 50)
-    alone = SpeculativeEngine(TargetModel(model), None)
-    expected = {request_id: alone.generate(prompt, params).token_ids for request_id, prompt, params in reqs}
-    scheduler = Scheduler(LocalTarget(pooled), None, None, TreeConfig(()),
-                          SchedulerConfig(kv_budget_tokens=260, prefill_chunk=32))  # fmt: skip
-    tokens, seen = run(scheduler, reqs)
+    pooled, tokens, expected, seen = decode_pooled(requests(6, 50), 260, lambda t: limited(64, 260, *t._kv_shape))
     assert tokens == expected and seen["running"] >= 4 and seen["waits"] > 0
     assert pooled._pool.rows <= 260 and pooled._pool.packs > 0
     assert pooled._pool.free_rows == pooled._pool.rows
