@@ -120,6 +120,7 @@ class Scheduler:
         self.lookup_rows = float(self.config.lookup)  # mean verify rows a drafted tree's lookup branch added (EW)
         self.steps = 0
         self.kv_waits = 0  # decoding requests that skipped the last step's round: their KV could not grow
+        self.kv_waited = 0  # such skipped rounds since the start
         self.load = 1  # requests decoding in the current step: the policy's load level for its rounds
         self._work = StepWork()
 
@@ -219,6 +220,7 @@ class Scheduler:
         # a request whose KV cannot grow to hold its next round this step waits a round
         fitting = [r for r in decoding if self.kv.room(r, self.running.values(), self._work)]
         self.kv_waits, decoding = len(decoding) - len(fitting), fitting
+        self.kv_waited += self.kv_waits
         work, self._work = self._work, StepWork()
         # prefill chunks first, within what the rounds leave of the step's rows (as many as their last rounds had)
         rounds_hint = sum(1 + (0 if r.draft is None else r.draft.tokens.numel()) for r in decoding)

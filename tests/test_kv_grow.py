@@ -124,6 +124,7 @@ def run(scheduler: Scheduler, reqs) -> tuple[dict[str, list[int]], dict[str, int
         seen["waits"] += scheduler.kv_waits
         seen["waiting"] = max(seen["waiting"], scheduler.num_waiting)
     assert not scheduler.target.caches and scheduler.reserved == 0
+    assert scheduler.kv_waited == seen["waits"]  # the total the app's ray_specdec:kv_cache_waits counter shows
     return tokens, seen
 
 

@@ -160,8 +160,9 @@ class EngineLoop:
     def stats(self) -> dict:
         s = self.scheduler
         return {"running": s.num_running, "waiting": s.num_waiting, "kv_reserved": s.reserved,
-                "kv_budget": s.config.kv_budget_tokens, "kv_waits": s.kv_waits, "steps": s.steps, "faults": self.faults,
-                "recoveries": self.recoveries, "healthy": self.healthy, "guard": self.guard_summary}  # fmt: skip
+                "kv_budget": s.config.kv_budget_tokens, "kv_waits": s.kv_waits, "kv_waited": s.kv_waited,
+                "steps": s.steps, "faults": self.faults, "recoveries": self.recoveries, "healthy": self.healthy,
+                "guard": self.guard_summary}  # fmt: skip
 
     def _run(self, scheduler, built: list, ready: threading.Event) -> None:
         if not ready.is_set():
@@ -229,7 +230,7 @@ class EngineLoop:
         """The scheduler's state, and the requests admitted since the last look (at `admitted_at`)."""
         s = self.scheduler
         self.metrics.admissions((r.request_id for r in s.waiting), admitted_at)
-        self.metrics.scheduler_state(s.num_running, s.num_waiting, s.reserved, s.config.kv_budget_tokens)
+        self.metrics.scheduler_state(s.num_running, s.num_waiting, s.reserved, s.config.kv_budget_tokens, s.kv_waited)
         if s.prefix is not None:
             self.metrics.prefix_cache(s.prefix.queried_rows, s.prefix.hit_rows)
 

@@ -76,6 +76,7 @@ PREFIX_HITS = "ray_specdec:prefix_cache_hits"
 RUNNING = "ray_specdec:num_requests_running"
 WAITING = "ray_specdec:num_requests_waiting"
 KV_USAGE = "ray_specdec:kv_cache_usage_perc"
+KV_WAITS = "ray_specdec:kv_cache_waits"
 ROUTER_REQUESTS = "ray_specdec:router_requests"
 ROUTER_IN_FLIGHT = "ray_specdec:router_requests_in_flight"
 BANDIT_PULLS = "ray_specdec:bandit_arm_pulls"
@@ -106,6 +107,8 @@ METRICS = {m.name: m for m in (
     Metric(RUNNING, GAUGE, "Requests admitted (prefilling or decoding).", ("replica",)),
     Metric(WAITING, GAUGE, "Requests waiting for admission.", ("replica",)),
     Metric(KV_USAGE, GAUGE, "KV budget reserved by admitted requests (1 means 100 percent).", ("replica",)),
+    Metric(KV_WAITS, COUNTER, "Rounds a decoding request skipped because its KV could not grow within the budget "
+           "(kv_grow; it keeps its cache and goes on when rows free: no preemption)."),
     Metric(ROUTER_REQUESTS, COUNTER, "HTTP outcomes: ok (per choice), rejected (4xx), error (5xx or an error event "
            "in a stream), cancelled (the client left).", ("status",)),
     Metric(ROUTER_IN_FLIGHT, GAUGE, "Choices the routes are serving.", ("replica",)),
@@ -215,11 +218,13 @@ class EngineMetrics(Recorder):
             if request_id in self._live:
                 self._end(request_id, reason, t)
 
-    def scheduler_state(self, running: int, waiting: int, kv_reserved: int, kv_budget: int) -> None:
+    def scheduler_state(self, running: int, waiting: int, kv_reserved: int, kv_budget: int, kv_waited: int = 0) -> None:
+        """The scheduler's gauges, and its rounds skipped for KV since the replica started (a counter's total)."""
         with self._lock:
             self._set(RUNNING, running)
             self._set(WAITING, waiting)
             self._set(KV_USAGE, kv_reserved / kv_budget)
+            self._set(KV_WAITS, kv_waited)
 
     def prefix_cache(self, queried: int, hits: int) -> None:
         """The prefix cache's totals since the replica started (prompt tokens looked up, found)."""

@@ -42,7 +42,8 @@ def scripted() -> m.EngineMetrics:
     plain = GenerationStats()
     plain.record_round("none", 0, 0, 0)
     rec.produced("c", 1, "stop", plain, 1.2)
-    rec.scheduler_state(running=2, waiting=1, kv_reserved=300, kv_budget=1200)
+    rec.scheduler_state(running=3, waiting=0, kv_reserved=900, kv_budget=1200, kv_waited=3)
+    rec.scheduler_state(running=2, waiting=1, kv_reserved=300, kv_budget=1200, kv_waited=7)  # totals: the last stands
     rec.prefix_cache(queried=40, hits=10)
     rec.prefix_cache(queried=60, hits=25)  # totals: the last one stands
     rec.guard([{"load": "1", "undrafted": False, "speedup": None, "plain": 0, "policy": 3, "explore_period": 32},
@@ -65,6 +66,7 @@ def test_counters_are_exact_for_a_scripted_sequence():
         m.ROUNDS: {("2,1",): 2, ("1,1",): 1, ("none",): 1},
         m.PREFIX_QUERIES: {(): 60},
         m.PREFIX_HITS: {(): 25},
+        m.KV_WAITS: {(): 7},
     }
     assert snap[m.RUNNING] == {(): 2} and snap[m.WAITING] == {(): 1} and snap[m.KV_USAGE] == {(): 0.25}
 
