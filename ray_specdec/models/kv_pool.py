@@ -17,7 +17,9 @@ to a free range. Its `GrowableKVCache` sees it as `[1, Hkv, capacity, D]` views,
 through the model's attention, compaction after acceptance, prefix-cache copies, HF's forward) works on it unchanged.
 When no free range fits, the pool either packs (caches' rows slid down over the free ranges below them, in one gather
 and scatter per layer, until enough rows at the end are free; chosen where an eighth of the pool stays free after it)
-or doubles (one copy of its rows into twice the memory; every live cache's views are rebound between forwards). Where
+or doubles (its rows copied a layer's keys or values at a time, every live cache's views rebound to each new tensor
+before the next is made, between forwards: the device holds at most the grown pool and one old layer's tensor, never
+the old pool and a new one, which would cap the pool at half the device). Where
 the device has no memory to double, the pool grows by less, down to just the rows it lacks, and packs; so while the
 caches' grants fit the device (the scheduler keeps them within its KV budget) none is refused for the pool's fragments
 (`benchmarks/kv_pool_limit.py`; tests/models/test_kv_pool_packing.py). Where even that fails, the request gets a cache
@@ -110,9 +112,14 @@ class KVPool:
             return cache
 
     def free(self, cache: GrowableKVCache) -> None:
-        """Give the cache's rows back now (the cache must not be used after this); a cache not of this pool: no-op."""
+        """Give the cache's rows back now (the cache must not be used after this: its views are dropped, so that a
+        growth lets the old pool go); a cache not of this pool: no-op."""
         if getattr(cache, "pool", None) is self:
             cache.pool_release()
+            with self._lock:
+                self._caches.pop(cache.pool_key, None)
+            for layer in cache.layers:
+                layer._keys = layer._values = None
 
     def resize(self, cache: GrowableKVCache, capacity: int) -> None:
         """Give one of this pool's caches a range of `capacity` rows (at least the rows it holds), its rows kept (a
@@ -203,7 +210,7 @@ class KVPool:
 
     def _worth_packing(self, rows: int) -> bool:
         """Whether to pack (a copy of the rows the caches hold) rather than grow (a copy of the whole pool, into
-        twice its memory) to make room for `rows` more: where, once they are placed, an eighth of the pool stays free
+        twice its rows) to make room for `rows` more: where, once they are placed, an eighth of the pool stays free
         (else the next request would pack again)."""
         return self.free_rows - rows >= self.rows // 8
 
@@ -292,17 +299,26 @@ class KVPool:
                 extra //= 2
 
     def _grow(self, rows: int) -> None:
-        """Pools of `rows` rows holding the old ones; every live cache's views rebound to them."""
+        """Pools of `rows` rows holding the old ones, every live cache's views rebound to them. A layer's keys, then
+        its values, at a time, each old tensor let go once the caches' views point at its successor: the device holds
+        the pool and one layer's growth, not the old pool and a new one (which would cap the pool at half the device).
+        An OutOfMemoryError part way leaves the layers grown so far larger (their extra rows unused until a growth
+        completes) and every cache whole and bound."""
         old = self.rows
-        keys = [torch.empty(rows, self.kv_heads, self.key_dim, dtype=self.dtype, device=self.device)
-                for _ in range(self.layers)]  # fmt: skip
-        values = [torch.empty(rows, self.kv_heads, self.value_dim, dtype=self.dtype, device=self.device)
-                  for _ in range(self.layers)]  # fmt: skip
-        for new, previous in zip(keys + values, self.keys + self.values):
-            new[:old] = previous
-        self.keys, self.values, self.rows = keys, values, rows
-        for cache in list(self._caches.values()):
-            self._bind(cache)
+        caches = list(self._caches.values())
+        for layer in range(self.layers):
+            for tensors, dim in ((self.keys, self.key_dim), (self.values, self.value_dim)):
+                if layer < len(tensors) and tensors[layer].shape[0] >= rows:
+                    continue  # grown by an earlier attempt that ran out of memory further on
+                new = _allocate(rows, self.kv_heads, dim, self.dtype, self.device)
+                if layer < len(tensors):
+                    new[:old] = tensors[layer][:old]
+                    tensors[layer] = new
+                else:
+                    tensors.append(new)
+                for cache in caches:
+                    self._bind(cache, layer)
+        self.rows = rows
         self._release(old, rows - old)
 
     def _rebind(self, cache: GrowableKVCache, offset: int, capacity: int) -> None:
@@ -313,14 +329,21 @@ class KVPool:
             layer.max_capacity = capacity
         self._bind(cache)
 
-    def _bind(self, cache: GrowableKVCache) -> None:
-        """Point the cache's layers at its rows: views [1, Hkv, capacity, D] of the pools (lengths kept)."""
+    def _bind(self, cache: GrowableKVCache, layer: int | None = None) -> None:
+        """Point the cache's layers (or one) at its rows: views [1, Hkv, capacity, D] of the pools (lengths kept)."""
         rows = slice(cache.pool_offset, cache.pool_offset + cache.fixed_capacity)
-        for layer, keys, values in zip(cache.layers, self.keys, self.values):
-            layer._keys = keys[rows].transpose(0, 1)[None]
-            layer._values = values[rows].transpose(0, 1)[None]
-            layer.dtype, layer.device = self.dtype, self.device
+        for i in range(self.layers) if layer is None else (layer,):
+            if getattr(cache, "pool_key", None) not in self._ranges:
+                break  # freed: bound to nothing (`free`)
+            cache.layers[i]._keys = self.keys[i][rows].transpose(0, 1)[None]
+            cache.layers[i]._values = self.values[i][rows].transpose(0, 1)[None]
+            cache.layers[i].dtype, cache.layers[i].device = self.dtype, self.device
         cache._buffers = None  # addresses handed out earlier are stale
+
+
+def _allocate(rows: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's keys or values of a pool (uninitialised)."""
+    return torch.empty(rows, heads, dim, dtype=dtype, device=device)
 
 
 def _pooled_layer(capacity: int) -> GrowableLayer:

@@ -6,10 +6,12 @@ Checked on the CPU (the pool is the GPU's path, where growing past the device's 
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
 
+from ray_specdec.models import kv_pool
 from ray_specdec.models.kv_pool import KVPool
 from tests.test_kv_grow import decode_pooled, requests
 
@@ -183,3 +185,54 @@ def test_greedy_tokens_are_the_same_when_the_pool_packs_under_a_limit():
     assert tokens == expected and seen["running"] >= 4 and seen["waits"] > 0
     assert pooled._pool.rows <= 260 and pooled._pool.packs > 0
     assert pooled._pool.free_rows == pooled._pool.rows
+
+
+def tracked_allocations(monkeypatch, fail_at: int | None = None) -> dict:
+    """kv_pool's allocations counted: bytes alive now and at most, calls (the `fail_at`-th raises OutOfMemoryError)."""
+    seen = {"live": 0, "peak": 0, "calls": 0}
+
+    def allocate(rows, heads, dim, dtype, device):
+        seen["calls"] += 1
+        if seen["calls"] == fail_at:
+            raise torch.OutOfMemoryError("no memory for another layer")
+        tensor = torch.empty(rows, heads, dim, dtype=dtype, device=device)
+        size = tensor.numel() * tensor.element_size()
+        seen["live"] += size
+        seen["peak"] = max(seen["peak"], seen["live"])
+        weakref.finalize(tensor, lambda: seen.__setitem__("live", seen["live"] - size))
+        return tensor
+
+    monkeypatch.setattr(kv_pool, "_allocate", allocate)
+    return seen
+
+
+def test_a_pool_grows_a_layer_at_a_time_never_holding_two_pools(monkeypatch):
+    seen = tracked_allocations(monkeypatch)
+    pool = KVPool(layers=4, kv_heads=2, key_dim=3, value_dim=3, dtype=torch.float64, device="cpu", rows=64)
+    caches = {i: pool.new_cache(16) for i in range(4)}
+    live = {i: (c, [fill(c, 5 + i, seed=i)]) for i, c in caches.items()}
+    tensor = 2 * 3 * 8  # bytes of a row of one layer's keys (or values)
+    assert seen["live"] == 8 * 64 * tensor
+    seen["peak"] = seen["live"]
+    pool._grow(128)
+    check(pool, live)
+    assert seen["live"] == 8 * 128 * tensor
+    # the new pool and one old layer's tensor at most (the old pool and a whole new one before: 8 * 64 more)
+    assert seen["peak"] == 8 * 128 * tensor + 64 * tensor
+
+
+def test_a_growth_that_runs_out_of_memory_part_way_keeps_every_cache_and_resumes(monkeypatch):
+    seen = tracked_allocations(monkeypatch, fail_at=8 + 5)  # the pool's 8 tensors, then the growth's fifth
+    pool = KVPool(layers=4, kv_heads=2, key_dim=3, value_dim=3, dtype=torch.float64, device="cpu", rows=64)
+    caches = {i: pool.new_cache(16) for i in range(4)}
+    live = {i: (c, [fill(c, 7, seed=10 + i)]) for i, c in caches.items()}
+    with pytest.raises(torch.OutOfMemoryError):
+        pool._grow(128)
+    assert pool.rows == 64 and pool.free_rows == 0 and [k.shape[0] for k in pool.keys] == [128, 128, 64, 64]
+    check(pool, live)
+    for i, c in caches.items():
+        live[i][1].append(fill(c, 2, seed=20 + i))  # the caches go on decoding over the half-grown pool
+    check(pool, live)
+    pool._grow(128)
+    assert seen["calls"] == 8 + 5 + 4 and pool.rows == 128 and pool._free == [(64, 128)]  # the grown four kept
+    check(pool, live)
