@@ -4,7 +4,8 @@ The budget (`SchedulerConfig.kv_budget_tokens`, or `kv_budget_gib` in GiB) bound
 caches may hold. Nothing allocates it up front (caches and the GPU's pool grow with the grants), so a budget larger
 than the device only shows when the load fills it: as an out-of-memory error mid-step, long after start. So the
 budget is checked once the models are loaded, against what the device has free for it (`device_room`): CUDA's free
-memory on the device, or on the CPU what Linux counts available (MemAvailable). A budget that does not fit is a
+memory on the device, or on the CPU what Linux counts available (MemAvailable), or less where the process's cgroup
+(a container's memory limit: Docker, Kubernetes) allows less. A budget that does not fit is a
 one-line error at start that names the most that would. `kv_budget_gib="auto"` takes `AUTO_SHARE` of that room
 (vLLM sizes its KV cache from `gpu_memory_utilization` the same way): the rest is for activations, the allocator's
 slack and, on CUDA, the graphs' pools.
@@ -16,29 +17,83 @@ share (`shards`); on the CPU the ranks share the host's memory, which must hold 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 AUTO_SHARE = 0.9  # of the memory free after loading that kv_budget_gib="auto" takes
 GIB = 1 << 30
+NO_LIMIT = 1 << 62  # a cgroup v1 memory limit at least this large is "unlimited" (the kernel writes ~2**63)
 
 
 def device_room(device: torch.device | str) -> int | None:
     """Bytes free for KV on `device` now (call it after loading the models): CUDA's free memory, the CPU's available
-    memory (Linux's MemAvailable); None where that cannot be read."""
+    memory (Linux's MemAvailable, or what the process's cgroup still allows where that is less); None where that
+    cannot be read."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type != "cpu":
         return None
+    rooms = [room for room in (_mem_available(), cgroup_room()) if room is not None]
+    return min(rooms) if rooms else None
+
+
+def _mem_available(meminfo: str = "/proc/meminfo") -> int | None:
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def cgroup_room(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """Bytes the process's memory cgroup still allows: its limit less its usage, the reclaimable page cache
+    (inactive files) counted free as MemAvailable counts it; cgroup v2 or v1, at the process's own cgroup path or, in
+    a container that sees its cgroup as the root, at the root. None where no limit is set or none can be read."""
+    try:
+        with open(self_cgroup) as f:
+            entries = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    for hierarchy, controllers, path in entries:
+        if hierarchy == "0" and controllers == "":  # v2: one unified hierarchy
+            base, files = root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1: the memory controller's own hierarchy
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                         "total_inactive_file")  # fmt: skip
+        else:
+            continue
+        for where in (os.path.join(base, path.lstrip("/")), base):
+            room = _cgroup_dir_room(where, *files)
+            if room is not None:
+                return room
+    return None
+
+
+def _cgroup_dir_room(where: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    try:
+        with open(os.path.join(where, limit_file)) as f:
+            limit = f.read().strip()
+        with open(os.path.join(where, usage_file)) as f:
+            usage = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or not limit.isdigit() or int(limit) >= NO_LIMIT:
+        return None
+    inactive = 0
+    try:
+        with open(os.path.join(where, "memory.stat")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == inactive_key:
+                    inactive = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, int(limit) - usage + inactive)
 
 
 def kv_budget_rows(budget_gib: float, bytes_per_token: int) -> int:

@@ -56,6 +56,8 @@ def test_the_devices_room(monkeypatch):
     room = device_room("cpu")
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024
+    if kv_budget.cgroup_room() is not None:  # a container's limit
+        available = min(available, kv_budget.cgroup_room())
     assert room is not None and 0.5 * available < room < 2 * available  # what Linux says, read moments apart
     assert device_room("meta") is None
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (7 * GIB, 80 * GIB))
@@ -95,3 +97,38 @@ def test_the_apps_argument_takes_auto_and_refuses_what_is_not_a_size():
     for bad in ("plenty", 0, float("inf")):
         with pytest.raises(ValidationError, match="kv_budget_gib"):
             AppArgs(kv_budget_gib=bad)
+
+
+def cgroup_tree(tmp_path, self_cgroup: str, files: dict[str, str]):
+    """A fake /sys/fs/cgroup (files by path under it) and /proc/self/cgroup."""
+    for name, text in files.items():
+        (tmp_path / "cg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cg" / name).write_text(text)
+    (tmp_path / "self").write_text(self_cgroup)
+    return str(tmp_path / "cg"), str(tmp_path / "self")
+
+
+def test_a_containers_cgroup_v2_limit_bounds_the_room(tmp_path):
+    root, me = cgroup_tree(tmp_path, "0::/kubepods/pod1/ctr\n", {
+        "kubepods/pod1/ctr/memory.max": f"{8 * GIB}\n", "kubepods/pod1/ctr/memory.current": f"{3 * GIB}\n",
+        "kubepods/pod1/ctr/memory.stat": f"anon 100\ninactive_file {GIB}\nactive_file 5\n"})
+    assert kv_budget.cgroup_room(root, me) == 6 * GIB  # 8 - 3, the inactive page cache counted free
+
+
+def test_a_cgroup_seen_as_the_root_and_v1(tmp_path):
+    # a container's namespace shows its own cgroup at the root, whatever /proc/self/cgroup names
+    root, me = cgroup_tree(tmp_path, "0::/elsewhere\n", {"memory.max": f"{4 * GIB}", "memory.current": f"{GIB}"})
+    assert kv_budget.cgroup_room(root, me) == 3 * GIB
+    root, me = cgroup_tree(tmp_path / "v1", "4:memory:/docker/abc\n3:cpu:/docker/abc\n", {
+        "memory/docker/abc/memory.limit_in_bytes": f"{2 * GIB}", "memory/docker/abc/memory.usage_in_bytes": f"{GIB}",
+        "memory/docker/abc/memory.stat": "total_inactive_file 1024\n"})
+    assert kv_budget.cgroup_room(root, me) == GIB + 1024
+
+
+@pytest.mark.parametrize("limit", ["max", str(9223372036854771712)])
+def test_no_cgroup_limit_leaves_the_room_to_meminfo(tmp_path, limit, monkeypatch):
+    root, me = cgroup_tree(tmp_path, "0::/\n", {"memory.max": limit, "memory.current": "5"})
+    assert kv_budget.cgroup_room(root, me) is None
+    assert kv_budget.cgroup_room(str(tmp_path / "missing"), me) is None
+    monkeypatch.setattr(kv_budget, "cgroup_room", lambda: GIB)
+    assert device_room("cpu") == min(GIB, kv_budget._mem_available())  # the tighter of the two
