@@ -39,10 +39,10 @@ from deployments.bandit import BanditSaver, BanditSync
 from deployments.metrics import MetricsPush, replica_name
 from ray_specdec.bandit import Bandit, BanditConfig
 from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.kv_budget import device_room, fitted_kv_budget
 from ray_specdec.models.loading import failure, load_tokenizer, switched_on
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
-from ray_specdec.kv_budget import device_room, fitted_kv_budget
 from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
 from ray_specdec.serving.target_worker import TargetWorker, free_port, widened

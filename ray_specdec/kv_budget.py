@@ -5,10 +5,10 @@ caches may hold. Nothing allocates it up front (caches and the GPU's pool grow w
 than the device only shows when the load fills it: as an out-of-memory error mid-step, long after start. So the
 budget is checked once the models are loaded, against what the device has free for it (`device_room`): CUDA's free
 memory on the device, or on the CPU what Linux counts available (MemAvailable), or less where the process's cgroup
-(a container's memory limit: Docker, Kubernetes) allows less. A budget that does not fit is a
-one-line error at start that names the most that would. `kv_budget_gib="auto"` takes `AUTO_SHARE` of that room
-(vLLM sizes its KV cache from `gpu_memory_utilization` the same way): the rest is for activations, the allocator's
-slack and, on CUDA, the graphs' pools.
+(a container's memory limit: Docker, Kubernetes) allows less. A budget that does not fit is a one-line error at
+start that names the most that would. `kv_budget_gib="auto"` takes `AUTO_SHARE` of that room (vLLM sizes its KV
+cache from `gpu_memory_utilization` the same way): the rest is for activations, the allocator's slack and, on CUDA,
+the graphs' pools.
 
 With tensor parallelism each rank holds a `tp_size`-th of every row: on CUDA each rank's own device must hold its
 share (`shards`); on the CPU the ranks share the host's memory, which must hold the whole budget.
