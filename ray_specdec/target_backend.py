@@ -163,3 +163,8 @@ class LocalTarget(TargetCaches):
     def eos_token_ids(self) -> frozenset[int]:
         return self.target.eos_token_ids
 
+    @property
+    def kv_pool(self) -> dict[str, int] | None:
+        """The target's KV pool's state (models/kv_pool.py), None where its caches are their own."""
+        return getattr(self.target, "kv_pool_stats", None)
+

@@ -82,6 +82,11 @@ class KVPool:
     def free_rows(self) -> int:
         return sum(end - start for start, end in self._free)
 
+    def stats(self) -> dict[str, int]:
+        """Rows, free rows, packs and rows moved so far (the engine's /v1/stats)."""
+        with self._lock:
+            return {"rows": self.rows, "free_rows": self.free_rows, "packs": self.packs, "moved_rows": self.moved_rows}
+
     def new_cache(self, capacity: int) -> GrowableKVCache | None:
         """A cache of `capacity` rows in the pool (packing or growing it if no free range fits), or None where the
         device has no memory for that."""

@@ -272,6 +272,11 @@ class TargetModel:
             pool.free(cache.kv)
             cache.kv = own
 
+    @property
+    def kv_pool_stats(self) -> dict[str, int] | None:
+        """The KV pool's rows, free rows, packs and rows moved (None: no pool, caches of their own)."""
+        return None if self._pool is None else self._pool.stats()
+
     def release(self, cache: TargetCache) -> None:
         """The request is done with the cache: a pooled one's rows are free at once (else when it is collected)."""
         if self._pool is not None:

@@ -162,7 +162,7 @@ class EngineLoop:
         return {"running": s.num_running, "waiting": s.num_waiting, "kv_reserved": s.reserved,
                 "kv_budget": s.config.kv_budget_tokens, "kv_waits": s.kv_waits, "kv_waited": s.kv_waited,
                 "steps": s.steps, "faults": self.faults, "recoveries": self.recoveries, "healthy": self.healthy,
-                "guard": self.guard_summary}  # fmt: skip
+                "guard": self.guard_summary, "kv_pool": getattr(s.target, "kv_pool", None)}  # fmt: skip
 
     def _run(self, scheduler, built: list, ready: threading.Event) -> None:
         if not ready.is_set():

@@ -13,7 +13,13 @@ import torch
 
 from ray_specdec.models import kv_pool
 from ray_specdec.models.kv_pool import KVPool
+from ray_specdec.config import TreeConfig
+from ray_specdec.models.target import TargetModel
+from ray_specdec.scheduler import Scheduler, SchedulerConfig
+from ray_specdec.serving.engine_loop import EngineLoop
+from ray_specdec.target_backend import LocalTarget, StepWork
 from tests.test_kv_grow import decode_pooled, requests
+from tests.tiny_models import tiny_gpt_neox
 
 
 def limited(rows: int, limit: int, layers: int = 2, kv_heads: int = 2, head_dim: int = 3) -> KVPool:
@@ -236,3 +242,18 @@ def test_a_growth_that_runs_out_of_memory_part_way_keeps_every_cache_and_resumes
     pool._grow(128)
     assert seen["calls"] == 8 + 5 + 4 and pool.rows == 128 and pool._free == [(64, 128)]  # the grown four kept
     check(pool, live)
+
+
+def test_the_pools_state_reaches_the_engines_stats():
+    model = tiny_gpt_neox(torch.float64, max_positions=600)
+    pooled = TargetModel(model, lean=True, batch_invariant=False, kv_pool=True)
+    scheduler = Scheduler(LocalTarget(pooled), None, None, TreeConfig(()), SchedulerConfig(kv_budget_tokens=260))
+    loop = EngineLoop(scheduler)
+    try:
+        assert loop.stats()["kv_pool"] is None  # no cache yet, no pool
+        scheduler.target.run(StepWork(allocations=[("a", 100)]))
+        stats = loop.stats()["kv_pool"]
+        assert stats == {"rows": pooled._pool.rows, "free_rows": pooled._pool.rows - 100, "packs": 0, "moved_rows": 0}
+    finally:
+        loop.stop()
+    assert LocalTarget(TargetModel(model)).kv_pool is None  # caches of their own (the CPU's default)
