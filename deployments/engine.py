@@ -264,18 +264,20 @@ class EngineReplica:
                 # unset, and a runtime environment may have set it to 1)
                 torch.set_num_threads(max(1, round(num_cpus_per_rank)))
                 self.backend = LocalTarget(TargetModel.from_pretrained(target, dtype=dtype, device=device))
-                kv_bytes, room = self.backend.target.kv_bytes_per_token, device_room(self.backend.target.device)
+                kv_bytes = self.backend.target.kv_bytes_per_token
             else:
                 self.backend = RankGroup(target, tp_size=tp_size, dtype=dtype, device=device,
                                          num_cpus_per_rank=num_cpus_per_rank)  # fmt: skip
                 kv_bytes, room = self.backend.info["kv_bytes_per_token"], self.backend.info.get("kv_room_bytes")
+            if drafter is not None:
+                self.drafter = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device,
+                                                            prefill_window=drafter_prefill_window)  # fmt: skip
+            if tp_size == 1:  # measured once the drafter (on the same device) holds its weights and graphs too
+                room = device_room(self.backend.target.device)
             # a budget the device cannot hold fails here, with what would fit, not as an OOM mid-step under load
             shards = tp_size if device != "cpu" else 1  # GPU ranks hold their shares apiece; CPU ranks share a host
             config = replace(config, kv_budget_tokens=fitted_kv_budget(config.kv_budget_tokens, kv_budget_gib,
                                                                        kv_bytes, room, shards))  # fmt: skip
-            if drafter is not None:
-                self.drafter = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device,
-                                                            prefill_window=drafter_prefill_window)  # fmt: skip
             return Scheduler(self.backend, self.drafter, self.tokenizer, policy, config, max_context)
 
         self.loop = EngineLoop(build, self._restart_ranks if tp_size > 1 else None, recover_timeout_s,
