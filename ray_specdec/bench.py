@@ -27,10 +27,10 @@ from tqdm import tqdm
 from ray_specdec.cli import OneLineParser, UsageError
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
-from ray_specdec.rounds import NO_TREE
+from ray_specdec.kv_budget import device_room, fitted_kv_budget
 from ray_specdec.models.device_clock import synchronize
 from ray_specdec.models.loading import prefill_window_arg
-from ray_specdec.kv_budget import device_room, fitted_kv_budget
+from ray_specdec.rounds import NO_TREE
 from ray_specdec.scheduler_args import add_scheduler_arguments, scheduler_config_from_args
 
 # Every method runs every prompt (and again at each temperature): with the prefix cache on, the methods after the
@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = short + long + qa
     try:
         scheduler = replace(scheduler, kv_budget_tokens=fitted_kv_budget(
-            scheduler.kv_budget_tokens, args.kv_budget_gib, target.kv_bytes_per_token, device_room(target.device)))
+            scheduler.kv_budget_tokens, args.kv_budget_gib, target.kv_bytes_per_token, device_room(target.device),
+            given=scheduler.kv_budget_tokens != DEFAULT_SCHEDULER.kv_budget_tokens))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -123,8 +123,10 @@ def load_engine(
     drafter_model = load_drafter(drafter, dtype, device, drafter_prefill_window)
     scheduler = scheduler or DEFAULT_SCHEDULER
     try:
+        # the default budget (131,072 rows: ~64 GiB of a 7B model's KV) shrinks to the device; a chosen one must fit
         rows = fitted_kv_budget(scheduler.kv_budget_tokens, kv_budget_gib, target_model.kv_bytes_per_token,
-                                device_room(device))  # fmt: skip
+                                device_room(device),
+                                given=scheduler.kv_budget_tokens != DEFAULT_SCHEDULER.kv_budget_tokens)
     except ValueError as e:
         raise LoadError(str(e)) from None
     scheduler = replace(scheduler, kv_budget_tokens=rows)

@@ -6,7 +6,8 @@ than the device only shows when the load fills it: as an out-of-memory error mid
 budget is checked once the models are loaded, against what the device has free for it (`device_room`): CUDA's free
 memory on the device, or on the CPU what Linux counts available (MemAvailable), or less where the process's cgroup
 (a container's memory limit: Docker, Kubernetes) allows less. A budget that does not fit is a one-line error at
-start that names the most that would. `kv_budget_gib="auto"` takes `AUTO_SHARE` of that room (vLLM sizes its KV
+start that names the most that would; the library's and the CLI's default (131,072 rows, ~64 GiB of a 7B model's KV),
+which nobody chose, shrinks to fit instead, with a warning. `kv_budget_gib="auto"` takes `AUTO_SHARE` of that room (vLLM sizes its KV
 cache from `gpu_memory_utilization` the same way): the rest is for activations, the allocator's slack and, on CUDA,
 the graphs' pools.
 
@@ -16,10 +17,13 @@ share (`shards`); on the CPU the ranks share the host's memory, which must hold 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 AUTO_SHARE = 0.9  # of the memory free after loading that kv_budget_gib="auto" takes
 GIB = 1 << 30
@@ -102,10 +106,11 @@ def kv_budget_rows(budget_gib: float, bytes_per_token: int) -> int:
 
 
 def fitted_kv_budget(rows: int, budget_gib: float | str | None, bytes_per_token: int, room: int | None,
-                     shards: int = 1) -> int:
+                     shards: int = 1, given: bool = True) -> int:
     """The budget in rows: `budget_gib` GiB where given ("auto": AUTO_SHARE of the room), else `rows`; checked
     against `room` (bytes free on each device that holds a `shards`-th of every row; None: unchecked). ValueError, one
-    line, where it does not fit or "auto" has no room to go by."""
+    line, where it does not fit or "auto" has no room to go by; a budget nobody chose (`given` False: the default
+    rows) that does not fit shrinks to "auto" instead, with a warning."""
     bytes_per_token = max(bytes_per_token, 1)
     if budget_gib == "auto":
         if room is None:
@@ -117,6 +122,11 @@ def fitted_kv_budget(rows: int, budget_gib: float | str | None, bytes_per_token:
             raise ValueError(f"kv_budget_gib must be a number of GiB > 0 or 'auto', got {budget_gib!r}")
         rows = kv_budget_rows(budget_gib, bytes_per_token)
     if room is not None and rows * bytes_per_token / shards > room:
+        if not given and budget_gib is None:
+            fitted = fitted_kv_budget(rows, "auto", bytes_per_token, room, shards)
+            logger.warning("the default KV budget of %d rows does not fit the %.2f GiB free; %d rows instead (90%%)",
+                           rows, room / GIB, fitted)
+            return fitted
         most = AUTO_SHARE * room * shards / GIB
         per = f" per device at tp_size {shards}" if shards > 1 else ""
         raise ValueError(

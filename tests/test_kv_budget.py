@@ -15,6 +15,7 @@ from deployments.app import AppArgs
 from ray_specdec import kv_budget
 from ray_specdec.factory import LoadError, load_engine
 from ray_specdec.kv_budget import AUTO_SHARE, GIB, device_room, fitted_kv_budget, kv_budget_rows
+from ray_specdec.scheduler import SchedulerConfig
 from ray_specdec.scheduler_args import add_scheduler_arguments
 from tests.test_cli import engines, model_dirs, run  # noqa: F401 (fixtures)
 
@@ -132,3 +133,19 @@ def test_no_cgroup_limit_leaves_the_room_to_meminfo(tmp_path, limit, monkeypatch
     assert kv_budget.cgroup_room(str(tmp_path / "missing"), me) is None
     monkeypatch.setattr(kv_budget, "cgroup_room", lambda: GIB)
     assert device_room("cpu") == min(GIB, kv_budget._mem_available())  # the tighter of the two
+
+
+def test_the_default_budget_shrinks_to_the_device_and_a_chosen_one_does_not(model_dirs, monkeypatch, caplog):
+    """A 7B model's KV at the default 131,072 rows is ~64 GiB: `generate` on a smaller machine should run, not fail
+    on a budget nobody chose. A budget someone chose still fails where it does not fit."""
+    target_dir, _ = model_dirs
+    monkeypatch.setattr(kv_budget, "device_room", lambda device: 1 << 20)  # 1 MiB free
+    engine = load_engine(str(target_dir), "none")
+    per_token = engine.target.kv_bytes_per_token
+    assert SchedulerConfig().kv_budget_tokens * per_token > 1 << 20  # the default does not fit
+    assert engine.scheduler.config.kv_budget_tokens == math.floor(AUTO_SHARE * (1 << 20) / per_token)
+    assert "the default KV budget" in caplog.text
+    with pytest.raises(LoadError, match="does not fit"):
+        load_engine(str(target_dir), "none", scheduler=SchedulerConfig(kv_budget_tokens=100_000))
+    with pytest.raises(ValueError, match="does not fit"):
+        fitted_kv_budget(1, 1.0, 1024, room=1 << 20, given=False)  # GiB are always chosen
