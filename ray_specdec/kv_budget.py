@@ -6,10 +6,10 @@ than the device only shows when the load fills it: as an out-of-memory error mid
 budget is checked once the models are loaded, against what the device has free for it (`device_room`): CUDA's free
 memory on the device, or on the CPU what Linux counts available (MemAvailable), or less where the process's cgroup
 (a container's memory limit: Docker, Kubernetes) allows less. A budget that does not fit is a one-line error at
-start that names the most that would; the library's and the CLI's default (131,072 rows, ~64 GiB of a 7B model's KV),
-which nobody chose, shrinks to fit instead, with a warning. `kv_budget_gib="auto"` takes `AUTO_SHARE` of that room (vLLM sizes its KV
-cache from `gpu_memory_utilization` the same way): the rest is for activations, the allocator's slack and, on CUDA,
-the graphs' pools.
+start that names the most that would; the library's and the CLI's default (131,072 rows, ~64 GiB of a 7B model's
+KV), which nobody chose, shrinks to fit instead, with a warning. `kv_budget_gib="auto"` takes `AUTO_SHARE` of that
+room (vLLM sizes its KV cache from `gpu_memory_utilization` the same way): the rest is for activations, the
+allocator's slack and, on CUDA, the graphs' pools.
 
 With tensor parallelism each rank holds a `tp_size`-th of every row: on CUDA each rank's own device must hold its
 share (`shards`); on the CPU the ranks share the host's memory, which must hold the whole budget.
