@@ -16,8 +16,9 @@ If recovery fails or takes longer than `recover_timeout_s`, every request in fli
 (HTTP 503 with Retry-After), and `healthy` stays False until a recovery succeeds.
 
 Metrics. `metrics` (serving/metrics.py) records every request's arrival, admission, rounds and end, and the
-scheduler's state after each step, on the loop's thread; the speculation guard's verdicts at most once per
-GUARD_REPORT_S while steps run, and when the work runs out (also in `stats()["guard"]`).
+scheduler's state after each step, on the loop's thread; the speculation guard's verdicts and the target's KV pool
+(where its caches are pooled) at most once per REPORT_S while steps run, and when the work runs out (also in
+`stats()["guard"]` and `stats()["kv_pool"]`).
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ from ray_specdec.serving.thread_priority import ComputeFirst
 logger = logging.getLogger(__name__)
 
 
-# How often, at most, the guard's verdicts are copied out for the metrics and stats (its summary fits a line per load
-# level: cheap, but not for every step).
-GUARD_REPORT_S = 1.0
+# How often, at most, the guard's verdicts and the KV pool's state are copied out for the metrics and stats (the
+# guard's summary fits a line per load level, the pool's four numbers take its lock: cheap, but not for every step).
+REPORT_S = 1.0
 
 
 class TargetUnavailable(RuntimeError):
@@ -90,7 +91,7 @@ class EngineLoop:
         self.faults = 0  # steps that raised
         self.recoveries = 0
         self.guard_summary: list[dict] | None = None  # the guard's verdicts as last copied out (None: no guard)
-        self._guard_at = -math.inf
+        self._reported_at = -math.inf
         self._wake = threading.Condition()
         self._inbox: deque[tuple] = deque()
         self._streams: dict[str, _Stream] = {}  # read by the loop's thread, written by the event loop's
@@ -205,7 +206,7 @@ class EngineLoop:
                 chunk = out.chunk
                 self.metrics.produced(out.request_id, len(chunk.token_ids), chunk.finish_reason, chunk.stats, end)
             self._hand_out(outputs, end)
-            self._report_guard(end)
+            self._report(end)
             if self.priority is not None:
                 self.priority.refresh()
             if self.on_step is not None:
@@ -234,15 +235,19 @@ class EngineLoop:
         if s.prefix is not None:
             self.metrics.prefix_cache(s.prefix.queried_rows, s.prefix.hit_rows)
 
-    def _report_guard(self, now: float) -> None:
-        """The guard's verdicts to the metrics and stats: at most once per GUARD_REPORT_S, and when the work runs out
-        (so an idle replica shows its last state)."""
-        guard = self.scheduler.guard
-        if guard is None or (now - self._guard_at < GUARD_REPORT_S and self.scheduler.has_work):
+    def _report(self, now: float) -> None:
+        """The guard's verdicts and the KV pool's state to the metrics (the guard's to the stats too): at most once per
+        REPORT_S, and when the work runs out (so an idle replica shows its last state)."""
+        if now - self._reported_at < REPORT_S and self.scheduler.has_work:
             return
-        self._guard_at = now
-        self.guard_summary = guard.summary()
-        self.metrics.guard(self.guard_summary)
+        self._reported_at = now
+        guard = self.scheduler.guard
+        if guard is not None:
+            self.guard_summary = guard.summary()
+            self.metrics.guard(self.guard_summary)
+        pool = getattr(self.scheduler.target, "kv_pool", None)
+        if pool is not None:
+            self.metrics.kv_pool(pool)
 
     def _hand_out(self, outputs, now: float) -> None:
         """A step's chunks to their streams: a round whose chunk is not due yet is held and merged with the next

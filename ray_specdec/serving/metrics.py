@@ -77,6 +77,10 @@ RUNNING = "ray_specdec:num_requests_running"
 WAITING = "ray_specdec:num_requests_waiting"
 KV_USAGE = "ray_specdec:kv_cache_usage_perc"
 KV_WAITS = "ray_specdec:kv_cache_waits"
+KV_POOL_ROWS = "ray_specdec:kv_pool_rows"
+KV_POOL_FREE = "ray_specdec:kv_pool_free_rows"
+KV_POOL_PACKS = "ray_specdec:kv_pool_packs"
+KV_POOL_MOVED = "ray_specdec:kv_pool_moved_rows"
 ROUTER_REQUESTS = "ray_specdec:router_requests"
 ROUTER_IN_FLIGHT = "ray_specdec:router_requests_in_flight"
 BANDIT_PULLS = "ray_specdec:bandit_arm_pulls"
@@ -109,6 +113,11 @@ METRICS = {m.name: m for m in (
     Metric(KV_USAGE, GAUGE, "KV budget reserved by admitted requests (1 means 100 percent).", ("replica",)),
     Metric(KV_WAITS, COUNTER, "Rounds a decoding request skipped because its KV could not grow within the budget "
            "(kv_grow; it keeps its cache and goes on when rows free: no preemption)."),
+    Metric(KV_POOL_ROWS, GAUGE, "Token rows the target's KV pool holds per layer (pooled caches: CUDA's default).",
+           ("replica",)),
+    Metric(KV_POOL_FREE, GAUGE, "Of those, rows no request's cache holds.", ("replica",)),
+    Metric(KV_POOL_PACKS, COUNTER, "Times the KV pool slid caches together to free a range at its end."),
+    Metric(KV_POOL_MOVED, COUNTER, "Rows the KV pool copied to pack or to move a growing cache."),
     Metric(ROUTER_REQUESTS, COUNTER, "HTTP outcomes: ok (per choice), rejected (4xx), error (5xx or an error event "
            "in a stream), cancelled (the client left).", ("status",)),
     Metric(ROUTER_IN_FLIGHT, GAUGE, "Choices the routes are serving.", ("replica",)),
@@ -225,6 +234,14 @@ class EngineMetrics(Recorder):
             self._set(WAITING, waiting)
             self._set(KV_USAGE, kv_reserved / kv_budget)
             self._set(KV_WAITS, kv_waited)
+
+    def kv_pool(self, stats: dict[str, int]) -> None:
+        """The target's KV pool (`KVPool.stats()`): its rows and free rows now, packs and rows moved since it began."""
+        with self._lock:
+            self._set(KV_POOL_ROWS, stats["rows"])
+            self._set(KV_POOL_FREE, stats["free_rows"])
+            self._set(KV_POOL_PACKS, stats["packs"])
+            self._set(KV_POOL_MOVED, stats["moved_rows"])
 
     def prefix_cache(self, queried: int, hits: int) -> None:
         """The prefix cache's totals since the replica started (prompt tokens looked up, found)."""

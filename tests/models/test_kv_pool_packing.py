@@ -13,11 +13,14 @@ import torch
 
 from ray_specdec.models import kv_pool
 from ray_specdec.models.kv_pool import KVPool
-from ray_specdec.config import TreeConfig
+from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.target import TargetModel
 from ray_specdec.scheduler import Scheduler, SchedulerConfig
+from ray_specdec.serving import metrics
 from ray_specdec.serving.engine_loop import EngineLoop
-from ray_specdec.target_backend import LocalTarget, StepWork
+from ray_specdec.target_backend import LocalTarget, SegmentSpec, StepWork
+from tests.serving.test_engine_loop import collect, run, wait_until
+from tests.serving.test_metrics import parse
 from tests.test_kv_grow import decode_pooled, requests
 from tests.tiny_models import tiny_gpt_neox
 
@@ -257,3 +260,36 @@ def test_the_pools_state_reaches_the_engines_stats():
     finally:
         loop.stop()
     assert LocalTarget(TargetModel(model)).kv_pool is None  # caches of their own (the CPU's default)
+
+
+def test_the_pools_state_reaches_the_metrics():
+    """A served request over a pool that packed: /metrics gives the pool's rows and free rows (gauges of the replica)
+    and its packs and moved rows (counters), as the pool counts them once the work ran out."""
+    model = tiny_gpt_neox(torch.float64, max_positions=600)
+    pooled = TargetModel(model, lean=True, batch_invariant=False, kv_pool=True)
+    scheduler = Scheduler(LocalTarget(pooled), None, None, TreeConfig(()), SchedulerConfig(kv_budget_tokens=600))
+    loop = EngineLoop(scheduler)
+    try:
+        target = scheduler.target
+        target.run(StepWork(allocations=[("a", 100), ("b", 200), ("c", 200)]))
+        target.run(StepWork(releases=["b"], segments=[SegmentSpec("c", torch.arange(1, 51))]))  # c holds 50 rows
+        target.run(StepWork(allocations=[("d", 560)]))  # more than either free range, less than both: packed
+        pool = pooled._pool
+        assert pool.packs == 1 and pool.moved_rows == 50
+        run(collect(loop, "r", list(range(1, 40)), SamplingParams(max_new_tokens=4, ignore_eos=True)))
+
+        def reported() -> dict:
+            snapshot = loop.metrics.snapshot()
+            return {name: snapshot.get(name, {}).get(()) for name in (metrics.KV_POOL_ROWS, metrics.KV_POOL_FREE,
+                                                                      metrics.KV_POOL_PACKS, metrics.KV_POOL_MOVED)}
+
+        stats = pool.stats()
+        wait_until(lambda: reported()[metrics.KV_POOL_FREE] == stats["free_rows"])
+        samples = parse(metrics.render({"engine/x": loop.metrics.snapshot()}))
+        mine = (("replica", "engine/x"),)
+        assert samples[(metrics.KV_POOL_ROWS, mine)] == stats["rows"] == 1024
+        assert samples[(metrics.KV_POOL_FREE, mine)] == stats["free_rows"] == 1024 - 860
+        assert samples[(f"{metrics.KV_POOL_PACKS}_total", ())] == stats["packs"] == 1
+        assert samples[(f"{metrics.KV_POOL_MOVED}_total", ())] == stats["moved_rows"] == 50
+    finally:
+        loop.stop()

@@ -46,6 +46,8 @@ def scripted() -> m.EngineMetrics:
     rec.scheduler_state(running=2, waiting=1, kv_reserved=300, kv_budget=1200, kv_waited=7)  # totals: the last stands
     rec.prefix_cache(queried=40, hits=10)
     rec.prefix_cache(queried=60, hits=25)  # totals: the last one stands
+    rec.kv_pool({"rows": 2048, "free_rows": 1000, "packs": 1, "moved_rows": 300})
+    rec.kv_pool({"rows": 4096, "free_rows": 3000, "packs": 2, "moved_rows": 420})  # totals: the last one stands
     rec.guard([{"load": "1", "undrafted": False, "speedup": None, "plain": 0, "policy": 3, "explore_period": 32},
                {"load": "5-16", "undrafted": True, "speedup": 0.8, "plain": 20, "policy": 9, "explore_period": 64}])
     return rec
@@ -67,8 +69,11 @@ def test_counters_are_exact_for_a_scripted_sequence():
         m.PREFIX_QUERIES: {(): 60},
         m.PREFIX_HITS: {(): 25},
         m.KV_WAITS: {(): 7},
+        m.KV_POOL_PACKS: {(): 2},
+        m.KV_POOL_MOVED: {(): 420},
     }
     assert snap[m.RUNNING] == {(): 2} and snap[m.WAITING] == {(): 1} and snap[m.KV_USAGE] == {(): 0.25}
+    assert snap[m.KV_POOL_ROWS] == {(): 4096} and snap[m.KV_POOL_FREE] == {(): 3000}
 
 
 def test_histograms_count_each_observation_in_its_bucket():
