@@ -2,8 +2,10 @@
 
 `benchmarks/serve_peers.py` times whole cells: the clients start together and the cell waits for the last request
 after its duration, so a cell's tokens/s includes the start (every request prefilling at once) and the drain. This
-one counts what finishes in a window after `--warmup` seconds of load, over the same prompts for every system, so
-that the steady state and the cells' start and drain can be told apart (docs/BENCHMARKS.md, "Twenty-ninth run").
+one counts the tokens decoded in a window after `--warmup` seconds of load (each request's tokens spread evenly from
+its first token to its end), over the same prompts for every system, so that the steady state and the cells' start
+and drain can be told apart (docs/BENCHMARKS.md, "Twenty-ninth run"). Before 2026-11-28 it counted the requests that
+ended in the window, which moves in steps of whole waves (still reported, `ended_tokens_per_s`).
 
 Systems: `ours` (the app's own choice of drafting) and `ours-none` (every request `"tree": "none"`), from one
 server, alternating; `vllm` (vLLM-CPU plain, `../shared/peers/vllm_cpu.sh`), twice as often. No server sees a prompt
@@ -39,25 +41,41 @@ FIELDS = {"ours": {}, "ours-none": {"tree": "none"}, "vllm": {}}
 async def steady_window(send: Callable[[int], Awaitable[tuple[int, float | None]]], concurrency: int,
                         warmup_s: float, duration_s: float) -> dict[str, Any]:  # fmt: skip
     """`concurrency` clients, each sending its next request (send(i): i = 0, 1, ... in order; -> its tokens and time
-    to first token) when the last ends, until warmup_s + duration_s have passed; only requests that end inside the
-    window after warmup_s count. -> tokens/s, requests counted, p50 time to first token, requests sent."""
+    to first token) when the last ends, until warmup_s + duration_s have passed. Counted in the window after
+    warmup_s: each request's tokens in the share of its decoding (first token to end) that falls inside the window
+    (`tokens_per_s`), and the requests that end inside it (`requests`, `ended_tokens_per_s`: every token of those).
+    The first is the steady rate; the second moves in steps of whole waves where requests finish together (a server
+    that starts 32 requests at once ends them at once: 96 or 128 requests, nothing between). -> both, p50 time to
+    first token, requests sent."""
     t0 = time.perf_counter()
     start, end = t0 + warmup_s, t0 + warmup_s + duration_s
-    sent, counted, tokens, ttfts = 0, 0, 0, []
+    sent, counted, ended_tokens, share, ttfts = 0, 0, 0, 0.0, []
 
     async def client() -> None:
-        nonlocal sent, counted, tokens
+        nonlocal sent, counted, ended_tokens, share
         while time.perf_counter() < end:
             index, sent = sent, sent + 1
+            began = time.perf_counter()
             n, ttft = await send(index)
-            if start <= time.perf_counter() < end:
-                counted, tokens = counted + 1, tokens + n
+            done = time.perf_counter()
+            first = min(began + ttft, done) if ttft is not None else done
+            share += n * window_share(first, done, start, end)
+            if start <= done < end:
+                counted, ended_tokens = counted + 1, ended_tokens + n
                 if ttft is not None:
                     ttfts.append(ttft)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return {"tokens_per_s": tokens / duration_s, "requests": counted, "sent": sent,
-            "ttft_p50_s": statistics.median(ttfts) if ttfts else None}  # fmt: skip
+    return {"tokens_per_s": share / duration_s, "ended_tokens_per_s": ended_tokens / duration_s, "requests": counted,
+            "sent": sent, "ttft_p50_s": statistics.median(ttfts) if ttfts else None}  # fmt: skip
+
+
+def window_share(first: float, done: float, start: float, end: float) -> float:
+    """The share of a request's decoding, from its first token to its end, inside [start, end) (its tokens taken as
+    evenly spread; a request that decoded in no time: 1 if it ended inside)."""
+    if done <= first:
+        return float(start <= done < end)
+    return max(0.0, min(done, end) - max(first, start)) / (done - first)
 
 
 def run_block(endpoint: Endpoint, prompts: list[str], fields: dict[str, Any], args: argparse.Namespace,
@@ -137,8 +155,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            **run_block(endpoint, block, FIELDS[name], args, tokenize)}  # fmt: skip
                     ttft = "-" if row["ttft_p50_s"] is None else f"{row['ttft_p50_s'] * 1e3:.0f} ms"
                     print(f"{name} c={args.concurrency} block {k} (prompts {2 * k + slot}): "
-                          f"{row['tokens_per_s']:.1f} tok/s, {row['requests']} requests, TTFT p50 {ttft}",
-                          flush=True)  # fmt: skip
+                          f"{row['tokens_per_s']:.1f} tok/s (the {row['requests']} requests that ended in the window: "
+                          f"{row['ended_tokens_per_s']:.1f}), TTFT p50 {ttft}", flush=True)  # fmt: skip
                     blocks.append(row)
     summary = ratios(blocks)
     for name, ratio in summary["over_vllm"].items():

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from benchmarks.serve_steady import parse_args, ratios, steady_window
+from benchmarks.serve_steady import parse_args, ratios, steady_window, window_share
 
 
 def test_only_requests_that_end_inside_the_window_count():
@@ -24,9 +24,23 @@ def test_only_requests_that_end_inside_the_window_count():
     out = asyncio.run(steady_window(send, concurrency=2, warmup_s=0.25, duration_s=0.5))
     counted = [i for i, t in ended if 0.25 <= t < 0.75]
     assert out["requests"] == len(counted) == 10
-    assert out["tokens_per_s"] == pytest.approx(sum(i + 1 for i in counted) / 0.5)
+    assert out["ended_tokens_per_s"] == pytest.approx(sum(i + 1 for i in counted) / 0.5)
+    # every request's tokens in the window's share of it: the ten inside in full, the edges' in part
+    assert sum(i + 1 for i in counted) / 0.5 <= out["tokens_per_s"] < sum(i + 1 for i, _ in ended) / 0.5
     assert out["ttft_p50_s"] == pytest.approx(statistics.median(0.01 * (i + 1) for i in counted))
     assert out["sent"] == len(ended) == 16  # the warm-up's 4 and the drain's 2 were sent, not counted
+
+
+def test_a_requests_tokens_count_by_the_share_of_its_decoding_in_the_window():
+    assert window_share(1.0, 3.0, 0.0, 10.0) == 1.0  # inside
+    assert window_share(1.0, 3.0, 2.0, 10.0) == 0.5  # began decoding before the window
+    assert window_share(1.0, 5.0, 0.0, 2.0) == 0.25  # ends after it
+    assert window_share(1.0, 3.0, 4.0, 10.0) == 0.0 and window_share(5.0, 6.0, 0.0, 4.0) == 0.0  # outside
+    assert window_share(2.0, 2.0, 0.0, 4.0) == 1.0 and window_share(4.0, 4.0, 0.0, 4.0) == 0.0  # no decoding time
+    # waves: 32 requests that decode together for 5 s, back to back; a 15 s window from 2 s on counts 3 waves' worth
+    # of tokens, not the 3 or 4 whole waves that end inside it
+    waves = [(1.0 + 5 * k, 6.0 + 5 * k) for k in range(5)]
+    assert sum(32 * 64 * window_share(a, b, 2.0, 17.0) for a, b in waves) == pytest.approx(3 * 32 * 64)
 
 
 def test_arguments_are_checked():
