@@ -144,7 +144,10 @@ async def closed_loop(endpoint: Endpoint, prompts: list[str], fields: dict[str, 
         async def client_loop() -> None:
             while (index := next_index()) is not None:
                 body = request_body(endpoint, prompts[index], args.max_tokens, temperature, fields)
-                results.append(await stream_one(client, endpoint.url, body, index, args.timeout))
+                began = time.perf_counter() - t0
+                result = await stream_one(client, endpoint.url, body, index, args.timeout)
+                result.started_s = began if planned is None else None  # a paired cell is untimed
+                results.append(result)
 
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         if planned is None:
@@ -215,7 +218,8 @@ def run_server(name: str, args: argparse.Namespace, prompts: list[str], tokenize
                                 results, wall_s = asyncio.run(closed_loop(endpoint, prompts, fields, concurrency,
                                                                           temperature, args, indices=indices))
                                 record_cell(cells, texts, system, temperature, concurrency, results, wall_s,
-                                            tokenize, repeat, paired=indices is not None)  # fmt: skip
+                                            tokenize, repeat, paired=indices is not None,
+                                            window_s=None if indices is not None else args.duration)  # fmt: skip
                                 if (state := engine_state(endpoint)) is not None:
                                     cells[-1]["engine"] = state
     except Exception as exc:  # a peer that fails is reported, and the run goes on
@@ -226,11 +230,11 @@ def run_server(name: str, args: argparse.Namespace, prompts: list[str], tokenize
 
 def record_cell(cells: list, texts: dict, system: str, temperature: float, concurrency: int,
                 results: list[RequestResult], wall_s: float, tokenize: Callable[[str], int],
-                repeat: int = 0, paired: bool = False) -> None:  # fmt: skip
+                repeat: int = 0, paired: bool = False, window_s: float | None = None) -> None:  # fmt: skip
     cell = {"system": system, "temperature": temperature, "concurrency": concurrency, "repeat": repeat}
     if paired:  # the prompts of its twin's cell (--paired-c1), untimed
         cell["paired"] = True
-    cell |= summarize_cell(results, wall_s, tokenize)
+    cell |= summarize_cell(results, wall_s, tokenize, window_s=window_s)
     cells.append(cell)
     if temperature == 0:
         for r in results:
@@ -358,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": {"count": len(prompts), "seed": args.seed, "source": "held-out stdlib code windows, 32-512 tokens",
                     "tokens": [tokenize(p) for p in prompts]},
         "target": TARGET.name, "peer_drafter": PEER_DRAFTER.name, "dtype": "float32",
-        "servers": servers, "cells": cells, "ratios": ratios(cells), "served_vs_inproc": served_vs_inproc(cells),
+        "servers": servers, "cells": cells, "ratios": ratios(cells),
+        "ratios_window": ratios(cells, key="window_tokens_per_s"), "served_vs_inproc": served_vs_inproc(cells),
         "greedy_check": greedy_check(texts) if 0 in args.temperatures else None,
         "hardware": {"platform": platform.platform(), "cpus": os.cpu_count()}, "when": time.strftime("%Y-%m-%d"),
     }

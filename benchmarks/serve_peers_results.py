@@ -28,6 +28,7 @@ class RequestResult:
     usage_tokens: int | None = None  # completion_tokens of the last usage block seen
     id_tokens: int | None = None  # token ids in the chunks, where every chunk had them (ours)
     error: str | None = None
+    started_s: float | None = None  # when it was sent, in seconds from its cell's start (timed cells)
 
 
 @dataclass
@@ -79,14 +80,34 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
 
 
-def summarize_cell(results: list[RequestResult], wall_s: float, tokenize: Callable[[str], int]) -> dict[str, Any]:
+def window_share(first: float, done: float, start: float, end: float) -> float:
+    """The share of a request's decoding, from its first token to its end, inside [start, end) (its tokens taken as
+    evenly spread; a request that decoded in no time: 1 if it ended inside)."""
+    if done <= first:
+        return float(start <= done < end)
+    return max(0.0, min(done, end) - max(first, start)) / (done - first)
+
+
+def summarize_cell(results: list[RequestResult], wall_s: float, tokenize: Callable[[str], int],
+                   window_s: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """tokens_per_s: every token over the cell's wall time (its start, and its drain after the last request was
+    sent). window_s (timed cells, whose requests know when they were sent): also the tokens decoded in the cell's
+    first window_s seconds, each request's spread from its first token to its end (`window_tokens_per_s`): the
+    drain left out, where a server that ends its requests in waves and one that does not differ."""
     ok = [r for r in results if r.error is None]
-    tokens = sum(count_tokens(r, tokenize) for r in ok)
+    counts = [count_tokens(r, tokenize) for r in ok]
+    tokens = sum(counts)
     latency, ttft = [r.latency_s for r in ok], [r.ttft_s for r in ok if r.ttft_s is not None]
-    return {"requests": len(results), "ok": len(ok), "errors": dict(Counter(r.error for r in results if r.error)),
+    cell = {"requests": len(results), "ok": len(ok), "errors": dict(Counter(r.error for r in results if r.error)),
             "tokens": tokens, "wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 2) if wall_s else 0.0,
             "latency_p50_s": percentile(latency, 50), "latency_p95_s": percentile(latency, 95),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95)}
+    if window_s and ok and all(r.started_s is not None for r in ok):
+        inside = sum(n * window_share(r.started_s + min(r.ttft_s if r.ttft_s is not None else r.latency_s,
+                                                        r.latency_s), r.started_s + r.latency_s, 0.0, window_s)
+                     for r, n in zip(ok, counts))  # fmt: skip
+        cell["window_tokens_per_s"] = round(inside / window_s, 2)
+    return cell
 
 
 def cell_label(system: str, concurrency: int) -> str:
@@ -124,17 +145,21 @@ def greedy_check(texts: dict[str, dict[int, list[str]]],
     return {"reference": list(reference), "cells": cells}
 
 
-def rates(cells: list[dict[str, Any]]) -> dict[tuple[str, float, int], float]:
-    """(system, temperature, concurrency) -> tokens/s: the median of its cells (one per --repeats)."""
+def rates(cells: list[dict[str, Any]], key: str = "tokens_per_s") -> dict[tuple[str, float, int], float]:
+    """(system, temperature, concurrency) -> tokens/s (`key`: or another rate of the cells): the median of its cells
+    (one per --repeats) that have it."""
     runs: dict[tuple[str, float, int], list[float]] = {}
     for c in cells:
-        runs.setdefault((c["system"], c["temperature"], c["concurrency"]), []).append(c["tokens_per_s"])
+        if c.get(key) is not None:
+            runs.setdefault((c["system"], c["temperature"], c["concurrency"]), []).append(c[key])
     return {key: float(np.median(values)) for key, values in runs.items()}
 
 
-def ratios(cells: list[dict[str, Any]], ours: tuple[str, ...] = ("ours", "ours-none")) -> list[dict[str, Any]]:
-    """tokens/s of each of ours over each peer, per (temperature, concurrency) both ran (medians over repeats)."""
-    rate = rates(cells)
+def ratios(cells: list[dict[str, Any]], ours: tuple[str, ...] = ("ours", "ours-none"),
+           key: str = "tokens_per_s") -> list[dict[str, Any]]:  # fmt: skip
+    """tokens/s (`key`: or another rate) of each of ours over each peer, per (temperature, concurrency) both ran
+    (medians over repeats)."""
+    rate = rates(cells, key)
     out = []
     for (system, temperature, concurrency), value in sorted(rate.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         if system not in ours:
@@ -170,19 +195,26 @@ def ms(value: float | None) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     check = (result.get("greedy_check") or {}).get("cells", {})
-    lines = ["| system | T | concurrency | requests | errors | tokens/s | latency p50 (ms) | p95 (ms) | TTFT p50 (ms) "
-             "| greedy mismatches |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| system | T | concurrency | requests | errors | tokens/s | in the window | latency p50 (ms) | p95 (ms) "
+             "| TTFT p50 (ms) | greedy mismatches |", "|" + " --- |" * 11]
     for c in result["cells"]:
         mismatch = check.get(cell_label(c["system"], c["concurrency"])) if c["temperature"] == 0 else None
         mismatches = f"{mismatch['mismatched']}/{mismatch['compared']}" if mismatch else "-"
         lines.append(f"| {c['system']} | {c['temperature']:g} | {c['concurrency']} | {c['requests']} | "
-                     f"{sum(c['errors'].values())} | {c['tokens_per_s']:.1f} | {ms(c['latency_p50_s'])} | "
+                     f"{sum(c['errors'].values())} | {c['tokens_per_s']:.1f} | "
+                     f"{'-' if c.get('window_tokens_per_s') is None else format(c['window_tokens_per_s'], '.1f')} | "
+                     f"{ms(c['latency_p50_s'])} | "
                      f"{ms(c['latency_p95_s'])} | {ms(c['ttft_p50_s'])} | "
                      f"{mismatches} |")
     if result["ratios"]:
-        lines += ["", "| ours | vs | T | concurrency | tokens/s ratio |", "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {r['ours']} | {r['peer']} | {r['temperature']:g} | {r['concurrency']} | {r['ratio']:.2f}x |"
-                  for r in result["ratios"]]
+        window = {(r["ours"], r["peer"], r["temperature"], r["concurrency"]): r["ratio"]
+                  for r in result.get("ratios_window") or []}  # fmt: skip
+        lines += ["", "| ours | vs | T | concurrency | tokens/s ratio | in the window |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in result["ratios"]:
+            inside = window.get((r["ours"], r["peer"], r["temperature"], r["concurrency"]))
+            lines.append(f"| {r['ours']} | {r['peer']} | {r['temperature']:g} | {r['concurrency']} | "
+                         f"{r['ratio']:.2f}x | {'-' if inside is None else f'{inside:.2f}x'} |")
     if result["served_vs_inproc"]:
         lines += ["", "| served | in-process loop | T | served tokens/s | in-process tokens/s | ratio | prompts |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -192,6 +224,10 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", f"Greedy mismatches: texts unlike {REFERENCE[0]}'s for the same prompt (where it did not run the "
                   f"prompt: {' or '.join(REFERENCE[1:])}'s) / texts compared; a reference text is not compared with "
                   f"itself, so with fresh prompts the reference's own cells compare nothing (0/0)."]
+    if result.get("ratios_window"):
+        lines += ["In the window: the tokens decoded within the cell's duration, each request's spread from its first "
+                  "token to its end, over the duration (the cell's drain left out); tokens/s: every token over the "
+                  "cell's wall time, drain included."]
     if any(c.get("repeat", 0) for c in result["cells"]):
         lines += ["Ratios are of medians over each system's repeated cells (one row per cell above)."]
     down = {k: v for k, v in result["servers"].items() if v["status"] != "ok"}

@@ -29,7 +29,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 from benchmarks.serve_peers import request_body, select_prompts, stream_one
-from benchmarks.serve_peers_results import RequestResult, count_tokens
+from benchmarks.serve_peers_results import RequestResult, count_tokens, window_share
 from benchmarks.serve_peers_servers import REPO, TARGET, Endpoint, ours_server, vllm_server
 
 # server -> its systems, in the order of their prompt slots (a window of block k, slot j takes prompt block 2k + j),
@@ -68,14 +68,6 @@ async def steady_window(send: Callable[[int], Awaitable[tuple[int, float | None]
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return {"tokens_per_s": share / duration_s, "ended_tokens_per_s": ended_tokens / duration_s, "requests": counted,
             "sent": sent, "ttft_p50_s": statistics.median(ttfts) if ttfts else None}  # fmt: skip
-
-
-def window_share(first: float, done: float, start: float, end: float) -> float:
-    """The share of a request's decoding, from its first token to its end, inside [start, end) (its tokens taken as
-    evenly spread; a request that decoded in no time: 1 if it ended inside)."""
-    if done <= first:
-        return float(start <= done < end)
-    return max(0.0, min(done, end) - max(first, start)) / (done - first)
 
 
 def run_block(endpoint: Endpoint, prompts: list[str], fields: dict[str, Any], args: argparse.Namespace,

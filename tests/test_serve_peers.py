@@ -79,6 +79,19 @@ def test_percentile_and_summary():
     assert (cell["requests"], cell["ok"], cell["errors"], cell["tokens"], cell["tokens_per_s"]) == (
         3, 2, {"timeout": 1}, 7, 3.5)
     assert (cell["latency_p50_s"], cell["ttft_p50_s"]) == (2.0, pytest.approx(0.2))
+    assert "window_tokens_per_s" not in cell  # untimed: the requests do not know when they were sent
+
+
+def test_the_window_rate_counts_tokens_decoded_within_the_duration():
+    """Sent at 0 s (4 tokens decoded 1-3 s: all inside a 4 s window), at 2 s (6 tokens decoded 3-7 s: a quarter
+    inside), at 5 s (ends at 6 s: outside); a failed request counts nothing."""
+    results = [RequestResult(0, 3.0, 1.0, usage_tokens=4, started_s=0.0),
+               RequestResult(1, 5.0, 1.0, usage_tokens=6, started_s=2.0),
+               RequestResult(2, 1.0, 0.5, usage_tokens=8, started_s=5.0),
+               RequestResult(3, 0.5, error="timeout", started_s=0.0)]  # fmt: skip
+    cell = summarize_cell(results, 6.0, len, window_s=4.0)
+    assert cell["tokens_per_s"] == pytest.approx(18 / 6.0)
+    assert cell["window_tokens_per_s"] == pytest.approx((4 + 6 * 0.25) / 4.0, abs=0.005)  # rounded to 2 places
 
 
 def cell(system, concurrency, tokens_per_s, temperature=0.0):
@@ -101,11 +114,22 @@ def test_ratios_pair_same_temperature_and_concurrency():
     assert [r["same_prompts"] for r in served_vs_inproc(paired)] == [True]
 
 
+def test_the_window_ratios_sit_beside_the_cells_ratios():
+    cells = [c | {"window_tokens_per_s": {"ours": 330.0, "vllm": 110.0}[c["system"]]}
+             for c in CELLS if c["system"] in ("ours", "vllm") and c["concurrency"] == 8]  # fmt: skip
+    window = ratios(cells, key="window_tokens_per_s")
+    assert window == [{"ours": "ours", "peer": "vllm", "temperature": 0.0, "concurrency": 8, "ratio": 3.0}]
+    text = markdown({"cells": cells, "ratios": ratios(cells), "ratios_window": window, "served_vs_inproc": [],
+                     "greedy_check": None, "servers": {}})  # fmt: skip
+    assert "| ours | vllm | 0 | 8 | 2.00x | 3.00x |" in text and "| 330.0 |" in text
+
+
 def test_repeated_cells_compare_by_their_medians(tmp_path):
     cells = [cell("ours", 8, v) | {"repeat": i} for i, v in enumerate((300.0, 900.0, 330.0))]
     cells += [cell("vllm", 8, v) | {"repeat": i} for i, v in enumerate((150.0, 100.0))]
     assert rates(cells) == {("ours", 0.0, 8): 330.0, ("vllm", 0.0, 8): 125.0}
     assert ratios(cells) == [{"ours": "ours", "peer": "vllm", "temperature": 0.0, "concurrency": 8, "ratio": 2.64}]
+    assert ratios(cells, key="window_tokens_per_s") == []  # no cell has that rate
     result = {"cells": cells, "ratios": ratios(cells), "served_vs_inproc": [], "greedy_check": None, "servers": {}}
     assert "medians over each system's repeated cells" in markdown(result)
     assert plot(result, tmp_path / "p.png").stat().st_size > 0
@@ -164,8 +188,8 @@ def test_markdown_table():
               "greedy_check": greedy_check({"ours-none c=1": {0: ["a"]}, "vllm c=1": {0: ["b"]}}),
               "servers": {"vllm": {"status": "ok"}, "hf": {"status": "unavailable", "reason": "did not start"}}}
     table = markdown(result)
-    assert "| vllm | 0 | 1 | 3 | 0 | 400.0 | 500 | 900 | - | 1/1 |" in table
-    assert "| hf | 1 | 1 | 3 | 0 | 50.0 | 500 | 900 | - | - |" in table
+    assert "| vllm | 0 | 1 | 3 | 0 | 400.0 | - | 500 | 900 | - | 1/1 |" in table  # no window rate: untimed cells
+    assert "| hf | 1 | 1 | 3 | 0 | 50.0 | - | 500 | 900 | - | - |" in table
     assert "| ours | vllm | 0 | 8 | 2.00x |" in table
     assert "| ours (concurrency 1) | inproc | 0 | 200.0 | 400.0 | 0.50x | different |" in table
     assert "- hf: unavailable (did not start)" in table
