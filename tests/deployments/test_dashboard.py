@@ -49,7 +49,8 @@ def test_every_dashboard_query_names_exported_metrics_and_labels():
         grouped = {label.strip() for group in GROUPING.findall(expr) for label in group.split(",") if label.strip()}
         assert grouped <= labels, (expr, grouped - labels)
     everything = " ".join(exprs)
-    for name in (m.TTFT, m.ITL, m.E2E, m.QUEUE, m.RUNNING, m.WAITING, m.KV_USAGE, m.ACCEPTED_PER_POS, m.ROUNDS):
+    for name in (m.TTFT, m.ITL, m.E2E, m.QUEUE, m.RUNNING, m.WAITING, m.KV_USAGE, m.ACCEPTED_PER_POS, m.ROUNDS,
+                 m.KV_POOL_FREE, m.KV_POOL_MOVED):
         assert name in everything, name
 
 
