@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from ray import serve
+from ray.serve.config import HTTPOptions
 from ray.serve.exceptions import BackPressureError
 from transformers.utils import cached_file
 
@@ -176,16 +177,19 @@ def direct_ingress_on() -> bool:
     return bool(getattr(constants, "RAY_SERVE_ENABLE_DIRECT_INGRESS", False))
 
 
-def target_urls(groups, app_name: str, host: str | None) -> list[str]:
+def target_urls(groups, app_name: str, host: str | None, proxy_port: int | None = None) -> list[str]:
     """The base URLs of `app_name`'s HTTP targets among Serve's target groups (TargetGroup: protocol, route_prefix,
     targets of ip and port), sorted. A replica binds the app's HTTP host: Serve's default, the loopback one (None:
-    `serve run` leaves it unset), unless opened up to every interface (then a target is reached at its node's IP)."""
+    `serve run` leaves it unset), unless opened up to every interface (then a target is reached at its node's IP).
+    Targets at `proxy_port` are left out: while an app has no running replica (still starting, or all lost) Serve
+    names its proxies instead, and those are not a replica's own address."""
     host = host or "127.0.0.1"
     urls = set()
     for group in groups:
         if group.app_name == app_name and str(getattr(group.protocol, "value", group.protocol)) == "HTTP":
             prefix = group.route_prefix.rstrip("/")
-            urls.update(f"http://{t.ip if host in ('0.0.0.0', '::') else host}:{t.port}{prefix}" for t in group.targets)
+            urls.update(f"http://{t.ip if host in ('0.0.0.0', '::') else host}:{t.port}{prefix}"
+                        for t in group.targets if t.port != proxy_port)  # fmt: skip
     return sorted(urls)
 
 
@@ -450,7 +454,8 @@ class OpenAIServer:
         except Exception as exc:  # an older Ray without target groups: the proxy's address still serves
             logger.debug("direct ingress addresses unavailable: %s", exc)
             return []
-        return target_urls(groups, self.app_name, (details.get("http_options") or {}).get("host"))
+        http = details.get("http_options") or {}
+        return target_urls(groups, self.app_name, http.get("host"), http.get("port") or HTTPOptions().port)
 
     async def _announce_direct(self, wait_s: float = 60.0) -> None:
         """Log the direct ingress addresses once Serve has given this replica its port (after __init__)."""
@@ -463,7 +468,7 @@ class OpenAIServer:
 
     async def _curl_example(self) -> str:
         """A ready-to-paste request against this app's HTTP address (read from the Serve controller)."""
-        host, port, prefix = "127.0.0.1", 8000, "/"
+        host, port, prefix = "127.0.0.1", HTTPOptions().port, "/"
         try:
             controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
             details = await controller.get_serve_instance_details.remote()

@@ -74,3 +74,15 @@ def test_target_urls_follow_the_host_the_replicas_bind():
     assert target_urls([group("other", "HTTP", 30002, prefix="/other/")], "other", None) == [
         "http://127.0.0.1:30002/other"]
     assert target_urls(groups, "missing", None) == []
+
+
+def test_target_urls_leave_out_the_proxies_serve_names_while_no_replica_runs():
+    """Before the app's first replica runs (and after its last is lost) Serve's target groups name its proxies, at
+    the app's HTTP port: the startup log once announced the proxy's port 8000 as the replica's own address."""
+    proxies = TargetGroup(targets=[Target(ip="10.0.0.7", port=8000, instance_id="node", name="SERVE_PROXY_ACTOR-x")],
+                          route_prefix="/", protocol="HTTP", app_name="specdec")
+    assert target_urls([proxies], "specdec", None, proxy_port=8000) == []
+    assert target_urls([proxies], "specdec", None) == ["http://127.0.0.1:8000"]  # no proxy port given: kept
+    running = TargetGroup(targets=[Target(ip="10.0.0.7", port=30000, instance_id="node", name="SERVE_REPLICA::r")],
+                          route_prefix="/", protocol="HTTP", app_name="specdec")
+    assert target_urls([running], "specdec", None, proxy_port=8000) == ["http://127.0.0.1:30000"]
