@@ -3,9 +3,10 @@
 Routes: POST /v1/completions (stream=true as server-sent events), GET /v1/models, GET /health, GET /v1/bandit,
 GET /v1/stats (replica counts and the engines' loop state, read by the load test). The round loop runs in the engine
 replicas (deployments/engine.py); a request is one streaming call to one of them, continued on another if its replica
-is lost (ray_specdec/serving/router.py). Errors are OpenAI-shaped JSON: 400 for a body that is not JSON and for
-requests that can never fit the context or the KV budget, 422 for unknown fields and out-of-range values, 503 with
-Retry-After when the engines' queues are full or the target is down, 504 when a request outlives `request_timeout_s`.
+is lost (ray_specdec/serving/router.py). Errors are OpenAI-shaped JSON: 400 for a body that is not JSON, unknown or
+unsupported fields, out-of-range values and requests that can never fit the context or the KV budget, 404 for an
+unknown route or model, 503 with Retry-After when the engines' queues are full or the target is down, 504 when a
+request outlives `request_timeout_s`.
 
 Metrics: GET /metrics, open without the API key (Prometheus scrapes it), answers the whole app's metrics in
 Prometheus' text format from any replica: every replica's numbers as last pushed to the metrics hub
@@ -26,6 +27,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.config import HTTPOptions
 from ray.serve.exceptions import BackPressureError
@@ -69,6 +71,14 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
 async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     status, body = api.validation_error(exc.errors())
     return JSONResponse(body, status_code=status)
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own answers (a route that does not exist, a method a route does not take) in OpenAI's error
+    shape too, headers kept (405's Allow), instead of FastAPI's {"detail": ...}."""
+    message = f"{exc.detail} ({request.method} {request.url.path})"
+    return JSONResponse(api.error_body(message), status_code=exc.status_code, headers=exc.headers)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 from ray_specdec.config import MAX_LOGPROBS, SamplingParams, TreeConfig
 from ray_specdec.logits_processing import TokenLogprob
 from ray_specdec.rounds import Generation, StreamChunk
+from ray_specdec.serving.token_bytes import token_bytes
 from ray_specdec.stats import GenerationStats
 
 MAX_STOP_STRINGS = 8
@@ -37,7 +38,7 @@ MAX_TREE_NODES = 256  # a client may pick a tree per request, but not one that m
 MAX_N = 16
 MAX_PROMPTS = 32
 MIN_LOGPROB = -9999.0  # JSON has no -inf: a masked alternative's logprob is sent as this (vLLM does the same)
-UNSUPPORTED = "unsupported"  # the pydantic error type of a field this server refuses (HTTP 400, not 422)
+UNSUPPORTED = "unsupported"  # the pydantic error type of a field this server refuses ("... is not supported yet")
 
 # OpenAI's defaults where a request leaves a field out; a model's generation config overrides them
 # (`generation_defaults`). Chat's max_tokens default is the room left in the context instead.
@@ -102,10 +103,13 @@ class SamplingRequest(BaseModel):
     @classmethod
     def _check_text(cls, data: Any) -> Any:
         """JSON's "\\ud800" escapes decode to lone surrogates, which neither a tokenizer nor a UTF-8 response can
-        take: such a request is refused (422) naming the field, before anything reads it."""
+        take: such a request is refused (400) naming the field, before anything reads it. A known field sent as
+        null takes its default, as OpenAI's API reads it (the openai client sends `n=None` as null)."""
         where = unencodable_text(data)
         if where is not None:
             raise ValueError(f"{where or 'body'} is not valid Unicode text (a lone surrogate such as \\ud800)")
+        if isinstance(data, dict) and None in data.values():
+            data = {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
         return data
 
     @field_validator("stop")
@@ -136,7 +140,7 @@ class SamplingRequest(BaseModel):
     def _check_tree(cls, tree: str | None) -> str | None:
         if tree is None:
             return None
-        config = TreeConfig.parse(tree)  # ValueError -> 422 with its message
+        config = TreeConfig.parse(tree)  # ValueError -> 400 with its message
         if config.num_nodes > MAX_TREE_NODES:
             raise ValueError(f"tree {config} has {config.num_nodes} nodes (max {MAX_TREE_NODES} per request)")
         return str(config)
@@ -307,12 +311,13 @@ def finite(logprob: float) -> float:
 def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[TokenLogprob], offset: int = 0) -> dict:
     """Completions' logprobs format. top_logprobs holds the top k and the chosen token (OpenAI: up to k + 1);
     text_offset counts the characters of the tokens' own decoded strings from `offset`."""
-    tokens = [tokenizer.decode([t]) for t in token_ids]
+    text = token_bytes(tokenizer).text  # a part of a character as "bytes:\\xc3" (OpenAI's form), not U+FFFD
+    tokens = [text(t) for t in token_ids]
     offsets = []
-    for text in tokens:
+    for t in token_ids:
         offsets.append(offset)
-        offset += len(text)
-    tops = [{tokenizer.decode([t]): finite(lp) for t, lp in [*lp.top, (tid, lp.logprob)]}
+        offset += len(tokenizer.decode([t]))
+    tops = [{text(t): finite(lp) for t, lp in [*lp.top, (tid, lp.logprob)]}
             for tid, lp in zip(token_ids, logprobs)]  # fmt: skip
     return {"tokens": tokens, "token_logprobs": [finite(lp.logprob) for lp in logprobs], "top_logprobs": tops,
             "text_offset": offsets}  # fmt: skip
@@ -427,12 +432,13 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 
 
 def validation_error(errors: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
-    """(status, body) for a request that failed validation: 400 for a body that is not JSON or that sets a field
-    this server does not support, 422 for unknown fields and out-of-range values."""
+    """(status, body) for a request that failed validation: a body that is not JSON, an unknown or unsupported
+    field, a value out of range. Always 400, as OpenAI and vLLM answer (FastAPI's default is 422, which the openai
+    client raises as UnprocessableEntityError, missed by code that catches BadRequestError)."""
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, error_body(f"request body is not valid JSON: {errors[0].get('msg', '')}")
     message, param = validation_message(errors)
-    return (400 if any(e.get("type") == UNSUPPORTED for e in errors) else 422), error_body(message, param=param)
+    return 400, error_body(message, param=param)
 
 
 def model_card(model_id: str, created: int | None = None, owned_by: str = "ray_specdec", **extra: Any) -> dict:

@@ -24,6 +24,7 @@ from ray_specdec.serving.api import (
     unsupported,
     usage_block,
 )
+from ray_specdec.serving.token_bytes import token_bytes
 
 # Refused when set (to anything but the value that means "plain text"), each by name.
 UNSUPPORTED_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
@@ -43,6 +44,7 @@ class ChatMessage(BaseModel):
     tool_call_id: Any = None
     function_call: Any = None
     audio: Any = None
+    annotations: list[Any] | None = None  # an earlier assistant turn's citations, sent back as given; ignored
 
     @field_validator("role")
     @classmethod
@@ -137,9 +139,11 @@ class ChatCompletionRequest(SamplingRequest):
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[TokenLogprob]) -> dict:
     """Chat's logprobs format: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
 
+    read = token_bytes(tokenizer)  # a part of a character keeps its own bytes (not U+FFFD's)
+
     def entry(token_id: int, logprob: float) -> dict:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+        text, raw = read(token_id)
+        return {"token": text, "logprob": finite(logprob), "bytes": list(raw)}
 
     return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(a, alp) for a, alp in lp.top]}
                         for t, lp in zip(token_ids, logprobs)], "refusal": None}  # fmt: skip

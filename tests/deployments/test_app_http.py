@@ -126,17 +126,17 @@ def test_stop_string_matches_engine(url, engine, reference):
     "content, status, needle",
     [
         (b'{"prompt": "w1", "max_tokens": ', 400, "not valid JSON"),
-        (json.dumps({"prompt": "w1", "logprobz": 3}).encode(), 422, "logprobz: unknown field"),
-        (json.dumps({"prompt": "w1", "temperature": -0.5}).encode(), 422, "temperature"),
-        (json.dumps({"prompt": "w1", "max_tokens": 0}).encode(), 422, "max_tokens"),
-        (json.dumps({"prompt": "w1", "top_p": 1.5}).encode(), 422, "top_p"),
-        (json.dumps({"prompt": "w1", "tree": "2,x"}).encode(), 422, "tree"),
-        (json.dumps({"max_tokens": 3}).encode(), 422, "prompt: Field required"),
-        (json.dumps(["w1"]).encode(), 422, "invalid_request_error"),
+        (json.dumps({"prompt": "w1", "logprobz": 3}).encode(), 400, "logprobz: unknown field"),
+        (json.dumps({"prompt": "w1", "temperature": -0.5}).encode(), 400, "temperature"),
+        (json.dumps({"prompt": "w1", "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": "w1", "top_p": 1.5}).encode(), 400, "top_p"),
+        (json.dumps({"prompt": "w1", "tree": "2,x"}).encode(), 400, "tree"),
+        (json.dumps({"max_tokens": 3}).encode(), 400, "prompt: Field required"),
+        (json.dumps(["w1"]).encode(), 400, "invalid_request_error"),
         (json.dumps({"prompt": " ".join(["w1"] * 250), "max_tokens": 10}).encode(), 400, "context length of 256"),
         (json.dumps({"prompt": "w1", "model": "gpt-9"}).encode(), 404, "does not exist"),
         (json.dumps({"prompt": "   "}).encode(), 400, "encodes to no tokens"),
-        (b'{"prompt": "w1 \\ud800", "max_tokens": 3}', 422, "prompt is not valid Unicode text"),  # was a 500
+        (b'{"prompt": "w1 \\ud800", "max_tokens": 3}', 400, "prompt is not valid Unicode text"),  # was a 500
     ],
 )
 def test_bad_input_gets_a_clear_error(url, reference, content, status, needle):
@@ -146,6 +146,16 @@ def test_bad_input_gets_a_clear_error(url, reference, content, status, needle):
     assert needle in response.text and response.json()["error"]["message"]
     ok = completion(post(url, {"prompt": PROMPTS[0], "max_tokens": 5}))  # still serving
     assert ok["choices"][0]["token_ids"] == reference[PROMPTS[0]][:5]
+
+
+def test_unknown_routes_and_methods_answer_in_openais_error_shape(url):
+    """Starlette's own 404 and 405 came as FastAPI's {"detail": ...}, which OpenAI clients cannot read."""
+    missing = httpx.post(f"{url}/v1/embeddings", json={"input": "w1"}, trust_env=False, timeout=30)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "Not Found (POST /v1/embeddings)"
+    wrong = httpx.get(f"{url}/v1/completions", trust_env=False, timeout=30)
+    assert wrong.status_code == 405 and "POST" in wrong.headers["allow"]
+    assert wrong.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_info_endpoints(url):

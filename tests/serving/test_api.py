@@ -96,10 +96,10 @@ def test_completion_request_refusals(body, field):
 ])
 def test_text_that_utf8_cannot_encode_is_refused_by_name(raw, where):
     """JSON's surrogate escapes decode to lone surrogates, which the tokenizer and the response cannot take (an
-    unguarded prompt was a 500): 422 naming the field, before any field is read."""
+    unguarded prompt was a 500): 400 naming the field, before any field is read."""
     err = refused(CompletionRequest, json.loads(raw))
     status, body = api.validation_error(err.errors())
-    assert status == 422
+    assert status == 400
     assert f"{where} is not valid Unicode text" in body["error"]["message"]
     body["error"]["message"].encode("utf-8")  # the answer itself encodes
 
@@ -122,7 +122,7 @@ def test_unsupported_fields_are_400_and_named():
     assert status == 400 and body["error"]["param"] == "suffix"
     assert "suffix is not supported" in body["error"]["message"]
     status, body = api.validation_error(refused(CompletionRequest, {"prompt": "w1", "n": 0}).errors())
-    assert status == 422 and body["error"]["param"] == "n"
+    assert status == 400 and body["error"]["param"] == "n"
     status, body = api.validation_error([{"type": "json_invalid", "loc": ("body", 3), "msg": "bad"}])
     assert status == 400 and "not valid JSON" in body["error"]["message"]
 
