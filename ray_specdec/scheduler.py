@@ -226,8 +226,10 @@ class Scheduler:
         rounds_hint = sum(1 + (0 if r.draft is None else r.draft.tokens.numel()) for r in decoding)
         prefill_rows = self.kv.plan(prefilling, work, self.config.step_tokens - rounds_hint)
         # a prompt whose last chunk runs in this step has its first round in it too, after the chunk (the verify of
-        # its last token): its first tokens come a step sooner
-        rounds = decoding + [r for r in prefilling if r.chunk_end == len(r.tokens) - 1]
+        # its last token): its first tokens come a step sooner. Its cache must hold the round, as any round's: a
+        # request prefilled again after a fault (reset_target) holds only what its tokens filled
+        last_chunks = [r for r in prefilling if r.chunk_end == len(r.tokens) - 1]
+        rounds = decoding + [r for r in last_chunks if self.kv.room(r, self.running.values(), work)]
         self.load = max(len(rounds), 1)
         admitted = len(self.running)  # the guard's load: decoding and prefilling (speculation_guard.py says why)
         # the guard measures its own choice: a step where no decoding request's rounds follow it (each runs a tree
