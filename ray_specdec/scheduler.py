@@ -259,7 +259,13 @@ class Scheduler:
         verdicts = dict(zip(plain, judge_plain_sampled([logits[first + i] for i in plain],
                                                        [rounds[i].params for i in plain],
                                                        [rounds[i].target_gen for i in plain]) if plain else []))
-        outputs = [self._finish_round(r, logits[first + i], verdicts.get(i)) for i, r in enumerate(rounds)]
+        outputs = []
+        try:
+            for i, r in enumerate(rounds):
+                outputs.append(self._finish_round(r, logits[first + i], verdicts.get(i)))
+        except Exception as exc:  # the rounds taken are in their requests' tokens (a finished one has left): the
+            exc.step_outputs = outputs  # caller still hands their chunks out (EngineLoop), then recovers or fails
+            raise
         t3 = time.perf_counter()
         self._account(rounds, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
         if guard is not None:  # the realised result of its choice; drafting's prefills at their steady-state share

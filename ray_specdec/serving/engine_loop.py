@@ -197,20 +197,26 @@ class EngineLoop:
             try:
                 outputs = self.scheduler.step()
             except Exception as exc:
+                # rounds taken before the failure are in their requests' tokens: their chunks go out first (a
+                # request that finished in them has left the scheduler, and nothing else would answer it)
+                self._produced(getattr(exc, "step_outputs", []), time.monotonic())
                 self._fault(exc)
                 self._observe(time.monotonic())
                 continue
             end = time.monotonic()
             self._observe(start)  # a step admits first
-            for out in outputs:
-                chunk = out.chunk
-                self.metrics.produced(out.request_id, len(chunk.token_ids), chunk.finish_reason, chunk.stats, end)
-            self._hand_out(outputs, end)
+            self._produced(outputs, end)
             self._report(end)
             if self.priority is not None:
                 self.priority.refresh()
             if self.on_step is not None:
                 self.on_step(self.scheduler, time.perf_counter() - t0)
+
+    def _produced(self, outputs, now: float) -> None:
+        for out in outputs:
+            chunk = out.chunk
+            self.metrics.produced(out.request_id, len(chunk.token_ids), chunk.finish_reason, chunk.stats, now)
+        self._hand_out(outputs, now)
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "abort":
@@ -281,11 +287,11 @@ class EngineLoop:
         while self.recover is not None and time.monotonic() < deadline:
             try:
                 self.recover()
+                self.scheduler.reset_target()  # (a restarted rank may fail again here: recovered anew, or given up)
             except Exception as again:
                 logger.error("target recovery failed (%s: %s)", type(again).__name__, again)
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
                 continue
-            self.scheduler.reset_target()
             self.recoveries += 1
             self.healthy = True
             logger.warning("the target recovered; %d requests are prefilled again", self.scheduler.num_running)

@@ -16,6 +16,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
+from ray_specdec import scheduler as scheduler_module
 from ray_specdec.rounds import NO_TREE
 from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
 from ray_specdec.serving import metrics as m
@@ -188,6 +189,50 @@ def test_a_target_fault_is_recovered_and_every_request_completes_exactly(make_lo
     assert loop.faults == loop.recoveries == len(fail_at) == len(recoveries) and backend.resets == len(fail_at)
     assert loop.healthy
     wait_until(lambda: not loop.scheduler.has_work and not backend.caches)
+
+
+@pytest.mark.parametrize("fail_on", [3, 8])
+@pytest.mark.parametrize("recovers", [True, False])
+def test_a_fault_after_some_rounds_of_a_step_were_taken_loses_none_of_them(make_loop, models, expected, monkeypatch,
+                                                                          fail_on, recovers):  # fmt: skip
+    """A step that fails part way through judging its rounds (an error surfacing after the forward) has taken the
+    rounds before it: their tokens are in their requests, and a request that finished in them has left the
+    scheduler. Their chunks were dropped: that request hung, and after a recovery another lost a round's tokens."""
+    real, calls = scheduler_module.judge, Counter()
+
+    def judge(*args, **kwargs):
+        calls["judged"] += 1
+        if calls["judged"] == fail_on:
+            raise RuntimeError("an error surfacing after the forward")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "judge", judge)
+    loop = make_loop(recover=(lambda: None) if recovers else None)
+    results = run(collect_all(loop))
+    if recovers:
+        assert results == expected and loop.recoveries == 1
+    else:
+        failed = [isinstance(r, TargetUnavailable) for r in results]
+        assert any(failed) and all(ok or r == e for ok, r, e in zip(failed, results, expected)), results
+    assert loop.faults == 1
+    wait_until(lambda: not loop.scheduler.has_work)
+
+
+def test_a_rank_that_fails_again_as_the_target_is_reset_is_recovered_anew(make_loop, models, expected):
+    """reset_target after a recovery can fail too (a restarted rank that dies at once); it ran outside the recovery's
+    try, so the exception ended the loop's thread and every stream in flight hung."""
+
+    class ResetFailsOnce(FailingTarget):
+        def reset(self) -> None:
+            if self.resets == 0:
+                self.resets += 1
+                raise RuntimeError("the restarted rank died again")
+            super().reset()
+
+    backend = ResetFailsOnce(models[0], fail_at=(3,))
+    loop = make_loop(backend, recover=lambda: None, recover_timeout_s=30)
+    assert run(collect_all(loop)) == expected
+    assert loop.alive and loop.healthy and loop.faults == loop.recoveries == 1 and backend.resets == 2
 
 
 def test_a_target_that_does_not_come_back_fails_every_request_in_flight(make_loop, models, expected):
