@@ -310,13 +310,14 @@ class EngineReplica:
                 "drafter": self.drafter is not None}  # fmt: skip
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None = None,
-                       request_id: str | None = None, interval_s: float = 0.0):
-        """Stream a request's chunks (`StreamChunk`, stats on the last one only), or one error item."""
+                       request_id: str | None = None, interval_s: float = 0.0, resumed: int = 0):
+        """Stream a request's chunks (`StreamChunk`, stats on the last one only), or one error item. resumed: the
+        last this many prompt tokens are the request's own, generated on a replica since lost (Scheduler.add)."""
         if self.bandit_sync is not None:
             self.bandit_sync.start()
         request_id = request_id or uuid.uuid4().hex
         try:
-            async for chunk in self.loop.generate(request_id, prompt_ids, params, tree, interval_s):
+            async for chunk in self.loop.generate(request_id, prompt_ids, params, tree, interval_s, resumed):
                 yield chunk if chunk.finish_reason is not None else replace(chunk, stats=None)
         except RequestTooLarge as exc:
             yield {"error": 400, "message": str(exc)}

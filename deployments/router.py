@@ -108,8 +108,8 @@ class ServeEngine:
         self.handle = handle.options(stream=True)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None,
-                       interval_s: float):
-        stream = self.handle.generate.remote(prompt_ids, params, tree, None, interval_s)
+                       interval_s: float, resumed: int = 0):
+        stream = self.handle.generate.remote(prompt_ids, params, tree, None, interval_s, resumed)
         try:
             async for item in stream:
                 yield item
@@ -123,8 +123,9 @@ class LocalEngine:
     def __init__(self, replica: EngineReplica):
         self.replica = replica
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None, interval_s: float):
-        return self.replica.generate(prompt_ids, params, tree, None, interval_s)
+    def generate(self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None, interval_s: float,
+                 resumed: int = 0):
+        return self.replica.generate(prompt_ids, params, tree, None, interval_s, resumed)
 
 
 def _never(exc: BaseException) -> bool:

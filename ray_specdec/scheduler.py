@@ -144,18 +144,26 @@ class Scheduler:
         return rows
 
     def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-            tree: TreeConfig | None = None) -> None:
-        """Queue a request; it runs from the next step that has room for it."""
+            tree: TreeConfig | None = None, resumed: int = 0) -> None:
+        """Queue a request; it runs from the next step that has room for it. resumed: the last this many of
+        prompt_ids are tokens the request generated already (continued here after its replica was lost): its
+        max_tokens, min_tokens, penalties and stop strings go on from them, as if it had never moved."""
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise ValueError(f"request {request_id!r} is already in the scheduler")
         tokens = [int(t) for t in prompt_ids]
         if any(not 0 <= t < self.target.vocab_size for t in tokens):
             raise ValueError(f"prompt token ids must be in [0, {self.target.vocab_size})")
+        if not 0 <= resumed < len(tokens):
+            raise ValueError(f"resumed must be in [0, {len(tokens)}) (the prompt's tokens), got {resumed}")
         params.check_vocab(self.target.vocab_size)
-        reserved = self.check(len(tokens), params, tree)
+        prompt_len = len(tokens) - resumed
+        reserved = self.check(prompt_len, params, tree)
+        stop = StopChecker(self.tokenizer, params, self.target.eos_token_ids)
+        stop.feed(tokens[prompt_len:])  # (the text the client has: the deltas of these tokens were streamed)
+        if stop.finished:
+            raise ValueError(f"the {resumed} resumed tokens already end the request ({stop.finish_reason})")
         draft_gen, target_gen = make_generators(params.seed)
-        r = Request(request_id, tokens, len(tokens), params, tree,
-                    StopChecker(self.tokenizer, params, self.target.eos_token_ids), draft_gen, target_gen, reserved)
+        r = Request(request_id, tokens, prompt_len, params, tree, stop, draft_gen, target_gen, reserved)
         self._admit()  # the queue's length is then what really waits
         r.granted = self.kv.first_grants(r)[-1]
         admissible = (not self.waiting and not self.kv_waits and len(self.running) < self.config.max_running

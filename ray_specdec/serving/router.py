@@ -13,7 +13,6 @@ rounds in the final statistics.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
@@ -43,7 +42,8 @@ class ServiceUnavailable(RequestError):
 
 class EngineClient(Protocol):
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None, interval_s: float
+        self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None, interval_s: float,
+        resumed: int = 0,
     ) -> AsyncIterator[StreamChunk | dict]: ...
 
 
@@ -96,10 +96,9 @@ class Router:
         self.in_flight += 1
         try:
             while True:
-                before = len(generated)  # tokens streamed by replicas lost earlier
-                left = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - before)
+                before = len(generated)  # tokens streamed by replicas lost earlier: the next goes on from them
                 try:
-                    async for item in self.engine.generate(prompt + generated, left, tree, interval_s):
+                    async for item in self.engine.generate(prompt + generated, params, tree, interval_s, before):
                         if isinstance(item, dict):
                             raise (ServiceUnavailable(item["message"]) if item["error"] == 503
                                    else RequestError(item["error"], item["message"]))  # fmt: skip

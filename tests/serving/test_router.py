@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 
 import pytest
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.defaults import DEFAULT_TARGET
 from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.models.target import TargetModel
 from ray_specdec.scheduler import Scheduler
 from ray_specdec.serving import router as router_module
@@ -42,14 +45,15 @@ class LosingClient:
         self.loop, self.lose_after, self.items = loop, list(lose_after), list(items)
         self.calls: list[tuple[list[int], SamplingParams]] = []
 
-    async def generate(self, prompt_ids, params, tree, interval_s=0.0):  # streams every round whatever asked
+    async def generate(self, prompt_ids, params, tree, interval_s=0.0, resumed=0):  # streams every round
         call = len(self.calls)
-        self.calls.append((list(prompt_ids), params))
+        self.calls.append((list(prompt_ids), params, resumed))
         for item in self.items:
             yield item
         limit = self.lose_after[call] if call < len(self.lose_after) else None
         chunks = 0
-        async with contextlib.aclosing(self.loop.generate(uuid.uuid4().hex, prompt_ids, params, tree)) as stream:
+        stream = self.loop.generate(uuid.uuid4().hex, prompt_ids, params, tree, 0.0, resumed)
+        async with contextlib.aclosing(stream):
             async for chunk in stream:
                 if chunks == limit:
                     raise ReplicaLost("the replica's actor died")
@@ -94,10 +98,41 @@ def test_a_request_continues_on_another_replica_with_the_same_tokens(models, loo
     assert result.token_ids == expected and result.finish_reason == "length"
     assert result.stats.new_tokens == PARAMS.max_new_tokens and result.prompt_tokens == len(prompt)
     assert router.continued == len(lose_after) and router.in_flight == 0
-    # each replica after a loss got the prompt and every token streamed so far, and was asked for the rest
-    for (ids, params), _ in zip(client.calls[1:], lose_after):
+    # each replica after a loss got the prompt and every token streamed so far, marked as the request's own
+    for (ids, params, resumed), _ in zip(client.calls[1:], lose_after):
         done = len(ids) - len(prompt)
-        assert ids == prompt + expected[:done] and params.max_new_tokens == PARAMS.max_new_tokens - done
+        assert ids == prompt + expected[:done] and params == PARAMS and resumed == done
+
+
+@pytest.fixture(scope="module")
+def worded():
+    """An EngineLoop over a tiny target of the shipped tokenizer's vocabulary, with that tokenizer (stop strings)."""
+    target = TargetModel(tiny_gpt_neox(torch.float32, vocab=4096, max_positions=512, seed=3))
+    tokenizer = load_tokenizer(DEFAULT_TARGET)
+    loop = EngineLoop(Scheduler(LocalTarget(target), None, tokenizer, TreeConfig(())))
+    yield loop, tokenizer
+    loop.stop()
+
+
+@pytest.mark.parametrize("lose_after", [[2], [5], [1, 3]])
+def test_a_continued_request_keeps_its_min_tokens_penalties_and_stop_string(worded, lose_after):
+    """The replica that continues a request takes the tokens streamed so far as the request's own: presence and
+    frequency penalties count them, min_tokens and max_tokens go on from them, and a stop string that starts in
+    them still stops it. Sent as prompt tokens with max_tokens cut by their number (as before), the penalties
+    forgot them, a stop string across the cut was missed, and a min_tokens above what was left was refused."""
+    loop, tokenizer = worded
+    prompt = random_prompt(12, seed=5, vocab=4096)
+    base = SamplingParams(max_new_tokens=24, min_tokens=20, presence_penalty=1.5, frequency_penalty=0.5)
+    whole = run(make_router(LosingClient(loop)).generate(prompt, base)).token_ids
+    assert len(whole) == 24
+    stop = tokenizer.decode(whole[:8])[-3:] + tokenizer.decode(whole[8:10])  # starts before token 8, ends after it
+    params = dataclasses.replace(base, stop=(stop,), min_tokens=5)
+    expected = run(make_router(LosingClient(loop)).generate(prompt, params))
+    assert expected.finish_reason == "stop" and len(expected.token_ids) < 24
+    for p in (base, params):
+        result = run(make_router(LosingClient(loop, lose_after)).generate(prompt, p))
+        assert result.token_ids == (whole if p is base else expected.token_ids)
+        assert result.text == (tokenizer.decode(whole) if p is base else expected.text)
 
 
 @pytest.mark.parametrize("retry_s", [0.0, 0.2])
@@ -123,7 +158,7 @@ def test_other_engine_errors_are_not_retried(loop):
     class Broken:
         calls = 0
 
-        async def generate(self, prompt_ids, params, tree, interval_s=0.0):  # streams every round whatever asked
+        async def generate(self, prompt_ids, params, tree, interval_s=0.0, resumed=0):  # streams every round
             Broken.calls += 1
             raise ValueError("a bug, not a lost replica")
             yield
