@@ -320,6 +320,7 @@ class OpenAIServer:
         """A refusal before the first chunks (queue full, target down, KV budget) is still an HTTP status: every
         choice's first chunk is awaited before the status line goes out."""
         streams = [self.core.stream(ids, params, tree) for ids, params in choices]
+        deadline = time.monotonic() + self.settings.request_timeout_s  # the whole request's, first chunks included
         try:
             firsts = await all_or_none([anext(s) for s in streams], self.settings.request_timeout_s)
         except Exception as exc:
@@ -328,11 +329,11 @@ class OpenAIServer:
             status, message = _downstream_error(exc)
             self.metrics.record("rejected" if status < 500 else "error")
             raise ApiError(status, message, "invalid_request_error" if status < 500 else "server_error") from None
-        return EventStream(self._events(choices, streams, firsts, bodies))
+        return EventStream(self._events(choices, streams, firsts, bodies, deadline))
 
-    async def _events(self, choices, streams, firsts, bodies):
-        """Server-sent events of the choices' streams, interleaved as their chunks come."""
-        deadline = time.monotonic() + self.settings.request_timeout_s
+    async def _events(self, choices, streams, firsts, bodies, deadline: float):
+        """Server-sent events of the choices' streams, interleaved as their chunks come, until `deadline` (the
+        request's, from its arrival: the wait for the first chunks counts)."""
         queue: asyncio.Queue = asyncio.Queue()
         for index, first in enumerate(firsts):
             queue.put_nowait((index, first))

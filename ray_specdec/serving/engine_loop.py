@@ -272,12 +272,12 @@ class EngineLoop:
             stream.held, stream.due = None, now + stream.interval_s
             due.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in due.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            _wake(loop, _put_all, items)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            _wake(stream.loop, stream.queue.put_nowait, item)
 
     def _fault(self, exc: Exception) -> None:
         """Recover the target and re-prefill every running request, or fail them all (on the loop's thread)."""
@@ -309,6 +309,16 @@ class EngineLoop:
         except Exception as again:
             logger.error("the failed target's caches were not released (%s: %s)", type(again).__name__, again)
         self.healthy = self.recover is None  # nothing to restart: the next request tries again
+
+
+def _wake(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """callback(*args) on `loop`, from the loop's thread. A caller's event loop that closed under its stream (an
+    offline caller's asyncio.run ending: its stream's abort is on its way) gets nothing: raising here would end the
+    thread that steps every request."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # "Event loop is closed"
+        logger.debug("a chunk for a closed event loop was dropped")
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

@@ -3,10 +3,13 @@ fails (a full queue, a lost target) or time runs out, the others are cancelled, 
 events close every choice when the client leaves."""
 
 import asyncio
+import time
+from types import SimpleNamespace
 
 import pytest
 
-from deployments.router import all_or_none
+from deployments.router import OpenAIServer, all_or_none
+from ray_specdec.rounds import StreamChunk
 
 
 def test_every_result_comes_back_in_order():
@@ -81,10 +84,6 @@ def test_a_stream_left_mid_way_closes_every_choice():
     """The SSE generator of a streamed request closed while its choices' pumps are still reading them (the client
     left): every choice's stream is closed (its engine request aborted) and closing raises nothing (closing a stream
     a pump still ran was 'asynchronous generator is already running')."""
-    from types import SimpleNamespace
-
-    from deployments.router import OpenAIServer
-    from ray_specdec.rounds import StreamChunk
 
     closed: list[int] = []
     recorded: list[str] = []
@@ -109,7 +108,7 @@ def test_a_stream_left_mid_way_closes_every_choice():
         firsts = [await anext(s) for s in streams]
         server = SimpleNamespace(settings=SimpleNamespace(request_timeout_s=60),
                                  metrics=SimpleNamespace(record=recorded.append))
-        events = OpenAIServer._events(server, [None, None], streams, firsts, Bodies())
+        events = OpenAIServer._events(server, [None, None], streams, firsts, Bodies(), time.monotonic() + 60)
         got = [await anext(events), await anext(events)]  # both first chunks
         await asyncio.sleep(0.05)  # the pumps are inside their streams now
         await events.aclose()  # what the server does when the client goes away
@@ -118,3 +117,31 @@ def test_a_stream_left_mid_way_closes_every_choice():
     got = asyncio.run(go())
     assert [g.count("t0") + g.count("t1") for g in got] == [1, 1]
     assert sorted(closed) == [0, 1] and recorded == ["cancelled"]
+
+
+def test_a_streams_deadline_counts_from_the_request_not_from_its_first_chunks():
+    """The wait for the first chunks took request_timeout_s of its own and the events then got a fresh one: a
+    stalled stream could run twice the timeout. The events now end at the request's deadline, with an error event."""
+
+    async def stalled():
+        yield StreamChunk([1], "t", None, None)
+        await asyncio.sleep(3600)  # an engine that never answers again
+        yield StreamChunk([1], "x", "length", None)
+
+    class Bodies:
+        def chunks(self, index, chunk):
+            return [{"index": index, "text": chunk.text}]
+
+    async def go():
+        stream = stalled()
+        first = await anext(stream)
+        recorded = []
+        server = SimpleNamespace(settings=SimpleNamespace(request_timeout_s=3600),
+                                 metrics=SimpleNamespace(record=recorded.append))  # fmt: skip
+        events = OpenAIServer._events(server, [None], [stream], [first], Bodies(), time.monotonic() + 0.2)
+        return [event async for event in events], recorded
+
+    events, recorded = asyncio.run(asyncio.wait_for(go(), timeout=60))
+    assert '"text":"t"' in events[0] and '"status":504' in events[1] and events[-1] == "data: [DONE]\n\n"
+    assert recorded == ["error"]
+

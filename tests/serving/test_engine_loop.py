@@ -235,6 +235,19 @@ def test_a_rank_that_fails_again_as_the_target_is_reset_is_recovered_anew(make_l
     assert loop.alive and loop.healthy and loop.faults == loop.recoveries == 1 and backend.resets == 2
 
 
+def test_a_callers_event_loop_closed_under_its_stream_does_not_end_the_loops_thread(make_loop, expected):
+    """An offline caller whose event loop closes while its request still streams (no abort sent): the next chunk
+    for it raised 'Event loop is closed' on the loop's thread, which ended it, and every other request hung."""
+    loop = make_loop()
+    prompt, params, tree = requests()[0]
+    gone = asyncio.new_event_loop()
+    stream = loop.generate("orphan", prompt, params, tree)
+    gone.run_until_complete(anext(stream))  # its first chunk, then the caller's loop closes, the stream left open
+    gone.close()
+    wait_until(lambda: not loop.scheduler.has_work)  # the orphan decodes on, its chunks go nowhere
+    assert loop.alive and run(collect_all(loop)) == expected
+
+
 def test_a_target_that_does_not_come_back_fails_every_request_in_flight(make_loop, models, expected):
     backend = FailingTarget(models[0], dead_from=3)
     attempts = []
