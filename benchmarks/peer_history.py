@@ -65,6 +65,7 @@ RUNS: list[tuple[int, str, tuple[str, ...], str]] = [
     (39, "2026-11-28", ("serve-peers-thirty-ninth",), "KV grown as requests decode (kv_grow)"),
     (40, "2026-11-28", ("serve-peers-fortieth", "serve-peers-fortieth-c32"), "a noisy hour; no CPU-path change"),
     (41, "2026-11-28", ("serve-peers-forty-first",), "tokens/s in the window reported beside each cell"),
+    (42, "2026-11-28", ("serve-peers-forty-second",), "review fixes: faults, continuations, the OpenAI surface"),
 ]
 
 # The issue's goals (issue 18), greedy: ours over vLLM-CPU plain at 1 / 8 / 32, over vLLM's draft-model speculation
