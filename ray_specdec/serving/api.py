@@ -88,7 +88,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)
-    seed: int | None = Field(None, ge=0, le=2**62)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # OpenAI's: any int64
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None  # OpenAI sends token ids as strings: {"50256": -100}
@@ -119,6 +119,12 @@ class SamplingRequest(BaseModel):
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         return stops
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, seed: int | None) -> int | None:
+        """An int64, negative ones too (as OpenAI takes them), onto the non-negative seeds torch's generators take."""
+        return None if seed is None else seed % 2**63
 
     @field_validator("logit_bias")
     @classmethod

@@ -72,7 +72,7 @@ def refused(model, body: dict) -> ValidationError:
         ({"prompt": "w1", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "w1", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "w1", "stop_token_ids": [-3]}, "stop_token_ids"),
-        ({"prompt": "w1", "seed": -1}, "seed"),
+        ({"prompt": "w1", "seed": 2**63}, "seed"),
         ({"prompt": "w1", "user": 5}, "user"),
         ({"prompt": "w1", "best_of": 3}, "best_of"),
         ({"prompt": "w1", "suffix": "end"}, "suffix"),

@@ -1,10 +1,12 @@
-"""Logprobs name a token by its own bytes (token_bytes.py), and a request's null fields take their defaults."""
+"""Logprobs name a token by its own bytes (token_bytes.py); a request's null fields take their defaults, and its seed
+may be any int64, as OpenAI's API takes them."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -122,3 +124,16 @@ def test_an_assistant_turn_sent_back_as_the_client_dumped_it_is_taken():
     request = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "w1"}, turn, {"role": "user", "content": "w2"}]})
     assert [m.content for m in request.messages] == ["w1", "ok", "w2"]
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**63 - 1, 2**62 + 5])
+def test_any_int64_seed_is_taken_and_seeds_the_generators(seed):
+    """OpenAI takes any int64 seed; negative ones and those above 2**62 were refused."""
+    from ray_specdec.rounds import make_generators
+
+    params = CompletionRequest(prompt="w1", seed=seed).sampling_params()
+    assert 0 <= params.seed < 2**63 and params.seed == CompletionRequest(prompt="w2", seed=seed).sampling_params().seed
+    draft, target = make_generators(params.seed)
+    assert torch.rand(1, generator=draft).item() != torch.rand(1, generator=target).item()
+    with pytest.raises(Exception):
+        CompletionRequest(prompt="w1", seed=2**63)
