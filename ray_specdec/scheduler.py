@@ -36,6 +36,7 @@ prefills only the rest: the same bits, since chunks are cut at the same fixed po
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import replace
@@ -271,8 +272,9 @@ class Scheduler:
         try:
             for i, r in enumerate(rounds):
                 outputs.append(self._finish_round(r, logits[first + i], verdicts.get(i)))
-        except Exception as exc:  # the rounds taken are in their requests' tokens (a finished one has left): the
-            exc.step_outputs = outputs  # caller still hands their chunks out (EngineLoop), then recovers or fails
+        except Exception as exc:  # rounds taken are in their requests (a finished one has left): the caller hands
+            with contextlib.suppress(AttributeError):  # their chunks out (EngineLoop), then recovers or fails the rest
+                exc.step_outputs = outputs
             raise
         t3 = time.perf_counter()
         self._account(rounds, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
