@@ -34,6 +34,7 @@ from ray.serve.exceptions import BackPressureError
 from transformers.utils import cached_file
 
 from deployments.engine import EngineReplica
+from deployments.ingress import direct_ingress_on, target_urls
 from deployments.metrics import MetricsPush, replica_name
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.loading import load_tokenizer
@@ -176,32 +177,6 @@ def _downstream_error(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, TimeoutError):
         return 504, "the model did not answer in time"
     return 500, f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-
-
-def direct_ingress_on() -> bool:
-    """Whether this Serve runs replicas' own HTTP servers (its direct ingress: RAY_SERVE_ENABLE_DIRECT_INGRESS=1,
-    or set by RAY_SERVE_THROUGHPUT_OPTIMIZED=1 or RAY_SERVE_ENABLE_HA_PROXY=1), as the process's Serve read it."""
-    try:
-        from ray.serve._private import constants
-    except ImportError:
-        return False
-    return bool(getattr(constants, "RAY_SERVE_ENABLE_DIRECT_INGRESS", False))
-
-
-def target_urls(groups, app_name: str, host: str | None, proxy_port: int | None = None) -> list[str]:
-    """The base URLs of `app_name`'s HTTP targets among Serve's target groups (TargetGroup: protocol, route_prefix,
-    targets of ip and port), sorted. A replica binds the app's HTTP host: Serve's default, the loopback one (None:
-    `serve run` leaves it unset), unless opened up to every interface (then a target is reached at its node's IP).
-    Targets at `proxy_port` are left out: while an app has no running replica (still starting, or all lost) Serve
-    names its proxies instead, and those are not a replica's own address."""
-    host = host or "127.0.0.1"
-    urls = set()
-    for group in groups:
-        if group.app_name == app_name and str(getattr(group.protocol, "value", group.protocol)) == "HTTP":
-            prefix = group.route_prefix.rstrip("/")
-            urls.update(f"http://{t.ip if host in ('0.0.0.0', '::') else host}:{t.port}{prefix}"
-                        for t in group.targets if t.port != proxy_port)  # fmt: skip
-    return sorted(urls)
 
 
 @serve.ingress(fastapi_app)
