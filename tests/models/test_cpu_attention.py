@@ -36,10 +36,20 @@ def inputs(heads, kv_heads, rows, length, dim, seed=0, spread=1.0):
     return qkv[..., :dim], cache[0, :, :, :length], cache[1, :, :, :length]
 
 
+@pytest.mark.parametrize("heads, kv_heads, rows, length, dim", [(6, 2, 17, 300, 80), (4, 1, 40, 517, 128)])
+def test_kernel_matches_float64_attention_on_every_path(native_isa, heads, kv_heads, rows, length, dim):
+    """The same check on every instruction-set path this CPU runs, on shapes that reach the tails of each."""
+    _assert_matches_float64_attention(heads, kv_heads, rows, length, dim)
+
+
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 40, 64])  # row groups of 16, ragged and several
 @pytest.mark.parametrize("length, dim", [(1, 64), (129, 24), (300, 80), (517, 128)])  # key blocks of 128; 64- and
 def test_kernel_matches_float64_attention(heads, kv_heads, rows, length, dim):            # 16-wide value chunks, tails
+    _assert_matches_float64_attention(heads, kv_heads, rows, length, dim)
+
+
+def _assert_matches_float64_attention(heads, kv_heads, rows, length, dim):
     q, k, v = inputs(heads, kv_heads, rows, length, dim)
     g = torch.Generator().manual_seed(1)
     mask = torch.where(torch.rand(1, rows, length, generator=g) < 0.3, LOWEST, 0.0)
@@ -154,7 +164,7 @@ def test_when_the_target_takes_native_attention(monkeypatch):
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_ragged_call_is_each_segments_own_call_bit_for_bit(heads, kv_heads, threads):
+def test_ragged_call_is_each_segments_own_call_bit_for_bit(native_isa, heads, kv_heads, threads):
     """One ragged call over segments of 1-40 rows and 0-300 cached keys writes each segment's new K/V into its cache
     buffer and gives every row exactly what `tree_attention` gives its segment alone."""
     g = torch.Generator().manual_seed(3)

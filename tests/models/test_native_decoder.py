@@ -61,7 +61,7 @@ def _rounds(target: TargetModel, native_layers) -> tuple[list[torch.Tensor], lis
 
 
 @pytest.mark.parametrize("family", ["neox", "neox_sequential", "llama_gqa", "llama_biased"])
-def test_native_layers_agree_with_the_torch_ops(family):
+def test_native_layers_agree_with_the_torch_ops(native_isa, family):
     target = TargetModel(_model(family))
     native_layers = target._lean.native_decoder
     assert native_layers is not None, target._lean.native_decoder_why
@@ -77,7 +77,7 @@ def test_native_layers_agree_with_the_torch_ops(family):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_rows_in_a_big_batch_are_their_bits_alone(threads):
+def test_rows_in_a_big_batch_are_their_bits_alone(native_isa, threads):
     """Enough rows that the elementwise work splits over threads (PARALLEL_MIN_ELEMENTS): each segment's logits and
     K/V are the bits it gets in a forward of its own."""
     before = torch.get_num_threads()

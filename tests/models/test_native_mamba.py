@@ -68,7 +68,7 @@ def test_on_by_default_for_float32_on_cpu_and_off_elsewhere(lib):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 9])
-def test_steps_match_the_float64_torch_step(pair, rows):
+def test_steps_match_the_float64_torch_step(native_isa, pair, rows):
     fast, exact = pair
     prompt = ids(11)
     f_state, e_state = fast.copy_rows(fast.prefill(prompt)[0], [0] * rows), exact.copy_rows(exact.prefill(prompt)[0],
@@ -125,7 +125,7 @@ def own_and_slotted_states(fast: MambaDrafter, n: int) -> tuple[list[MambaState]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_forward_rows_gives_each_state_the_bits_it_gets_alone(pair, threads):
+def test_forward_rows_gives_each_state_the_bits_it_gets_alone(native_isa, pair, threads):
     """States of their own and slots of a pool, each advanced by its own number of tokens in one call: each gets the
     logits and state of its own forward on one thread, bit for bit, on one thread or two (enough tokens in all that
     the conv and the scan split their channels over two)."""

@@ -5,8 +5,10 @@ RAY_SPECDEC_NATIVE=0. Callers keep their torch path for that case; nothing here 
 
 The shared object is built for this CPU (-march=native) and kept under `cpu_gemm.cache_dir()/native/`, keyed by
 the source, the flags, the compiler and the CPU (its kind and instruction sets: `cpu_gemm.cpu_identity`), so a
-process on the same machine loads it in milliseconds. The build writes a temporary file and renames it into place:
-processes that build at once (Serve replicas) do not see each other's half-written files.
+process on the same machine loads it in milliseconds. RAY_SPECDEC_NATIVE_ISA builds for a lower instruction set than
+the CPU's own (`ISA_FLAGS`: avx512, avx2 or scalar), so that one machine runs the code paths another CPU would take:
+the kernels' tests run every path the machine can (`available_isas`). The build writes a temporary file and renames
+it into place: processes that build at once (Serve replicas) do not see each other's half-written files.
 """
 
 from __future__ import annotations
@@ -34,7 +36,21 @@ SOURCES = tuple(Path(__file__).with_name(name)
                              "shm_cpu.c", "threads_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h", "simd_cpu.h", "attention_simd_cpu.h"))
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+FLAGS = ("-O3", "-ffast-math", "-fPIC", "-shared")
+# The instruction sets a build can target. The sources pick their SIMD path from the compiler's macros (__AVX512F__,
+# __FMA__, neither), and libmvec its vector width, so each is a path some CPU takes: x86-64-v4 is AVX-512's, v3 AVX2
+# with FMA's, and the scalar build is the x86-64 baseline with the vectoriser off.
+ISA_FLAGS = {
+    "native": ("-march=native",),
+    "avx512": ("-march=x86-64-v4", "-mtune=native"),
+    "avx2": ("-march=x86-64-v3", "-mtune=native"),
+    "scalar": ("-march=x86-64", "-mtune=native", "-fno-tree-vectorize", "-fno-tree-slp-vectorize"),
+}
+# The CPU flags each x86-64 level needs beyond the one below it (their psABI definitions).
+_ISA_CPU_FLAGS = {
+    "avx2": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},
+    "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
 # linear_panels splits a product's output blocks over torch's intra-op thread count; built without it if the
 # compiler has no OpenMP.
 OPENMP = ("-fopenmp",)
@@ -53,9 +69,39 @@ def why_unavailable() -> str | None:
     return _why[-1] if _why else None
 
 
+def available_isas(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The ISA_FLAGS builds this CPU runs: "native" always; on x86-64 also each level its flags reach."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("native",)
+    try:
+        with open(cpuinfo) as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").partition(":")[2].split())
+    except OSError:
+        return ("native",)
+    isas = ["native", "scalar"]
+    if _ISA_CPU_FLAGS["avx2"] <= flags:
+        isas.append("avx2")
+        if _ISA_CPU_FLAGS["avx512"] <= flags:
+            isas.append("avx512")
+    return tuple(isas)
+
+
+def selected_isa() -> str:
+    """RAY_SPECDEC_NATIVE_ISA (one of ISA_FLAGS), "native" where unset."""
+    isa = os.environ.get("RAY_SPECDEC_NATIVE_ISA", "").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"RAY_SPECDEC_NATIVE_ISA={isa!r}: expected one of {sorted(ISA_FLAGS)}")
+    return isa
+
+
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernels for this machine, for the instruction set `isa` (one of ISA_FLAGS; by default
+    RAY_SPECDEC_NATIVE_ISA's), built if needed; None (see `why_unavailable`) where that fails."""
+    return _load(isa or selected_isa())
+
+
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled kernels for this machine, built if needed; None (see `why_unavailable`) where that fails."""
+def _load(isa: str) -> ctypes.CDLL | None:
     _why.clear()
     if not enabled_by_environment():
         _why.append("RAY_SPECDEC_NATIVE=0")
@@ -64,17 +110,24 @@ def load() -> ctypes.CDLL | None:
     if compiler is None or shutil.which(compiler) is None:
         _why.append(f"no C compiler found ({compiler or 'cc, gcc, clang'})")
         return None
+    if isa != "native" and isa not in available_isas():
+        _why.append(f"RAY_SPECDEC_NATIVE_ISA={isa}: this CPU does not run it (it runs {', '.join(available_isas())})")
+        return None
+    flags = FLAGS + ISA_FLAGS[isa]
     try:
         try:
-            library = _build(compiler, FLAGS + OPENMP)
+            library = _build(compiler, flags + OPENMP)
         except subprocess.SubprocessError:  # no OpenMP runtime for this compiler: one thread per product
-            library = _build(compiler, FLAGS)
+            library = _build(compiler, flags)
         lib = ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as e:
         _why.append(f"native kernels could not be built with {compiler}: {str(e).strip().splitlines()[-1][:300]}")
         return None
     _declare(lib)
     return lib
+
+
+load.cache_clear = _load.cache_clear  # a test's way to make the next load() build or load anew
 
 
 def _build(compiler: str, flags: tuple[str, ...]) -> Path:
