@@ -98,14 +98,22 @@ def write_manifest(path: Path, root: Path | None = None) -> dict:
     return data
 
 
-def encode_split(tokenizer, split: str, root: Path | None = None) -> np.ndarray:
-    """One uint16 token stream: every file of the split followed by the end-of-text token."""
-    texts = read_split(split, root)
+def encode_texts(tokenizer, texts: list[str]) -> np.ndarray:
+    """One token stream: every text followed by the end-of-text token (where the tokenizer has one).
+
+    uint16 while every id fits (the default family's 4096 tokens), int32 for larger vocabularies.
+    """
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     ids: list[int] = []
     for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         ids.extend(enc)
-        ids.append(tokenizer.eos_token_id)
-    return np.asarray(ids, dtype=np.uint16)
+        ids.extend(eos)
+    return np.asarray(ids, dtype=np.uint16 if len(tokenizer) <= 2**16 else np.int32)
+
+
+def encode_split(tokenizer, split: str, root: Path | None = None) -> np.ndarray:
+    """The token stream of every file of the split (encode_texts)."""
+    return encode_texts(tokenizer, read_split(split, root))
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,17 @@ def _longest_window(settings: dict) -> int:
 
 
 def export(run_dir: Path, out_dir: Path, tokenizer_dir: Path | str) -> dict:
-    """Writes model.safetensors (fp16), config.json, generation_config.json, tokenizer files, training.json."""
+    """A default-family model directory (write_model_dir); the tokenizer gets the shipped chat template if it has
+    none (a fresh tokenizer run has none)."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = tokenizer.chat_template or CHAT_TEMPLATE
+    return write_model_dir(run_dir, out_dir, tokenizer)
+
+
+def write_model_dir(run_dir: Path, out_dir: Path, tokenizer, extra_info: dict | None = None) -> dict:
+    """Writes model.safetensors (fp16), config.json, generation_config.json, the tokenizer's files and training.json
+    (the run's steps, tokens, minutes, parameters, final loss, settings, then extra_info); returns training.json's
+    content."""
     ckpt = torch.load(run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
     config_dict = dict(ckpt["config"])
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
@@ -59,8 +69,6 @@ def export(run_dir: Path, out_dir: Path, tokenizer_dir: Path | str) -> dict:
     model.config.dtype = EXPORT_DTYPE
     if config.model_type == "mamba":  # a drafter names the windows it was trained on as its prefill window
         setattr(model.config, PREFILL_WINDOW_KEY, _longest_window(ckpt["settings"]))
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.chat_template = tokenizer.chat_template or CHAT_TEMPLATE  # a fresh tokenizer run has none
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, do_sample=False,
@@ -72,6 +80,7 @@ def export(run_dir: Path, out_dir: Path, tokenizer_dir: Path | str) -> dict:
             "parameters": sum(p.numel() for p in model.parameters()), "final_loss": _final_loss(run_dir),
             "settings": ckpt["settings"]}
     info.update(_history(ckpt["settings"].get("init_from"), info))
+    info.update(extra_info or {})
     (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
 

@@ -13,7 +13,7 @@ from transformers import (AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, Mamb
 MAX_CONTEXT = 8192
 
 
-def _special_ids(eos_id: int) -> dict:
+def _special_ids(eos_id: int | None) -> dict:
     return {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
 
 
@@ -34,11 +34,20 @@ def target_llama(vocab_size: int, eos_id: int) -> PretrainedConfig:
     )
 
 
-def drafter_mamba(vocab_size: int, eos_id: int) -> PretrainedConfig:
+# Mamba drafter sizes (hidden size, layers); the names give the parameter count at the family's 4096-token vocabulary
+# (tied embeddings: a larger vocabulary adds vocab x hidden).
+DRAFTER_SIZES = {"0.7m": (128, 2), "2.8m": (256, 4), "11m": (512, 5)}
+
+
+def mamba_drafter_config(vocab_size: int, eos_id: int | None, hidden_size: int, layers: int) -> PretrainedConfig:
     return MambaConfig(
-        vocab_size=vocab_size, hidden_size=256, num_hidden_layers=4, state_size=16, expand=2, conv_kernel=4,
-        tie_word_embeddings=True, **_special_ids(eos_id),
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers, state_size=16, expand=2,
+        conv_kernel=4, tie_word_embeddings=True, **_special_ids(eos_id),
     )
+
+
+def drafter_mamba(vocab_size: int, eos_id: int) -> PretrainedConfig:
+    return mamba_drafter_config(vocab_size, eos_id, *DRAFTER_SIZES["2.8m"])
 
 
 def drafter_neox_small(vocab_size: int, eos_id: int) -> PretrainedConfig:

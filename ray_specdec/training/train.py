@@ -4,6 +4,8 @@ Distillation loss: alpha * KL(teacher || student) + (1 - alpha) * cross-entropy,
 distribution computed under no_grad on the same corpus windows. The LR follows a cosine over the run's progress,
 max(step / max_steps, elapsed / max_minutes), so a run cut by its time budget still ends at a low LR. Checkpoints
 (model, optimizer, step, elapsed time, RNG states) go to runs/<name>/ckpt.pt; `--resume` continues from there.
+`fit` is the loop; `train` feeds it the corpus and a model of the family, `distill` (the train-drafter command) a
+user's files and a Mamba drafter for any target.
 
     python -m ray_specdec.training.train --arch target-neox --max-minutes 25
     python -m ray_specdec.training.train --arch drafter-mamba --teacher ray_specdec/default_models/target-neox
@@ -78,6 +80,14 @@ def batch_loss(model, teacher, batch: torch.Tensor, alpha: float) -> torch.Tenso
     return alpha * kl + (1 - alpha) * ce
 
 
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "state_size")
+
+
+def architecture_mismatch(ours: dict, theirs: dict) -> dict:
+    """Config keys that fix weight shapes and differ between two config dicts: key -> (ours, theirs)."""
+    return {k: (ours.get(k), theirs.get(k)) for k in SHAPE_KEYS if ours.get(k) != theirs.get(k)}
+
+
 def save_checkpoint(path: Path, model, optimizer, step: int, elapsed_s: float, tokens: int,
                     s: TrainSettings, gen: torch.Generator) -> None:
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
@@ -91,6 +101,9 @@ def save_checkpoint(path: Path, model, optimizer, step: int, elapsed_s: float, t
 def restore_checkpoint(path: Path, model, optimizer, gen: torch.Generator) -> tuple[int, float, int]:
     """Loads what `save_checkpoint` wrote into model, optimizer and RNGs; returns (step, elapsed_s, tokens)."""
     ckpt = torch.load(path, map_location=next(model.parameters()).device, weights_only=False)
+    mismatch = architecture_mismatch(model.config.to_dict(), ckpt["config"])
+    if mismatch:
+        raise ValueError(f"checkpoint {path}: architecture differs from the run's: {mismatch}")
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["torch_rng"])
@@ -101,9 +114,7 @@ def restore_checkpoint(path: Path, model, optimizer, gen: torch.Generator) -> tu
 def load_initial_weights(model, model_dir: Path) -> None:
     """Start from an exported model's weights (same architecture; fp16 on disk, the run's dtype in memory)."""
     source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ours, theirs = model.config.to_dict(), source.config.to_dict()
-    shape_keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "state_size")
-    mismatch = {k: (ours.get(k), theirs.get(k)) for k in shape_keys if ours.get(k) != theirs.get(k)}
+    mismatch = architecture_mismatch(model.config.to_dict(), source.config.to_dict())
     if mismatch:
         raise ValueError(f"--init-from {model_dir}: architecture differs from the run's: {mismatch}")
     model.load_state_dict(source.state_dict())
@@ -122,25 +133,27 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def train(s: TrainSettings, run_dir: Path, device: torch.device, resume: bool) -> dict:
-    """Runs until max_steps or max_minutes; returns the final checkpoint's summary."""
-    tokenizer = AutoTokenizer.from_pretrained(s.tokenizer)
-    stream = torch.from_numpy(encode_split(tokenizer, "train").astype(np.int32))
-    ckpt_path = run_dir / "ckpt.pt"
-    torch.manual_seed(s.seed)
+def fit(model, teacher, stream: torch.Tensor, s: TrainSettings, run_dir: Path, device: torch.device,
+        resume: bool) -> dict:
+    """The training loop shared by every model: runs until max_steps or max_minutes (both counted over the whole run,
+    resumed parts included), checkpoints to run_dir/ckpt.pt and writes run_dir/summary.json, which it returns.
+
+    model: freshly built (its weights replaced by the checkpoint when resuming, else by s.init_from if given);
+    teacher: None for plain cross-entropy; stream: [N] token ids of the training text.
+    """
+    ckpt_path, summary_path = run_dir / "ckpt.pt", run_dir / "summary.json"
     gen = torch.Generator().manual_seed(s.seed)
-    model = build_model(build_config(s.arch, len(tokenizer), tokenizer.eos_token_id)).to(device)
+    model = model.to(device)
     optimizer = make_optimizer(model, s)
-    step, elapsed, tokens = 0, 0.0, 0
+    step, elapsed, tokens, last_loss = 0, 0.0, 0, None
     if resume and ckpt_path.exists():
         step, elapsed, tokens = restore_checkpoint(ckpt_path, model, optimizer, gen)
+        if summary_path.exists():  # the loss to report should this part take no step
+            last_loss = json.loads(summary_path.read_text()).get("final_loss")
     elif s.init_from:
         load_initial_weights(model, Path(s.init_from))
-    teacher = None
-    if s.teacher:
-        teacher = AutoModelForCausalLM.from_pretrained(s.teacher, dtype=torch.float32).to(device).eval()
     run_dir.mkdir(parents=True, exist_ok=True)
-    fast = fast_training_forward(model) if s.arch.startswith("drafter-mamba") else contextlib.nullcontext()
+    fast = fast_training_forward(model) if model.config.model_type == "mamba" else contextlib.nullcontext()
     model.train()
     bar = tqdm(initial=step, total=None, desc=s.name, dynamic_ncols=True, mininterval=5)
     start = time.time() - elapsed
@@ -158,9 +171,10 @@ def train(s: TrainSettings, run_dir: Path, device: torch.device, resume: bool) -
             optimizer.step()
             step += 1
             tokens += batch.numel() - batch.shape[0]
+            last_loss = loss.item()
             bar.update(1)
             rate = (batch.numel() - batch.shape[0]) / (time.time() - t0)
-            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{rate:.0f}",
+            bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{rate:.0f}",
                             lr=f"{optimizer.param_groups[0]['lr']:.2e}")
             if step % s.ckpt_every == 0:
                 save_checkpoint(ckpt_path, model, optimizer, step, time.time() - start, tokens, s, gen)
@@ -168,10 +182,29 @@ def train(s: TrainSettings, run_dir: Path, device: torch.device, resume: bool) -
     elapsed = time.time() - start
     save_checkpoint(ckpt_path, model, optimizer, step, elapsed, tokens, s, gen)
     summary = {"name": s.name, "arch": s.arch, "steps": step, "tokens": tokens, "minutes": round(elapsed / 60, 1),
-               "final_loss": round(loss.item(), 4) if step else None, "device": str(device),
+               "final_loss": None if last_loss is None else round(last_loss, 4), "device": str(device),
                "threads": torch.get_num_threads(), "settings": asdict(s)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def train(s: TrainSettings, run_dir: Path, device: torch.device, resume: bool) -> dict:
+    """One model of the default family on the corpus train split (fit)."""
+    tokenizer = AutoTokenizer.from_pretrained(s.tokenizer)
+    stream = torch.from_numpy(encode_split(tokenizer, "train").astype(np.int32))
+    torch.manual_seed(s.seed)
+    model = build_model(build_config(s.arch, len(tokenizer), tokenizer.eos_token_id))
+    teacher = None
+    if s.teacher:
+        teacher = AutoModelForCausalLM.from_pretrained(s.teacher, dtype=torch.float32).to(device).eval()
+    return fit(model, teacher, stream, s, run_dir, device, resume)
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, fields: tuple[str, ...]) -> None:
+    """--flag for each named TrainSettings field, typed and defaulted by the dataclass."""
+    for field in fields:
+        default = TrainSettings.__dataclass_fields__[field].default
+        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
 
 
 def main() -> None:
@@ -185,10 +218,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--init-from", help="exported model dir to start from (e.g. a shipped default model)")
-    for field in ("alpha", "seq_len", "batch_size", "lr", "warmup_steps", "max_steps", "max_minutes", "ckpt_every",
-                  "seed"):
-        default = TrainSettings.__dataclass_fields__[field].default
-        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+    add_settings_arguments(parser, ("alpha", "seq_len", "batch_size", "lr", "warmup_steps", "max_steps", "max_minutes",
+                                    "ckpt_every", "seed"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     fields = {k: getattr(args, k) for k in TrainSettings.__dataclass_fields__ if hasattr(args, k)}
