@@ -1,4 +1,4 @@
-"""Command line: `python -m ray_specdec {generate,bench,loadtest,qa-traffic} ...`.
+"""Command line: `python -m ray_specdec {generate,bench,loadtest,qa-traffic,train-drafter} ...`.
 
 Every command answers bad input with one line on stderr and exit code 2, never a traceback.
 """
@@ -18,6 +18,7 @@ EXTERNAL_COMMANDS = {
     "bench": "ray_specdec.bench",
     "loadtest": "ray_specdec.loadtest",
     "qa-traffic": "ray_specdec.qa_traffic",
+    "train-drafter": "ray_specdec.training.distill",
 }
 
 
