@@ -26,6 +26,7 @@ from deployments.metrics import MetricsHubDeployment
 from deployments.router import RouterDeployment, RouterSettings, ServerDeployment
 from ray_specdec.bandit import DEFAULT_ARMS, BanditConfig
 from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
+from ray_specdec.defaults import EMBEDDED_MODEL_NAMES
 from ray_specdec.engine import DEFAULT_MIN_PATH_PROB
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.tokenizer_check import TokenizerMismatch, check_model_pair
@@ -360,7 +361,8 @@ def _engine_options(args: AppArgs) -> dict[str, Any]:
 
 
 def _model_path(name: str | None, kind: str) -> str:
-    """A local directory as an absolute path (replicas run elsewhere), a hub id as is, or the embedded default."""
+    """A local directory as an absolute path (replicas run elsewhere), a hub id or an embedded model's name as is, or
+    the embedded default."""
     if name is None:
         from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -372,6 +374,8 @@ def _model_path(name: str | None, kind: str) -> str:
             )
         return os.fspath(default)
     try:
-        return resolve_model_path(name)
+        path = resolve_model_path(name)
     except (ValueError, FileNotFoundError) as exc:
         raise AppError(f"{kind}: {exc}") from None
+    # an embedded model's name resolves on each replica's own machine (a grown one is built into that machine's cache)
+    return name if name in EMBEDDED_MODEL_NAMES and not os.path.isdir(name) else path

@@ -179,10 +179,13 @@ def qa_prompts(tokenizer, n: int, buckets: list[int], seed: int) -> list[list[in
 
 
 def model_label(path: str) -> str:
-    """How the report names a model: 'embedded:<name>' for the shipped defaults (no machine paths), else as given."""
-    from ray_specdec.defaults import DEFAULT_MODELS_DIR
+    """How the report names a model: 'embedded:<name>' for the embedded models, by directory or name (no machine
+    paths), else as given."""
+    from ray_specdec.defaults import DEFAULT_MODELS_DIR, EMBEDDED_MODEL_NAMES
 
     resolved = Path(path).resolve()
+    if path in EMBEDDED_MODEL_NAMES and not resolved.is_dir():
+        return f"embedded:{path}"
     return f"embedded:{resolved.name}" if resolved.parent == DEFAULT_MODELS_DIR else path
 
 

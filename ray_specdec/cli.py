@@ -1,4 +1,4 @@
-"""Command line: `python -m ray_specdec {generate,bench,loadtest,qa-traffic,train-drafter} ...`.
+"""Command line: `python -m ray_specdec {generate,bench,loadtest,models,qa-traffic} ...`.
 
 Every command answers bad input with one line on stderr and exit code 2, never a traceback.
 """
@@ -17,8 +17,8 @@ from ray_specdec.models.loading import prefill_window_arg
 EXTERNAL_COMMANDS = {
     "bench": "ray_specdec.bench",
     "loadtest": "ray_specdec.loadtest",
+    "models": "ray_specdec.defaults",
     "qa-traffic": "ray_specdec.qa_traffic",
-    "train-drafter": "ray_specdec.training.distill",
 }
 
 

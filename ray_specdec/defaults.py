@@ -1,11 +1,17 @@
-"""Locations of the default model family shipped inside the package (trained by `ray_specdec.training`).
+"""The embedded model family: the models shipped inside the package (trained by `ray_specdec.training`) and the ones
+grown from them on first use (models/growth.py), their names and directories, and `python -m ray_specdec models`.
 
-Paths are resolved relative to the installed package, so they work from a checkout and from a wheel alike.
-Every directory holds an HF model (`from_pretrained`) and the shared tokenizer (`AutoTokenizer`).
+Shipped paths are resolved relative to the installed package, so they work from a checkout and from a wheel alike. A
+grown model is built into the cache directory (RAY_SPECDEC_CACHE_DIR/models, default ~/.cache/ray_specdec/models) the
+first time its name is resolved, and rebuilt where its source or factors changed. Every directory holds an HF model
+(`from_pretrained`) and the shared tokenizer (`AutoTokenizer`).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from pathlib import Path
 
 DEFAULT_MODELS_DIR = Path(__file__).resolve().parent / "default_models"
@@ -17,12 +23,60 @@ DRAFTER_MAMBA = "drafter-mamba"
 DRAFTER_NEOX_SMALL = "drafter-neox-small"
 DEFAULT_MODEL_NAMES = (TARGET_NEOX, TARGET_LLAMA, DRAFTER_MAMBA, DRAFTER_NEOX_SMALL)
 
+# Models grown from a shipped one with its function unchanged: name -> (source, hidden factor, MLP factor). 3 is the
+# smallest hidden factor that takes target-neox (13.8M parameters) past 100M (105.1M), out of the CPU's caches.
+TARGET_NEOX_LARGE = "target-neox-large"
+GROWN_MODELS = {TARGET_NEOX_LARGE: (TARGET_NEOX, 3, 3)}
+EMBEDDED_MODEL_NAMES = (*DEFAULT_MODEL_NAMES, *GROWN_MODELS)
+
 
 def default_model_path(name: str) -> Path:
     """Absolute path of the shipped model directory `name` (one of DEFAULT_MODEL_NAMES)."""
     if name not in DEFAULT_MODEL_NAMES:
         raise ValueError(f"unknown default model {name!r}; expected one of {DEFAULT_MODEL_NAMES}")
     return DEFAULT_MODELS_DIR / name
+
+
+def models_cache_dir() -> Path:
+    """Where grown models are built: RAY_SPECDEC_CACHE_DIR/models, or ~/.cache/ray_specdec/models (also where that
+    variable is empty, which keeps no GEMM plans but cannot keep no models)."""
+    root = os.environ.get("RAY_SPECDEC_CACHE_DIR", "").strip()
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "ray_specdec") / "models"
+
+
+def embedded_model_path(name: str, build: bool = True) -> Path:
+    """The directory of embedded model `name` (one of EMBEDDED_MODEL_NAMES): a shipped one's in the package, a grown
+    one's in the cache, built first where it is missing or stale unless `build` is False."""
+    if name in DEFAULT_MODEL_NAMES:
+        return default_model_path(name)
+    if name not in GROWN_MODELS:
+        raise ValueError(f"unknown embedded model {name!r}; expected one of {EMBEDDED_MODEL_NAMES}")
+    out = models_cache_dir() / name
+    if build:
+        from ray_specdec.models.growth import ensure_grown
+
+        source, hidden_factor, mlp_factor = GROWN_MODELS[name]
+        ensure_grown(name, default_model_path(source), out, hidden_factor, mlp_factor)
+    return out
+
+
+def is_built(name: str) -> bool:
+    """Whether embedded model `name` can be loaded from its directory as it is (a grown one: built and current)."""
+    if name in GROWN_MODELS:
+        from ray_specdec.models.growth import is_current
+
+        source, hidden_factor, mlp_factor = GROWN_MODELS[name]
+        return is_current(embedded_model_path(name, build=False), default_model_path(source), hidden_factor,
+                          mlp_factor)
+    return (embedded_model_path(name) / "config.json").exists()
+
+
+def parameter_count(directory: Path) -> int:
+    """Parameters in a model directory's model.safetensors, read from its header (no weights loaded)."""
+    from safetensors import safe_open
+
+    with safe_open(directory / "model.safetensors", framework="pt") as f:
+        return sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
 
 
 DEFAULT_TARGET = default_model_path(TARGET_NEOX)
@@ -47,3 +101,48 @@ CHAT_TEMPLATE = r"""{%- for message in messages -%}
 {%- if add_generation_prompt -%}
     {{- '<|assistant|>\n' -}}
 {%- endif -%}"""
+
+
+def model_rows(build: bool) -> list[dict]:
+    """One row per embedded model: name, architecture, parameters (None where not built), how it is made, built,
+    directory; grown models are built first where `build`."""
+    rows = []
+    for name in EMBEDDED_MODEL_NAMES:
+        directory = embedded_model_path(name, build=build)
+        built = is_built(name)
+        config = json.loads((directory / "config.json").read_text()) if built else {}
+        rows.append({
+            "name": name,
+            "architecture": (config.get("architectures") or ["-"])[0] if built else "-",
+            "parameters": parameter_count(directory) if built else None,
+            "made": f"grown from {GROWN_MODELS[name][0]}" if name in GROWN_MODELS else "shipped",
+            "built": built,
+            "directory": os.fspath(directory),
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """Rows of `model_rows` as an aligned text table."""
+    header = ("name", "architecture", "parameters", "made", "built", "directory")
+    cells = [header] + [
+        (r["name"], r["architecture"], f"{r['parameters'] / 1e6:.1f}M" if r["parameters"] else "-", r["made"],
+         "yes" if r["built"] else "no", r["directory"])
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ray_specdec models`: list the embedded models, building any grown one not built yet."""
+    from ray_specdec.cli import OneLineParser
+
+    p = OneLineParser(prog="python -m ray_specdec models",
+                      description="List the embedded models (names that --target / --drafter / target= take).")
+    p.add_argument("--no-build", action="store_true", help="only list: build no grown model")
+    p.add_argument("--json", action="store_true", help="print one JSON object per model, one a line")
+    args = p.parse_args(argv)
+    rows = model_rows(build=not args.no_build)
+    print("\n".join(json.dumps(r) for r in rows) if args.json else format_table(rows))
+    return 0

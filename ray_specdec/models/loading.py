@@ -1,5 +1,5 @@
-"""Small helpers shared by the model adapters: dtype strings, model locations, tokenizers, environment switches, what
-a model's config says of its end tokens and attention window."""
+"""Small helpers shared by the model adapters: dtype strings, model locations (directories, embedded names, hub ids),
+tokenizers, environment switches, what a model's config says of its end tokens and attention window."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from ray_specdec.defaults import EMBEDDED_MODEL_NAMES, embedded_model_path
 
 def failure(exc: BaseException) -> str:
     """An exception in one line, for a `..._why` reason: its type and the first line of its message."""
@@ -59,10 +60,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
-    """A local directory (returned as an absolute path) or a hub id "org/name" (returned unchanged)."""
+    """A local directory (returned as an absolute path), the name of an embedded model (defaults.py: its directory,
+    a grown one built first where needed) or a hub id "org/name" (returned unchanged), in that order: a directory
+    that exists wins over an embedded model's name, and an embedded name over a hub id without an org."""
     text = os.path.expanduser(os.fspath(name_or_path))
     if os.path.isdir(text):
         return os.path.abspath(text)
+    if text in EMBEDDED_MODEL_NAMES:
+        return os.fspath(embedded_model_path(text))
     if os.path.exists(text):
         raise ValueError(f"{text!r} is a file; expected a model directory or a hub id")
     parts = text.split("/")
