@@ -1,4 +1,4 @@
-"""Command line: `python -m ray_specdec {generate,bench,loadtest,models,qa-traffic} ...`.
+"""Command line: `python -m ray_specdec {generate,bench,loadtest,models,qa-traffic,train-drafter} ...`.
 
 Every command answers bad input with one line on stderr and exit code 2, never a traceback.
 """
@@ -19,6 +19,7 @@ EXTERNAL_COMMANDS = {
     "loadtest": "ray_specdec.loadtest",
     "models": "ray_specdec.defaults",
     "qa-traffic": "ray_specdec.qa_traffic",
+    "train-drafter": "ray_specdec.training.distill",
 }
 
 
