@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ray_specdec.cli import OneLineParser, UsageError, positive_int
@@ -109,7 +110,7 @@ def train_drafter(args) -> dict:
     if not texts:
         raise UsageError(f"--data: no text in {len(files)} file(s)")
     tokenizer, teacher = load_target(args.target, device)
-    stream = torch.from_numpy(encode_texts(tokenizer, texts)).long()   # [N]
+    stream = torch.from_numpy(encode_texts(tokenizer, texts).astype(np.int32))   # [N]
     if len(stream) < args.seq_len + 2:
         raise UsageError(f"--data: {len(stream)} tokens in {len(files)} file(s); a training window needs "
                          f"{args.seq_len + 2} (more text or a smaller --seq-len)")
