@@ -49,7 +49,8 @@ _MATRIX_RULES = {
     "dense.weight": ("hidden", "hidden", True),  # attention output: reads the heads, writes hidden
     "dense_h_to_4h.weight": ("mlp", "hidden", True),
     "dense_4h_to_h.weight": ("hidden", "mlp", True),
-    "embed_out.weight": (None, "hidden", True),
+    "embed_out.weight": (None, "hidden", True),  # the LM head, as checkpoints name it
+    "lm_head.weight": (None, "hidden", True),  # the LM head, as transformers 5 names it in memory
 }
 # How each 1D tensor grows: copies by factor name.
 _VECTOR_RULES = {
