@@ -92,3 +92,16 @@ def test_models_command_builds_and_prints_a_table(capsys):
 def test_models_command_refuses_bad_flags_in_one_line(capsys):
     assert cli_main(["models", "--bogus"]) == 2
     assert capsys.readouterr().err.strip() == "error: unrecognized arguments: --bogus"
+
+
+def test_app_passes_embedded_names_to_its_replicas(tmp_path, monkeypatch):
+    from deployments.app import _model_path
+
+    monkeypatch.setenv("RAY_SPECDEC_CACHE_DIR", str(tmp_path))
+    # each replica resolves the name on its own machine; the app's machine checks it (and builds) first
+    assert _model_path(TARGET_NEOX_LARGE, "target") == TARGET_NEOX_LARGE
+    assert is_built(TARGET_NEOX_LARGE)
+    assert _model_path("drafter-mamba", "drafter") == "drafter-mamba"
+    (tmp_path / "drafter-mamba").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert _model_path("drafter-mamba", "drafter") == os.fspath(tmp_path / "drafter-mamba")
