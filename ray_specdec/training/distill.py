@@ -4,6 +4,12 @@ The recipe is the default drafter's (train.fit with a teacher): on random window
 learns the target's own next-token distributions, loss alpha * KL(target || drafter) + (1 - alpha) * cross-entropy
 to the text's next token. The drafter takes the target's tokenizer and vocabulary size, so the two share token ids.
 
+With --generate-tokens N the windows are the target's own continuations instead (sequence-level distillation): the
+target continues prompts cut from the user's text, greedily and at temperature 1 in turn, until N tokens are
+generated, and the drafter trains on prompt and continuation. The drafter then learns the text the target writes,
+which is what it drafts against at serving time. --init-from continues an existing drafter's weights (the shipped
+drafter-mamba, for a target of its tokenizer).
+
 OUT after a run is a model directory for `--drafter` (config.json naming the training window as the drafter's
 prefill window, fp16 model.safetensors, generation_config.json, the target's tokenizer files, training.json) plus
 OUT/checkpoint/ (ckpt.pt and summary.json: the training state, needed only to continue). An OUT that holds a
@@ -24,6 +30,7 @@ import torch
 
 from ray_specdec.cli import OneLineParser, UsageError, positive_int
 from ray_specdec.factory import LoadError, resolve_device
+from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.training.models import DRAFTER_SIZES, build_model, mamba_drafter_config
 
 # Files taken from a --data directory; a file named on the command line is taken whatever its name.
@@ -62,7 +69,7 @@ def load_target(name: str, device: torch.device):
     """(tokenizer, model in eval mode) of the target, the model in the device's default dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ray_specdec.models.loading import resolve_dtype, resolve_model_path
+    from ray_specdec.models.loading import resolve_dtype
 
     try:
         path = resolve_model_path(name)
@@ -72,6 +79,34 @@ def load_target(name: str, device: torch.device):
         first_line = (str(e).strip().splitlines() or [""])[0]
         raise LoadError(f"cannot load target {name!r}: {type(e).__name__}: {first_line}") from None
     return tokenizer, model.to(device).eval()
+
+
+@torch.no_grad()
+def target_continuations(target, stream: torch.Tensor, tokens: int, prompt_len: int, new_tokens: int, eos: int | None,
+                         seed: int, device: torch.device, batch_size: int = 64) -> torch.Tensor:
+    """[M] the target's own text: prompts of prompt_len tokens cut at random from stream [N], each continued by the
+    target for new_tokens (batches alternate greedy and temperature 1), joined by eos; until `tokens` are generated."""
+    from tqdm import tqdm
+
+    if len(stream) < prompt_len + 1:
+        raise UsageError(f"--data: {len(stream)} tokens, fewer than one --prompt-tokens prompt ({prompt_len})")
+    gen = torch.Generator().manual_seed(seed)
+    batch_size = min(batch_size, -(-tokens // new_tokens))
+    pieces, made = [], 0
+    with tqdm(total=tokens, desc="target continuations", unit="tok", dynamic_ncols=True) as bar:
+        while made < tokens:
+            starts = torch.randint(0, len(stream) - prompt_len, (batch_size,), generator=gen)
+            prompts = torch.stack([stream[s : s + prompt_len] for s in starts.tolist()]).long().to(device)
+            sampled = len(pieces) % 2 == 1
+            torch.manual_seed(seed + len(pieces))
+            out = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=sampled, temperature=1.0 if sampled else None,
+                                  top_k=0 if sampled else None, top_p=1.0 if sampled else None, pad_token_id=eos)
+            piece = torch.cat([out.cpu(), torch.full((batch_size, 1), eos if eos is not None else 0)], dim=1)
+            pieces.append(piece.reshape(-1).to(torch.int32))
+            made += batch_size * new_tokens
+            bar.update(batch_size * new_tokens)
+    return torch.cat(pieces)
 
 
 def parse_args(argv: list[str]):
@@ -88,6 +123,14 @@ def parse_args(argv: list[str]):
     p.add_argument("--layers", type=positive_int, help="overrides the size's layer count")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (a GPU where there is one)")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in OUT")
+    p.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="start from this drafter's weights (a model directory or embedded name of this size)")
+    p.add_argument("--generate-tokens", type=positive_int, default=None, metavar="N",
+                   help="train on N tokens the target generates from prompts cut from --data (its own outputs)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=128,
+                   help="with --generate-tokens: prompt length cut from --data")
+    p.add_argument("--continuation-tokens", type=positive_int, default=256,
+                   help="with --generate-tokens: tokens the target writes after each prompt")
     add_settings_arguments(p, ("seq_len", "batch_size", "lr", "alpha", "warmup_steps", "max_steps", "max_minutes",
                                "ckpt_every", "seed"))
     return p.parse_args(argv)
@@ -111,6 +154,10 @@ def train_drafter(args) -> dict:
         raise UsageError(f"--data: no text in {len(files)} file(s)")
     tokenizer, teacher = load_target(args.target, device)
     stream = torch.from_numpy(encode_texts(tokenizer, texts).astype(np.int32))   # [N]
+    text_tokens = len(stream)
+    if args.generate_tokens:
+        stream = target_continuations(teacher, stream, args.generate_tokens, args.prompt_tokens,
+                                      args.continuation_tokens, tokenizer.eos_token_id, args.seed, device)
     if len(stream) < args.seq_len + 2:
         raise UsageError(f"--data: {len(stream)} tokens in {len(files)} file(s); a training window needs "
                          f"{args.seq_len + 2} (more text or a smaller --seq-len)")
@@ -119,13 +166,14 @@ def train_drafter(args) -> dict:
     vocab_size = teacher.config.get_text_config(decoder=True).vocab_size
     settings = TrainSettings(
         arch=f"mamba-{hidden}x{layers}", name=args.out.name, tokenizer=args.target, teacher=args.target,
+        init_from=None if args.init_from is None else resolve_model_path(args.init_from),
         **{k: getattr(args, k) for k in ("alpha", "seq_len", "batch_size", "lr", "warmup_steps", "max_steps",
                                          "max_minutes", "ckpt_every", "seed")})
     torch.manual_seed(settings.seed)
     model = build_model(mamba_drafter_config(vocab_size, tokenizer.eos_token_id, hidden, layers))
     parameters = sum(p.numel() for p in model.parameters())
     print(f"drafter: {parameters / 1e6:.2f}M parameters (hidden {hidden}, {layers} layers, vocab {vocab_size}); "
-          f"data: {len(files)} files, {len(stream):,} tokens; device {device}")
+          f"data: {len(files)} files, {text_tokens:,} tokens; training stream {len(stream):,} tokens; device {device}")
     try:
         fit(model, teacher, stream, settings, run_dir, device, args.resume)
     except ValueError as e:  # a checkpoint of another size
@@ -133,7 +181,10 @@ def train_drafter(args) -> dict:
     size = {"name": args.size if (hidden, layers) == (preset_hidden, preset_layers) else "custom",
             "hidden_size": hidden, "layers": layers}
     extra = {"target": args.target, "size": size, "device": str(device),
-             "data": {"paths": [str(p) for p in args.data], "files": len(files), "tokens": len(stream)}}
+             "data": {"paths": [str(p) for p in args.data], "files": len(files), "tokens": text_tokens}}
+    if args.generate_tokens:
+        extra["generated"] = {"tokens": len(stream), "prompt_tokens": args.prompt_tokens,
+                              "continuation_tokens": args.continuation_tokens}
     return write_model_dir(run_dir, args.out, tokenizer, extra)
 
 

@@ -116,3 +116,34 @@ def test_sizes_have_their_named_parameter_counts():
     counts = {name: sum(p.numel() for p in build_model(mamba_drafter_config(4096, 0, *dims)).parameters())
               for name, dims in DRAFTER_SIZES.items()}
     assert counts == {"0.7m": 757_632, "2.8m": 2_800_896, "11m": 10_573_824}  # 2.8m: the shipped drafter-mamba
+
+
+def test_target_continuations_are_the_targets_own_text():
+    """--generate-tokens: prompts cut from the text, each continued by the target; the greedy batches are exactly
+    HF generate's greedy continuations, the sampled ones differ from them, and pieces end with eos."""
+    from ray_specdec.training.distill import target_continuations
+
+    target = tiny_gpt_neox(torch.float32, vocab=128).eval()
+    stream = torch.randint(1, 128, (400,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    out = target_continuations(target, stream, 2 * 4 * 6, prompt_len=5, new_tokens=6, eos=0, seed=1,
+                               device=torch.device("cpu"), batch_size=4)
+    pieces = out.view(2, 4, 5 + 6 + 1).long()  # [batch, row, prompt + continuation + eos]
+    assert (pieces[..., -1] == 0).all()
+    for batch, sampled in enumerate((False, True)):
+        prompts = pieces[batch, :, :5]
+        assert all(any(torch.equal(p.int(), stream[s : s + 5]) for s in range(len(stream) - 4)) for p in prompts)
+        greedy = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
+                                 min_new_tokens=6, do_sample=False, pad_token_id=0)[:, 5:]
+        assert torch.equal(pieces[batch, :, 5:11], greedy) != sampled
+
+
+def test_init_from_and_generated_text_go_into_the_run(target_and_data, tmp_path):
+    target, data = target_and_data
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert train_drafter(target, data, first, "--max-steps", "2") == 0
+    assert train_drafter(target, data, second, "--max-steps", "1", "--init-from", str(first), "--generate-tokens",
+                         "64", "--prompt-tokens", "4", "--continuation-tokens", "8") == 0
+    info = json.loads((second / "training.json").read_text())
+    assert info["settings"]["init_from"] == str(first)
+    assert info["generated"] == {"tokens": 64 // 8 * (4 + 8 + 1), "prompt_tokens": 4, "continuation_tokens": 8}
+    assert info["data"]["tokens"] < 2000
