@@ -44,7 +44,7 @@ from benchmarks.serve_peers_results import (RequestResult, StreamTally, cell_lab
                                             ratios, served_vs_inproc, summarize_cell)
 from benchmarks.serve_peers_servers import PEER_DRAFTER, REPO, TARGET, Endpoint, default_hf_bin, server_table
 
-SERVERS = ("inproc", "ours", "vllm", "vllm-draft", "hf")
+SERVERS = ("inproc", "ours", "vllm", "vllm-ngram", "vllm-draft", "hf")
 MAX_REQUESTS_PER_CELL = 4096
 # the served systems of ours and their in-process twins (the same policy, tree mode): a pair shares its paired block
 TWINS = {"inproc": "ours", "inproc-none": "ours-none"}
@@ -257,7 +257,7 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
 
     try:
         # the app's own policy: the bandit over the default arms, goodput sizing, the default lookup branch
-        target = load_target(str(TARGET), dtype="float32", device="cpu")
+        target = load_target(str(args.target_dir), dtype="float32", device="cpu")
         engine = SpeculativeEngine(target, load_drafter(None, dtype="float32"), Bandit(), lookup=DEFAULT_LOOKUP,
                                    plain_lookup=DEFAULT_PLAIN_LOOKUP)
         for index in range(2):  # warm-up, as for the servers
@@ -293,6 +293,9 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {','.join(SERVERS)}")
+    parser.add_argument("--target", default=TARGET, help="embedded model name or directory, for every system")
+    parser.add_argument("--peer-drafter", default=PEER_DRAFTER,
+                        help="vllm-draft's Transformer draft model: embedded model name or directory")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of closed loop per cell")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--temperatures", default="0,1")
@@ -337,6 +340,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.paired_c1 < 0 or args.paired_reserved > args.prompts - 2:
         parser.error(f"--paired-c1 {args.paired_c1} sets aside {args.paired_reserved} prompts (a block per tree mode, "
                      f"temperature and repeat): need --paired-c1 >= 0 and --prompts above that by 2 at least")
+    from ray_specdec.models.loading import resolve_model_path
+
+    try:  # local directories for the peers (the embedded large target is built here on first use)
+        args.target_dir, args.peer_drafter_dir = (Path(resolve_model_path(m)) for m in (args.target, args.peer_drafter))
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
     return args
 
 
@@ -344,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    tokenizer = AutoTokenizer.from_pretrained(args.target_dir)
     tokenize = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     prompts = select_prompts(args.prompts, args.seed)
     cells: list[dict[str, Any]] = []
@@ -361,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                    if k not in ("vllm_script", "hf_bin")},  # paths of this machine
         "prompts": {"count": len(prompts), "seed": args.seed, "source": "held-out stdlib code windows, 32-512 tokens",
                     "tokens": [tokenize(p) for p in prompts]},
-        "target": TARGET.name, "peer_drafter": PEER_DRAFTER.name, "dtype": "float32",
+        "target": args.target, "peer_drafter": args.peer_drafter, "dtype": "float32",
         "servers": servers, "cells": cells, "ratios": ratios(cells),
         "ratios_window": ratios(cells, key="window_tokens_per_s"), "served_vs_inproc": served_vs_inproc(cells),
         "greedy_check": greedy_check(texts) if 0 in args.temperatures else None,

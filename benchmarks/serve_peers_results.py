@@ -14,7 +14,7 @@ import numpy as np
 # greedy texts of every system are compared with the first of these that ran the same prompt: ours-none, else the
 # in-process loop's (prompts that only the paired concurrency-1 cells ran: benchmarks/serve_peers.py --paired-c1)
 REFERENCE = ("ours-none", "inproc-none", "inproc")
-PEERS = ("vllm", "vllm-draft", "hf")
+PEERS = ("vllm", "vllm-ngram", "vllm-draft", "hf")
 
 
 # ---- streaming responses --------------------------------------------------------------------------------------------
@@ -157,14 +157,14 @@ def rates(cells: list[dict[str, Any]], key: str = "tokens_per_s") -> dict[tuple[
 
 def ratios(cells: list[dict[str, Any]], ours: tuple[str, ...] = ("ours", "ours-none"),
            key: str = "tokens_per_s") -> list[dict[str, Any]]:  # fmt: skip
-    """tokens/s (`key`: or another rate) of each of ours over each peer, per (temperature, concurrency) both ran
-    (medians over repeats)."""
+    """tokens/s (`key`: or another rate) of each of ours over each peer, and of the service's choice over tree none,
+    per (temperature, concurrency) both ran (medians over repeats)."""
     rate = rates(cells, key)
     out = []
     for (system, temperature, concurrency), value in sorted(rate.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         if system not in ours:
             continue
-        for peer in PEERS:
+        for peer in PEERS + (("ours-none",) if system == "ours" else ()):  # the service's choice over tree none
             base = rate.get((peer, temperature, concurrency))
             if base:
                 out.append({"ours": system, "peer": peer, "temperature": temperature, "concurrency": concurrency,

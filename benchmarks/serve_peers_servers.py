@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = REPO / "ray_specdec" / "default_models"
-TARGET, PEER_DRAFTER = MODELS / "target-neox", MODELS / "drafter-neox-small"
+# the default target and the peers' Transformer draft model (of the Mamba drafter's size), as embedded model names
+TARGET, PEER_DRAFTER = "target-neox", "drafter-neox-small"
 START_TIMEOUT_S = 420.0
 
 
@@ -58,7 +58,7 @@ def ours_server(args: argparse.Namespace) -> Iterator[Endpoint]:
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         # the engine replica gets both cores (its torch threads follow the CPUs it reserves), as vLLM's worker does
-        serve.run(app(AppArgs(target=str(TARGET), dtype="float32", num_cpus_per_rank=2)), name="specdec",
+        serve.run(app(AppArgs(target=args.target, dtype="float32", num_cpus_per_rank=2)), name="specdec",
                   route_prefix="/")  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         if args.ours_ingress == "direct":
@@ -88,15 +88,15 @@ def direct_url(proxy_url: str, wait_s: float = 60.0) -> str:
 def vllm_server(args: argparse.Namespace, mode: str) -> Iterator[Endpoint]:
     script = str(args.vllm_script)
     port = free_port()
-    extra = ["draft", str(PEER_DRAFTER)] if mode == "draft" else ["plain"]
+    extra = ["draft", str(args.peer_drafter_dir)] if mode == "draft" else [mode]
     env = os.environ | {"PORT": str(port), "TIMEOUT": str(int(START_TIMEOUT_S))}
     try:
-        started = subprocess.run(["bash", script, "start", str(TARGET), *extra], env=env, capture_output=True,
+        started = subprocess.run(["bash", script, "start", str(args.target_dir), *extra], env=env, capture_output=True,
                                  text=True, timeout=START_TIMEOUT_S + 60)  # fmt: skip
         if started.returncode != 0:
             tail = (started.stdout + started.stderr).strip().splitlines()[-3:]
             raise RuntimeError(f"{script} start exited {started.returncode}: {' | '.join(tail)}")
-        yield Endpoint(f"http://127.0.0.1:{port}", str(TARGET))
+        yield Endpoint(f"http://127.0.0.1:{port}", str(args.target_dir))
     finally:
         subprocess.run(["bash", script, "stop"], env=env, capture_output=True, timeout=120)
 
@@ -124,7 +124,7 @@ def default_hf_bin() -> Path:
 def hf_server(args: argparse.Namespace) -> Iterator[Endpoint]:
     port = free_port()
     with tempfile.NamedTemporaryFile("w+", prefix="hf_serve_", suffix=".log") as log:
-        command = [str(args.hf_bin), "serve", str(TARGET), "--continuous-batching",
+        command = [str(args.hf_bin), "serve", str(args.target_dir), "--continuous-batching",
                    "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)  # its own process group, stopped as a whole
@@ -141,7 +141,7 @@ def hf_server(args: argparse.Namespace) -> Iterator[Endpoint]:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"transformers serve did not answer /health in {START_TIMEOUT_S:.0f} s")
                 time.sleep(1)
-            yield Endpoint(f"http://127.0.0.1:{port}", str(TARGET), hf_sampling)
+            yield Endpoint(f"http://127.0.0.1:{port}", str(args.target_dir), hf_sampling)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -157,6 +157,7 @@ def server_table(args: argparse.Namespace) -> dict[str, tuple[Callable, dict[str
     return {
         "ours": (lambda: ours_server(args), {"ours": {}, "ours-none": {"tree": "none"}}, False),
         "vllm": (lambda: vllm_server(args, "plain"), {"vllm": {}}, False),
+        "vllm-ngram": (lambda: vllm_server(args, "ngram"), {"vllm-ngram": {}}, False),
         "vllm-draft": (lambda: vllm_server(args, "draft"), {"vllm-draft": {}}, False),
         "hf": (lambda: hf_server(args), {"hf": {}}, True),
     }

@@ -105,7 +105,8 @@ CELLS = [cell("inproc", 1, 400.0), cell("ours", 1, 200.0), cell("ours", 8, 300.0
 
 def test_ratios_pair_same_temperature_and_concurrency():
     got = {(r["ours"], r["peer"], r["temperature"], r["concurrency"]): r["ratio"] for r in ratios(CELLS)}
-    assert got == {("ours", "vllm", 0.0, 1): 0.5, ("ours", "vllm", 0.0, 8): 2.0, ("ours-none", "vllm", 0.0, 1): 0.25}
+    assert got == {("ours", "vllm", 0.0, 1): 0.5, ("ours", "vllm", 0.0, 8): 2.0, ("ours-none", "vllm", 0.0, 1): 0.25,
+                   ("ours", "ours-none", 0.0, 1): 2.0}  # the service's choice over tree none
     assert served_vs_inproc(CELLS) == [{"served": "ours", "inproc": "inproc", "temperature": 0.0,
                                         "served_tokens_per_s": 200.0, "inproc_tokens_per_s": 400.0, "ratio": 0.5,
                                         "same_prompts": False}]  # fmt: skip
