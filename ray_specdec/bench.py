@@ -235,6 +235,11 @@ def context_sweep(drafter, tf_drafter, stream: list[int], lengths, steps: int) -
     return rows
 
 
+# --paper's trees: chains (the paper's main table), the paper's trees (3,3,2,1), (3,2,2,1,1), (2,2,2,1,1,1) and a
+# small one, and a chain with a prompt-lookup branch
+PAPER_TREES = "1,1,1;1,1,1,1;1,1,1,1,1,1;2,1,1;2,2,1,1;3,3,2,1;3,2,2,1,1;2,2,2,1,1,1;1,1,1+L8"
+
+
 def parse_args(argv):
     from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET, DEFAULT_TF_DRAFTER
 
@@ -270,6 +275,10 @@ def parse_args(argv):
                         "forward round differently, so near-ties may flip and the identical-text check may say no), "
                         "float64")
     p.add_argument("--quick", action="store_true", help="small run for CI (under 5 minutes on 2 cores)")
+    p.add_argument("--paper", action="store_true",
+                   help="the Mamba-drafter paper's experiments in shape on the memory-bound target-neox-large: chains "
+                        "and trees against the Transformer drafter and no drafter, greedy and T=1, short, long and QA "
+                        "prompts, the bandit, and drafter memory from 1k to 8k tokens (--target etc. still apply)")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="Markdown table and PNG plots go here")
     add_scheduler_arguments(p, BENCH_SCHEDULER, notes={
@@ -280,6 +289,14 @@ def parse_args(argv):
     if args.quick:
         args.prompts, args.long_prompts, args.qa_prompts, args.max_new_tokens, args.bandit_warmup = 2, 0, 1, 24, 1
         args.trees, args.temperatures, args.contexts = "1,1,1,1;2,2,1,1+L8", "0,1", "1024,4096"
+    if args.paper:
+        given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
+        if "--target" not in given:
+            args.target = "target-neox-large"
+        if "--trees" not in given:
+            args.trees = PAPER_TREES
+        args.qa_buckets = args.qa_buckets if "--qa-buckets" in given else "1024,2048,4096,8192"
+        args.qa_prompts = args.qa_prompts if "--qa-prompts" in given else 4
     return args
 
 
@@ -358,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fixed = replace(scheduler, lookup=0)  # the engines of fixed trees: each tree names its own lookup branch
     ours = SpeculativeEngine(target, drafter, trees[0], config=fixed)
-    plain = SpeculativeEngine(target, None, config=fixed)
+    # our own plain decoding, the baseline of every speedup over it: no drafter and no prompt lookup
+    plain = SpeculativeEngine(target, None, config=replace(fixed, plain_lookup=0))
 
     # Every method is a function (temperature, prompts, seed) -> MethodResult.
     methods = [("hf_generate", lambda t, ps, sd: run_hf("hf_generate", hf, ps, args.max_new_tokens, t, sd)),
@@ -368,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
                                                              prompt_lookup_num_tokens=10)),
                ("ours_target_only", lambda t, ps, sd: run_ours("ours_target_only", plain, ps, args.max_new_tokens, t,
                                                                sd, None))]
+    if fixed.plain_lookup:  # undrafted rounds with prompt lookup (greedy requests only): the service's "none" arm
+        looked_up = SpeculativeEngine(target, None, config=fixed)
+        methods.append(("ours_prompt_lookup", lambda t, ps, sd: run_ours("ours_prompt_lookup", looked_up, ps,
+                                                                         args.max_new_tokens, t, sd, None)))
     for tree in trees:
         name = f"ours_mamba_{'chain' if set(tree.branching) == {1} else 'tree'}_{tree}"
         methods.append((name, lambda t, ps, sd, tree=tree, name=name: run_ours(name, ours, ps, args.max_new_tokens,
