@@ -1,6 +1,6 @@
 """Verification of a drafted token tree: pure functions on tensors, randomness passed in.
 
-Terms (DESIGN.md): rows index the verify input ``[root, *tree nodes]`` in BFS order (see tree.py). A draft node is
+Terms (docs/DESIGN.md): rows index the verify input ``[root, *tree nodes]`` in BFS order (see tree.py). A draft node is
 **accepted** when the walk from the root moves into it; the walk stops at a node none of whose children is accepted
 (or at a leaf). The **bonus token** is then emitted from the target's distribution at the stop node: its argmax
 (greedy), or a draw from the residual distribution left after the rejected children (sampling). The **accepted
