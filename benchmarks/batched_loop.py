@@ -3,10 +3,8 @@
 Each cell keeps `c` requests in the scheduler (a finished request is replaced by the next prompt at once) for
 `--duration` seconds after a warm-up, greedy, 64 new tokens, on held-out code windows of 32-512 tokens (the prompts
 of benchmarks/serve_peers.py). The cells at each concurrency start at their own share of the prompts, so no cell
-sends a prompt an earlier cell of its engine sent: the prefix cache would serve its prefill (before 2026-11-26 every
-cell started at prompt 0, and the cells at 8 and 32 replayed the cells before them: 1306.6 tokens/s at 32, `batched
-none`, against 946.2 with fresh prompts, on the 2-core machine). A cell that runs past its share says so. Four
-variants of the same engine, side by side in one run:
+sends a prompt an earlier cell of its engine sent: the prefix cache would serve its prefill. A cell that runs
+past its share says so. Four variants of the same engine, side by side in one run:
 
 - `batched`: the lean forward (models/lean_forward.py) carries the verify rows of every request in one forward per
   step, each weight read once for all of them; attention runs per request over its own cache;
@@ -16,7 +14,7 @@ variants of the same engine, side by side in one run:
 - `prefills-apart` (`none` only; asked for by name): batched verify rows, but each prefill chunk in a forward of its
   own, as on CPU (where that keeps a chunk's K/V independent of the batch); on CUDA one forward takes both;
 - `torch-layers` (asked for by name): `batched` with the verify rows' decoder layers as torch ops instead of one
-  native call per forward (models/native/decoder.py; what every CPU run before 2026-11-27 measured);
+  native call per forward (models/native/decoder.py);
 - `own-caches` (asked for by name): batched products, but every request's K/V in a cache of its own and its
   attention one call per request per layer (`kv_pool=False`); `batched` pools the caches where the target does
   (models/kv_pool.py: CUDA), so its verify rows attend in one call per layer;

@@ -4,8 +4,8 @@
 after its duration, so a cell's tokens/s includes the start (every request prefilling at once) and the drain. This
 one counts the tokens decoded in a window after `--warmup` seconds of load (each request's tokens spread evenly from
 its first token to its end), over the same prompts for every system, so that the steady state and the cells' start
-and drain can be told apart (docs/BENCHMARKS.md, "Twenty-ninth run"). Before 2026-11-28 it counted the requests that
-ended in the window, which moves in steps of whole waves (still reported, `ended_tokens_per_s`).
+and drain can be told apart. The tokens of the requests that end inside the window are also reported
+(`ended_tokens_per_s`): that count moves in steps of whole waves where a server ends its requests together.
 
 Systems: `ours` (the app's own choice of drafting) and `ours-none` (every request `"tree": "none"`), from one
 server, alternating; `vllm` (vLLM-CPU plain, `../shared/peers/vllm_cpu.sh`), twice as often. No server sees a prompt

@@ -1,4 +1,4 @@
-"""Served against in-process at one request, on the same prompts, interleaved block by block in one sitting.
+"""Served against in-process at one request, on the same prompts, interleaved block by block in one run.
 
 Issue 18 asks for served concurrency-1 throughput within 10% of the in-process loop. serve_peers measures it with one
 block of prompts per system, minutes apart, and on the 2-core machine a block moves by 10-15% from one minute to the
@@ -6,7 +6,7 @@ next, so its ratio moved between 0.75x and 0.92x over runs that changed nothing 
 of `--block` fresh prompts runs in three modes back to back, in an order that rotates from block to block, so that
 drift lands on all three alike:
 - `alone`: the in-process loop (this process, the app's policy) while every process of the app and of its Ray is
-  stopped (SIGSTOP; measured equal to no Ray at all: "The engine beside an idle Serve app" in docs/BENCHMARKS.md);
+  stopped (SIGSTOP, which costs the loop as little as no Ray at all);
 - `beside`: the same loop while the app runs, idle: what Ray's and Serve's processes cost the loop before any HTTP;
 - `served`: one streaming request at a time to the engine replica's own port (direct ingress, as `serve run
   deployments:app` answers), the app started as serve_peers starts it, in a process of its own (this process is

@@ -2,7 +2,7 @@
 per layer (`PooledAttention`): the GPU path of continuous batching.
 
 Why. With a cache of its own per request, a batched forward attends request by request: per layer and request a
-write of the new K/V and one sdpa call. Profiled on an H200 (docs/BENCHMARKS.md, third GPU session), a 7B-sized
+write of the new K/V and one sdpa call. Profiled on an H200, a 7B-sized
 Llama at 32 requests launched ~7,200 kernels a step, 1,024 of them sdpa calls, and the step took ~180 ms of host time
 against ~37 ms of GPU time: bound by its launches, not its arithmetic. vLLM's answer is a paged KV pool read by a
 varlen kernel. Here: every request's cache is a contiguous range of rows of one pool per layer, so a step's verify

@@ -5,8 +5,8 @@ state. Attention runs eagerly between the graphs: it reads every request's own c
 whose lengths change every step, while everything else in a layer works row by row.
 
 Why. A step of a 7B-sized Llama at 32 requests launched ~1,700 kernels (norms, projections, rotary, MLP, residuals:
-~45 a layer, ~9 of them attention), and its host spent 42 ms a step launching them against 10 ms of GPU work (fourth
-GPU session, docs/BENCHMARKS.md). A replay issues a piece's ~20-35 kernels for about the host cost of one launch.
+~45 a layer, ~9 of them attention), and its host spent 42 ms a step launching them against 10 ms of GPU work.
+A replay issues a piece's ~20-35 kernels for about the host cost of one launch.
 
 How. The graphs read and write fixed buffers sized for the largest bucket: token ids, positions, the rotary tables,
 the hidden state (two, alternating by layer), the attention inputs (query, key, value) and its output. A forward of
