@@ -19,6 +19,11 @@ import torch
 torch.set_num_threads(1)
 os.environ["RAY_SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="ray_specdec_test_cache_")
 
+# after the settings above: the package reads them as it loads
+from ray_specdec import factory  # noqa: E402
+from ray_specdec.models.target import TargetModel  # noqa: E402
+from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba, tiny_tokenizer  # noqa: E402
+
 _exit_status: list[int] = []
 
 
@@ -34,3 +39,50 @@ def pytest_unconfigure(config):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_exit_status[-1])
+
+
+TARGETS = {"neox": tiny_gpt_neox, "llama": tiny_llama}
+
+
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def target(request):
+    """A float64 tiny target of each family."""
+    return TargetModel(TARGETS[request.param](torch.float64, max_positions=512))
+
+
+@pytest.fixture(scope="module")
+def long_context_pair():
+    """A float32 batch-invariant tiny target with a long context and a random (rarely agreeing) drafter."""
+    return TargetModel(tiny_gpt_neox(torch.float32, max_positions=2300)), tiny_mamba(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def cli_model_dirs(tmp_path_factory):
+    """(target dir with a tiny tokenizer, drafter dir) for the CLI and load_engine."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    root = tmp_path_factory.mktemp("models")
+    tok = tiny_tokenizer()
+    vocab = len(tok)
+    target = tiny_gpt_neox(vocab=vocab)
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        drafter = MambaForCausalLM(MambaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, state_size=8))
+    drafter.save_pretrained(root / "drafter")
+    return root / "target", root / "drafter"
+
+
+@pytest.fixture
+def built_engines(monkeypatch):
+    """The engines the CLI builds, as built."""
+    built = []
+    load_engine = factory.load_engine
+
+    def load_and_keep(*args, **kwargs):
+        built.append(load_engine(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(factory, "load_engine", load_and_keep)
+    return built

@@ -25,7 +25,8 @@ from ray_specdec.bandit import (
 )
 from ray_specdec.bandit.state import OWN_FIELDS, WHAT_IF_FIELDS
 from ray_specdec.config import MAX_LOOKUP_TOKENS, TreeConfig
-from tests.bandit_sim import MEANS, Env, assert_same_state, gaussian_env, late_share, random_rounds, replay, simulate
+from tests.helpers.bandit_sim import (MEANS, Env, assert_same_state, gaussian_env, late_share, random_rounds, replay,
+                                      simulate)
 
 
 # Regret is averaged over 4 seeded runs (a single run's ratio swings with when a rare exploration happens).

@@ -10,7 +10,7 @@ import pytest
 
 from ray_specdec.bandit import DEFAULT_ARMS, Bandit, BanditConfig, BanditHub, UCB1
 from ray_specdec.config import TreeConfig
-from tests.bandit_sim import MEANS, assert_same_state, gaussian_env, random_rounds, replay, simulate
+from tests.helpers.bandit_sim import MEANS, assert_same_state, gaussian_env, random_rounds, replay, simulate
 
 
 def test_merging_batched_updates_from_two_routers_equals_direct_records():

@@ -12,7 +12,7 @@ from ray_specdec.engine import DEFAULT_SCHEDULER
 from ray_specdec.models import native
 from ray_specdec.scheduler import SchedulerConfig
 from ray_specdec.scheduler_args import flag
-from tests.tiny_models import tiny_gpt_neox, tiny_tokenizer
+from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

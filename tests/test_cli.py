@@ -7,47 +7,22 @@ import sys
 from dataclasses import fields, replace
 
 import pytest
-import torch
-from transformers import MambaConfig, MambaForCausalLM
 
-from ray_specdec import factory
-from ray_specdec.cli import generate_parser, main
+from ray_specdec.cli import generate_parser
 from ray_specdec.config import SamplingParams
 from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
-from ray_specdec.factory import load_engine
 from ray_specdec.kv_budget import kv_budget_rows
 from ray_specdec.models.target import TargetModel
 from ray_specdec.scheduler import SchedulerConfig
 from ray_specdec.scheduler_args import flag
-from tests.tiny_models import tiny_gpt_neox, tiny_tokenizer
+from tests.helpers.cli import run_cli
 
 WORDS = "the quick brown fox jumps over the lazy dog a tree of tokens is verified in one pass".split()
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    tok = tiny_tokenizer()
-    vocab = len(tok)
-    target = tiny_gpt_neox(vocab=vocab)
-    target.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        drafter = MambaForCausalLM(MambaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, state_size=8))
-    drafter.save_pretrained(root / "drafter")
-    return root / "target", root / "drafter"
-
-
-def run(argv, capsys):
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_generate_json_contract(model_dirs, capsys):
-    target_dir, drafter_dir = model_dirs
-    code, out, err = run(["generate", "--prompt", "the quick brown", "--target", str(target_dir), "--drafter",
+def test_generate_json_contract(cli_model_dirs, capsys):
+    target_dir, drafter_dir = cli_model_dirs
+    code, out, err = run_cli(["generate", "--prompt", "the quick brown", "--target", str(target_dir), "--drafter",
                           str(drafter_dir), "--tree", "2,1", "--max-new-tokens", "9", "--json"], capsys)
     assert code == 0, err
     result = json.loads(out)
@@ -60,9 +35,9 @@ def test_generate_json_contract(model_dirs, capsys):
     assert result["stats"]["rounds"] >= 1
 
 
-def test_drafter_none_is_plain_decoding(model_dirs, capsys):
-    target_dir, _ = model_dirs
-    code, out, _ = run(["generate", "--prompt", "a tree", "--target", str(target_dir), "--drafter", "none",
+def test_drafter_none_is_plain_decoding(cli_model_dirs, capsys):
+    target_dir, _ = cli_model_dirs
+    code, out, _ = run_cli(["generate", "--prompt", "a tree", "--target", str(target_dir), "--drafter", "none",
                         "--max-new-tokens", "5", "--json"], capsys)
     assert code == 0
     stats = json.loads(out)["stats"]
@@ -91,9 +66,9 @@ def test_drafter_none_is_plain_decoding(model_dirs, capsys):
         ["frobnicate"],
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(argv, model_dirs, capsys):
-    argv = [str(model_dirs[0]) if a == "T" else a for a in argv]
-    code, out, err = run(argv, capsys)
+def test_bad_input_is_one_line_and_exit_2(argv, cli_model_dirs, capsys):
+    argv = [str(cli_model_dirs[0]) if a == "T" else a for a in argv]
+    code, out, err = run_cli(argv, capsys)
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err
@@ -106,28 +81,15 @@ def test_every_scheduler_setting_is_a_generate_flag():
     assert "--no-goodput" in text and "--kv-budget-gib" in text
 
 
-@pytest.fixture
-def engines(monkeypatch):
-    """The engines `generate` builds, as built."""
-    built = []
-
-    def load_and_keep(*args, **kwargs):
-        built.append(load_engine(*args, **kwargs))
-        return built[-1]
-
-    monkeypatch.setattr(factory, "load_engine", load_and_keep)
-    return built
-
-
-def test_scheduler_flags_reach_the_engine(model_dirs, engines, capsys):
-    target_dir, drafter_dir = model_dirs
-    code, out, err = run(["generate", "--prompt", "the quick brown", "--target", str(target_dir), "--drafter",
+def test_scheduler_flags_reach_the_engine(cli_model_dirs, built_engines, capsys):
+    target_dir, drafter_dir = cli_model_dirs
+    code, out, err = run_cli(["generate", "--prompt", "the quick brown", "--target", str(target_dir), "--drafter",
                           str(drafter_dir), "--tree", "2,1", "--max-new-tokens", "9", "--json", "--max-running", "8",
                           "--max-waiting", "2", "--step-tokens", "768", "--prefill-chunk", "4", "--kv-budget-tokens",
                           "4096", "--min-path-prob", "0.05", "--lookup", "3", "--plain-lookup", "2", "--no-goodput"],
                          capsys)  # fmt: skip
     assert code == 0, err
-    assert engines[0].scheduler.config == SchedulerConfig(
+    assert built_engines[0].scheduler.config == SchedulerConfig(
         kv_budget_tokens=4096, max_running=8, max_waiting=2, step_tokens=768, prefill_chunk=4, min_path_prob=0.05,
         lookup=3, plain_lookup=2, goodput=False)  # fmt: skip
     target = TargetModel.from_pretrained(str(target_dir))
@@ -135,17 +97,17 @@ def test_scheduler_flags_reach_the_engine(model_dirs, engines, capsys):
     assert json.loads(out)["token_ids"] == expected.token_ids  # greedy: the settings change the speed, not the text
 
 
-def test_kv_budget_in_gib_becomes_rows_of_the_targets_cache(model_dirs, engines, capsys):
-    target_dir, _ = model_dirs
-    code, _, err = run(["generate", "--prompt", "a tree", "--target", str(target_dir), "--drafter", "none",
+def test_kv_budget_in_gib_becomes_rows_of_the_targets_cache(cli_model_dirs, built_engines, capsys):
+    target_dir, _ = cli_model_dirs
+    code, _, err = run_cli(["generate", "--prompt", "a tree", "--target", str(target_dir), "--drafter", "none",
                         "--max-new-tokens", "3", "--kv-budget-gib", "0.001"], capsys)
     assert code == 0, err
-    config = engines[0].scheduler.config
-    assert config.kv_budget_tokens == kv_budget_rows(0.001, engines[0].target.kv_bytes_per_token)
+    config = built_engines[0].scheduler.config
+    assert config.kv_budget_tokens == kv_budget_rows(0.001, built_engines[0].target.kv_bytes_per_token)
     assert config == replace(DEFAULT_SCHEDULER, kv_budget_tokens=config.kv_budget_tokens)
 
 
-def test_module_entry_point_exit_code(model_dirs):
+def test_module_entry_point_exit_code(cli_model_dirs):
     proc = subprocess.run([sys.executable, "-m", "ray_specdec", "generate", "--prompt", "x", "--target",
                            "/nonexistent", "--drafter", "none"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

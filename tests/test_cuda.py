@@ -28,8 +28,9 @@ from ray_specdec.models.target import TargetModel  # noqa: E402
 from ray_specdec.sampling import logits_to_probs  # noqa: E402
 from ray_specdec.training.corpus import heldout_prompts  # noqa: E402
 from ray_specdec.tree import build_tree  # noqa: E402
-from tests.test_engine import TREES, random_prompt, sample_counts, tiny_mamba  # noqa: E402
-from tests.tiny_models import tiny_gpt_neox, tiny_llama  # noqa: E402
+from tests.helpers.inputs import TREES, random_prompt  # noqa: E402
+from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba  # noqa: E402
+from tests.helpers.reference import sample_counts  # noqa: E402
 
 CUDA = torch.device("cuda")
 SHIPPED_TREES = [(1, 1, 1, 1), (2, 2, 1, 1), (3, 2, 2, 1, 1), (2, 2, 2, 1, 1, 1)]

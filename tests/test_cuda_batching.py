@@ -29,8 +29,8 @@ from ray_specdec.models.mamba_drafter import MambaDrafter  # noqa: E402
 from ray_specdec.models.target import Segment, TargetModel  # noqa: E402
 from ray_specdec.training.corpus import heldout_prompts  # noqa: E402
 from ray_specdec.tree import build_tree  # noqa: E402
-from tests.test_engine import random_prompt  # noqa: E402
-from tests.tiny_models import tiny_gpt_neox, tiny_llama  # noqa: E402
+from tests.helpers.inputs import random_prompt  # noqa: E402
+from tests.helpers.models import tiny_gpt_neox, tiny_llama  # noqa: E402
 
 CUDA = torch.device("cuda")
 # per request of a mixed batch, cycled: the tree (None: the engine's policy) and max_tokens

@@ -9,7 +9,8 @@ import time
 import torch
 
 from ray_specdec.models import device_clock
-from tests.test_engine import random_prompt, tiny_mamba
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_mamba
 
 QUEUED_S = 0.05  # the device time still queued when the host returns from a call
 

@@ -23,7 +23,7 @@ from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, commit_man
 from ray_specdec.models import native
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
 from ray_specdec.models.mamba_state import StateSlots
-from tests.models.test_mamba_drafter import perturbed_mamba
+from tests.helpers.models import perturbed_mamba
 
 TINY = dict(vocab_size=77, hidden_size=40, state_size=6, num_hidden_layers=3, expand=2, conv_kernel=4,
             time_step_rank=5)  # fmt: skip

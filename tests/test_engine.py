@@ -2,109 +2,22 @@
 
 from __future__ import annotations
 
-import itertools
 
-import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import MambaConfig, MambaForCausalLM
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import DrafterSession
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.rounds import empty_draft, judge
 from ray_specdec.models import native as native_kernels
-from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
-from tests.tiny_models import tiny_gpt_neox, tiny_llama
-
-TREES = [(1,), (1, 1, 1, 1), (1,) * 8, (4,), (3, 2), (2, 2, 1, 1), (3, 2, 2, 1, 1), (2, 2, 2, 1, 1, 1)]
-
-
-def tiny_mamba(dtype=torch.float64, vocab=128, seed=0, fast_matmul=False) -> MambaDrafter:
-    config = MambaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
-                         conv_kernel=4, initializer_range=0.1)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = MambaForCausalLM(config)
-    return MambaDrafter(model.to(dtype).eval(), fast_matmul=fast_matmul)
-
-
-class EchoState:
-    def __init__(self, rows):
-        self.rows = rows
-
-    def row_slice(self, start, stop):
-        return EchoState(self.rows[start:stop] if isinstance(self.rows, list) else stop - start)
-
-    @staticmethod
-    def cat(states):
-        if len(states) == 1:
-            return states[0]
-        if all(isinstance(s.rows, list) for s in states):
-            return EchoState([row for s in states for row in s.rows])
-        return EchoState(sum(s.rows for s in states))
-
-
-class TargetEchoDrafter:
-    """A test drafter with the MambaDrafter interface that proposes the target's own (optionally noised) choices.
-
-    Random tiny Mamba drafters rarely agree with random tiny targets; this one agrees often, so deep acceptance,
-    full-path acceptance and the leaf commit are exercised too.
-    """
-
-    def __init__(self, hf_model, noise: float):
-        self.model, self.noise = hf_model, noise
-        self.device, self.prefill_window = torch.device("cpu"), None
-        self.vocab_size = hf_model.config.vocab_size
-
-    def _logits(self, rows: list[list[int]]) -> torch.Tensor:
-        """rows: equally long token lists (true at every drafting depth) -> logits [rows, V], one batched forward."""
-        with torch.no_grad():
-            logits = self.model(torch.tensor(rows)).logits[:, -1].double()
-        if self.noise:
-            noise = [torch.randn(logits.shape[-1], dtype=torch.float64,
-                                 generator=torch.Generator().manual_seed(hash(tuple(r)) % (2**31))) for r in rows]
-            logits = logits + self.noise * torch.stack(noise)
-        return logits
-
-    def prefill(self, ids):
-        rows = [list(map(int, ids))]
-        return EchoState(rows), self._logits(rows)[0]
-
-    def copy_rows(self, state, index):
-        return EchoState([list(state.rows[i]) for i in index.tolist()])
-
-    def step(self, state, tokens):
-        for row, t in zip(state.rows, tokens.tolist()):
-            row.append(int(t))
-        return self._logits(state.rows)
-
-    def extend(self, state, ids):
-        state.rows[0].extend(int(t) for t in ids.tolist())
-        return self._logits(state.rows)[0]
-
-
-TARGETS = {"neox": tiny_gpt_neox, "llama": tiny_llama}
-
-
-@pytest.fixture(scope="module", params=sorted(TARGETS))
-def target(request):
-    return TargetModel(TARGETS[request.param](torch.float64, max_positions=512))
-
-
-def hf_greedy(target: TargetModel, prompt: list[int], n: int) -> list[int]:
-    out = target.model.generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=sorted(target.eos_token_ids),
-        pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-    )
-    return out[0, len(prompt):].tolist()
-
-
-def random_prompt(length: int, seed: int, vocab=128) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, vocab, (length,), generator=g).tolist()  # avoid EOS ids in prompts
+from tests.helpers.drafters import EchoState, TargetEchoDrafter
+from tests.helpers.inputs import TREES, random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba
+from tests.helpers.reference import (ENUMERATED_VOCAB, assert_emitted_distribution, enumerate_target, hf_greedy,
+                                     hf_greedy_ignore_eos)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 37, 300])
@@ -137,12 +50,6 @@ def test_echo_drafter_gets_deep_acceptance(target):
     assert result.stats.mean_accepted_length > 3.0
     assert len(result.token_ids) == 30
     assert result.token_ids == hf_greedy_ignore_eos(target, prompt, 30)
-
-
-def hf_greedy_ignore_eos(target, prompt, n):
-    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 11])
@@ -200,22 +107,6 @@ def test_drafter_state_after_commits_equals_prefill_from_scratch(branching, min_
 
 # ---- sampling: the emitted distribution is the target's ------------------------------------------------------------
 
-VOCAB = 6
-
-
-def enumerate_target(target: TargetModel, prompt: list[int], params: SamplingParams, n: int) -> dict:
-    """Exact target-only distribution over the next n tokens (processed by temperature / top-k / top-p)."""
-    from ray_specdec.sampling import logits_to_probs
-
-    dist = {}
-    for seq in itertools.product(range(VOCAB), repeat=n):
-        with torch.no_grad():
-            logits = target.model(torch.tensor([prompt + list(seq)])).logits[0].double()
-        probs = logits_to_probs(logits, params)
-        dist[seq] = float(np.prod([probs[len(prompt) - 1 + i, t] for i, t in enumerate(seq)]))
-    return dist
-
-
 @pytest.mark.parametrize(
     "branching, draft_sampling, temperature, top_k, top_p, min_path_prob, native",
     [
@@ -233,11 +124,11 @@ def enumerate_target(target: TargetModel, prompt: list[int], params: SamplingPar
 )
 def test_sampled_generation_has_target_distribution(branching, draft_sampling, temperature, top_k, top_p,
                                                     min_path_prob, native):
-    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=VOCAB, seed=5))
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=ENUMERATED_VOCAB, seed=5))
     target.eos_token_ids = frozenset()
     if native and native_kernels.load() is None:
         pytest.skip(f"native kernels unavailable: {native_kernels.why_unavailable()}")
-    drafter = tiny_mamba(torch.float32 if native else torch.float64, vocab=VOCAB, seed=6)
+    drafter = tiny_mamba(torch.float32 if native else torch.float64, vocab=ENUMERATED_VOCAB, seed=6)
     assert (drafter.native is not None) == native
     prompt = [1, 4, 2]
     # with a cut, 3 tokens: the first round may draft depth 2 (later rounds are cut to what is left anyway)
@@ -256,38 +147,7 @@ def test_sampled_generation_has_target_distribution(branching, draft_sampling, t
     assert accepted > 0, "some generations must take several tokens in one round, or drafting was not tested"
     if min_path_prob:  # first rounds of both kinds happened: drafts cut to depth 1, and whole depth-2 drafts
         assert 0 < full < n_samples, full
-    assert_emitted_distribution(counts, exact, n_samples, VOCAB)
-
-
-def sample_counts(engine, prompt, base: SamplingParams, outcomes, n_samples: int) -> tuple[dict, int]:
-    """Generate with seeds 0..n_samples-1 -> (times each of `outcomes` was emitted, generations that took several
-    tokens in some round)."""
-    counts, multi = dict.fromkeys(outcomes, 0), 0
-    for seed in range(n_samples):
-        result = engine.generate(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
-        counts[tuple(result.token_ids)] += 1
-        multi += result.stats.rounds < base.max_new_tokens
-    return counts, multi
-
-
-def assert_emitted_distribution(counts: dict, exact: dict, n_samples: int, vocab: int) -> None:
-    """Sequences emitted `counts` times over n_samples generations follow the enumerated distribution `exact`:
-    nothing impossible, a chi-square test (rare outcomes pooled), and total variation on the first two tokens
-    (vocab^2 outcomes: sampling noise alone stays well below the bound)."""
-    keys = [k for k in exact if exact[k] > 0]
-    assert all(counts[k] == 0 for k in exact if exact[k] == 0), "emitted a sequence the target cannot produce"
-    observed = np.array([counts[k] for k in keys], dtype=float)
-    expected = np.array([exact[k] for k in keys]) * n_samples
-    big = expected >= 5  # chi-square needs enough expected counts; pool the rest
-    obs, exp = observed[big], expected[big]
-    if (~big).any():
-        obs, exp = np.append(obs, observed[~big].sum()), np.append(exp, expected[~big].sum())
-    assert chisquare(obs, exp).pvalue > 1e-3
-    tv = 0.0
-    for prefix in itertools.product(range(vocab), repeat=2):
-        emitted = sum(counts[k] for k in exact if k[:2] == prefix) / n_samples
-        tv += 0.5 * abs(emitted - sum(exact[k] for k in exact if k[:2] == prefix))
-    assert tv < 0.08
+    assert_emitted_distribution(counts, exact, n_samples, ENUMERATED_VOCAB)
 
 
 class PeakedDrafter:
@@ -314,9 +174,10 @@ class PeakedDrafter:
 def test_cut_drafts_keep_the_target_distribution():
     """The cut may look at drafted nodes, never at the children it would drop. Here a cut that looked at them would
     keep depth 2 only when its child is the drafter's favourite token, and the output would visibly drift."""
-    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=VOCAB, seed=5))
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=ENUMERATED_VOCAB, seed=5))
     target.eos_token_ids = frozenset()
-    drafter = PeakedDrafter([0.7] + [0.06] * (VOCAB - 1))  # path probabilities: 0.7, 0.49, or 0.042 and below
+    # path probabilities: 0.7, 0.49, or 0.042 and below
+    drafter = PeakedDrafter([0.7] + [0.06] * (ENUMERATED_VOCAB - 1))
     prompt, n_tokens, n_samples = [1, 4, 2], 3, 5000
     params = SamplingParams(temperature=1.0, max_new_tokens=n_tokens, draft_sampling="iid")
     exact = enumerate_target(target, prompt, params, n_tokens)
@@ -387,12 +248,12 @@ def test_greedy_with_a_lookup_branch_matches_target(target):
 def test_sampled_generation_with_a_lookup_branch_has_target_distribution(draft_sampling):
     """The prompt ends with a bigram seen before, so every first round carries a lookup branch (tried before the
     drafter's children at the root); the emitted tokens must still follow the target exactly."""
-    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=VOCAB, seed=5))
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=ENUMERATED_VOCAB, seed=5))
     target.eos_token_ids = frozenset()
     prompt, n_tokens, n_samples = [1, 4, 2, 3, 5, 1, 4], 3, 3000
     base = SamplingParams(temperature=1.0, max_new_tokens=n_tokens, draft_sampling=draft_sampling)
     exact = enumerate_target(target, prompt, base, n_tokens)
-    engine = SpeculativeEngine(target, tiny_mamba(vocab=VOCAB, seed=6), TreeConfig((2, 1), lookup=2))
+    engine = SpeculativeEngine(target, tiny_mamba(vocab=ENUMERATED_VOCAB, seed=6), TreeConfig((2, 1), lookup=2))
     counts = dict.fromkeys(exact, 0)
     lookup_rounds = multi = 0
     for seed in range(n_samples):

@@ -12,7 +12,7 @@ from transformers import MambaConfig, MambaForCausalLM
 
 from ray_specdec.cli import main
 from ray_specdec.factory import LoadError, load_engine
-from tests.tiny_models import tiny_gpt_neox, tiny_tokenizer
+from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer
 
 PYTHIA_VOCAB, MAMBA_VOCAB = 50304, 50280  # embedding rows of EleutherAI/pythia-1.4b and state-spaces/mamba-130m-hf
 

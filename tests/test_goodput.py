@@ -22,8 +22,8 @@ from ray_specdec.goodput import (
 )
 from ray_specdec.models.target import TargetModel
 from ray_specdec.rounds import NO_TREE
-from tests.test_engine import random_prompt, tiny_mamba
-from tests.tiny_models import tiny_gpt_neox
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
 CHAIN, BIG = TreeConfig((1, 1, 1, 1)), TreeConfig((3, 2, 2, 1, 1))
 

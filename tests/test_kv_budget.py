@@ -17,7 +17,7 @@ from ray_specdec.factory import LoadError, load_engine
 from ray_specdec.kv_budget import AUTO_SHARE, GIB, device_room, fitted_kv_budget, kv_budget_rows
 from ray_specdec.scheduler import SchedulerConfig
 from ray_specdec.scheduler_args import add_scheduler_arguments
-from tests.test_cli import engines, model_dirs, run  # noqa: F401 (fixtures)
+from tests.helpers.cli import run_cli
 
 
 def test_gib_and_auto_become_rows_and_rows_pass_through():
@@ -65,8 +65,8 @@ def test_the_devices_room(monkeypatch):
     assert device_room("cuda:0") == 7 * GIB  # free, not total
 
 
-def test_load_engine_sizes_auto_from_the_room_and_refuses_what_does_not_fit(model_dirs, monkeypatch):
-    target_dir, _ = model_dirs
+def test_load_engine_sizes_auto_from_the_room_and_refuses_what_does_not_fit(cli_model_dirs, monkeypatch):
+    target_dir, _ = cli_model_dirs
     monkeypatch.setattr(kv_budget, "device_room", lambda device: 3 * GIB)
     engine = load_engine(str(target_dir), "none", kv_budget_gib="auto")
     per_token = engine.target.kv_bytes_per_token
@@ -75,15 +75,15 @@ def test_load_engine_sizes_auto_from_the_room_and_refuses_what_does_not_fit(mode
         load_engine(str(target_dir), "none", kv_budget_gib=4.0)
 
 
-def test_the_cli_takes_auto_and_refuses_too_much_in_one_line(model_dirs, engines, capsys, monkeypatch):  # noqa: F811
-    target_dir, _ = model_dirs
+def test_the_cli_takes_auto_and_refuses_too_much_in_one_line(cli_model_dirs, built_engines, capsys, monkeypatch):
+    target_dir, _ = cli_model_dirs
     monkeypatch.setattr(kv_budget, "device_room", lambda device: GIB)
     argv = ["generate", "--prompt", "a tree", "--target", str(target_dir), "--drafter", "none", "--max-new-tokens", "3"]
-    code, _, err = run(argv + ["--kv-budget-gib", "auto"], capsys)
+    code, _, err = run_cli(argv + ["--kv-budget-gib", "auto"], capsys)
     assert code == 0, err
-    assert engines[-1].scheduler.config.kv_budget_tokens == math.floor(
-        AUTO_SHARE * GIB / engines[-1].target.kv_bytes_per_token)
-    code, out, err = run(argv + ["--kv-budget-gib", "2"], capsys)
+    assert built_engines[-1].scheduler.config.kv_budget_tokens == math.floor(
+        AUTO_SHARE * GIB / built_engines[-1].target.kv_bytes_per_token)
+    code, out, err = run_cli(argv + ["--kv-budget-gib", "2"], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "does not fit" in err
     parser = argparse.ArgumentParser()
     add_scheduler_arguments(parser)
@@ -135,10 +135,10 @@ def test_no_cgroup_limit_leaves_the_room_to_meminfo(tmp_path, limit, monkeypatch
     assert device_room("cpu") == min(GIB, kv_budget._mem_available())  # the tighter of the two
 
 
-def test_the_default_budget_shrinks_to_the_device_and_a_chosen_one_does_not(model_dirs, monkeypatch, caplog):
+def test_the_default_budget_shrinks_to_the_device_and_a_chosen_one_does_not(cli_model_dirs, monkeypatch, caplog):
     """A 7B model's KV at the default 131,072 rows is ~64 GiB: `generate` on a smaller machine should run, not fail
     on a budget nobody chose. A budget someone chose still fails where it does not fit."""
-    target_dir, _ = model_dirs
+    target_dir, _ = cli_model_dirs
     monkeypatch.setattr(kv_budget, "device_room", lambda device: 1 << 20)  # 1 MiB free
     engine = load_engine(str(target_dir), "none")
     per_token = engine.target.kv_bytes_per_token

@@ -17,8 +17,9 @@ from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.prefill_plan import PrefillPlan
 from ray_specdec.scheduler import Scheduler, SchedulerConfig
 from ray_specdec.target_backend import LocalTarget, StepWork
-from tests.test_engine import random_prompt, tiny_mamba
-from tests.tiny_models import tiny_gpt_neox
+from tests.helpers.inputs import random_prompt
+from tests.helpers.kv_grow import decode_pooled, requests, run_within_budget
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
 
 def held(request_id: str, granted: int, reserved: int) -> SimpleNamespace:
@@ -102,32 +103,6 @@ def tiny() -> tuple[TargetModel, object]:
     return TargetModel(tiny_gpt_neox(torch.float32, max_positions=600)), tiny_mamba(torch.float32)
 
 
-def requests(n: int, max_new: int) -> list[tuple[str, list[int], SamplingParams]]:
-    return [(f"g{i}", random_prompt(12 + 5 * i, seed=90 + i), SamplingParams(max_new_tokens=max_new, ignore_eos=True))
-            for i in range(n)]  # fmt: skip
-
-
-def run(scheduler: Scheduler, reqs) -> tuple[dict[str, list[int]], dict[str, int]]:
-    """Every request added, stepped to the end, checking the budget against the target's own caches each step."""
-    for request_id, prompt, params in reqs:
-        scheduler.add(request_id, prompt, params)
-    tokens = {r[0]: [] for r in reqs}
-    seen = {"running": 0, "waits": 0, "waiting": 0}
-    budget = scheduler.config.kv_budget_tokens
-    while scheduler.has_work:
-        for out in scheduler.step():
-            tokens[out.request_id] += out.chunk.token_ids
-        caches = scheduler.target.caches.values()
-        assert scheduler.reserved <= budget
-        assert sum(c.kv.fixed_capacity for c in caches) <= budget  # what the target holds, not just the books
-        seen["running"] = max(seen["running"], scheduler.num_running)
-        seen["waits"] += scheduler.kv_waits
-        seen["waiting"] = max(seen["waiting"], scheduler.num_waiting)
-    assert not scheduler.target.caches and scheduler.reserved == 0
-    assert scheduler.kv_waited == seen["waits"]  # the total the app's ray_specdec:kv_cache_waits counter shows
-    return tokens, seen
-
-
 @pytest.mark.parametrize("tree", [TreeConfig((2, 1)), TreeConfig((1,), lookup=2)])
 def test_requests_admitted_on_what_they_hold_finish_with_their_own_tokens(tiny, tree):
     """Each reserves prompt + 120 + its verify (~150 rows); 400 rows reserved whole run two at a time. Grown
@@ -138,10 +113,10 @@ def test_requests_admitted_on_what_they_hold_finish_with_their_own_tokens(tiny, 
     alone = SpeculativeEngine(target, None)
     expected = {request_id: alone.generate(prompt, params).token_ids for request_id, prompt, params in reqs}
     config = SchedulerConfig(kv_budget_tokens=400, prefill_chunk=32)
-    grown, seen = run(Scheduler(LocalTarget(target), drafter, None, tree, config), reqs)
+    grown, seen = run_within_budget(Scheduler(LocalTarget(target), drafter, None, tree, config), reqs)
     assert grown == expected
     assert seen["running"] == 6 and seen["waits"] > 0
-    whole, seen = run(Scheduler(LocalTarget(target), drafter, None, tree,
+    whole, seen = run_within_budget(Scheduler(LocalTarget(target), drafter, None, tree,
                                 SchedulerConfig(kv_budget_tokens=400, prefill_chunk=32, kv_grow=False)), reqs)
     assert whole == expected and seen["running"] == 2 and seen["waits"] == 0
 
@@ -191,22 +166,6 @@ def test_a_target_reset_while_a_grant_is_short_of_its_next_round_loses_no_reques
             tokens[out.request_id] += out.chunk.token_ids
         assert scheduler.reserved <= 300
     assert tokens == expected
-
-
-def decode_pooled(reqs, budget: int, pool=None) -> tuple[TargetModel, dict, dict, dict]:
-    """The requests through a scheduler of `budget` rows over a pooled float64 target (its pool `pool(target)` where
-    given) -> (the target, their tokens, their tokens alone, what `run` saw)."""
-    model = tiny_gpt_neox(torch.float64, max_positions=600)
-    pooled = TargetModel(model, lean=True, batch_invariant=False, kv_pool=True)
-    assert pooled.kv_pool_why is None
-    if pool is not None:
-        pooled._pool = pool(pooled)
-    alone = SpeculativeEngine(TargetModel(model), None)
-    expected = {request_id: alone.generate(prompt, params).token_ids for request_id, prompt, params in reqs}
-    scheduler = Scheduler(LocalTarget(pooled), None, None, TreeConfig(()),
-                          SchedulerConfig(kv_budget_tokens=budget, prefill_chunk=32))  # fmt: skip
-    tokens, seen = run(scheduler, reqs)
-    return pooled, tokens, expected, seen
 
 
 def test_pooled_caches_grow_as_their_requests_decode():

@@ -11,28 +11,10 @@ from ray_specdec.drafting import DrafterSession
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.start_rule import REQUEST_EMA, StartRule
-from tests.test_engine import hf_greedy, random_prompt, target, tiny_mamba  # noqa: F401 (target: a fixture)
-
-
-
-class ScriptedPolicy:
-    """Picks trees from a script, round after round (the last one once the script runs out)."""
-
-    arms = ()  # no smaller arms: goodput sizing keeps every pick
-
-    def __init__(self, script):
-        self.script, self.round, self.records = [TreeConfig(b) for b in script], 0, []
-
-    def throughput(self, context_len, sampled=False, draw=False, *, load=1):
-        return {}
-
-    def select(self, context_len, sampled=False, *, load=1):
-        tree = self.script[min(self.round, len(self.script) - 1)]
-        self.round += 1
-        return tree
-
-    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None, *, load=1):
-        self.records.append((str(tree), round_time_s))
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_mamba
+from tests.helpers.policies import RatedPolicy, ScriptedPolicy
+from tests.helpers.reference import hf_greedy
 
 
 class NoDrafterCalls:
@@ -112,19 +94,6 @@ def test_the_drafters_prefill_is_a_request_cost_not_a_rounds(target):
     assert result.stats.prefill_s >= 1.0
     assert max(t for _, t in policy.records) < 1.0
     assert result.stats.draft_s < 1.0 and result.stats.total_s >= 1.0
-
-
-class RatedPolicy(ScriptedPolicy):
-    """A scripted policy that also reports throughput estimates (tokens per second of round time), as the bandit
-    does."""
-
-    def __init__(self, script, rates):
-        super().__init__(script)
-        self.rates = {TreeConfig(b): r for b, r in rates.items()}
-
-    def throughput(self, context_len, sampled=False, draw=False, *, load=1):
-        assert draw  # the engine decides on Thompson draws
-        return dict(self.rates)
 
 
 @pytest.mark.parametrize("max_new, drafts", [(12, True), (6, False)])

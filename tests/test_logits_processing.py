@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -14,31 +13,9 @@ from ray_specdec.drafting import Draft
 from ray_specdec.logits_processing import TokenHistory, apply_logit_bias, path_counts, process_logits, token_logprobs
 from ray_specdec.rounds import empty_draft, judge
 from ray_specdec.tree import build_tree
+from tests.helpers.reference import reference_row
 
 V = 12
-
-
-def reference_row(
-    raw: torch.Tensor,  # [V]
-    prompt: list[int],
-    generated: list[int],  # every token generated before this position
-    params: SamplingParams,
-    stop_ids: frozenset[int],
-) -> torch.Tensor:
-    """One position's processed logits, token by token, as a target-only decoding loop would compute them."""
-    x = raw.clone()
-    for token, bias in params.logit_bias:
-        x[token] += bias
-    for v in range(x.numel()):
-        count = generated.count(v)
-        if count or v in prompt:
-            r = params.repetition_penalty
-            x[v] = x[v] / r if x[v] > 0 else x[v] * r
-        x[v] -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
-    if len(generated) < params.min_tokens:
-        for v in stop_ids:
-            x[v] = -math.inf
-    return x
 
 
 def random_tree(n: int, rng: random.Random) -> list[tuple[int, ...]]:

@@ -7,7 +7,8 @@ from ray_specdec.acceptance import Verdict
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import DrafterSession, _merge_lookup
 from ray_specdec.lookup import LookupIndex
-from tests.test_engine import tiny_mamba
+from tests.helpers.inputs import repetitive_history
+from tests.helpers.models import tiny_mamba
 
 
 def brute_force_propose(seq, k, max_ngram=3, min_ngram=1):
@@ -81,10 +82,6 @@ def test_truncation_caps_the_lookup_branch_too():
 def test_bad_lookup_syntax_is_a_clear_error(text, message):
     with pytest.raises(ValueError, match=message):
         TreeConfig.parse(text)
-
-
-def repetitive_history() -> list[int]:
-    return [7, 8, 9, 10, 11, 12, 13, 3, 4, 7, 8, 9]  # ends with (7, 8, 9): lookup proposes 10, 11, 12, ...
 
 
 @pytest.mark.parametrize("accept", [0, 1, 3, 5])

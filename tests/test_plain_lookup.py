@@ -16,8 +16,8 @@ from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.target import TargetModel
 from ray_specdec.rounds import NO_TREE, FixedTree
 from ray_specdec.scheduler import SchedulerConfig
-from tests.test_engine import random_prompt, tiny_mamba
-from tests.tiny_models import tiny_gpt_neox
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
 LOOKUP = 4
 

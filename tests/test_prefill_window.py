@@ -10,8 +10,10 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import DrafterSession
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
-from tests.test_engine import hf_greedy, random_prompt, target, tiny_mamba  # noqa: F401 (target: a fixture)
-from tests.test_lazy_drafter import RatedPolicy
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_mamba
+from tests.helpers.policies import RatedPolicy
+from tests.helpers.reference import hf_greedy
 
 
 def windowed(window: int | None, **kw) -> MambaDrafter:

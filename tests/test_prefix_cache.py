@@ -13,8 +13,8 @@ from ray_specdec.models.target import TargetModel
 from ray_specdec.prefix_cache import ROOT, PrefixIndex
 from ray_specdec.scheduler import Scheduler, SchedulerConfig
 from ray_specdec.target_backend import LocalTarget, SegmentSpec, StepWork
-from tests.test_engine import random_prompt, tiny_mamba
-from tests.tiny_models import tiny_gpt_neox
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
 CHUNK = 32
 

@@ -20,9 +20,11 @@ from ray_specdec.models.target import TargetModel
 from ray_specdec.rounds import NO_TREE, FixedTree, empty_draft, judge
 from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, SchedulerConfig
 from ray_specdec.target_backend import LocalTarget, SegmentSpec, on_host, row_argmaxes
-from tests.deployments.conftest import bigram_pair
-from tests.test_engine import VOCAB, enumerate_target, hf_greedy_ignore_eos, random_prompt, tiny_mamba
-from tests.tiny_models import tiny_gpt_neox
+from tests.helpers.bigram import agreeing_pair
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba
+from tests.helpers.policies import LoadRecorder
+from tests.helpers.reference import ENUMERATED_VOCAB, enumerate_target, hf_greedy_ignore_eos
 
 # Trees a request may ask for (None: the engine's policy decides), cycled over a workload.
 TREES = [None, NO_TREE, TreeConfig((1,)), TreeConfig((3, 2, 1)), None, TreeConfig((1, 1, 1, 1)),
@@ -32,13 +34,6 @@ LONG_PROMPTS = [1, 2000, 7, 31, 32, 33, 64, 100, 511, 512, 513, 700, 1, 3, 1100,
                 17, 5]  # fmt: skip
 SHIPPED_PROMPTS = [1, 600, 13, 64, 200, 5, 450, 33, 100, 2, 300, 77]
 SMALL = SchedulerConfig(step_tokens=96, prefill_chunk=32)
-
-
-def agreeing_pair(dtype: torch.dtype, max_positions: int) -> tuple[TargetModel, MambaDrafter]:
-    """A tiny target and a Mamba drafter that agree often (tests/deployments/conftest.py), with a long context."""
-    target, drafter = bigram_pair()
-    target.config.max_position_embeddings = max_positions
-    return TargetModel(target.to(dtype)), MambaDrafter(drafter.to(dtype).eval())
 
 
 def workload(lengths: list[int], vocab: int, seed: int = 0) -> list[tuple[str, list[int], SamplingParams, TreeConfig]]:
@@ -128,12 +123,12 @@ def test_greedy_tokens_do_not_depend_on_the_batch_on_the_shipped_models(shipped)
 def test_sampled_requests_in_a_batch_have_the_target_distribution(tree, draft_sampling):
     """2000 copies of one prompt with different seeds, continuously batched (64 at a time) with their trees: the
     3-token sequences they emit follow the target's enumerated distribution."""
-    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=VOCAB, seed=5))
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=ENUMERATED_VOCAB, seed=5))
     target.eos_token_ids = frozenset()
     prompt, n_tokens, n_samples = [1, 4, 2], 3, 2000
     base = SamplingParams(temperature=0.9, max_new_tokens=n_tokens, draft_sampling=draft_sampling)
     exact = enumerate_target(target, prompt, base, n_tokens)
-    engine = SpeculativeEngine(target, tiny_mamba(vocab=VOCAB, seed=6), TreeConfig((2, 2, 1)))
+    engine = SpeculativeEngine(target, tiny_mamba(vocab=ENUMERATED_VOCAB, seed=6), TreeConfig((2, 2, 1)))
     params = [SamplingParams(**{**base.__dict__, "seed": seed}) for seed in range(n_samples)]
     results = engine.generate_many([prompt] * n_samples, params, tree)
     counts = dict.fromkeys(exact, 0)
@@ -147,7 +142,7 @@ def test_sampled_requests_in_a_batch_have_the_target_distribution(tree, draft_sa
     expected = [exact[k] * n_samples for k in keys] + [n_samples * (1 - sum(exact[k] for k in keys))]
     assert chisquare(observed, expected).pvalue > 1e-3
     tv = 0.0  # on the first two tokens (36 outcomes: sampling noise alone stays well below the bound)
-    for prefix in itertools.product(range(VOCAB), repeat=2):
+    for prefix in itertools.product(range(ENUMERATED_VOCAB), repeat=2):
         emitted = sum(counts[k] for k in exact if k[:2] == prefix) / n_samples
         tv += 0.5 * abs(emitted - sum(exact[k] for k in exact if k[:2] == prefix))
     assert tv < 0.08
@@ -156,16 +151,10 @@ def test_sampled_requests_in_a_batch_have_the_target_distribution(tree, draft_sa
 # ---- chunked prefill, the KV budget, faults, aborts ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny() -> tuple[TargetModel, MambaDrafter]:
-    """A float32 batch-invariant tiny target with a long context and a random (rarely agreeing) drafter."""
-    return TargetModel(tiny_gpt_neox(torch.float32, max_positions=2300)), tiny_mamba(torch.float32)
-
-
-def test_a_long_prefill_does_not_stall_running_streams(tiny):
+def test_a_long_prefill_does_not_stall_running_streams(long_context_pair):
     """A 1000-token prompt arriving mid-run is prefilled in 64-token chunks over many steps; each of those steps
     also decodes a round of every short request."""
-    target, drafter = tiny
+    target, drafter = long_context_pair
     config = SchedulerConfig(prefill_chunk=64, step_tokens=128)
     scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((1, 1)), config)
     short = SamplingParams(max_new_tokens=60, ignore_eos=True)
@@ -195,11 +184,11 @@ def test_a_long_prefill_does_not_stall_running_streams(tiny):
 
 
 @pytest.mark.parametrize("tree", [TreeConfig((2, 1)), TreeConfig.parse("none")], ids=str)
-def test_a_request_decodes_its_first_round_in_the_step_of_its_prompts_last_chunk(tiny, tree):
+def test_a_request_decodes_its_first_round_in_the_step_of_its_prompts_last_chunk(long_context_pair, tree):
     """Chunks of 16 tokens: a prompt of 10 or 17 tokens (whose last token is the first round's root) is one chunk,
     and its first tokens come in the first step; one of 33 in the second, one of 40 in the third, every request
     with its own greedy tokens."""
-    target, drafter = tiny
+    target, drafter = long_context_pair
     config = SchedulerConfig(prefill_chunk=16)
     scheduler = Scheduler(LocalTarget(target), drafter, None, tree, config)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -224,10 +213,10 @@ def budget_requests(n: int) -> list[tuple[str, list[int], SamplingParams, None]]
             for i in range(n)]  # fmt: skip
 
 
-def test_the_kv_budget_queues_what_does_not_fit_and_refuses_what_never_will(tiny):
+def test_the_kv_budget_queues_what_does_not_fit_and_refuses_what_never_will(long_context_pair):
     """Each request reserves prompt + 20 + 5 verify rows (~46), granted whole at admission (kv_grow off): a budget
     of 120 runs two at a time."""
-    target, drafter = tiny
+    target, drafter = long_context_pair
     config = SchedulerConfig(kv_budget_tokens=120, max_waiting=4, kv_grow=False)
     scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((2, 1)), config)
     requests = budget_requests(8)
@@ -260,9 +249,9 @@ def test_the_kv_budget_queues_what_does_not_fit_and_refuses_what_never_will(tiny
 
 
 @pytest.mark.parametrize("at_step", [1, 4, 9])
-def test_a_target_that_loses_every_cache_loses_no_request(tiny, at_step):
+def test_a_target_that_loses_every_cache_loses_no_request(long_context_pair, at_step):
     """reset_target() mid-run (a restarted rank): every request is prefilled again and ends with its own tokens."""
-    target, drafter = tiny
+    target, drafter = long_context_pair
     engine = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=SchedulerConfig(prefill_chunk=32))
     requests = workload([3, 150, 40, 1, 90, 12], target.vocab_size, seed=60)
     scheduler = engine.scheduler
@@ -283,8 +272,8 @@ def test_a_target_that_loses_every_cache_loses_no_request(tiny, at_step):
 
 
 @pytest.mark.parametrize("after_reset", [False, True])
-def test_aborts_of_waiting_and_running_requests(tiny, after_reset):
-    target, drafter = tiny
+def test_aborts_of_waiting_and_running_requests(long_context_pair, after_reset):
+    target, drafter = long_context_pair
     scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((2, 1)),
                           SchedulerConfig(kv_budget_tokens=120, kv_grow=False))  # fmt: skip
     requests = budget_requests(4)
@@ -315,33 +304,14 @@ def test_aborts_of_waiting_and_running_requests(tiny, after_reset):
 # ---- the policy's load level ---------------------------------------------------------------------------------------
 
 
-class LoadRecorder:
-    """A policy with one tree that notes the load it is asked and taught at."""
-
-    arms = (TreeConfig((1, 1)),)
-
-    def __init__(self):
-        self.asked, self.taught = [], []
-
-    def throughput(self, context_len, sampled=False, draw=False, *, load=1):
-        return {}
-
-    def select(self, context_len, sampled=False, *, load=1):
-        self.asked.append(load)
-        return self.arms[0]
-
-    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None, *, load=1):
-        self.taught.append(load)
-
-
 def load_requests() -> list[tuple[str, list[int], SamplingParams, None]]:
     """Three requests that start together and end one after another: 3, then 2, then 1 decoding."""
     return [(f"l{i}", random_prompt(20 + i, seed=60 + i), SamplingParams(max_new_tokens=n, ignore_eos=True), None)
             for i, n in enumerate((4, 12, 24))]  # fmt: skip
 
 
-def test_the_policy_picks_and_learns_at_the_load_of_the_step(tiny):
-    target, drafter = tiny
+def test_the_policy_picks_and_learns_at_the_load_of_the_step(long_context_pair):
+    target, drafter = long_context_pair
     policy = LoadRecorder()
     scheduler = Scheduler(LocalTarget(target), drafter, None, policy)
     for request in load_requests():
@@ -379,12 +349,12 @@ class Recording(LocalTarget):
         return out
 
 
-def test_greedy_requests_without_processing_get_argmaxes_and_the_others_logits(tiny):
+def test_greedy_requests_without_processing_get_argmaxes_and_the_others_logits(long_context_pair):
     """Greedy rounds need only the target's row argmaxes (what crosses from rank 0 to the loop with tensor-parallel
     ranks): their segments are marked argmax_only and get [rows] ids, which equal the argmaxes of the logits an
     unmarked run of the same work returns; sampled requests, logprobs and penalties still get [rows, V] logits. Each
     request's tokens are the same as with the logits (greedy: target-alone decoding)."""
-    target, drafter = tiny
+    target, drafter = long_context_pair
     backend = Recording(target)
     scheduler = Scheduler(backend, drafter, None, FixedTree(TreeConfig((2, 1))), SchedulerConfig())
     kinds = {"greedy": SamplingParams(max_new_tokens=12, ignore_eos=True),

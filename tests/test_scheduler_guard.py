@@ -14,8 +14,9 @@ from ray_specdec.rounds import NO_TREE
 from ray_specdec.scheduler import Scheduler, SchedulerConfig
 from ray_specdec.start_rule import EXPLORE
 from ray_specdec.target_backend import LocalTarget
-from tests.test_engine import random_prompt
-from tests.test_scheduler import LoadRecorder, agreeing_pair, tiny  # noqa: F401 (tiny: a fixture)
+from tests.helpers.bigram import agreeing_pair
+from tests.helpers.inputs import random_prompt
+from tests.helpers.policies import LoadRecorder
 
 
 
@@ -53,14 +54,14 @@ def slow_drafts(monkeypatch, scheduler: Scheduler, clock: SlowDrafts, seconds: f
 
 
 @pytest.mark.parametrize("guard", [True, False])
-def test_the_guard_runs_a_load_undrafted_where_drafted_steps_measure_slower(tiny, monkeypatch, guard):
+def test_the_guard_runs_a_load_undrafted_where_drafted_steps_measure_slower(long_context_pair, monkeypatch, guard):
     """Goodput off (it would learn the same clock and shrink trees itself): the policy drafts every round; the guard
     sees its steps take ~28 ms against ~7 ms undrafted (where only the request that asked for a tree drafts, as it keeps
     doing; one the start rule explores with does not) and runs the load's rounds undrafted but for its exploration runs.
     Every request's tokens are target-alone greedy decoding's."""
     import ray_specdec.scheduler as scheduler_module
 
-    target, drafter = tiny
+    target, drafter = long_context_pair
     clock = SlowDrafts()
     monkeypatch.setattr(scheduler_module, "time", clock)
     policy = AlwaysDrafts()
@@ -145,14 +146,14 @@ def test_exploration_is_not_charged_the_drafter_sessions_its_switch_builds(monke
     assert sum(k["drafter_prefill_s"] for *_, k, _ in seen) == pytest.approx(2 * session_s)  # a switch's cost, apart
 
 
-def test_the_guard_learns_nothing_from_steps_its_mode_does_not_steer(tiny, monkeypatch):
+def test_the_guard_learns_nothing_from_steps_its_mode_does_not_steer(long_context_pair, monkeypatch):
     """Requests with a tree of their client's (here "none", as a benchmark's `tree none` cells send) run the same
     rounds in both of the guard's modes: their steps are not measured, so they cannot move its verdicts (a served
     run flipped load 1 to undrafted during such a cell, and the service's next cell at concurrency 1 ran undrafted).
     A request the policy steers is measured again."""
     import ray_specdec.scheduler as scheduler_module
 
-    target, drafter = tiny
+    target, drafter = long_context_pair
     clock = SlowDrafts()
     monkeypatch.setattr(scheduler_module, "time", clock)
     scheduler = Scheduler(LocalTarget(target), drafter, None, AlwaysDrafts(), SchedulerConfig(goodput=False))
@@ -170,11 +171,11 @@ def test_the_guard_learns_nothing_from_steps_its_mode_does_not_steer(tiny, monke
     assert level.plain or level.policy
 
 
-def test_a_step_with_a_sampled_request_it_steers_takes_the_sampled_verdicts(tiny, monkeypatch):
+def test_a_step_with_a_sampled_request_it_steers_takes_the_sampled_verdicts(long_context_pair, monkeypatch):
     """Two greedy requests and a shorter sampled one the policy steers, and a sampled one on its client's tree (not
     steered: its rounds are the same in both modes): steps go to the sampled verdict set while the steered sampled
     request decodes, and to the greedy set once it has ended. Greedy tokens stay target-alone greedy decoding's."""
-    target, drafter = tiny
+    target, drafter = long_context_pair
     scheduler = Scheduler(LocalTarget(target), drafter, None, AlwaysDrafts(), SchedulerConfig(goodput=False))
     guard, asked = scheduler.guard, []
     plain = guard.plain

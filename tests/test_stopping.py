@@ -10,7 +10,7 @@ import torch
 
 from ray_specdec.config import SamplingParams
 from ray_specdec.stopping import StopChecker, decodes_by_concatenation
-from tests.tiny_models import tiny_tokenizer
+from tests.helpers.models import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 from ray_specdec.sampling import logits_to_probs
-from tests.test_engine import (TargetEchoDrafter, assert_emitted_distribution, random_prompt, sample_counts,
-                               tiny_mamba)
-from tests.test_logits_processing import reference_row
-from tests.tiny_models import tiny_gpt_neox, tiny_llama, tiny_tokenizer
+from tests.helpers.drafters import TargetEchoDrafter
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba, tiny_tokenizer
+from tests.helpers.reference import assert_emitted_distribution, reference_row, sample_counts
 
 TREES = ["1,1,1", "3,2,1", "2,2,1,1", "1,1,1+L4", "2,2,1+L8"]
 TARGETS = {"neox": tiny_gpt_neox, "llama": tiny_llama}

@@ -23,8 +23,8 @@ from ray_specdec.drafting import Draft, DrafterSession
 from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.rounds import NO_TREE
 from ray_specdec.what_if import what_if
-from tests.test_engine import random_prompt, tiny_mamba
-from tests.test_lookup import repetitive_history
+from tests.helpers.inputs import random_prompt, repetitive_history
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
 VOCAB = 128
 BIG = TreeConfig((2, 2, 1))
@@ -97,10 +97,9 @@ def test_no_what_if_when_the_drafter_cut_the_tree():
 
 
 def test_engine_feeds_what_if_rounds_to_the_bandit():
-    from tests.test_engine import TARGETS
     from ray_specdec.models.target import TargetModel
 
-    target = TargetModel(TARGETS["neox"](torch.float64, max_positions=512))
+    target = TargetModel(tiny_gpt_neox(torch.float64, max_positions=512))
     arms = (TreeConfig((2, 1)), TreeConfig((1,)), NO_TREE)
     bandit = Bandit(BanditConfig(arms=arms, policy=UCB1(), prior_pulls=0), seed=0)
     engine = SpeculativeEngine(target, tiny_mamba(), bandit, lookup=2)

@@ -22,8 +22,10 @@ from deployments import AppArgs
 from ray_specdec.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.loadtest import LoadTestConfig, run_loadtest
-from tests.deployments.conftest import (PROMPTS, WORDS, greedy_margin, greedy_reference, metric_sum, post,
-                                       scrape_metrics, serve_app, sse_chunks)
+from tests.helpers.bigram import PROMPTS, WORDS, greedy_reference
+from tests.helpers.metrics import metric_sum, scrape_metrics
+from tests.helpers.reference import greedy_margin
+from tests.helpers.serve import post, serve_app, sse_chunks
 
 MAX_TOKENS = 40
 # The /kv app: greedy requests of KV_PROMPT (5 tokens), without drafting, reserve prompt + KV_TOKENS + 1 rows: two fit
@@ -222,7 +224,7 @@ def test_concurrent_mixed_requests_give_exactly_what_each_gets_alone(url, engine
     for body in bodies:
         tree = TreeConfig.parse(body["tree"]) if "tree" in body else None
         want = engine.generate(body["prompt"], SamplingParams(max_new_tokens=body["max_tokens"]), tree).token_ids
-        assert greedy_margin(engine.target, engine.encode(body["prompt"]), want) > 1e-3
+        assert greedy_margin(engine.target.model, engine.encode(body["prompt"]), want) > 1e-3
         alone.append(want)
 
     async def go():
@@ -246,7 +248,7 @@ def test_kv_budget_queues_then_answers_503(url, engine):
     cancelled, not left running unread (a stream refused that way was a 500), so that nothing runs after the last
     answer."""
     want = engine.generate(KV_PROMPT, SamplingParams(max_new_tokens=KV_TOKENS), TreeConfig(())).token_ids
-    assert greedy_margin(engine.target, engine.encode(KV_PROMPT), want) > 1e-3
+    assert greedy_margin(engine.target.model, engine.encode(KV_PROMPT), want) > 1e-3
     body = {"prompt": KV_PROMPT, "max_tokens": KV_TOKENS}
 
     async def go():

@@ -23,7 +23,7 @@ from deployments import AppArgs, app
 from deployments.app import (DIRECT_INGRESS_DRAIN_ENV, DIRECT_INGRESS_ENV, SMALL_MACHINE_CPUS, SMALL_MACHINE_SERVE_ENV,
                              AppError, _engine_options, direct_ingress_env, parse_app_args, small_machine_serve_env)
 from ray_specdec.models.loading import resolve_model_path
-from tests.tiny_models import tiny_tokenizer
+from tests.helpers.models import tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CONFIGS = ["serve_config.yaml", "serve_config.gpu.yaml"]

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ray_specdec.bandit import Bandit, BanditConfig
 from ray_specdec.serving import metrics as m
-from tests.serving.test_metrics import scripted
+from tests.helpers.metrics import scripted
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 # PromQL words in the dashboard's queries that are not label names

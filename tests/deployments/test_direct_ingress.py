@@ -10,7 +10,8 @@ from ray.serve.schema import Target, TargetGroup
 from deployments import AppArgs
 from deployments.app import DIRECT_INGRESS_DRAIN_ENV, DIRECT_INGRESS_ENV
 from deployments.ingress import target_urls
-from tests.deployments.conftest import PROMPTS, greedy_reference, post, serve_app, sse_chunks
+from tests.helpers.bigram import PROMPTS, greedy_reference
+from tests.helpers.serve import post, serve_app, sse_chunks
 
 MAX_TOKENS = 24
 

@@ -1,6 +1,6 @@
 """The engine replica on Ray core (no Serve): faults of a tensor-parallel target under load (issue 18, "Faults").
 
-One EngineReplica with tp_size 2 (two rank actors over gloo, the tiny bigram pair of conftest) serves six concurrent
+One EngineReplica with tp_size 2 (two rank actors over gloo, the bigram pair of helpers/bigram) serves six concurrent
 greedy requests of mixed lengths and trees. A rank actor is SIGKILLed after a fixed step, while every request is in
 flight (the loop's on_step hook runs between steps, so the kill lands at the same point whatever the machine's speed):
 - the ranks restart and every request is prefilled again from its token ids: each finishes with the tokens the
@@ -24,7 +24,8 @@ from deployments.engine import EngineReplica
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.rounds import StreamChunk
 from ray_specdec.scheduler import SchedulerConfig
-from tests.deployments.conftest import PROMPTS, greedy_margin
+from tests.helpers.bigram import PROMPTS
+from tests.helpers.reference import greedy_margin
 
 MAX_TOKENS = 40
 # (prompt, tree) per request; None: the replica's fixed tree
@@ -52,7 +53,7 @@ def reference(engine) -> list[list[int]]:
     for prompt, tree in REQUESTS:
         ids = engine.encode(prompt)
         tokens = engine.generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS), tree and TreeConfig.parse(tree))
-        assert greedy_margin(engine.target, ids, tokens.token_ids) > 1e-3
+        assert greedy_margin(engine.target.model, ids, tokens.token_ids) > 1e-3
         out.append(tokens.token_ids)
     return out
 

@@ -18,7 +18,9 @@ from deployments import AppArgs
 from ray_specdec.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine import SpeculativeEngine
-from tests.deployments.conftest import PROMPTS, metric_sum, scrape_metrics, serve_app
+from tests.helpers.bigram import PROMPTS
+from tests.helpers.metrics import metric_sum, scrape_metrics
+from tests.helpers.serve import serve_app
 
 KEY = "sk-test-key"
 MAX_TOKENS = 24

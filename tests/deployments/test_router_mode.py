@@ -17,7 +17,8 @@ import pytest
 import ray
 
 from deployments import AppArgs
-from tests.deployments.conftest import PROMPTS, greedy_reference, post, serve_app
+from tests.helpers.bigram import PROMPTS, greedy_reference
+from tests.helpers.serve import post, serve_app
 
 MAX_TOKENS = 150  # long enough that the requests are still running when a replica is killed
 

@@ -23,8 +23,9 @@ from ray_specdec.scheduler import Scheduler, SchedulerConfig
 from ray_specdec.serving.target_worker import TargetWorker, check_tp_dtype, narrowed, shipped, widened
 from ray_specdec.target_backend import LocalTarget, SegmentSpec, StepWork
 from ray_specdec.tree import build_tree
-from tests.deployments.conftest import greedy_margin, word_tokenizer
-from tests.tiny_models import tiny_gpt_neox, tiny_llama
+from tests.helpers.bigram import word_tokenizer
+from tests.helpers.models import tiny_gpt_neox, tiny_llama
+from tests.helpers.reference import greedy_margin
 
 # 4 query heads each (the Llama has 2 KV heads): both split evenly over 2 ranks.
 FAMILIES = {"gpt_neox": tiny_gpt_neox, "llama_gqa": tiny_llama}
@@ -241,7 +242,7 @@ def test_tp2_batch_gives_the_greedy_tokens_of_tp1(tiny_dirs, model_dirs, family,
     assert tp1_cached == tp1 and hits == sum(n - 1 for n, _, _ in BATCH)  # every prompt row of the second run cached
     for prompt, (i, tokens) in zip(batch_prompts(), tp1.items()):
         assert len(tokens) == BATCH[int(i)][1]
-        assert greedy_margin(target, prompt, tokens) > MARGIN, "pick prompts whose greedy argmax is not a near-tie"
+        assert greedy_margin(model, prompt, tokens) > MARGIN, "pick prompts whose greedy argmax is not a near-tie"
     assert len({t for tokens in tp1.values() for t in tokens}) > 10  # not one token over and over
 
     monkeypatch.setenv(COMPILED_STEPS_ENV, "1")  # steps as a compiled graph (the fault tests run one task per rank)

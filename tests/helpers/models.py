@@ -1,4 +1,4 @@
-"""Seeded random tiny HF causal LMs (and a tiny tokenizer) for tests: nothing is downloaded.
+"""Seeded random tiny HF causal LMs, Mamba drafters and a tiny tokenizer for tests: nothing is downloaded.
 
 Builders return a model in eval mode, in the requested dtype, with weights drawn from a fixed seed (the global torch
 RNG is left untouched). `initializer_range` is larger than HF's 0.02 so that next-token distributions are peaked
@@ -12,10 +12,14 @@ from transformers import (
     AutoModelForCausalLM,
     GPTNeoXConfig,
     LlamaConfig,
+    MambaConfig,
+    MambaForCausalLM,
     MistralConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
+
+from ray_specdec.models.mamba_drafter import MambaDrafter
 
 
 def _build(config, dtype: torch.dtype, seed: int) -> PreTrainedModel:
@@ -120,3 +124,23 @@ def tiny_tokenizer(texts: list[str] | None = None) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["<eos>", "<unk>"]))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+
+
+def tiny_mamba(dtype=torch.float64, vocab=128, seed=0, fast_matmul=False) -> MambaDrafter:
+    config = MambaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
+                         conv_kernel=4, initializer_range=0.1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MambaForCausalLM(config)
+    return MambaDrafter(model.to(dtype).eval(), fast_matmul=fast_matmul)
+
+
+def perturbed_mamba(config: MambaConfig, seed: int = 0) -> MambaForCausalLM:
+    """Seeded random model; every weight is perturbed so that norms, D, biases and A all matter."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MambaForCausalLM(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+    return model.eval()

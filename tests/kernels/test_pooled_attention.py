@@ -1,6 +1,6 @@
 """Pooled tree attention kernel vs its torch reference, and the reference vs attention written out by hand.
 
-The Triton kernel runs on CPU only under TRITON_INTERPRET=1: in a child process (tests/kernels/interpreted.py).
+The Triton kernel runs on CPU only under TRITON_INTERPRET=1: in a child process (tests/helpers/triton_interpreter.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.pooled_attention import META_FIELDS, pooled_attention, pooled_attention_ref
-from tests.kernels.interpreted import run_interpreted
+from tests.helpers.triton_interpreter import run_interpreted
 
 # (name, heads, kv heads, head size, value size, dtype, requests as (pool offset, cached keys, new rows, kind))
 CASES = [

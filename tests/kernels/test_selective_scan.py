@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.selective_scan import selective_scan, selective_scan_ref  # noqa: E402
-from tests.kernels.interpreted import run_interpreted  # noqa: E402
+from tests.helpers.triton_interpreter import run_interpreted  # noqa: E402
 
 
 # (name, tokens, d_inner, d_state, dt_rank): ragged channel blocks, a d_state below its power of two, no tokens

@@ -9,8 +9,8 @@ import torch
 from ray_specdec.models import cpu_attention, native
 from ray_specdec.models.target import TargetModel
 from ray_specdec.tree import build_tree
-from tests.models.test_cpu_gemm import assert_greedy_speculation_is_the_target_alone
-from tests.tiny_models import tiny_gpt_neox, tiny_llama
+from tests.helpers.models import tiny_gpt_neox, tiny_llama
+from tests.helpers.reference import assert_greedy_speculation_is_the_target_alone
 
 LOWEST = torch.finfo(torch.float32).min
 TOL = dict(rtol=2e-5, atol=2e-6)

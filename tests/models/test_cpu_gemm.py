@@ -8,13 +8,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models import cpu_gemm
 from ray_specdec.models.cpu_gemm import LINEAR, GemmPlan, PlannedLinear
 from ray_specdec.models.target import TargetModel
-from tests.test_engine import tiny_mamba
-from tests.tiny_models import tiny_gpt_neox, tiny_llama
+from tests.helpers.models import tiny_gpt_neox, tiny_llama
+from tests.helpers.reference import assert_greedy_speculation_is_the_target_alone
 
 
 @pytest.mark.parametrize("path", cpu_gemm.available_paths())
@@ -129,36 +127,6 @@ def test_target_takes_a_plan_for_float32_on_cpu_only(monkeypatch):
         TargetModel(tiny_gpt_neox(torch.float64), planned_gemm=True)
     monkeypatch.setenv("RAY_SPECDEC_PLANNED_GEMM", "0")
     assert TargetModel(tiny_gpt_neox(torch.float32)).gemm_plan is None
-
-
-def greedy_margin(model, prompt: list[int], generated: list[int]) -> float:
-    ids = torch.tensor(prompt + generated)
-    with torch.no_grad():
-        logits = model(ids[None]).logits[0, len(prompt) - 1 : -1]
-    top = logits.topk(2, dim=-1).values
-    return float((top[:, 0] - top[:, 1]).min())
-
-
-def assert_greedy_speculation_is_the_target_alone(reference, target: TargetModel, prompt_step: int = 7) -> None:
-    """Plain decoding and tree drafts (lookup included) on `target` give HF generate's tokens on `reference`, over 6
-    prompts (5 + prompt_step * k tokens), of which those whose greedy path holds a float32 near-tie are skipped (at
-    least 4 must be left)."""
-    drafter = tiny_mamba(torch.float32, fast_matmul=True)
-    engines = [SpeculativeEngine(target, None)] + [
-        SpeculativeEngine(target, drafter, TreeConfig.parse(t)) for t in ("1,1,1", "3,2,1", "2,2,1+L4")]
-    checked = 0
-    for seed in range(6):
-        length = 5 + prompt_step * seed
-        prompt = torch.randint(1, 128, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-        with torch.no_grad():
-            out = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)
-        expected = out[0, len(prompt):].tolist()
-        if greedy_margin(reference, prompt, expected) < 1e-4:
-            continue
-        checked += 1
-        for engine in engines:
-            assert engine.generate(prompt, SamplingParams(max_new_tokens=20)).token_ids == expected
-    assert checked >= 4
 
 
 @pytest.mark.parametrize("path", [p for p in cpu_gemm.available_paths() if p != "linear"])

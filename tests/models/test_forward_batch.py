@@ -16,7 +16,7 @@ from ray_specdec.models.kv_cache import CacheFull
 from ray_specdec.models.attention_masks import tree_attention_mask
 from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.tree import build_tree
-from tests.tiny_models import tiny_gpt_neox, tiny_llama, tiny_mistral
+from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mistral
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
 

@@ -19,7 +19,7 @@ from ray_specdec.models.growth import (dyadic_shares, ensure_grown, grow_config,
                                        read_growth, split_by_shares)
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
-from tests.tiny_models import tiny_gpt_neox
+from tests.helpers.models import tiny_gpt_neox
 
 PROMPTS = [[17, 400, 9, 3000, 12, 77, 5], list(range(100, 160, 3))]
 

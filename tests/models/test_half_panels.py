@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ray_specdec.models import cpu_gemm, native
 from ray_specdec.models.mamba_drafter import MambaDrafter
-from tests.models.test_native_mamba import CONFIGS, VOCAB, mamba
+from tests.helpers.native_mamba import CONFIGS, VOCAB, mamba
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.why_unavailable()}")
 HALF = [torch.float16, torch.bfloat16]

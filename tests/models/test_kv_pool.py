@@ -16,8 +16,8 @@ from ray_specdec.models.kv_cache import CacheFull
 from ray_specdec.models.kv_pool import KVPool, PooledAttention
 from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.tree import build_tree
-from tests.test_engine import random_prompt, tiny_mamba
-from tests.tiny_models import tiny_gpt_neox, tiny_llama, tiny_mistral
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba, tiny_mistral
 
 TREES = [(), (1,), (2, 2, 1), (3, 2, 1), (1, 1, 1, 1)]
 

@@ -19,10 +19,10 @@ from ray_specdec.scheduler import Scheduler, SchedulerConfig
 from ray_specdec.serving import metrics
 from ray_specdec.serving.engine_loop import EngineLoop
 from ray_specdec.target_backend import LocalTarget, SegmentSpec, StepWork
-from tests.serving.test_engine_loop import collect, run, wait_until
-from tests.serving.test_metrics import parse
-from tests.test_kv_grow import decode_pooled, requests
-from tests.tiny_models import tiny_gpt_neox
+from tests.helpers.engine_loop import collect, run, wait_until
+from tests.helpers.kv_grow import decode_pooled, requests
+from tests.helpers.metrics import parse
+from tests.helpers.models import tiny_gpt_neox
 
 
 def limited(rows: int, limit: int, layers: int = 2, kv_heads: int = 2, head_dim: int = 3) -> KVPool:

@@ -10,8 +10,8 @@ from transformers import GPTNeoXForCausalLM, MambaConfig, MambaForCausalLM, acti
 from ray_specdec.models import lean_forward
 from ray_specdec.models.target import TargetModel
 from ray_specdec.tree import build_tree
-from tests.models.test_cpu_gemm import assert_greedy_speculation_is_the_target_alone
-from tests.tiny_models import tiny_gpt_neox, tiny_llama
+from tests.helpers.models import tiny_gpt_neox, tiny_llama
+from tests.helpers.reference import assert_greedy_speculation_is_the_target_alone
 
 
 def sequential_neox(dtype=torch.float32, **kwargs):

@@ -14,6 +14,7 @@ from transformers import DynamicCache, MambaConfig, MambaForCausalLM
 
 from ray_specdec.models import cpu_gemm, mamba_drafter
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
+from tests.helpers.models import perturbed_mamba
 
 VOCAB = 61
 
@@ -41,17 +42,6 @@ SELF_TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rto
 
 def tiny_mamba(config_name: str = "default", dtype: torch.dtype = torch.float64, seed: int = 0) -> MambaForCausalLM:
     return perturbed_mamba(MambaConfig(vocab_size=VOCAB, **CONFIGS[config_name]), seed).to(dtype)
-
-
-def perturbed_mamba(config: MambaConfig, seed: int = 0) -> MambaForCausalLM:
-    """Seeded random model; every weight is perturbed so that norms, D, biases and A all matter."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = MambaForCausalLM(config)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.2 * torch.randn_like(p))
-    return model.eval()
 
 
 def prompt(length: int, seed: int = 1) -> torch.Tensor:

@@ -9,25 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MambaConfig, MambaForCausalLM
 
 from ray_specdec.models import native
 from ray_specdec.models.mamba_drafter import _NATIVE_SEQUENCE_MAX, MambaDrafter
 from ray_specdec.models.mamba_state import MambaState, StateSlots
-from tests.models.test_mamba_drafter import perturbed_mamba
+from tests.helpers.native_mamba import CONFIGS, VOCAB, mamba
 
-VOCAB = 93  # 5 x 16 + a tail of 13 logits
-# in_proj 2 x 80 = 2 x 64 + 2 x 16 outputs; out_proj 40 = 2 x 16 + 8; x_proj 5 + 2 x 6 = 17 = 16 + 1
-CONFIGS = {
-    "ragged": dict(hidden_size=40, state_size=6, num_hidden_layers=3, expand=2, conv_kernel=4, time_step_rank=5),
-    "biases": dict(hidden_size=24, state_size=16, num_hidden_layers=2, expand=3, conv_kernel=3, time_step_rank=4,
-                   use_bias=True, use_conv_bias=False, tie_word_embeddings=False),
-}
 TOL = dict(rtol=1e-4, atol=5e-5)
-
-
-def mamba(name: str, seed: int = 0) -> MambaForCausalLM:
-    return perturbed_mamba(MambaConfig(vocab_size=VOCAB, **CONFIGS[name]), seed)
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ import torch
 from ray_specdec.config import TreeConfig
 from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.tree import build_tree
-from tests.test_engine import random_prompt
-from tests.tiny_models import tiny_gpt_neox, tiny_llama
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_llama
 
 TREES = [(), (1,), (2, 2, 1), (3, 2, 1), (1, 1, 1, 1)]
 
@@ -107,7 +107,7 @@ def test_engine_batches_in_one_forward_give_each_requests_own_greedy_tokens():
     float64 greedy tokens are each request's plain decoding alone."""
     from ray_specdec.config import SamplingParams
     from ray_specdec.engine import SpeculativeEngine
-    from tests.test_engine import tiny_mamba
+    from tests.helpers.models import tiny_mamba
 
     target = TargetModel(tiny_gpt_neox(torch.float64, max_positions=1024, seed=7))
     target.one_forward = True

@@ -12,7 +12,7 @@ from ray_specdec.models.lean_forward import _rotate
 from ray_specdec.models.native import prefill
 from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.tree import build_tree
-from tests.tiny_models import tiny_gpt_neox, tiny_llama
+from tests.helpers.models import tiny_gpt_neox, tiny_llama
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no native kernels: {native.why_unavailable()}")
 

@@ -12,8 +12,8 @@ from ray_specdec.engine import SpeculativeEngine
 from ray_specdec.models.step_graphs import PiecewiseGraphs
 from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.tree import build_tree
-from tests.test_engine import random_prompt, tiny_mamba
-from tests.tiny_models import tiny_gpt_neox, tiny_llama
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba
 
 TREES = [(), (1,), (2, 2, 1), (3, 2, 1)]
 

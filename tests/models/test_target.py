@@ -10,7 +10,7 @@ from ray_specdec.models import attention_masks
 from ray_specdec.config import TreeConfig
 from ray_specdec.models.target import TargetModel
 from ray_specdec.tree import build_tree
-from tests.tiny_models import tiny_gpt_neox, tiny_llama, tiny_mistral, tiny_tokenizer
+from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mistral, tiny_tokenizer
 
 FAMILIES = {"gpt_neox": tiny_gpt_neox, "llama_gqa": tiny_llama, "mistral_window8": tiny_mistral}
 TREES = {"2,2,1": (2, 2, 1), "chain3": (1, 1, 1), "one_node": (1,), "empty": ()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ray_specdec.models import batch_invariant, tp_shards
-from tests.tiny_models import tiny_gpt_neox
+from tests.helpers.models import tiny_gpt_neox
 
 
 def deepspeed_layer(kind: str, **attributes) -> torch.nn.Module:

@@ -22,9 +22,10 @@ from ray_specdec.scheduler import QueueFull, RequestTooLarge, Scheduler, Schedul
 from ray_specdec.serving import metrics as m
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
 from ray_specdec.target_backend import LocalTarget, StepWork
-from tests.deployments.conftest import bigram_pair
-from tests.test_engine import random_prompt, tiny_mamba
-from tests.tiny_models import tiny_gpt_neox
+from tests.helpers.bigram import bigram_pair
+from tests.helpers.engine_loop import collect, run, wait_until
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
 POLICY = TreeConfig((2, 1))
 # (prompt length, max_new_tokens, tree) per request
@@ -84,30 +85,9 @@ def make_loop(models):
         loop.stop()
 
 
-async def collect(loop: EngineLoop, request_id: str, prompt, params, tree=None) -> list[int]:
-    tokens = []
-    async for chunk in loop.generate(request_id, prompt, params, tree):
-        tokens += chunk.token_ids
-    assert chunk.finish_reason == "length"
-    return tokens
-
-
 async def collect_all(loop: EngineLoop) -> list[list[int] | BaseException]:
     calls = [collect(loop, f"r{i}", *request) for i, request in enumerate(requests())]
     return await asyncio.gather(*calls, return_exceptions=True)
-
-
-def run(coro):
-    """asyncio.run with a generous bound, so that a hung stream fails the test instead of hanging it."""
-    return asyncio.run(asyncio.wait_for(coro, timeout=120))
-
-
-def wait_until(condition, timeout_s: float = 30.0) -> None:
-    """Poll (the loop's thread changes what `condition` reads); fail after a generous timeout."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_concurrent_requests_get_the_engines_tokens(make_loop, expected):

@@ -22,8 +22,8 @@ from ray_specdec.serving import router as router_module
 from ray_specdec.serving.engine_loop import EngineLoop
 from ray_specdec.serving.router import RequestError, Router, ServiceUnavailable
 from ray_specdec.target_backend import LocalTarget
-from tests.test_engine import random_prompt, tiny_mamba
-from tests.tiny_models import tiny_gpt_neox, tiny_tokenizer
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba, tiny_tokenizer
 
 POLICY = TreeConfig((2, 1))
 PARAMS = SamplingParams(max_new_tokens=30, ignore_eos=True)

@@ -26,8 +26,8 @@ CHILD = textwrap.dedent("""
     from ray_specdec.scheduler import Scheduler, SchedulerConfig
     from ray_specdec.serving.engine_loop import EngineLoop
     from ray_specdec.target_backend import LocalTarget
-    from tests.test_engine import random_prompt, tiny_mamba
-    from tests.tiny_models import tiny_gpt_neox
+    from tests.helpers.inputs import random_prompt
+    from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
     def nice(tid):
         return os.getpriority(os.PRIO_PROCESS, tid)

@@ -13,7 +13,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.factory import load_drafter, load_engine
 from ray_specdec.training.distill import data_files
 from ray_specdec.training.models import DRAFTER_SIZES, build_model, mamba_drafter_config
-from tests.tiny_models import tiny_gpt_neox, tiny_tokenizer
+from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog and the dog sleeps " * 20,
          "a tree of tokens is verified in one pass by the target model " * 20]

@@ -9,7 +9,7 @@ import torch
 
 from ray_specdec.training.export import _history, _longest_window
 from ray_specdec.training.train import load_initial_weights
-from tests.tiny_models import tiny_gpt_neox
+from tests.helpers.models import tiny_gpt_neox
 
 
 def test_init_from_loads_an_exported_model(tmp_path):

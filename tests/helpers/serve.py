@@ -1,0 +1,81 @@
+"""Ray Serve apps for the HTTP tests: Ray and Serve on a free loopback port with the app at /, and the HTTP calls the
+tests make on it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+# Workers import this checkout; autoscaling metrics are pushed every second (default 10 s) so tests see scaling soon;
+# the proxy gets a minute to come up (default 5 s: too short when a shared 2-core box is busy).
+RAY_ENV = {
+    "PYTHONPATH": str(REPO),
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(args, address: str | None = None, num_cpus: int = 2, more: dict[str, object] | None = None,
+              env: dict[str, str] | None = None):
+    """Start Ray (or join `address`), Serve on a free loopback port and the app; yield its base URL. `more`: other
+    apps, by name, served beside it at /<name>; `env`: more environment for this Ray alone (Serve's own settings)."""
+    import ray
+    from ray import serve
+
+    from deployments import app
+
+    os.environ.update(RAY_ENV)  # for the driver's own handles too
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # a Ray started here inherits them; the workers get them with RAY_ENV
+    ray_env = RAY_ENV | (env or {})
+    if address is None:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": ray_env},
+                 _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
+    else:
+        ray.init(address=address, runtime_env={"env_vars": ray_env})
+    port = free_port()
+    try:
+        # one HTTP proxy, on the head: simulated nodes share this machine's ports
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        for name, more_args in (more or {}).items():
+            serve.run(app(more_args), name=name, route_prefix=f"/{name}")
+        serve.run(app(args), name="specdec", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+        for k, v in saved.items():  # the next Ray of this test session starts without them
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def post(url: str, body, timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, trust_env=False)
+
+
+def sse_chunks(response: httpx.Response) -> list:
+    """The JSON chunks of a server-sent event stream, checking it ends with [DONE]."""
+    data = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
