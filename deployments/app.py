@@ -46,7 +46,7 @@ API_KEY_ENV = "RAY_SPECDEC_API_KEY"
 # wake ~150 times a second each and run nothing of this app, which starts actors only). The app's own processes in
 # one: served on the 2-core machine, both together with the hubs inside the replica (AppArgs.hubs) took the
 # service's choice at one request from 264 to 308 tokens/s and tree none at 8 from 548 to 611 (three runs each,
-# alternated; docs/BENCHMARKS.md, "Fewer processes beside the engine").
+# alternated; docs/BENCHMARKS.md).
 SMALL_MACHINE_CPUS = 4
 SMALL_MACHINE_SERVE_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1",
@@ -165,7 +165,7 @@ class AppArgs(BaseModel):
     router_replicas: int = Field(1, ge=1)  # router mode only
     # the ingress replicas also answer HTTP on ports of their own (Ray Serve's direct ingress, 30000 and up, on the
     # same host as the proxy), where a request skips the proxy and its hop: at 32 requests on the 2-core machine that
-    # served 1.2x the tokens/s (docs/BENCHMARKS.md, "Direct ingress"). The proxy's port keeps working. Set from here
+    # served 1.2x the tokens/s (docs/BENCHMARKS.md). The proxy's port keeps working. Set from here
     # when Ray is not running yet (`serve run`); a cluster started beforehand reads RAY_SERVE_ENABLE_DIRECT_INGRESS
     # from its own environment (cluster.yaml)
     direct_ingress: bool = True

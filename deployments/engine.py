@@ -8,7 +8,7 @@ stays on its replica). Inside it, `EngineLoop` steps the `Scheduler` on a thread
   (`RankGroup.run`; a Ray compiled graph with RAY_SPECDEC_COMPILED_STEPS=1), and rank 0's logits come back (for a
   greedy request without logit processing or logprobs, only its rows' argmaxes: `SegmentSpec.argmax_only`).
 The drafter (a Mamba model of a few million parameters on CPU, ~100M on GPU) runs in this process too: a remote call
-per step would cost far more than its step (docs/BENCHMARKS.md, "Serving: where the time goes").
+per step would cost far more than its step (docs/BENCHMARKS.md).
 
 Faults: a rank that dies fails the step at once (the first failed rank's error, not its peers' collective timeout);
 a rank that hangs fails it after RANK_STEP_TIMEOUT_S. The loop restarts the ranks and prefills every running request
@@ -58,7 +58,7 @@ RANK_STEP_TIMEOUT_S = 300.0
 # this process and the rank actors) instead of a put of the StepWork, one task per rank and a get. Off by default:
 # an idle call took ~0.9 ms against ~5.2 ms on the 2-core machine, but the channels' readers poll, and there the
 # polling took the cores the ranks and the loop compute on: the TP=2 loop ran 0.67-0.91x of one task per rank in two
-# runs (docs/BENCHMARKS.md, "Tensor-parallel ranks batch their steps"). Not measured where ranks have cores to spare.
+# runs (docs/BENCHMARKS.md). Not measured where ranks have cores to spare.
 COMPILED_STEPS_ENV = "RAY_SPECDEC_COMPILED_STEPS"
 # Token rows up to which a StepWork travels inline with each rank's call (8 bytes a row: well under Ray's 100 KiB
 # inline bound with the rest of the work), beyond which it is put in the object store once.

@@ -31,7 +31,7 @@ except ImportError:  # the torch reference keeps everything working where triton
 _MAX_BLOCK = 1024
 # Below this many bytes moved (read + write), copy_state_rows on a GPU takes two torch gathers instead: on an H200 a
 # launch of this kernel costs ~50 us from Python and two index_select ~15 us, while above ~64 MiB the kernel's one
-# pass wins (2-3x at 2.8b-model states and 12-64 rows; docs/BENCHMARKS.md, "GPU").
+# pass wins (2-3x at 2.8b-model states and 12-64 rows; docs/BENCHMARKS.md).
 KERNEL_MIN_BYTES = 64 << 20
 
 

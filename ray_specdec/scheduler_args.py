@@ -31,7 +31,7 @@ class SchedulerConfig:
     max_running: int = 64  # requests decoding or prefilling at once
     max_waiting: int = 256  # queued requests beyond which add() raises QueueFull
     # 1024, not 2048: a CPU prefill row costs ~0.17 ms, and steps of 2048 rows held the decoding requests for ~350 ms
-    # at a time (docs/BENCHMARKS.md, "Step budget"): time to first token halved at 8 and 32 requests, tokens/s kept
+    # at a time (docs/BENCHMARKS.md): time to first token halved at 8 and 32 requests, tokens/s kept
     step_tokens: int = 1024  # target rows per step: verify rows first, prefill chunks in what is left (>= 1 chunk)
     prefill_chunk: int = 512  # a prompt's chunks are cut at multiples of this: its KV never depends on the batch
     min_path_prob: float = 0.0  # drafts stop at depths the drafter rates below this (DrafterSession.draft)

@@ -3,7 +3,7 @@
 Why. A CPU target of tp_size > 1 all-reduces twice per layer and once for its head, every step. Over gloo (TCP on
 loopback) one all-reduce of a verify step's few rows took ~1.5 ms between two rank processes on the 2-core machine:
 13 of them made a one-row step ~20 ms inside a rank, against ~4 ms for the whole step at tp_size 1
-(docs/BENCHMARKS.md, "Tensor-parallel ranks batch their steps"). The ranks of a RankGroup share one machine (a
+(docs/BENCHMARKS.md). The ranks of a RankGroup share one machine (a
 STRICT_PACK placement group), so they can share memory instead, as DeepSpeed's own `deepspeed_shm_comm` op does (off
 here: ~100 s of JIT compilation per machine, and it needs LOCAL_SIZE set).
 

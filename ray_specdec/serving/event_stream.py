@@ -5,8 +5,7 @@ body and a disconnect listener in an anyio task group and, when the body ends, c
 delivers that cancellation again on every turn of the event loop until the listener has left (`CancelScope.
 _deliver_cancellation`), and the listener waits on Serve's receive proxy, which answers from another thread: under
 32 streams, py-spy on the engine replica found those retries, and the per-request routing around them, among the
-Python the HTTP side runs while the engine's loop waits for the interpreter lock (docs/BENCHMARKS.md, "The HTTP side
-of a replica").
+Python the HTTP side runs while the engine's loop waits for the interpreter lock.
 
 `EventStream` keeps the contract: the body's bytes go out as they come; a client that disconnects cancels the body
 (its generator is closed, which aborts the engine requests behind it); a cancelled response cancels the body too

@@ -2,11 +2,11 @@
 
 Why. A step on CPU runs on the loop's thread and torch's OpenMP workers, which meet at a barrier after every parallel
 operation. Another thread that takes one of their cores mid-operation stalls the others at the barrier too, so a
-slice taken from one costs all of them (docs/BENCHMARKS.md, "Direct ingress": a process busy 12.5% of the 2-core
+slice taken from one costs all of them (docs/BENCHMARKS.md: a process busy 12.5% of the 2-core
 machine cost the loop 19% at 32 requests, and nothing at niceness 19). A Serve replica holds ~40 other threads:
 Serve's event loop and HTTP server, Ray's core worker and gRPC threads, the bandit's and metrics' syncs. They need
 little CPU but wake often. Served on 2 cores, those threads at niceness 19 gave 1.11x the tokens/s at one request
-and 1.03-1.04x at 8 and 32 (alternated pairs; docs/BENCHMARKS.md, "Compute threads first").
+and 1.03-1.04x at 8 and 32 (alternated pairs; docs/BENCHMARKS.md).
 
 How. Linux lets a process raise the niceness of its own threads without privileges (lowering it needs CAP_SYS_NICE).
 The compute threads are the loop's own and its OpenMP team (`native.openmp_thread_ids`); every other thread of the
