@@ -25,3 +25,15 @@ STEPS=$(python -c "import json; print(json.load(open('runs/drafter-mamba-r3/summ
 $T --arch drafter-neox-small --name drafter-neox-small-r3 --init-from $D/drafter-neox-small $R3 --max-steps $STEPS --max-minutes 60 > runs/drafter-neox-small-r3.log 2>&1
 python -m ray_specdec.training.export --run runs/drafter-neox-small-r3 --out $D/drafter-neox-small --tokenizer $D/target-neox
 echo R3 DONE
+# Round 4: drafter-mamba distilled on target-neox's own continuations (train-drafter --generate-tokens), from its
+# round-3 weights, on the corpus train split's files.
+python -c "
+import shutil; from pathlib import Path; from ray_specdec.training import corpus
+for rel in corpus.split_sources(corpus.list_sources())[0]:
+    (Path('runs/train-split') / rel).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(corpus.stdlib_root() / rel, Path('runs/train-split') / rel)"
+python -m ray_specdec train-drafter --target $D/target-neox --data runs/train-split --out runs/drafter-mamba-r4 \
+  --init-from $D/drafter-mamba --generate-tokens 250000 --seq-len 512 --batch-size 4 --lr 1e-3 --warmup-steps 10 \
+  --max-minutes 25 --seed 3
+cp runs/drafter-mamba-r4/model.safetensors runs/drafter-mamba-r4/training.json $D/drafter-mamba/
+echo R4 DONE
