@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             servers[name] = run_server(name, args, prompts, tokenize, cells, texts)
     result = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                   if k not in ("vllm_script", "hf_bin")},  # paths of this machine
+                   if k not in ("vllm_script", "hf_bin", "target_dir", "peer_drafter_dir", "out")},  # machine paths
         "prompts": {"count": len(prompts), "seed": args.seed, "source": "held-out stdlib code windows, 32-512 tokens",
                     "tokens": [tokenize(p) for p in prompts]},
         "target": args.target, "peer_drafter": args.peer_drafter, "dtype": "float32",
