@@ -295,7 +295,7 @@ def parse_args(argv):
             args.target = "target-neox-large"
         if "--trees" not in given:
             args.trees = PAPER_TREES
-        args.qa_buckets = args.qa_buckets if "--qa-buckets" in given else "1024,2048,4096,8192"
+        args.qa_buckets = args.qa_buckets if "--qa-buckets" in given else "1024,2048,4096,8000"  # + 64 new in 8k
         args.qa_prompts = args.qa_prompts if "--qa-prompts" in given else 4
     return args
 
