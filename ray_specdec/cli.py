@@ -17,7 +17,7 @@ from ray_specdec.models.loading import prefill_window_arg
 EXTERNAL_COMMANDS = {
     "bench": "ray_specdec.bench",
     "loadtest": "ray_specdec.loadtest",
-    "models": "ray_specdec.defaults",
+    "models": "ray_specdec.list_models",
     "qa-traffic": "ray_specdec.qa_traffic",
     "train-drafter": "ray_specdec.training.distill",
 }

@@ -10,7 +10,8 @@ import pytest
 
 from ray_specdec.cli import main as cli_main
 from ray_specdec.defaults import (DEFAULT_MODEL_NAMES, EMBEDDED_MODEL_NAMES, TARGET_NEOX_LARGE, default_model_path,
-                                  embedded_model_path, is_built, main, models_cache_dir)
+                                  embedded_model_path, is_built, models_cache_dir)
+from ray_specdec.list_models import main
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.tokenizer_check import check_model_pair
 
