@@ -166,7 +166,7 @@ def train_drafter(args) -> dict:
     vocab_size = teacher.config.get_text_config(decoder=True).vocab_size
     settings = TrainSettings(
         arch=f"mamba-{hidden}x{layers}", name=args.out.name, tokenizer=args.target, teacher=args.target,
-        init_from=None if args.init_from is None else resolve_model_path(args.init_from),
+        init_from=args.init_from,  # as given (training.json keeps no path of this machine); fit resolves it
         **{k: getattr(args, k) for k in ("alpha", "seq_len", "batch_size", "lr", "warmup_steps", "max_steps",
                                          "max_minutes", "ckpt_every", "seed")})
     torch.manual_seed(settings.seed)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.training.corpus import encode_split
 from ray_specdec.training.mamba_train import fast_training_forward
 from ray_specdec.training.models import build_config, build_model
@@ -151,7 +152,7 @@ def fit(model, teacher, stream: torch.Tensor, s: TrainSettings, run_dir: Path, d
         if summary_path.exists():  # the loss to report should this part take no step
             last_loss = json.loads(summary_path.read_text()).get("final_loss")
     elif s.init_from:
-        load_initial_weights(model, Path(s.init_from))
+        load_initial_weights(model, Path(resolve_model_path(s.init_from)))  # a directory or an embedded name
     run_dir.mkdir(parents=True, exist_ok=True)
     fast = fast_training_forward(model) if model.config.model_type == "mamba" else contextlib.nullcontext()
     model.train()
