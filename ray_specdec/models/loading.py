@@ -10,6 +10,7 @@ import torch
 
 from ray_specdec.defaults import EMBEDDED_MODEL_NAMES, embedded_model_path
 
+
 def failure(exc: BaseException) -> str:
     """An exception in one line, for a `..._why` reason: its type and the first line of its message."""
     lines = str(exc).splitlines()

@@ -108,7 +108,8 @@ static inline __attribute__((always_inline)) void gemm_block(
             acc[r][v] = b;
         }
     for (int i = 0; i < n_in; i++) {
-        for (int l = 0; l < prefetch_lines; l++) __builtin_prefetch(prefetch + ((int64_t)i * prefetch_lines + l) * 64, 0, 2);
+        for (int l = 0; l < prefetch_lines; l++) /* into L2 (locality 2), for reading */
+            __builtin_prefetch(prefetch + ((int64_t)i * prefetch_lines + l) * 64, 0, 2);
         vreg wv[FEW_ROWS_VECS];
         for (int v = 0; v < NV; v++) wv[v] = load_panel(FMT, P, (int64_t)i * ld + v * VL);
         for (int r = 0; r < NR; r++) {
@@ -145,12 +146,13 @@ static inline __attribute__((always_inline)) void gemm_pass(
     /* the groups after the first read the slice from cache, bound by the multiply-adds: they prefetch `next` (the
      * panel this thread takes next) into L2, spread evenly over their inputs, so that reading it overlaps them */
     const int64_t next_lines = (next_bytes + 63) / 64, groups = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
-    const int pf_lines = next && groups > 1 ? (int)((next_lines + (groups - 1) * n_in - 1) / ((groups - 1) * n_in)) : 0;
+    const int pf_lines =
+        next && groups > 1 ? (int)((next_lines + (groups - 1) * n_in - 1) / ((groups - 1) * n_in)) : 0;
     for (int r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
         const int nr = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
         const int64_t pf_first = (int64_t)(r0 / ROW_BLOCK - 1) * n_in * pf_lines;
-        const char *pf_ = next + pf_first * 64;
         const int pf_lines_ = r0 && pf_first < next_lines ? pf_lines : 0;
+        const char *pf_ = pf_lines_ ? next + pf_first * 64 : NULL;
         const float *xr = x + (int64_t)r0 * x_stride;
         float *yr = y + (int64_t)r0 * y_stride;
         if (b < n64 + n16) {
@@ -183,8 +185,8 @@ static inline __attribute__((always_inline)) void gemm_pass(
  * in the core's cache), and every group of ROW_BLOCK rows reads that instead of widening it again. The values are
  * the same floats (widening is exact) in the same order, so the bits are those of the unwidened kernel. On the
  * 2-core AVX2 EPYC, the default target's 25 weights for 512 rows: 111 ms widening per group, 77-82 ms once per
- * pass (F.linear: 82-102 in the same sittings). Few rows stay on the half panels: their products are bound by reading the
- * weight, which the half format halves. */
+ * pass (F.linear: 82-102). Few rows stay on the half panels: their products are bound by reading the weight, which
+ * the half format halves. */
 #define WIDEN_MIN_ROWS (4 * ROW_BLOCK)
 #define WIDEN_MAX_BYTES (256 * 1024)
 
