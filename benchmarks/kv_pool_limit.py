@@ -5,7 +5,7 @@ and copies only, on the CPU, in one-row float32 layers.
 
 A closed loop keeps `--concurrency` requests in flight for `--steps` steps. A request's prompt is 1-2,000 tokens and
 it generates 16-1,000 (uniform); it is granted twice its prompt and first round at admission and doubled as it
-decodes (1-5 tokens a step, a round of up to 16 rows), as prefill_plan.PrefillPlan grants. As the scheduler keeps the
+decodes (1-5 tokens a step, a round of up to 16 rows), as kv_manager.PrefillPlan grants. As the scheduler keeps the
 grants within its KV budget, a request is admitted, or grown, only where the grants then stay within `--limit` rows
 (else it waits); the pool may not grow past `--limit` rows (the device raises OutOfMemoryError past it). A refusal is
 therefore the pool's fragmentation or its growth policy, never the load.

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from benchmarks.served_overhead import start_app, stop_app
     from ray_specdec.bandit import Bandit
     from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams
-    from ray_specdec.engine import SpeculativeEngine
+    from ray_specdec.engine.llm import SpeculativeEngine
     from ray_specdec.factory import load_drafter, load_target
 
     prompts = select_prompts(WARMUP_PROMPTS + args.blocks * args.block, args.seed)

@@ -27,11 +27,10 @@ from deployments.router import RouterDeployment, RouterSettings, ServerDeploymen
 from ray_specdec.bandit import DEFAULT_ARMS, BanditConfig
 from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
 from ray_specdec.defaults import EMBEDDED_MODEL_NAMES
-from ray_specdec.engine import DEFAULT_MIN_PATH_PROB
+from ray_specdec.engine.llm import DEFAULT_MIN_PATH_PROB
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.tokenizer_check import TokenizerMismatch, check_model_pair
-from ray_specdec.scheduler import SchedulerConfig
-from ray_specdec.scheduler_args import scheduler_config_from_args
+from ray_specdec.engine.scheduler_config import SchedulerConfig, scheduler_config_from_args
 
 _SCHEDULER = SchedulerConfig()
 API_KEY_ENV = "RAY_SPECDEC_API_KEY"
@@ -144,9 +143,9 @@ class AppArgs(BaseModel):
     goodput: bool = True  # shrink trees when the batch's goodput says so (ray_specdec/goodput.py)
     # run a load level's rounds undrafted while its drafted steps measure slower (ray_specdec/speculation_guard.py)
     guard: bool = True
-    # the scheduler of each engine replica (ray_specdec/scheduler.py, SchedulerConfig)
+    # the scheduler of each engine replica (ray_specdec/engine/scheduler.py, SchedulerConfig)
     # KV of the admitted requests per replica (all its ranks), in GiB; "auto": 90% of the device's memory free after
-    # loading the models. Either is checked against that memory as the replica starts (ray_specdec/kv_budget.py).
+    # loading the models. Either is checked against that memory as the replica starts (ray_specdec/engine/kv_sizing.py).
     kv_budget_gib: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] | None = 2.0
     kv_budget_tokens: int | None = Field(None, ge=1)  # the same budget in cached tokens (instead of kv_budget_gib)
     max_running: int = Field(_SCHEDULER.max_running, ge=1)  # requests batched together per replica
@@ -156,7 +155,8 @@ class AppArgs(BaseModel):
     # keep prompt chunks' KV in the budget nobody reserved, for later prompts that start the same (the same output)
     prefix_cache: bool = _SCHEDULER.prefix_cache
     # grow each request's KV as it decodes (admitted on its prompt's rows, never preempted: a request whose growth
-    # does not fit waits a step) instead of reserving prompt + max_tokens at admission (ray_specdec/prefill_plan.py)
+    # does not fit waits a step) instead of reserving prompt + max_tokens at admission
+    # (ray_specdec/engine/kv_manager.py)
     kv_grow: bool = _SCHEDULER.kv_grow
     # serving shape. "engine": each engine replica answers HTTP itself (the proxy hands it the request; no hop in
     # between). "router": router replicas answer HTTP and forward to the engine replicas, one hop further, and a

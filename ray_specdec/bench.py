@@ -26,12 +26,12 @@ from tqdm import tqdm
 
 from ray_specdec.cli import OneLineParser, UsageError
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
-from ray_specdec.kv_budget import device_room, fitted_kv_budget
+from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
+from ray_specdec.engine.kv_sizing import device_room, fitted_kv_budget
 from ray_specdec.models.device_clock import synchronize
 from ray_specdec.models.loading import prefill_window_arg
 from ray_specdec.rounds import NO_TREE
-from ray_specdec.scheduler_args import add_scheduler_arguments, scheduler_config_from_args
+from ray_specdec.engine.scheduler_config import add_scheduler_arguments, scheduler_config_from_args
 
 # Every method runs every prompt (and again at each temperature): with the prefix cache on, the methods after the
 # first would find the prompt's KV cached and skip the prefill that HF generate pays each time.

@@ -40,8 +40,8 @@ def positive_int(text: str) -> int:
 
 
 def generate_parser() -> OneLineParser:
-    from ray_specdec.engine import DEFAULT_SCHEDULER
-    from ray_specdec.scheduler_args import add_scheduler_arguments
+    from ray_specdec.engine.llm import DEFAULT_SCHEDULER
+    from ray_specdec.engine.scheduler_config import add_scheduler_arguments
 
     p = OneLineParser(prog="python -m ray_specdec generate", description="Generate with tree speculative decoding.")
     p.add_argument("--prompt", required=True, help="prompt text")
@@ -70,9 +70,9 @@ def generate_parser() -> OneLineParser:
 
 def run_generate(argv: list[str]) -> int:
     from ray_specdec.config import SamplingParams, TreeConfig
-    from ray_specdec.engine import DEFAULT_SCHEDULER
+    from ray_specdec.engine.llm import DEFAULT_SCHEDULER
     from ray_specdec.factory import load_engine
-    from ray_specdec.scheduler_args import scheduler_config_from_args
+    from ray_specdec.engine.scheduler_config import scheduler_config_from_args
 
     from transformers.utils import logging as hf_logging
 

@@ -3,7 +3,7 @@
 A Mamba drafter's state after a context is a fixed size (per layer a conv and an SSM state, whatever the context's
 length), so keeping it costs a few hundred KB where the target's KV of the same prompt costs megabytes, and a hit
 replaces a prefill over the whole drafter window (~17 ms for 300 tokens of the shipped drafter on 2 CPU cores) by a
-copy. With the target's prefix cache (prefix_cache.py) a repeated prompt's target prefill is a copy too, so the
+copy. With the target's prefix cache (engine/prefix_cache.py) a repeated prompt's target prefill is a copy too, so the
 drafter's prefill was what a drafted request still paid for its prompt.
 
 A hit is the state the drafter's own prefill gives for the same tokens (it is that state, copied), and drafts only

@@ -11,7 +11,7 @@ import torch
 from ray_specdec.config import TreeConfig, default_tree
 
 if TYPE_CHECKING:
-    from ray_specdec.scheduler import SchedulerConfig
+    from ray_specdec.engine.scheduler_config import SchedulerConfig
 
 
 class LoadError(Exception):
@@ -90,15 +90,13 @@ def load_engine(
 ):
     """tree None: the device's default tree (config.default_tree); scheduler: the SchedulerConfig (None: the engine's
     DEFAULT_SCHEDULER, draft cut and lookup tokens included); kv_budget_gib: its KV budget in GiB of the target's cache
-    instead of rows ("auto": kv_budget.AUTO_SHARE of the device's memory free after loading; either budget is checked
+    instead of rows ("auto": kv_sizing.AUTO_SHARE of the device's memory free after loading; either budget is checked
     against that memory: LoadError where it does not fit); drafter_prefill_window: the drafter's state starts from
     this many last tokens of a request ("auto": the window the drafter's config names, else all; None or "all":
     all)."""
-    from ray_specdec.engine import DEFAULT_SCHEDULER, SpeculativeEngine
-    from ray_specdec.kv_budget import device_room, fitted_kv_budget
-    from ray_specdec.models.loading import resolve_dtype, resolve_prefill_window
-
-    from ray_specdec.models.loading import resolve_model_path
+    from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
+    from ray_specdec.engine.kv_sizing import device_room, fitted_kv_budget
+    from ray_specdec.models.loading import resolve_dtype, resolve_model_path, resolve_prefill_window
 
     device = resolve_device(device)
     try:

@@ -31,7 +31,7 @@ import torch
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.models.device_clock import now, settle
-from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend
+from ray_specdec.engine.target_backend import SegmentSpec, StepWork, TargetBackend
 
 NO_TREE = TreeConfig(())
 # Features of a step: 1, verify rows, requests that draft, drafter rows, prefill rows.

@@ -17,7 +17,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import Draft
 from ray_specdec.logits_processing import TokenHistory, TokenLogprob, process_logits, token_logprobs
 from ray_specdec.sampling import logits_to_probs, sample_rows
-from ray_specdec.stats import GenerationStats
+from ray_specdec.engine.stats import GenerationStats
 
 NO_TREE = TreeConfig(())
 

@@ -81,12 +81,12 @@ def test_a_cell_can_end_with_its_python_profile(monkeypatch, capsys):
     results = batched_loop.main(["--device", "cpu", "--duration", "0.2", "--concurrency", "1", "--prompts", "8",
                                  "--variants", "batched none", "--python-profile", "batched none@1"])
     (cell,) = results["cells"]
-    assert "steps under cProfile" in cell["profile"] and "scheduler.py" in cell["profile"]
+    assert "steps under cProfile" in cell["profile"] and "engine/scheduler.py" in cell["profile"]
     assert "(step)" in capsys.readouterr().out
 
 
 def test_sampled_cells_send_seeded_sampled_requests_and_compare_no_tokens(monkeypatch):
-    from ray_specdec.scheduler import Scheduler
+    from ray_specdec.engine.scheduler import Scheduler
 
     sent, real_add = [], Scheduler.add
     monkeypatch.setattr(Scheduler, "add", lambda self, rid, ids, params, tree=None: (

@@ -8,10 +8,9 @@ import torch
 from transformers import MambaConfig, MambaForCausalLM
 
 from ray_specdec.bench import main, parse_args
-from ray_specdec.engine import DEFAULT_SCHEDULER
+from ray_specdec.engine.llm import DEFAULT_SCHEDULER
 from ray_specdec.models import native
-from ray_specdec.scheduler import SchedulerConfig
-from ray_specdec.scheduler_args import flag
+from ray_specdec.engine.scheduler_config import SchedulerConfig, flag
 from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer
 
 

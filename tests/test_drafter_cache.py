@@ -10,8 +10,9 @@ from ray_specdec.drafter_cache import DrafterStates, _bytes
 from ray_specdec.drafting import DrafterSession
 from ray_specdec.models.target import TargetModel
 from ray_specdec.lazy_drafter import LazyDrafter
-from ray_specdec.scheduler import Scheduler, SchedulerConfig
-from ray_specdec.target_backend import LocalTarget
+from ray_specdec.engine.scheduler import Scheduler
+from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.engine.target_backend import LocalTarget
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 

@@ -9,7 +9,7 @@ import torch
 
 from ray_specdec.bandit import Bandit, BanditConfig
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.goodput import (
     COST_WARMUP_STEPS,
     PRIOR_ACCEPT_PER_DEPTH,

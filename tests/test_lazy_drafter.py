@@ -8,7 +8,7 @@ import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import DrafterSession
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.start_rule import REQUEST_EMA, StartRule
 from tests.helpers.inputs import random_prompt
@@ -99,7 +99,7 @@ def test_the_drafters_prefill_is_a_request_cost_not_a_rounds(target):
 @pytest.mark.parametrize("max_new, drafts", [(12, True), (6, False)])
 def test_the_start_rule_drafts_only_when_the_tokens_left_pay_for_the_drafters_prefill(target, max_new, drafts):
     """prefill 37 tokens x 1 ms = 37 ms; drafting saves 1/100 - 1/200 = 5 ms per token: worth it past 7.4 tokens."""
-    from ray_specdec.scheduler import START_ANYWAY_EVERY
+    from ray_specdec.start_rule import START_ANYWAY_EVERY
 
     prompt = random_prompt(37, seed=10)
     policy = RatedPolicy([(1, 1)], {(1, 1): 200.0, (): 100.0})
@@ -125,7 +125,7 @@ def test_the_start_rule_drafts_only_when_the_tokens_left_pay_for_the_drafters_pr
 def test_a_request_started_anyway_drafts_in_every_round(target, script, first):
     """The request the start rule starts only to explore drafts every round, even where the policy (here: confident
     that drafting does not pay) picks no tree: then the drafting arm with the best draw."""
-    from ray_specdec.scheduler import START_ANYWAY_EVERY
+    from ray_specdec.start_rule import START_ANYWAY_EVERY
 
     prompt = random_prompt(37, seed=12)
     policy = RatedPolicy(script, {(1, 1): 150.0, (2, 1): 120.0, (): 200.0})

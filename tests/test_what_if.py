@@ -20,7 +20,7 @@ from ray_specdec.bandit import Bandit, BanditConfig, ThroughputReward, UCB1
 from ray_specdec.bandit.policies import ArmStats
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import Draft, DrafterSession
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.rounds import NO_TREE
 from ray_specdec.what_if import what_if
 from tests.helpers.inputs import random_prompt, repetitive_history

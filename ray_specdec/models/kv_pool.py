@@ -11,15 +11,15 @@ rows write their K/V with one `index_copy_` per layer, gather every request's ca
 (each request's cached columns and its own tree's ancestors). A few launches per layer, whatever the batch size.
 
 Layout. Per layer, keys `[rows, Hkv, Dk]` and values `[rows, Hkv, Dv]`. A request's range is its KV grant (the
-scheduler's allocation, prefill_plan.py), placed in the smallest free range that fits. When the grant grows (`resize`)
-the range extends in place, or slides down over free rows just below it, where those around it suffice; else it moves
-to a free range. Its `GrowableKVCache` sees it as `[1, Hkv, capacity, D]` views, so every other path (prefill chunks
-through the model's attention, compaction after acceptance, prefix-cache copies, HF's forward) works on it unchanged.
-When no free range fits, the pool either packs (caches' rows slid down over the free ranges below them, in one gather
-and scatter per layer, until enough rows at the end are free; chosen where an eighth of the pool stays free after it)
-or doubles (its rows copied a layer's keys or values at a time, every live cache's views rebound to each new tensor
-before the next is made, between forwards: the device holds at most the grown pool and one old layer's tensor, never
-the old pool and a new one, which would cap the pool at half the device). Where
+scheduler's allocation, engine/kv_manager.py), placed in the smallest free range that fits. When the grant grows
+(`resize`) the range extends in place, or slides down over free rows just below it, where those around it suffice; else
+it moves to a free range. Its `GrowableKVCache` sees it as `[1, Hkv, capacity, D]` views, so every other path (prefill
+chunks through the model's attention, compaction after acceptance, prefix-cache copies, HF's forward) works on it
+unchanged. When no free range fits, the pool either packs (caches' rows slid down over the free ranges below them, in
+one gather and scatter per layer, until enough rows at the end are free; chosen where an eighth of the pool stays free
+after it) or doubles (its rows copied a layer's keys or values at a time, every live cache's views rebound to each new
+tensor before the next is made, between forwards: the device holds at most the grown pool and one old layer's tensor,
+never the old pool and a new one, which would cap the pool at half the device). Where
 the device has no memory to double, the pool grows by less, down to just the rows it lacks, and packs; so while the
 caches' grants fit the device (the scheduler keeps them within its KV budget) none is refused for the pool's fragments
 (`benchmarks/kv_pool_limit.py`; tests/models/test_kv_pool_packing.py). Where even that fails, the request gets a cache

@@ -259,7 +259,7 @@ class TargetModel:
 
     def resize(self, cache: TargetCache, capacity: int) -> None:
         """A request's cache (of `new_cache(capacity)`) holds `capacity` rows from now on, its rows kept: the
-        scheduler grants a request's KV as it decodes (prefill_plan.PrefillPlan.grow)."""
+        scheduler grants a request's KV as it decodes (kv_manager.PrefillPlan.grow)."""
         pool = kv_pool.pool_of(cache.kv)
         if pool is None:
             cache.kv.resize(capacity)

@@ -31,7 +31,7 @@ from ray_specdec.config import MAX_LOGPROBS, SamplingParams, TreeConfig
 from ray_specdec.logits_processing import TokenLogprob
 from ray_specdec.rounds import Generation, StreamChunk
 from ray_specdec.serving.token_bytes import token_bytes
-from ray_specdec.stats import GenerationStats
+from ray_specdec.engine.stats import GenerationStats
 
 MAX_STOP_STRINGS = 8
 MAX_TREE_NODES = 256  # a client may pick a tree per request, but not one that makes every verify huge
@@ -296,7 +296,7 @@ def speculative_block(stats: GenerationStats | Sequence[GenerationStats | None])
 
 
 def usage_block(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache (prefix_cache.py)."""
+    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache (engine/prefix_cache.py)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

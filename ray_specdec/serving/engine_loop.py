@@ -34,7 +34,8 @@ from typing import AsyncIterator, Callable, Sequence
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.rounds import StreamChunk
-from ray_specdec.scheduler import QueueFull, Scheduler
+from ray_specdec.engine.request import QueueFull
+from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.serving.metrics import EngineMetrics
 from ray_specdec.serving.thread_priority import ComputeFirst
 

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, gener
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from ray_specdec.stats import GenerationStats
+from ray_specdec.engine.stats import GenerationStats
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 COUNTER, HISTOGRAM, GAUGE = "counter", "histogram", "gauge"

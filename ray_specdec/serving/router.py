@@ -1,6 +1,6 @@
 """The router's side of a request, without Ray: hand it to an engine replica and stream its chunks back.
 
-The round loop runs in the engine replicas (scheduler.py behind serving/engine_loop.py); the router validates,
+The round loop runs in the engine replicas (engine/scheduler.py behind serving/engine_loop.py); the router validates,
 encodes and forwards. What it adds is fault tolerance across replicas: when the replica serving a request is lost
 mid-stream (its process died), the request continues on another replica from every token it has streamed so far
 (prompt + generated, with max_new_tokens reduced by what was generated), until `retry_s` has passed; then it fails

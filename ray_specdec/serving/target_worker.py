@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from ray_specdec.kv_budget import device_room
+from ray_specdec.engine.kv_sizing import device_room
 from ray_specdec.models import shm_collective
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path
 from ray_specdec.models.target import ATTN_IMPLEMENTATION, TargetModel
-from ray_specdec.target_backend import StepWork, TargetCaches
+from ray_specdec.engine.target_backend import StepWork, TargetCaches
 
 
 def free_port() -> int:
@@ -178,7 +178,7 @@ class TargetWorker:
             "tp_size": self.world_size,
             "dtype": str(t.dtype).removeprefix("torch."),
             "kv_bytes_per_token": t.kv_bytes_per_token * self.world_size,
-            "kv_room_bytes": device_room(t.device),  # free for KV on this rank's device (kv_budget.py)
+            "kv_room_bytes": device_room(t.device),  # free for KV on this rank's device (engine/kv_sizing.py)
             "shm_allreduce_why": self.shm_allreduce_why,
         }
 

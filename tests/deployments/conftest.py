@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 from tests.helpers.bigram import VOCAB, bigram_pair, word_tokenizer

@@ -1,6 +1,6 @@
-"""The engine replica checks its KV budget against the device once its models are loaded (ray_specdec/kv_budget.py):
-"auto" sizes it from the room, and a budget the device cannot hold stops the replica at start with the reason,
-instead of an out-of-memory error under load."""
+"""The engine replica checks its KV budget against the device once its models are loaded
+(ray_specdec/engine/kv_sizing.py): "auto" sizes it from the room, and a budget the device cannot hold stops the replica
+at start with the reason, instead of an out-of-memory error under load."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from deployments import engine as engine_module
 from deployments.engine import EngineReplica
 from ray_specdec.config import TreeConfig
-from ray_specdec.kv_budget import AUTO_SHARE, GIB
-from ray_specdec.scheduler import SchedulerConfig
+from ray_specdec.engine.kv_sizing import AUTO_SHARE, GIB
+from ray_specdec.engine.scheduler_config import SchedulerConfig
 
 
 def test_auto_is_sized_from_the_room_and_too_much_stops_the_replica(model_dirs, monkeypatch):

@@ -17,7 +17,7 @@ import pytest
 from deployments import AppArgs
 from ray_specdec.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from tests.helpers.bigram import PROMPTS
 from tests.helpers.metrics import metric_sum, scrape_metrics
 from tests.helpers.serve import serve_app

@@ -14,7 +14,7 @@ import torch
 from transformers import MambaConfig, MambaForCausalLM, PreTrainedModel
 
 from ray_specdec.defaults import CHAT_TEMPLATE
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
 from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer

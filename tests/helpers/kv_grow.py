@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.target import TargetModel
-from ray_specdec.scheduler import Scheduler, SchedulerConfig
-from ray_specdec.target_backend import LocalTarget
+from ray_specdec.engine.scheduler import Scheduler
+from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.engine.target_backend import LocalTarget
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox
 

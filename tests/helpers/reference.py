@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.target import TargetModel
 from tests.helpers.models import tiny_mamba
 

@@ -10,8 +10,7 @@ import torch
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.models import batch_invariant, cpu_attention, native
-from ray_specdec.models import target as target_module
+from ray_specdec.models import batch_invariant, cpu_attention, native, target as target_module
 from ray_specdec.models.kv_cache import CacheFull
 from ray_specdec.models.attention_masks import tree_attention_mask
 from ray_specdec.models.target import Segment, TargetModel
@@ -208,7 +207,7 @@ def test_commit_after_a_batched_verify_equals_prefilling_the_kept_tokens():
 
 
 def test_a_prefill_chunk_then_a_verify_of_its_cache_in_one_forward_is_the_two_forwards(target):
-    """A prompt's last chunk and its first round in one forward (the scheduler's first round, prefill_plan.py),
+    """A prompt's last chunk and its first round in one forward (the scheduler's first round, engine/kv_manager.py),
     among other requests' verifies and chunks: the same logits and K/V, bit for bit, as the chunk in one forward and
     the verify in the next."""
     history, chunk = tokens(21, 11, target.vocab_size), tokens(13, 12, target.vocab_size)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DRAFTER_MAMBA, TARGET_NEOX, TARGET_NEOX_LARGE, default_model_path, embedded_model_path
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.growth import (dyadic_shares, ensure_grown, grow_config, grow_state_dict, grow_tensor,
                                        read_growth, split_by_shares)
 from ray_specdec.models.mamba_drafter import MambaDrafter

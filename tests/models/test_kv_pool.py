@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models import kv_pool
 from ray_specdec.models.kv_cache import CacheFull
 from ray_specdec.models.kv_pool import KVPool, PooledAttention
@@ -215,7 +215,7 @@ def test_a_verify_alone_attends_over_its_pooled_rows_without_the_gather(monkeypa
 def test_released_requests_give_their_rows_back_at_once():
     """TargetCaches (the scheduler's target side) frees a released request's rows in the same step, not when the
     garbage collector gets to its cache; a reset (a restarted target) frees them all."""
-    from ray_specdec.target_backend import StepWork, TargetCaches
+    from ray_specdec.engine.target_backend import StepWork, TargetCaches
 
     pooled, _ = targets(tiny_gpt_neox)
     caches = TargetCaches(pooled)

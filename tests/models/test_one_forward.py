@@ -106,7 +106,7 @@ def test_engine_batches_in_one_forward_give_each_requests_own_greedy_tokens():
     """Mixed prompt lengths (one past 512 tokens), max_tokens and trees through the scheduler, every step one forward:
     float64 greedy tokens are each request's plain decoding alone."""
     from ray_specdec.config import SamplingParams
-    from ray_specdec.engine import SpeculativeEngine
+    from ray_specdec.engine.llm import SpeculativeEngine
     from tests.helpers.models import tiny_mamba
 
     target = TargetModel(tiny_gpt_neox(torch.float64, max_positions=1024, seed=7))

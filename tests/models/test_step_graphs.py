@@ -1,6 +1,6 @@
 """The target's piecewise forward (models/step_graphs.py) on CPU: the pieces run eagerly through the graphs' buffers
 (capture=False), so padding, the buffers' reuse across forwards and the attention between pieces are checked here;
-tests/test_cuda_batching.py replays them as CUDA graphs."""
+tests/engine/test_cuda_batching.py replays them as CUDA graphs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.step_graphs import PiecewiseGraphs
 from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.tree import build_tree

@@ -17,7 +17,7 @@ from ray_specdec.rounds import Generation, StreamChunk
 from ray_specdec.serving import api
 from ray_specdec.serving.api import CompletionRequest, CompletionStream
 from ray_specdec.serving.openai_chat import ChatCompletionRequest, ChatStream, chat_body
-from ray_specdec.stats import GenerationStats
+from ray_specdec.engine.stats import GenerationStats
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from ray_specdec.serving import api
 from ray_specdec.serving.api import CompletionRequest, completion_body
 from ray_specdec.serving.openai_chat import ChatCompletionRequest, chat_body
 from ray_specdec.serving.token_bytes import TokenBytes, byte_level_alphabet, token_bytes
-from ray_specdec.stats import GenerationStats
+from ray_specdec.engine.stats import GenerationStats
 
 E_ACUTE = "\u00e9".encode("utf-8")  # C3 A9: one character, two bytes
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.rounds import NO_TREE
-from ray_specdec.scheduler import Scheduler, SchedulerConfig
+from ray_specdec.engine.scheduler import Scheduler
+from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.start_rule import EXPLORE
-from ray_specdec.target_backend import LocalTarget
+from ray_specdec.engine.target_backend import LocalTarget
 from tests.helpers.bigram import agreeing_pair
 from tests.helpers.inputs import random_prompt
 from tests.helpers.policies import LoadRecorder
@@ -59,7 +60,7 @@ def test_the_guard_runs_a_load_undrafted_where_drafted_steps_measure_slower(long
     sees its steps take ~28 ms against ~7 ms undrafted (where only the request that asked for a tree drafts, as it keeps
     doing; one the start rule explores with does not) and runs the load's rounds undrafted but for its exploration runs.
     Every request's tokens are target-alone greedy decoding's."""
-    import ray_specdec.scheduler as scheduler_module
+    import ray_specdec.engine.scheduler as scheduler_module
 
     target, drafter = long_context_pair
     clock = SlowDrafts()
@@ -107,7 +108,7 @@ def test_exploration_is_not_charged_the_drafter_sessions_its_switch_builds(monke
     undrafted (in process at concurrency 1: most of a run). Charged at its share per decoded token, the run measures
     drafting as it is and the level drafts again. The guard is handed step times without the prefills that ran in
     them, and those prefills apart (a switch's cost). Every token is target-alone greedy decoding's."""
-    import ray_specdec.scheduler as scheduler_module
+    import ray_specdec.engine.scheduler as scheduler_module
 
     target, drafter = agreeing_pair(torch.float32, 512)
     clock, session_s = SlowDrafts(), 0.03
@@ -151,7 +152,7 @@ def test_the_guard_learns_nothing_from_steps_its_mode_does_not_steer(long_contex
     rounds in both of the guard's modes: their steps are not measured, so they cannot move its verdicts (a served
     run flipped load 1 to undrafted during such a cell, and the service's next cell at concurrency 1 ran undrafted).
     A request the policy steers is measured again."""
-    import ray_specdec.scheduler as scheduler_module
+    import ray_specdec.engine.scheduler as scheduler_module
 
     target, drafter = long_context_pair
     clock = SlowDrafts()

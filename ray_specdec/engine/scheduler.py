@@ -20,7 +20,7 @@ start), never by what else runs in the step, and the target's batched forward co
 whatever shares the forward (`TargetModel.batch_invariant`). So a greedy request's tokens do not depend on the other
 requests in flight, nor on the tree sizes goodput picks for it.
 
-KV budget (prefill_plan.py: grants, the prefix cache's room, each step's prefill chunks). Each request has a
+KV budget (engine/kv_manager.py: grants, the prefix cache's room, each step's prefill chunks). Each request has a
 reservation, the KV rows it can ever need (prompt + max_new_tokens + its largest verify), and a grant, the rows its
 cache holds: twice what its prompt and first round need at admission (or just that), more as it decodes
 (`SchedulerConfig.kv_grow`; off: the whole reservation at admission). A grant is made only where every request can
@@ -29,9 +29,9 @@ preempted: nothing grows past the budget, a request admitted always finishes wit
 alone, and one that can never fit is refused at once (`RequestTooLarge`). Beyond `max_waiting` queued requests,
 `add` raises `QueueFull`.
 
-Prefix caching (prefix_cache.py, `SchedulerConfig.prefix_cache`). Prefill chunks are kept after their forward where the
-budget has room, and an admitted request whose prompt starts with cached chunks has them copied into its cache and
-prefills only the rest: the same bits, since chunks are cut at the same fixed positions.
+Prefix caching (engine/prefix_cache.py, `SchedulerConfig.prefix_cache`). Prefill chunks are kept after their forward
+where the budget has room, and an admitted request whose prompt starts with cached chunks has them copied into its cache
+and prefills only the rest: the same bits, since chunks are cut at the same fixed positions.
 """
 
 from __future__ import annotations
@@ -56,18 +56,16 @@ from ray_specdec.logits_processing import TokenHistory
 from ray_specdec.lookup import LookupIndex
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.mamba_state import StateSlots
-from ray_specdec.prefill_plan import PrefillPlan
-from ray_specdec.prefix_cache import PrefixIndex
-from ray_specdec.request_state import QueueFull, Request, RequestTooLarge, StepOutput  # callers name them here
+from ray_specdec.engine.kv_manager import PrefillPlan
+from ray_specdec.engine.prefix_cache import PrefixIndex
+from ray_specdec.engine.request import QueueFull, Request, RequestTooLarge, StepOutput
 from ray_specdec.rounds import (NO_TREE, FixedTree, StreamChunk, empty_draft, fit_tree, judge, judge_plain_sampled,
                                 make_generators, plain_sampled, round_logprobs)
-from ray_specdec.scheduler_args import SchedulerConfig
+from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.speculation_guard import SpeculationGuard
-# START_ANYWAY_EVERY: callers name it here
-from ray_specdec.start_rule import (EXPLORE, PLAIN, START_ANYWAY_EVERY, StartRule, drafting_arm,  # noqa: F401
-                                    prefill_tokens)
+from ray_specdec.start_rule import EXPLORE, PLAIN, StartRule, drafting_arm, prefill_tokens
 from ray_specdec.stopping import StopChecker
-from ray_specdec.target_backend import SegmentSpec, StepWork, TargetBackend, on_host
+from ray_specdec.engine.target_backend import SegmentSpec, StepWork, TargetBackend, on_host
 from ray_specdec.what_if import what_if
 
 # The shortest context suffix an undrafted round's lookup matches (plain_lookup): a single token matches often and

@@ -12,10 +12,10 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import Draft
 from ray_specdec.lazy_drafter import LazyDrafter
 from ray_specdec.lookup import LookupIndex
-from ray_specdec.prefix_cache import ROOT
+from ray_specdec.engine.prefix_cache import ROOT
 from ray_specdec.rounds import NO_TREE, StreamChunk
 from ray_specdec.start_rule import DRAFT
-from ray_specdec.stats import GenerationStats
+from ray_specdec.engine.stats import GenerationStats
 from ray_specdec.stopping import StopChecker
 
 

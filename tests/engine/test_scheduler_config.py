@@ -8,8 +8,8 @@ from dataclasses import fields
 import pytest
 
 from ray_specdec.cli import OneLineParser, UsageError
-from ray_specdec.scheduler import SchedulerConfig
-from ray_specdec.scheduler_args import add_scheduler_arguments, field_comments, flag, scheduler_config_from_args
+from ray_specdec.engine.scheduler_config import (SchedulerConfig, add_scheduler_arguments, field_comments, flag,
+                                                 scheduler_config_from_args)
 
 # a value other than the default for every field
 CHANGED = {"kv_budget_tokens": 4096, "max_running": 8, "max_waiting": 3, "step_tokens": 768, "prefill_chunk": 128,

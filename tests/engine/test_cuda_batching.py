@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 
 from ray_specdec.config import SamplingParams, TreeConfig  # noqa: E402
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
-from ray_specdec.engine import SpeculativeEngine  # noqa: E402
+from ray_specdec.engine.llm import SpeculativeEngine  # noqa: E402
 from ray_specdec.models.mamba_drafter import MambaDrafter  # noqa: E402
 from ray_specdec.models.target import Segment, TargetModel  # noqa: E402
 from ray_specdec.training.corpus import heldout_prompts  # noqa: E402

@@ -3,8 +3,8 @@
 A step's work for the target is everything it must do to its caches, in order: keep the accepted rows of the
 previous step's verifies (commits ride on the next step's call), free the caches of requests that ended, allocate
 caches of newly admitted ones (their KV budget, preallocated once), copy cached prompt chunks into the new caches
-that hit them and drop the chunks the scheduler evicted (prefix_cache.py), then one batched forward over every segment
-of the step, and last keep the prefill chunks the scheduler chose to cache. `LocalTarget` does that on a
+that hit them and drop the chunks the scheduler evicted (engine/prefix_cache.py), then one batched forward over every
+segment of the step, and last keep the prefill chunks the scheduler chose to cache. `LocalTarget` does that on a
 `TargetModel` in this process; a rank of a tensor-parallel group does exactly the same on its shard
 (serving/target_worker.py), so a whole step crosses to the ranks in one call, never one per request.
 """
@@ -40,7 +40,7 @@ class StepWork:
     resizes: list[tuple[str, int]] = field(default_factory=list)  # (request id, its cache's new capacity in rows)
     commits: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (request id, verify rows kept)
     segments: list[SegmentSpec] = field(default_factory=list)
-    # prefix caching (prefix_cache.py): cached chunks copied into a new cache, in order; chunks evicted; prefill
+    # prefix caching (engine/prefix_cache.py): cached chunks copied into a new cache, in order; chunks evicted; prefill
     # chunks of this step kept after the forward as (request id, first row, end row, block id)
     loads: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     drops: list[int] = field(default_factory=list)

@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.drafting import DrafterSession
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.rounds import empty_draft, judge
 from ray_specdec.models import native as native_kernels
 from ray_specdec.models.target import TargetModel

@@ -5,7 +5,7 @@
 `--goodput / --no-goodput`), typed, defaulted and described from the dataclass itself (the comment on each field is
 its help), every value checked by SchedulerConfig's own validation as it is parsed, so a bad one is argparse's
 one-line error. `--kv-budget-gib` gives the budget in GiB instead of rows, or `auto` (the app's `kv_budget_gib`): it
-becomes rows once the target's bytes per token and the device's free memory are known (`kv_budget.fitted_kv_budget`,
+becomes rows once the target's bytes per token and the device's free memory are known (`kv_sizing.fitted_kv_budget`,
 which checks either budget against that memory). `scheduler_config_from_args` reads the fields back from anything
 that has them as attributes: argparse's namespace or the app's `AppArgs`.
 """
@@ -24,7 +24,7 @@ from ray_specdec.config import MAX_LOOKUP_TOKENS
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How the scheduler admits, batches and drafts (scheduler.py); each field is a flag of
+    """How the scheduler admits, batches and drafts (engine/scheduler.py); each field is a flag of
     `add_scheduler_arguments`, its comment the help."""
 
     kv_budget_tokens: int = 1 << 17  # KV rows all admitted requests may hold together (reserved at admission)
@@ -40,7 +40,7 @@ class SchedulerConfig:
     plain_lookup: int = 0  # prompt-lookup tokens verified in greedy rounds that run undrafted (no drafter step)
     goodput: bool = True  # shrink the policy's picks when the batch's goodput says so (goodput.py)
     guard: bool = True  # run a load level undrafted while its drafted steps measure slower (speculation_guard.py)
-    prefix_cache: bool = True  # keep prompt chunks' KV in unreserved budget for later prompts (prefix_cache.py)
+    prefix_cache: bool = True  # keep prompt chunks' KV in unreserved budget for later prompts (engine/prefix_cache.py)
     # on: admit against the KV requests hold and grow each one's as it decodes, a request waiting a step where its
     # growth would leave some request unable to finish (never preempted: exact); off: reserve each one's most
     kv_grow: bool = True  # grow each request's KV as it decodes instead of reserving its most at admission

@@ -9,7 +9,7 @@ else. A cached chunk is therefore bit for bit what a new request would compute i
 the same chunk after the same tokens. The index keys each chunk by its whole token prefix (a chain: parent chunk +
 own tokens) and checks the tokens and the parent on every hit, so a hash collision is a miss, never a wrong hit. A
 request's match is the longest run of cached chunks from its start; it prefills the rest as it would have anyway.
-Greedy output with the cache is the output without it (tests/test_prefix_cache.py compares logits bit for bit).
+Greedy output with the cache is the output without it (tests/engine/test_prefix_cache.py compares logits bit for bit).
 
 What hits: identical prompts (retries, `n` > 1 across requests, repeated benchmark prompts, the same question asked
 again) and prompts that share whole chunks (a long document or system prompt followed by different questions). Two
@@ -17,8 +17,8 @@ prompts that share fewer than `prefill_chunk` tokens share nothing here: a finer
 same whatever the chunk (the native attention over a causal chain), which the prefill path does not do yet.
 
 Memory. A cached chunk is a copy (on every tensor-parallel rank: each keeps its shard), and its rows count against
-the scheduler's KV budget beside the requests' grants (prefill_plan.py). Cached rows only take budget no request holds:
-admission and a request's growth evict the least recently used chunks (a chunk and every chunk after it, which
+the scheduler's KV budget beside the requests' grants (engine/kv_manager.py). Cached rows only take budget no request
+holds: admission and a request's growth evict the least recently used chunks (a chunk and every chunk after it, which
 nothing can reach without it) before a request would wait, and a new chunk is kept only where the budget has room for
 it after evictions.
 

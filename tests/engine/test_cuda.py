@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 from ray_specdec.config import SamplingParams, TreeConfig  # noqa: E402
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
-from ray_specdec.engine import SpeculativeEngine  # noqa: E402
+from ray_specdec.engine.llm import SpeculativeEngine  # noqa: E402
 from ray_specdec.models.mamba_drafter import MambaDrafter  # noqa: E402
 from ray_specdec.models.target import TargetModel  # noqa: E402
 from ray_specdec.sampling import logits_to_probs  # noqa: E402

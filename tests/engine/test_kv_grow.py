@@ -1,4 +1,4 @@
-"""KV granted as requests decode (SchedulerConfig.kv_grow, prefill_plan.PrefillPlan): the banker's check, caches and
+"""KV granted as requests decode (SchedulerConfig.kv_grow, kv_manager.PrefillPlan): the banker's check, caches and
 pool ranges that grow keeping their rows, and a scheduler that admits on what requests hold, makes some wait a round
 where their growth does not fit, never exceeds its budget, and gives every request the tokens it gets alone."""
 
@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.kv_cache import CacheFull, GrowableKVCache
 from ray_specdec.models.kv_pool import KVPool
 from ray_specdec.models.target import Segment, TargetModel
-from ray_specdec.prefill_plan import PrefillPlan
-from ray_specdec.scheduler import Scheduler, SchedulerConfig
-from ray_specdec.target_backend import LocalTarget, StepWork
+from ray_specdec.engine.kv_manager import PrefillPlan
+from ray_specdec.engine.scheduler import Scheduler
+from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.engine.target_backend import LocalTarget, StepWork
 from tests.helpers.inputs import random_prompt
 from tests.helpers.kv_grow import decode_pooled, requests, run_within_budget
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba

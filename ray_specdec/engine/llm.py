@@ -1,4 +1,4 @@
-"""The in-process engine: the step scheduler (scheduler.py) over a target and a drafter loaded in this process.
+"""The in-process engine: the step scheduler (engine/scheduler.py) over a target and a drafter loaded in this process.
 
 `generate` / `stream` run one request; `generate_many` runs a list of prompts as one continuously batched workload
 (like vLLM's `LLM.generate(list)`). All of them step the same `Scheduler` the Serve app runs, so what the CLI and the
@@ -18,8 +18,10 @@ from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.models.target import TargetModel
 from ray_specdec.rounds import Generation, StreamChunk
-from ray_specdec.scheduler import RequestTooLarge, Scheduler, SchedulerConfig
-from ray_specdec.target_backend import LocalTarget
+from ray_specdec.engine.request import RequestTooLarge
+from ray_specdec.engine.scheduler import Scheduler
+from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.engine.target_backend import LocalTarget
 
 # Default cut of drafts by the drafter's own path probabilities (DrafterSession.draft); see docs/BENCHMARKS.md.
 DEFAULT_MIN_PATH_PROB = 0.0
@@ -66,7 +68,7 @@ class SpeculativeEngine:
 
     @property
     def kept_plain(self) -> int:
-        """Requests the start rule kept undrafted (scheduler.py)."""
+        """Requests the start rule kept undrafted (engine/scheduler.py)."""
         return self.scheduler.kept_plain
 
     @kept_plain.setter

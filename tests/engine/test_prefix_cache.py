@@ -1,18 +1,19 @@
-"""Prefix caching (ray_specdec/prefix_cache.py): the index alone, then the scheduler and the target with it on: the
-same tokens and log-probabilities as without it, within the KV budget, nothing leaked on the target's side."""
+"""Prefix caching (ray_specdec/engine/prefix_cache.py): the index alone, then the scheduler and the target with it on:
+the same tokens and log-probabilities as without it, within the KV budget, nothing leaked on the target's side."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import ray_specdec.prefix_cache as prefix_cache
+import ray_specdec.engine.prefix_cache as prefix_cache
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine import SpeculativeEngine
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.target import TargetModel
-from ray_specdec.prefix_cache import ROOT, PrefixIndex
-from ray_specdec.scheduler import Scheduler, SchedulerConfig
-from ray_specdec.target_backend import LocalTarget, SegmentSpec, StepWork
+from ray_specdec.engine.prefix_cache import ROOT, PrefixIndex
+from ray_specdec.engine.scheduler import Scheduler
+from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, StepWork
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 

@@ -1,4 +1,4 @@
-"""The KV budget against the device (ray_specdec/kv_budget.py): GiB and "auto" as rows, a budget the device cannot
+"""The KV budget against the device (ray_specdec/kv_sizing.py): GiB and "auto" as rows, a budget the device cannot
 hold refused at start with one line naming what fits (CLI, load_engine, the app's arguments, the engine replica), and
 tensor-parallel shares checked per device on GPUs."""
 
@@ -12,11 +12,10 @@ import torch
 from pydantic import ValidationError
 
 from deployments.app import AppArgs
-from ray_specdec import kv_budget
+from ray_specdec.engine import kv_sizing
 from ray_specdec.factory import LoadError, load_engine
-from ray_specdec.kv_budget import AUTO_SHARE, GIB, device_room, fitted_kv_budget, kv_budget_rows
-from ray_specdec.scheduler import SchedulerConfig
-from ray_specdec.scheduler_args import add_scheduler_arguments
+from ray_specdec.engine.kv_sizing import AUTO_SHARE, GIB, device_room, fitted_kv_budget, kv_budget_rows
+from ray_specdec.engine.scheduler_config import SchedulerConfig, add_scheduler_arguments
 from tests.helpers.cli import run_cli
 
 
@@ -57,8 +56,8 @@ def test_the_devices_room(monkeypatch):
     room = device_room("cpu")
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024
-    if kv_budget.cgroup_room() is not None:  # a container's limit
-        available = min(available, kv_budget.cgroup_room())
+    if kv_sizing.cgroup_room() is not None:  # a container's limit
+        available = min(available, kv_sizing.cgroup_room())
     assert room is not None and 0.5 * available < room < 2 * available  # what Linux says, read moments apart
     assert device_room("meta") is None
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (7 * GIB, 80 * GIB))
@@ -67,7 +66,7 @@ def test_the_devices_room(monkeypatch):
 
 def test_load_engine_sizes_auto_from_the_room_and_refuses_what_does_not_fit(cli_model_dirs, monkeypatch):
     target_dir, _ = cli_model_dirs
-    monkeypatch.setattr(kv_budget, "device_room", lambda device: 3 * GIB)
+    monkeypatch.setattr(kv_sizing, "device_room", lambda device: 3 * GIB)
     engine = load_engine(str(target_dir), "none", kv_budget_gib="auto")
     per_token = engine.target.kv_bytes_per_token
     assert engine.scheduler.config.kv_budget_tokens == math.floor(AUTO_SHARE * 3 * GIB / per_token)
@@ -77,7 +76,7 @@ def test_load_engine_sizes_auto_from_the_room_and_refuses_what_does_not_fit(cli_
 
 def test_the_cli_takes_auto_and_refuses_too_much_in_one_line(cli_model_dirs, built_engines, capsys, monkeypatch):
     target_dir, _ = cli_model_dirs
-    monkeypatch.setattr(kv_budget, "device_room", lambda device: GIB)
+    monkeypatch.setattr(kv_sizing, "device_room", lambda device: GIB)
     argv = ["generate", "--prompt", "a tree", "--target", str(target_dir), "--drafter", "none", "--max-new-tokens", "3"]
     code, _, err = run_cli(argv + ["--kv-budget-gib", "auto"], capsys)
     assert code == 0, err
@@ -113,33 +112,33 @@ def test_a_containers_cgroup_v2_limit_bounds_the_room(tmp_path):
     root, me = cgroup_tree(tmp_path, "0::/kubepods/pod1/ctr\n", {
         "kubepods/pod1/ctr/memory.max": f"{8 * GIB}\n", "kubepods/pod1/ctr/memory.current": f"{3 * GIB}\n",
         "kubepods/pod1/ctr/memory.stat": f"anon 100\ninactive_file {GIB}\nactive_file 5\n"})
-    assert kv_budget.cgroup_room(root, me) == 6 * GIB  # 8 - 3, the inactive page cache counted free
+    assert kv_sizing.cgroup_room(root, me) == 6 * GIB  # 8 - 3, the inactive page cache counted free
 
 
 def test_a_cgroup_seen_as_the_root_and_v1(tmp_path):
     # a container's namespace shows its own cgroup at the root, whatever /proc/self/cgroup names
     root, me = cgroup_tree(tmp_path, "0::/elsewhere\n", {"memory.max": f"{4 * GIB}", "memory.current": f"{GIB}"})
-    assert kv_budget.cgroup_room(root, me) == 3 * GIB
+    assert kv_sizing.cgroup_room(root, me) == 3 * GIB
     root, me = cgroup_tree(tmp_path / "v1", "4:memory:/docker/abc\n3:cpu:/docker/abc\n", {
         "memory/docker/abc/memory.limit_in_bytes": f"{2 * GIB}", "memory/docker/abc/memory.usage_in_bytes": f"{GIB}",
         "memory/docker/abc/memory.stat": "total_inactive_file 1024\n"})
-    assert kv_budget.cgroup_room(root, me) == GIB + 1024
+    assert kv_sizing.cgroup_room(root, me) == GIB + 1024
 
 
 @pytest.mark.parametrize("limit", ["max", str(9223372036854771712)])
 def test_no_cgroup_limit_leaves_the_room_to_meminfo(tmp_path, limit, monkeypatch):
     root, me = cgroup_tree(tmp_path, "0::/\n", {"memory.max": limit, "memory.current": "5"})
-    assert kv_budget.cgroup_room(root, me) is None
-    assert kv_budget.cgroup_room(str(tmp_path / "missing"), me) is None
-    monkeypatch.setattr(kv_budget, "cgroup_room", lambda: GIB)
-    assert device_room("cpu") == min(GIB, kv_budget._mem_available())  # the tighter of the two
+    assert kv_sizing.cgroup_room(root, me) is None
+    assert kv_sizing.cgroup_room(str(tmp_path / "missing"), me) is None
+    monkeypatch.setattr(kv_sizing, "cgroup_room", lambda: GIB)
+    assert device_room("cpu") == min(GIB, kv_sizing._mem_available())  # the tighter of the two
 
 
 def test_the_default_budget_shrinks_to_the_device_and_a_chosen_one_does_not(cli_model_dirs, monkeypatch, caplog):
     """A 7B model's KV at the default 131,072 rows is ~64 GiB: `generate` on a smaller machine should run, not fail
     on a budget nobody chose. A budget someone chose still fails where it does not fit."""
     target_dir, _ = cli_model_dirs
-    monkeypatch.setattr(kv_budget, "device_room", lambda device: 1 << 20)  # 1 MiB free
+    monkeypatch.setattr(kv_sizing, "device_room", lambda device: 1 << 20)  # 1 MiB free
     engine = load_engine(str(target_dir), "none")
     per_token = engine.target.kv_bytes_per_token
     assert SchedulerConfig().kv_budget_tokens * per_token > 1 << 20  # the default does not fit

@@ -13,7 +13,7 @@ bits as the decoded one, so greedy tokens could change): a grant is made only wh
 (`safe`): in some order every request can grow to its reservation and finish, each freeing its rows for the next. One
 that cannot grow this step skips its round and keeps its cache (`Scheduler.step`: nothing is admitted while one
 waits), and a request that can always exists, so every admitted request finishes, and the granted rows never exceed
-the budget. Cached prompt chunks (prefix_cache.py) live in what no request was granted, and are evicted, least
+the budget. Cached prompt chunks (engine/prefix_cache.py) live in what no request was granted, and are evicted, least
 recently used first, whenever a grant needs their room (`make_room`).
 
 Each step, `plan` picks the prefill chunks that run beside the rounds: oldest request first, within the rows the
@@ -22,7 +22,7 @@ rounds leave (always at least one chunk), each cut at a fixed multiple of
 invariance, and a cached chunk is the same bits as a computed one). A request whose last chunk runs has its first
 round in the same step (`Scheduler.step`): its `chunk_end` is then its last prompt token, the round's root.
 
-Requests are the scheduler's (`request_state.Request`): this module reads their tokens and moves their `prefilled`,
+Requests are the scheduler's (`request.Request`): this module reads their tokens and moves their `prefilled`,
 `prefix_key`, `chunk_end` and `chunk_rows`.
 """
 
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from ray_specdec.prefix_cache import ROOT, PrefixIndex, chunk_key
-from ray_specdec.target_backend import SegmentSpec, StepWork
+from ray_specdec.engine.prefix_cache import ROOT, PrefixIndex, chunk_key
+from ray_specdec.engine.target_backend import SegmentSpec, StepWork
 
 if TYPE_CHECKING:
-    from ray_specdec.request_state import Request
+    from ray_specdec.engine.request import Request
 
 
 class PrefillPlan:
