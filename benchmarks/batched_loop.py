@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from benchmarks.serve_peers import select_prompts
-from ray_specdec.bandit import Bandit
+from ray_specdec.speculation.bandit import Bandit
 from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine.llm import SpeculativeEngine

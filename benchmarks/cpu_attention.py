@@ -20,7 +20,7 @@ import torch
 from ray_specdec.defaults import DEFAULT_TARGET
 from ray_specdec.models import cpu_attention
 from ray_specdec.models.target import TargetModel
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 
 
 def main(argv: list[str] | None = None) -> None:

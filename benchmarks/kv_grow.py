@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serve_peers import select_prompts
-from ray_specdec.bandit import Bandit
+from ray_specdec.speculation.bandit import Bandit
 from ray_specdec.config import SamplingParams
 from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
 from ray_specdec.factory import load_drafter, load_target

@@ -19,7 +19,7 @@ import torch
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.drafting import tree_for
+from ray_specdec.speculation.drafting import tree_for
 from ray_specdec.models.target import TargetModel
 
 CONTEXTS = (200, 1000, 3000)

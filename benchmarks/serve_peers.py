@@ -250,7 +250,7 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
     drafting on and tree none."""
     import torch
 
-    from ray_specdec.bandit import Bandit
+    from ray_specdec.speculation.bandit import Bandit
     from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
     from ray_specdec.engine.llm import SpeculativeEngine
     from ray_specdec.factory import load_drafter, load_target

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from benchmarks.batched_loop import run_cell
     from benchmarks.serve_peers import select_prompts
     from benchmarks.serve_peers_servers import TARGET
-    from ray_specdec.bandit import Bandit
+    from ray_specdec.speculation.bandit import Bandit
     from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams
     from ray_specdec.engine.llm import SpeculativeEngine
     from ray_specdec.factory import load_drafter, load_target

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, GPTNeoXConfig
 from ray_specdec.config import TreeConfig
 from ray_specdec.models.loading import resolve_dtype
 from ray_specdec.models.target import TargetModel
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 
 TREE_SIZES = (0, 8, 16, 32)
 ATTENTION = ("sdpa", "eager")

@@ -34,7 +34,7 @@ import torch
 from benchmarks.batched_loop import run_cell
 from benchmarks.serve_peers import select_prompts
 from deployments.engine import RankGroup
-from ray_specdec.bandit import Bandit
+from ray_specdec.speculation.bandit import Bandit
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine.llm import DEFAULT_SCHEDULER

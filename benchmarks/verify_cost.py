@@ -23,7 +23,7 @@ import torch
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.models.target import Segment, TargetModel
-from ray_specdec.tree import TreeTensors, build_tree
+from ray_specdec.speculation.tree import TreeTensors, build_tree
 
 
 def tree_of(nodes: int) -> TreeTensors:

@@ -24,7 +24,7 @@ from deployments.bandit import BanditHubDeployment
 from deployments.engine import EngineDeployment
 from deployments.metrics import MetricsHubDeployment
 from deployments.router import RouterDeployment, RouterSettings, ServerDeployment
-from ray_specdec.bandit import DEFAULT_ARMS, BanditConfig
+from ray_specdec.speculation.bandit import DEFAULT_ARMS, BanditConfig
 from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
 from ray_specdec.defaults import EMBEDDED_MODEL_NAMES
 from ray_specdec.engine.llm import DEFAULT_MIN_PATH_PROB
@@ -140,8 +140,8 @@ class AppArgs(BaseModel):
     # one and answers HTTP itself: two processes fewer beside the engine, each waking hundreds of times a second), or
     # "auto": "replica" where it can be (ingress engine, replicas 1, no autoscaling), else "deployments"
     hubs: Literal["auto", "replica", "deployments"] = "auto"
-    goodput: bool = True  # shrink trees when the batch's goodput says so (ray_specdec/goodput.py)
-    # run a load level's rounds undrafted while its drafted steps measure slower (ray_specdec/speculation_guard.py)
+    goodput: bool = True  # shrink trees when the batch's goodput says so (ray_specdec/speculation/goodput.py)
+    # run a load level's rounds undrafted while its drafted steps measure slower (ray_specdec/speculation/guard.py)
     guard: bool = True
     # the scheduler of each engine replica (ray_specdec/engine/scheduler.py, SchedulerConfig)
     # KV of the admitted requests per replica (all its ranks), in GiB; "auto": 90% of the device's memory free after

@@ -15,7 +15,7 @@ import logging
 
 from ray import serve
 
-from ray_specdec.bandit import Bandit, BanditConfig, BanditHub, BanditState
+from ray_specdec.speculation.bandit import Bandit, BanditConfig, BanditHub, BanditState
 
 logger = logging.getLogger(__name__)
 

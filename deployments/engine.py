@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.bandit import BanditSaver, BanditSync
 from deployments.metrics import MetricsPush, replica_name
-from ray_specdec.bandit import Bandit, BanditConfig
+from ray_specdec.speculation.bandit import Bandit, BanditConfig
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.kv_sizing import device_room, fitted_kv_budget
 from ray_specdec.models.loading import failure, load_tokenizer, switched_on

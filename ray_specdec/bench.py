@@ -314,7 +314,7 @@ def gemm_panel_formats(target) -> list[str] | None:
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
-    from ray_specdec.bandit import Bandit, BanditConfig
+    from ray_specdec.speculation.bandit import Bandit, BanditConfig
     from ray_specdec.bench_report import write_report
     from ray_specdec.models import cpu_attention
     from ray_specdec.models.mamba_drafter import MambaDrafter

@@ -17,10 +17,10 @@ MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's limit)
 class TreeConfig:
     """T = (N_1, ..., N_gamma): at depth i every node gets N_i children. () means no drafting.
 
-    lookup = L > 0 adds up to L tokens proposed by prompt lookup (lookup.py: what followed the latest earlier
-    occurrence of the context's last n-gram) as one more branch: merged into the drafter's tree where prefixes agree
-    in greedy rounds, a branch of its own tried first in sampled ones (drafting.py). Written "1,1,1,1+L4". It needs
-    a drafted tree (the drafter's session holds the history).
+    lookup = L > 0 adds up to L tokens proposed by prompt lookup (speculation/prompt_lookup.py: what followed the latest
+    earlier occurrence of the context's last n-gram) as one more branch: merged into the drafter's tree where prefixes
+    agree in greedy rounds, a branch of its own tried first in sampled ones (speculation/drafting.py). Written
+    "1,1,1,1+L4". It needs a drafted tree (the drafter's session holds the history).
     """
 
     branching: tuple[int, ...]
@@ -145,8 +145,8 @@ class SamplingParams:
     """Target-only sampling settings; speculation reproduces exactly this distribution.
 
     temperature == 0 means greedy. top_k == 0 and top_p == 1.0 disable those filters. The target-side options below
-    (logits_processing.py) default to doing nothing; they act on the target's logits before greedy argmax and before
-    temperature / top-k / top-p, row by row as target-only decoding would.
+    (speculation/logits_processing.py) default to doing nothing; they act on the target's logits before greedy argmax
+    and before temperature / top-k / top-p, row by row as target-only decoding would.
     """
 
     temperature: float = 0.0
@@ -166,7 +166,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, bias added to its logit)
     # EOS and stop_token_ids cannot be generated before this many tokens, nor can a stop string end generation
-    # before a token after them completes it (stopping.py)
+    # before a token after them completes it (speculation/stopping.py)
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # generation stops after emitting one ("stop")
     logprobs: int | None = None  # k: the emitted tokens' log-probabilities and the top-k alternatives; None: off
@@ -219,7 +219,7 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether any target-side option changes the target's logits (logits_processing.py)."""
+        """Whether any target-side option changes the target's logits (speculation/logits_processing.py)."""
         return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property

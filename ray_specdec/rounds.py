@@ -12,11 +12,11 @@ from typing import Sequence
 
 import torch
 
-from ray_specdec.acceptance import Verdict, accept_greedy, accept_sampled
+from ray_specdec.speculation.acceptance import Verdict, accept_greedy, accept_sampled
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafting import Draft
-from ray_specdec.logits_processing import TokenHistory, TokenLogprob, process_logits, token_logprobs
-from ray_specdec.sampling import logits_to_probs, sample_rows
+from ray_specdec.speculation.drafting import Draft
+from ray_specdec.speculation.logits_processing import TokenHistory, TokenLogprob, process_logits, token_logprobs
+from ray_specdec.speculation.sampling import logits_to_probs, sample_rows
 from ray_specdec.engine.stats import GenerationStats
 
 NO_TREE = TreeConfig(())
@@ -33,7 +33,7 @@ def judge(
 
     target_logits may be the rows' argmaxes alone (`SegmentSpec.argmax_only`) for a greedy request without logit
     processing. history: the request's tokens so far, needed when params process the target's logits
-    (logits_processing.py)."""
+    (speculation/logits_processing.py)."""
     tokens = draft.tokens.to(target_logits.device)
     if target_logits.dim() == 1:
         if not params.greedy or params.processes_logits:

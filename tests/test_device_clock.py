@@ -41,7 +41,7 @@ def test_synchronize_waits_only_for_cuda_devices(monkeypatch):
 
 def test_a_drafter_prefill_is_timed_to_the_end_of_its_device_work(monkeypatch):
     """The seconds `ready` reports hold what the device still had to do when the prefill's calls returned."""
-    from ray_specdec.lazy_drafter import LazyDrafter
+    from ray_specdec.speculation.drafter_sessions import LazyDrafter
 
     device = QueuedDevice()
     monkeypatch.setattr(device_clock, "synchronize", device)
@@ -57,7 +57,7 @@ def test_a_drafter_prefill_is_timed_to_the_end_of_its_device_work(monkeypatch):
 
 def test_the_cost_models_prior_times_device_work_not_launches(monkeypatch):
     """measure_prior's drafter steps and target forwards include the device's queued time."""
-    from ray_specdec.goodput import _time_drafter
+    from ray_specdec.speculation.goodput import _time_drafter
 
     device = QueuedDevice()
     monkeypatch.setattr(device_clock, "synchronize", device)

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Iterator, Sequence
 
 from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
-from ray_specdec.logits_processing import TokenLogprob
+from ray_specdec.speculation.logits_processing import TokenLogprob
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.models.target import TargetModel
@@ -46,8 +46,8 @@ class SpeculativeEngine:
         """tree_policy: a TreeConfig or a tree policy (the bandit). config: the scheduler's settings (KV budget, batch
         and step sizes, draft cut, lookup; default SchedulerConfig()). min_path_prob (drafts stop at depths whose
         nodes the drafter rates below this) and lookup (every drafted tree of a greedy request also verifies up to
-        this many prompt-lookup tokens, lookup.py) and plain_lookup (greedy rounds that run undrafted verify up to this
-        many lookup tokens instead), when given, override config's."""
+        this many prompt-lookup tokens, speculation/prompt_lookup.py) and plain_lookup (greedy rounds that run undrafted
+        verify up to this many lookup tokens instead), when given, override config's."""
         overrides = {"min_path_prob": min_path_prob, "lookup": lookup, "plain_lookup": plain_lookup}
         config = replace(config or SchedulerConfig(), **{k: v for k, v in overrides.items() if v is not None})
         self.target = target

@@ -5,8 +5,8 @@ One `step()`:
    prefill chunks are picked within the rows the rounds leave; a request whose prompt's last chunk is among them
    also runs its first round in this step, verified after the chunk in the same forward, so that its first tokens
    come with the chunk's step (as a plain server samples its first token from the prefill), not a step later;
-2. tree sizes: each round's policy pick, shrunk by goodput for the whole batch (goodput.py), or none at
-   a load level where steps that draft measure slower than steps that do not (speculation_guard.py);
+2. tree sizes: each round's policy pick, shrunk by goodput for the whole batch (speculation/goodput.py), or none at
+   a load level where steps that draft measure slower than steps that do not (speculation/guard.py);
 3. one batched draft for every request that drafts (`drafting.draft_many`);
 4. one target call (`TargetBackend.run`): last step's commits, then one forward over this step's prefill chunks
    and every round's verify rows;
@@ -44,16 +44,16 @@ from typing import Sequence
 
 import torch
 
-from ray_specdec.acceptance import Verdict
-from ray_specdec.bandit import DEFAULT_LOAD_EDGES, Bandit
+from ray_specdec.speculation.acceptance import Verdict
+from ray_specdec.speculation.bandit import DEFAULT_LOAD_EDGES, Bandit
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafter_cache import DrafterStates
-from ray_specdec.drafting import Draft, DraftRequest, draft_many, lookup_draft, prefill_key
-from ray_specdec.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows, measure_prior,
-                                 size_trees)
-from ray_specdec.lazy_drafter import LazyDrafter, ready_many
-from ray_specdec.logits_processing import TokenHistory
-from ray_specdec.lookup import LookupIndex
+from ray_specdec.speculation.drafter_cache import DrafterStates
+from ray_specdec.speculation.drafting import Draft, DraftRequest, draft_many, lookup_draft, prefill_key
+from ray_specdec.speculation.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows,
+                                             measure_prior, size_trees)
+from ray_specdec.speculation.drafter_sessions import LazyDrafter, ready_many
+from ray_specdec.speculation.logits_processing import TokenHistory
+from ray_specdec.speculation.prompt_lookup import LookupIndex
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.engine.kv_manager import PrefillPlan
@@ -62,11 +62,11 @@ from ray_specdec.engine.request import QueueFull, Request, RequestTooLarge, Step
 from ray_specdec.rounds import (NO_TREE, FixedTree, StreamChunk, empty_draft, fit_tree, judge, judge_plain_sampled,
                                 make_generators, plain_sampled, round_logprobs)
 from ray_specdec.engine.scheduler_config import SchedulerConfig
-from ray_specdec.speculation_guard import SpeculationGuard
-from ray_specdec.start_rule import EXPLORE, PLAIN, StartRule, drafting_arm, prefill_tokens
-from ray_specdec.stopping import StopChecker
+from ray_specdec.speculation.guard import SpeculationGuard
+from ray_specdec.speculation.start_rule import EXPLORE, PLAIN, StartRule, drafting_arm, prefill_tokens
+from ray_specdec.speculation.stopping import StopChecker
 from ray_specdec.engine.target_backend import SegmentSpec, StepWork, TargetBackend, on_host
-from ray_specdec.what_if import what_if
+from ray_specdec.speculation.counterfactuals import what_if
 
 # The shortest context suffix an undrafted round's lookup matches (plain_lookup): a single token matches often and
 # guesses badly, and every proposed token is a verify row (measured on held-out code, 4 tokens: 1.66 tokens a round
@@ -103,14 +103,14 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         # KV reservations, the prefix cache (cached prompt chunks) and each step's prefill chunks
         self.kv = PrefillPlan(config.kv_budget_tokens, config.prefill_chunk, config.prefix_cache, config.kv_grow)
-        # the drafter's states after prompts it prefilled (drafter_cache.py)
+        # the drafter's states after prompts it prefilled (speculation/drafter_cache.py)
         self.drafter_states = DrafterStates() if config.prefix_cache and drafter is not None else None
         # the drafting requests' root states, one slot each (mamba_state.StateSlots; allocated on the first draft)
         self.drafter_slots = StateSlots(drafter, config.max_running)
         self.cost = StepCostModel()
         self.acceptance = AcceptanceModel()
-        self.start_rule = StartRule()  # whether a request starts its drafter (start_rule.py)
-        # drafted against plain steps per load level (speculation_guard.py), where the policy may pick no tree
+        self.start_rule = StartRule()  # whether a request starts its drafter (speculation/start_rule.py)
+        # drafted against plain steps per load level (speculation/guard.py), where the policy may pick no tree
         edges = self.policy.config.load_edges if isinstance(self.policy, Bandit) else DEFAULT_LOAD_EDGES
         guarded = config.guard and NO_TREE in self.policy.arms and len(self.policy.arms) > 1
         self.guard = SpeculationGuard(edges) if guarded else None
@@ -238,7 +238,7 @@ class Scheduler:
         last_chunks = [r for r in prefilling if r.chunk_end == len(r.tokens) - 1]
         rounds = decoding + [r for r in last_chunks if self.kv.room(r, self.running.values(), work)]
         self.load = max(len(rounds), 1)
-        admitted = len(self.running)  # the guard's load: decoding and prefilling (speculation_guard.py says why)
+        admitted = len(self.running)  # the guard's load: decoding and prefilling (speculation/guard.py says why)
         # the guard measures its own choice: a step where no decoding request's rounds follow it (each runs a tree
         # its client asked for, or the start rule keeps it undrafted) would score two identical modes
         guard = self.guard if self.drafter is not None and any(_steered(r) for r in rounds) else None
@@ -464,7 +464,7 @@ class Scheduler:
             self._work.releases.append(r.request_id)
             r.admitted = False
 
-    # ----- the start rule's state (start_rule.py) -----
+    # ----- the start rule's state (speculation/start_rule.py) -----
 
     kept_plain = _start_rule_field("kept_plain")  # requests the start rule kept undrafted
     prefill_s_per_token = _start_rule_field("prefill_s_per_token")  # the drafter's, measured (running estimate)
@@ -473,7 +473,8 @@ class Scheduler:
         return prefill_tokens(self.drafter, context_len)
 
     def _drafter_prefill(self, tokens: list[int]) -> int:
-        """Tokens the drafter's prefill over `tokens` would run: none where its state is kept (drafter_cache.py)."""
+        """Tokens the drafter's prefill over `tokens` would run: none where its state is kept
+        (speculation/drafter_cache.py)."""
         states = self.drafter_states
         if states is not None and states.holds(self.drafter, prefill_key(self.drafter, tokens)):
             return 0

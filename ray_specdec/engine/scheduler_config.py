@@ -38,8 +38,8 @@ class SchedulerConfig:
     lookup: int = 0  # prompt-lookup tokens added to every drafted tree of greedy requests
     # undrafted by the policy's, the guard's or the start rule's choice; never under a tree the client asked for
     plain_lookup: int = 0  # prompt-lookup tokens verified in greedy rounds that run undrafted (no drafter step)
-    goodput: bool = True  # shrink the policy's picks when the batch's goodput says so (goodput.py)
-    guard: bool = True  # run a load level undrafted while its drafted steps measure slower (speculation_guard.py)
+    goodput: bool = True  # shrink the policy's picks when the batch's goodput says so (speculation/goodput.py)
+    guard: bool = True  # run a load level undrafted while its drafted steps measure slower (speculation/guard.py)
     prefix_cache: bool = True  # keep prompt chunks' KV in unreserved budget for later prompts (engine/prefix_cache.py)
     # on: admit against the KV requests hold and grow each one's as it decodes, a request waiting a step where its
     # growth would leave some request unable to finish (never preempted: exact); off: reserve each one's most

@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ray_specdec.models.target import Segment, TargetCache, TargetModel
-from ray_specdec.drafting import tree_from_paths
+from ray_specdec.speculation.drafting import tree_from_paths
 
 
 @dataclass(frozen=True)

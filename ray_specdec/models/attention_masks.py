@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ray_specdec.tree import TreeTensors
+from ray_specdec.speculation.tree import TreeTensors
 
 # Cached tokens the first mask buffer of a tree shape covers (TreeMasks; it doubles as longer caches come).
 MASK_MIN_WIDTH = 512

@@ -23,11 +23,9 @@ from transformers import MambaForCausalLM
 
 from kernels.selective_scan import available as scan_kernel_available, selective_scan
 from kernels.state_copy import copy_state_rows
-from ray_specdec.models import cpu_gemm
+from ray_specdec.models import cpu_gemm, native as native_kernels
 from ray_specdec.models.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs
-from ray_specdec.models import native as native_kernels
-from ray_specdec.models.loading import (failure, resolve_dtype, resolve_model_path, resolve_prefill_window,
-                                        switched_on)
+from ray_specdec.models.loading import failure, resolve_dtype, resolve_model_path, resolve_prefill_window, switched_on
 from ray_specdec.models.mamba_ops import causal_conv, contract_state, rms_norm, scan_block
 from ray_specdec.models.mamba_state import MambaState, MixerWeights
 
@@ -173,7 +171,7 @@ class MambaDrafter:
         fixed order (threads split outputs, not sums), and its norms, conv and scan run row by row. Not for the
         torch step, whose products depend on the row count (oneDNN and MKL pick kernels and blockings by shape, and
         the GEMM plan picks a path per row count), nor on CUDA (cuBLAS picks kernels by shape; a graph is captured
-        per row count). tests/test_draft_batch.py checks the native step.
+        per row count). tests/speculation/test_draft_batch.py checks the native step.
         """
         return self.native is not None
 

@@ -22,7 +22,7 @@ import torch
 from ray_specdec.models import kv_pool
 from ray_specdec.models.attention_masks import TreeMasks, prefill_mask
 from ray_specdec.models.lean_forward import Span
-from ray_specdec.tree import TreeTensors
+from ray_specdec.speculation.tree import TreeTensors
 
 if TYPE_CHECKING:
     from ray_specdec.models.target import TargetCache

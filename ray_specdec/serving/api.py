@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from ray_specdec.config import MAX_LOGPROBS, SamplingParams, TreeConfig
-from ray_specdec.logits_processing import TokenLogprob
+from ray_specdec.speculation.logits_processing import TokenLogprob
 from ray_specdec.rounds import Generation, StreamChunk
 from ray_specdec.serving.token_bytes import token_bytes
 from ray_specdec.engine.stats import GenerationStats

@@ -12,7 +12,7 @@ from typing import Any, Literal, Mapping, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ray_specdec.config import MAX_LOGPROBS, SamplingParams
-from ray_specdec.logits_processing import TokenLogprob
+from ray_specdec.speculation.logits_processing import TokenLogprob
 from ray_specdec.rounds import Generation, StreamChunk
 from ray_specdec.serving.api import (
     SamplingRequest,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from deployments import AppArgs
-from ray_specdec.bandit import BanditState
+from ray_specdec.speculation.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.loadtest import LoadTestConfig, run_loadtest
 from tests.helpers.bigram import PROMPTS, WORDS, greedy_reference

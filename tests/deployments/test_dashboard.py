@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ray_specdec.bandit import Bandit, BanditConfig
+from ray_specdec.speculation.bandit import Bandit, BanditConfig
 from ray_specdec.serving import metrics as m
 from tests.helpers.metrics import scripted
 

@@ -11,7 +11,7 @@ import pytest
 
 from deployments.bandit import BanditSaver
 from deployments.engine import EngineReplica
-from ray_specdec.bandit import Bandit, BanditConfig, BanditState
+from ray_specdec.speculation.bandit import Bandit, BanditConfig, BanditState
 from ray_specdec.config import SamplingParams
 
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from deployments import AppArgs
-from ray_specdec.bandit import BanditState
+from ray_specdec.speculation.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
 from tests.helpers.bigram import PROMPTS

@@ -23,7 +23,7 @@ from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.serving.target_worker import TargetWorker, check_tp_dtype, narrowed, shipped, widened
 from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, StepWork
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 from tests.helpers.bigram import word_tokenizer
 from tests.helpers.models import tiny_gpt_neox, tiny_llama
 from tests.helpers.reference import greedy_margin

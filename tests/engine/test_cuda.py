@@ -25,9 +25,9 @@ from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
 from ray_specdec.engine.llm import SpeculativeEngine  # noqa: E402
 from ray_specdec.models.mamba_drafter import MambaDrafter  # noqa: E402
 from ray_specdec.models.target import TargetModel  # noqa: E402
-from ray_specdec.sampling import logits_to_probs  # noqa: E402
+from ray_specdec.speculation.sampling import logits_to_probs  # noqa: E402
 from ray_specdec.training.corpus import heldout_prompts  # noqa: E402
-from ray_specdec.tree import build_tree  # noqa: E402
+from ray_specdec.speculation.tree import build_tree  # noqa: E402
 from tests.helpers.inputs import TREES, random_prompt  # noqa: E402
 from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba  # noqa: E402
 from tests.helpers.reference import sample_counts  # noqa: E402

@@ -28,7 +28,7 @@ from ray_specdec.engine.llm import SpeculativeEngine  # noqa: E402
 from ray_specdec.models.mamba_drafter import MambaDrafter  # noqa: E402
 from ray_specdec.models.target import Segment, TargetModel  # noqa: E402
 from ray_specdec.training.corpus import heldout_prompts  # noqa: E402
-from ray_specdec.tree import build_tree  # noqa: E402
+from ray_specdec.speculation.tree import build_tree  # noqa: E402
 from tests.helpers.inputs import random_prompt  # noqa: E402
 from tests.helpers.models import tiny_gpt_neox, tiny_llama  # noqa: E402
 

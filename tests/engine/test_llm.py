@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafting import DrafterSession
+from ray_specdec.speculation.drafting import DrafterSession
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.rounds import empty_draft, judge
 from ray_specdec.models import native as native_kernels
@@ -81,7 +81,7 @@ def test_eos_stops_generation(target):
 def test_drafter_state_after_commits_equals_prefill_from_scratch(branching, min_path_prob):
     """Commit every possible accepted depth (0 .. leaf) and compare with prefilling all tokens from scratch; drafts
     cut short by min_path_prob (before or after stepping their last depth) too."""
-    from ray_specdec.acceptance import Verdict
+    from ray_specdec.speculation.acceptance import Verdict
 
     drafter = tiny_mamba(vocab=32)
     config = TreeConfig(branching)
@@ -307,7 +307,7 @@ def test_engine_lookup_setting_extends_every_drafted_tree_and_records_the_picked
 
 
 def test_bandit_with_engine_lookup_learns_from_rounds_deeper_than_its_arms(target):
-    from ray_specdec.bandit import Bandit, BanditConfig
+    from ray_specdec.speculation.bandit import Bandit, BanditConfig
 
     prompt = random_prompt(300, seed=300)
     bandit = Bandit(BanditConfig(arms=(TreeConfig((1,)), TreeConfig((1, 1)))), seed=0)  # always drafting

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from ray_specdec.bandit import Bandit, BanditConfig
+from ray_specdec.speculation.bandit import Bandit, BanditConfig
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine.llm import SpeculativeEngine

@@ -13,7 +13,7 @@ from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.rounds import NO_TREE
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
-from ray_specdec.start_rule import EXPLORE
+from ray_specdec.speculation.start_rule import EXPLORE
 from ray_specdec.engine.target_backend import LocalTarget
 from tests.helpers.bigram import agreeing_pair
 from tests.helpers.inputs import random_prompt

@@ -14,7 +14,7 @@ from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
-from ray_specdec.sampling import logits_to_probs
+from ray_specdec.speculation.sampling import logits_to_probs
 from tests.helpers.drafters import TargetEchoDrafter
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba, tiny_tokenizer

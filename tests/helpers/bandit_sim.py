@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 
-from ray_specdec.bandit import DEFAULT_ARMS, Bandit, BanditState
+from ray_specdec.speculation.bandit import DEFAULT_ARMS, Bandit, BanditState
 from ray_specdec.config import TreeConfig
 
 # An environment answers one round: (arm index, round number, context_len, rng) -> (accepted_tokens, round_time_s).

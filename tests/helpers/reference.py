@@ -34,7 +34,7 @@ def hf_greedy_ignore_eos(target, prompt, n):
 
 def enumerate_target(target: TargetModel, prompt: list[int], params: SamplingParams, n: int) -> dict:
     """Exact target-only distribution over the next n tokens (processed by temperature / top-k / top-p)."""
-    from ray_specdec.sampling import logits_to_probs
+    from ray_specdec.speculation.sampling import logits_to_probs
 
     dist = {}
     for seq in itertools.product(range(ENUMERATED_VOCAB), repeat=n):

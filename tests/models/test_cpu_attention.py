@@ -8,7 +8,7 @@ import torch
 
 from ray_specdec.models import cpu_attention, native
 from ray_specdec.models.target import TargetModel
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 from tests.helpers.models import tiny_gpt_neox, tiny_llama
 from tests.helpers.reference import assert_greedy_speculation_is_the_target_alone
 

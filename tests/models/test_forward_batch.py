@@ -14,7 +14,7 @@ from ray_specdec.models import batch_invariant, cpu_attention, native, target as
 from ray_specdec.models.kv_cache import CacheFull
 from ray_specdec.models.attention_masks import tree_attention_mask
 from ray_specdec.models.target import Segment, TargetModel
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mistral
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")

@@ -15,7 +15,7 @@ import ray_specdec.models.target as target_module
 from ray_specdec.config import TreeConfig
 from ray_specdec.models.kv_cache import GrowableKVCache, GrowableLayer
 from ray_specdec.models.target import TargetModel
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mistral
 
 HEADS, DK, DV = 2, 3, 5  # different key and value head sizes catch a key/value mix-up

@@ -15,7 +15,7 @@ from ray_specdec.models import kv_pool
 from ray_specdec.models.kv_cache import CacheFull
 from ray_specdec.models.kv_pool import KVPool, PooledAttention
 from ray_specdec.models.target import Segment, TargetModel
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba, tiny_mistral
 

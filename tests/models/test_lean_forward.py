@@ -9,7 +9,7 @@ from transformers import GPTNeoXForCausalLM, MambaConfig, MambaForCausalLM, acti
 
 from ray_specdec.models import lean_forward
 from ray_specdec.models.target import TargetModel
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 from tests.helpers.models import tiny_gpt_neox, tiny_llama
 from tests.helpers.reference import assert_greedy_speculation_is_the_target_alone
 

@@ -12,7 +12,7 @@ from ray_specdec.config import TreeConfig
 from ray_specdec.models import native
 from ray_specdec.models.native import decoder
 from ray_specdec.models.target import Segment, TargetModel
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 from tests.helpers.models import tiny_gpt_neox, tiny_llama
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")

@@ -9,7 +9,7 @@ import torch
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.models.target import Segment, TargetModel
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_llama
 

@@ -11,7 +11,7 @@ from ray_specdec.models import native
 from ray_specdec.models.lean_forward import _rotate
 from ray_specdec.models.native import prefill
 from ray_specdec.models.target import Segment, TargetModel
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 from tests.helpers.models import tiny_gpt_neox, tiny_llama
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no native kernels: {native.why_unavailable()}")

@@ -11,7 +11,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.step_graphs import PiecewiseGraphs
 from ray_specdec.models.target import Segment, TargetModel
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba
 

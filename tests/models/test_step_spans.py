@@ -4,7 +4,7 @@ test_forward_batch.py, test_one_forward.py and test_kv_pool.py)."""
 import torch
 
 from ray_specdec.models.step_spans import Rows, Segment, prefill_rounds, verify_positions
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 
 
 def _rows(cache, tokens, tree=None, cache_len=0):

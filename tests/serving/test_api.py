@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.logits_processing import TokenLogprob
+from ray_specdec.speculation.logits_processing import TokenLogprob
 from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.rounds import Generation, StreamChunk
 from ray_specdec.serving import api

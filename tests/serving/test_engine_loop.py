@@ -324,7 +324,7 @@ def test_the_guards_verdicts_reach_the_metrics_and_the_stats():
     """With a policy that may pick no tree, the scheduler's speculation guard measures its load levels; the loop
     copies its verdicts out (at most once a second, and when the work runs out) to `stats()["guard"]` and to the
     guard gauges, labelled by load level. A fixed tree has no guard: None."""
-    from ray_specdec.bandit import Bandit, BanditConfig
+    from ray_specdec.speculation.bandit import Bandit, BanditConfig
 
     target, drafter = bigram_pair()
     policy = Bandit(BanditConfig(arms=(TreeConfig((2, 1)), NO_TREE)))

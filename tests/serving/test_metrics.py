@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_specdec.bandit import BanditConfig, BanditHub
+from ray_specdec.speculation.bandit import BanditConfig, BanditHub
 from ray_specdec.config import TreeConfig
 from ray_specdec.serving import metrics as m
 from tests.helpers.metrics import parse, scripted

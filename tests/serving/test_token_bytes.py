@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.logits_processing import TokenLogprob
+from ray_specdec.speculation.logits_processing import TokenLogprob
 from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.rounds import Generation
 from ray_specdec.serving import api

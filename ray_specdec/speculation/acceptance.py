@@ -1,9 +1,9 @@
 """Verification of a drafted token tree: pure functions on tensors, randomness passed in.
 
-Terms (docs/DESIGN.md): rows index the verify input ``[root, *tree nodes]`` in BFS order (see tree.py). A draft node is
-**accepted** when the walk from the root moves into it; the walk stops at a node none of whose children is accepted
-(or at a leaf). The **bonus token** is then emitted from the target's distribution at the stop node: its argmax
-(greedy), or a draw from the residual distribution left after the rejected children (sampling). The **accepted
+Terms (docs/DESIGN.md): rows index the verify input ``[root, *tree nodes]`` in BFS order (see speculation/tree.py). A
+draft node is **accepted** when the walk from the root moves into it; the walk stops at a node none of whose children
+is accepted (or at a leaf). The **bonus token** is then emitted from the target's distribution at the stop node: its
+argmax (greedy), or a draw from the residual distribution left after the rejected children (sampling). The **accepted
 length** of a round is ``len(accepted_rows) + 1``.
 
 Sampling follows multi-draft speculative sampling. At a node with target distribution p and draft distribution q,
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ray_specdec.sampling import sample
-from ray_specdec.tree import TreeTensors
+from ray_specdec.speculation.sampling import sample
+from ray_specdec.speculation.tree import TreeTensors
 
 
 @dataclass(frozen=True)

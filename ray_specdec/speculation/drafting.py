@@ -6,9 +6,9 @@ picked per row; and so on. The leaves are never stepped. The states of every dep
 reuses the state of the last accepted node instead of re-running tokens; tokens past it (a leaf, lookup tokens, the
 bonus) go through the drafter in one sequence pass (`MambaDrafter.extend`).
 
-With `TreeConfig.lookup` > 0, rounds add a prompt-lookup branch (lookup.py): the tokens that followed the latest
-earlier occurrence of the context's suffix. Greedy rounds merge it into the drafter's tree where prefixes agree.
-Sampled rounds hang it from the root as a chain of its own whose nodes are deterministic drafts (q = one-hot):
+With `TreeConfig.lookup` > 0, rounds add a prompt-lookup branch (speculation/prompt_lookup.py): the tokens that followed
+the latest earlier occurrence of the context's suffix. Greedy rounds merge it into the drafter's tree where prefixes
+agree. Sampled rounds hang it from the root as a chain of its own whose nodes are deterministic drafts (q = one-hot):
 acceptance tries such a child first, with probability p(x), and on rejection removes x from p before the drafter's
 children are tried against what is left, so the emitted token still has exactly the distribution p
 (`accept_sampled`). The draft then carries its own index paths (`Draft.paths`): rows are the tree's BFS order.
@@ -29,15 +29,15 @@ from typing import Sequence
 
 import torch
 
-from ray_specdec.acceptance import Verdict
+from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafter_cache import DrafterStates
-from ray_specdec.logits_processing import apply_logit_bias
-from ray_specdec.lookup import LookupIndex
+from ray_specdec.speculation.drafter_cache import DrafterStates
+from ray_specdec.speculation.logits_processing import apply_logit_bias
+from ray_specdec.speculation.prompt_lookup import LookupIndex
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
 from ray_specdec.models.mamba_state import StateSlots
-from ray_specdec.sampling import gumbel_top_k, logits_to_probs, sample
-from ray_specdec.tree import TreeTensors, build_tree
+from ray_specdec.speculation.sampling import gumbel_top_k, logits_to_probs, sample
+from ray_specdec.speculation.tree import TreeTensors, build_tree
 
 
 @functools.lru_cache(maxsize=64)
@@ -103,7 +103,8 @@ def pick_children(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (children [rows, k], q [rows, V] or None). Greedy: top-k distinct tokens; sampled: i.i.d. or Gumbel-top-k.
 
-    logit_bias applies here as on the target (logits_processing.py); q is what the children were drawn from."""
+    logit_bias applies here as on the target (speculation/logits_processing.py); q is what the children were drawn
+    from."""
     logits = apply_logit_bias(logits, params)
     if params.greedy:
         return torch.topk(logits, k, dim=-1).indices, None
@@ -152,9 +153,9 @@ def prefill_input(drafter: MambaDrafter, token_ids: Sequence[int]) -> torch.Tens
 
 
 def prefill_key(drafter: MambaDrafter, token_ids: Sequence[int]) -> tuple[int, ...]:
-    """`prefill_input`'s ids as a tuple, made on the host: the key of the drafter's prefix cache (drafter_cache.py).
-    The scheduler asks it at every admission; through the device tensor that cost a copy each way and a wait for
-    the GPU."""
+    """`prefill_input`'s ids as a tuple, made on the host: the key of the drafter's prefix cache
+    (speculation/drafter_cache.py). The scheduler asks it at every admission; through the device tensor that cost a copy
+    each way and a wait for the GPU."""
     ids = list(_windowed(drafter, token_ids))
     if ids and max(ids) >= drafter.vocab_size:
         ids = [t if t < drafter.vocab_size else 0 for t in ids]
@@ -166,9 +167,9 @@ class DrafterSession:
 
     def __init__(self, drafter: MambaDrafter, token_ids: Sequence[int], vocab_size: int,
                  states: DrafterStates | None = None, slots: StateSlots | None = None):
-        """states: the drafter's prefix cache (drafter_cache.py), where a prompt prefilled before is copied. slots: a
-        slot pool of this drafter's states: the root state lives in a slot until `close` (or until the session is
-        collected); a state of its own where every slot is taken (or the pool is another drafter's)."""
+        """states: the drafter's prefix cache (speculation/drafter_cache.py), where a prompt prefilled before is copied.
+        slots: a slot pool of this drafter's states: the root state lives in a slot until `close` (or until the session
+        is collected); a state of its own where every slot is taken (or the pool is another drafter's)."""
         self.drafter = drafter
         self.vocab_size = vocab_size  # the target's: draft distributions live in its vocabulary
         self.history = [int(t) for t in token_ids]  # every token so far: the lookup branch searches it

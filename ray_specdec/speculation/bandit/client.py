@@ -20,8 +20,9 @@ from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
-from ray_specdec.bandit.policies import ArmStats, GaussianThompson, Policy, Reward, ThroughputReward, posterior_draws
-from ray_specdec.bandit.state import ONE_MODE, OWN_FIELDS, SPLIT_MODES, BanditState, load_labels
+from ray_specdec.speculation.bandit.policies import (ArmStats, GaussianThompson, Policy, Reward, ThroughputReward,
+                                                     posterior_draws)
+from ray_specdec.speculation.bandit.state import ONE_MODE, OWN_FIELDS, SPLIT_MODES, BanditState, load_labels
 from ray_specdec.config import MAX_LOOKUP_TOKENS, PAPER_TREES, TreeConfig
 
 # The paper's trees and the chain, plus shallower / wider shapes that win when verification is expensive.
@@ -81,7 +82,7 @@ class BanditConfig:
     bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
     # Discounted Thompson sampling: follows load changes (a stationary bandit with a long history would not), and
     # its randomness spreads the routers' picks between two snapshots. In simulation its stationary regret is lower
-    # than discounted UCB's and it follows a changed best arm as well (tests/test_bandit.py).
+    # than discounted UCB's and it follows a changed best arm as well (tests/speculation/bandit/test_bandit.py).
     policy: Policy = field(default_factory=GaussianThompson)
     reward: Reward = field(default_factory=ThroughputReward)
     # Discount per round of a bucket: ~1/(1 - gamma) = 5000 recent rounds carry the discounted statistics, enough to
@@ -262,8 +263,8 @@ class Bandit:
         """accepted_tokens: draft tokens the target kept (the bonus token excluded): for a round without a tree, 0 or
         the accepted tokens of the lookup proposal an engine verifies instead (`SchedulerConfig.plain_lookup`), else
         at most the tree's depth plus the lookup tokens an engine may add to it (`TreeConfig.with_lookup`).
-        what_if: other arms -> the draft tokens each would have had accepted in this round (`what_if.what_if`: arms
-        whose tree this round's contained); their token estimates learn from it, their time estimates do not.
+        what_if: other arms -> the draft tokens each would have had accepted in this round (`counterfactuals.what_if`:
+        arms whose tree this round's contained); their token estimates learn from it, their time estimates do not.
         load: requests decoding in the round's step (round_time_s is this round's share of that step).
 
         Rounds of trees outside the arm set (a tree cut short at the end of a generation) are not counted.

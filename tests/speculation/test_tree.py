@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ray_specdec.config import TreeConfig
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 
 
 def test_three_node_tree_by_hand():

@@ -6,7 +6,7 @@ round_time_s, load=...)`).
 in deployments/); `BanditState` is the pure data that moves between them and is persisted to disk.
 """
 
-from ray_specdec.bandit.client import (
+from ray_specdec.speculation.bandit.client import (
     DEFAULT_ARMS,
     DEFAULT_BUCKET_EDGES,
     DEFAULT_LOAD_EDGES,
@@ -16,8 +16,8 @@ from ray_specdec.bandit.client import (
     TreePolicy,
     summarize,
 )
-from ray_specdec.bandit.policies import DiscountedUCB, GaussianThompson, PaperReward, ThroughputReward, UCB1
-from ray_specdec.bandit.state import BanditState, bucket_labels, load_labels
+from ray_specdec.speculation.bandit.policies import DiscountedUCB, GaussianThompson, PaperReward, ThroughputReward, UCB1
+from ray_specdec.speculation.bandit.state import BanditState, bucket_labels, load_labels
 
 __all__ = [
     "DEFAULT_ARMS",

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from ray_specdec.bandit import Bandit, BanditConfig
+from ray_specdec.speculation.bandit import Bandit, BanditConfig
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.goodput import (
+from ray_specdec.speculation.goodput import (
     COST_WARMUP_STEPS,
     PRIOR_ACCEPT_PER_DEPTH,
     AcceptanceModel,

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from ray_specdec.speculation_guard import (EARLY_SAMPLES, EXPLORE_COST, EXPLORE_PERIOD, EXPLORE_RUN, MAX_EXPLORE_PERIOD,
+from ray_specdec.speculation.guard import (EARLY_SAMPLES, EXPLORE_COST, EXPLORE_PERIOD, EXPLORE_RUN, MAX_EXPLORE_PERIOD,
                                            MIN_SAMPLES, POLICY_ROUNDS, WINDOW, SpeculationGuard, plain_line)
 
 TOKENS_PER_ROUND = 2.5  # tokens a drafted round commits, on average
@@ -370,7 +370,7 @@ def drive_sampled(guard: SpeculationGuard, loads, speedup: float) -> list[bool]:
 def test_a_settled_level_weighs_its_verdict_at_every_exploring_step_and_every_recheck_th_other(monkeypatch):
     """The ratio over both windows is recomputed at each step on the side a settled level explores and at every
     RECHECK-th step on its verdict's side (not at every step: ~0.17 ms of NumPy each); verdicts still flip."""
-    import ray_specdec.speculation_guard as sg
+    import ray_specdec.speculation.guard as sg
 
     guard = SpeculationGuard()
     drive(guard, [8] * 600, {2: 0.8})

@@ -6,9 +6,10 @@ n-gram proposer). `LookupIndex` keeps, for every n-gram of length min_ngram..max
 was followed by another token, updated in O(max_ngram) per appended token, so a proposal is O(max_ngram + tokens)
 whatever the context length. Longer n-grams are tried first (a longer match is a more specific guess).
 
-The drafter session adds a proposal to its tree as one more branch (drafting.py): merged where prefixes agree in
-greedy rounds; in sampled rounds a chain of deterministic drafts (q one-hot) that acceptance tries first, with
-probability p(x), removing x from p on rejection (acceptance.py), which keeps the target's distribution exactly.
+The drafter session adds a proposal to its tree as one more branch (speculation/drafting.py): merged where prefixes
+agree in greedy rounds; in sampled rounds a chain of deterministic drafts (q one-hot) that acceptance tries first, with
+probability p(x), removing x from p on rejection (speculation/acceptance.py), which keeps the target's distribution
+exactly.
 """
 
 from __future__ import annotations

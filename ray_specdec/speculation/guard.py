@@ -1,9 +1,9 @@
 """A measured guard on speculation: at each load level, greedy or sampled, the policy's trees run only while steps
 with them are measured to decode no slower than steps whose rounds run undrafted.
 
-Why. Goodput sizing (goodput.py) and the bandit choose trees from models, a step cost model and acceptance estimates.
-Under load both have been optimistic (issue 18: closed loop at 8 and 32 requests, the service's own choice 9-20%
-slower than tree none) and nothing checked the realised result. The guard does, per load level of the bandit
+Why. Goodput sizing (speculation/goodput.py) and the bandit choose trees from models, a step cost model and acceptance
+estimates. Under load both have been optimistic (issue 18: closed loop at 8 and 32 requests, the service's own choice
+9-20% slower than tree none) and nothing checked the realised result. The guard does, per load level of the bandit
 (`BanditConfig.load_edges`, of the requests admitted to the step) and per greedy or sampled step, and where drafting
 loses it has the scheduler run that level's rounds undrafted.
 
@@ -114,7 +114,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ray_specdec.bandit import DEFAULT_LOAD_EDGES, load_labels
+from ray_specdec.speculation.bandit import DEFAULT_LOAD_EDGES, load_labels
 
 # Steps per side a level's comparison remembers: ~32 keeps per-step noise (~20% on a shared 2-core machine) to a few
 # percent in the ratio, while a reversed trend takes over within about one window of the losing side's runs.

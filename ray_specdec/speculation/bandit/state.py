@@ -39,8 +39,8 @@ ONE_MODE = ("all",)
 
 # Columns of `BanditState.raw` and `BanditState.disc` ([cells, arms, len(FIELDS)] each). The first eight come from
 # the arm's own rounds; the what-if fields count rounds of other arms whose tree contained this arm's, with the tokens
-# this arm would have kept in them (`what_if.what_if`). No time: a round of another arm does not say how long this
-# arm's round takes.
+# this arm would have kept in them (`counterfactuals.what_if`). No time: a round of another arm does not say how long
+# this arm's round takes.
 OWN_FIELDS = ("pulls", "reward_sum", "reward_sq", "tokens_sum", "time_sum", "tokens_sq", "time_sq", "tokens_time")
 WHAT_IF_FIELDS = ("what_if_rounds", "what_if_tokens_sum", "what_if_tokens_sq")
 FIELDS = OWN_FIELDS + WHAT_IF_FIELDS

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_specdec.acceptance import Verdict
+from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafting import LOOKUP_ONLY, DrafterSession, lookup_draft
+from ray_specdec.speculation.drafting import LOOKUP_ONLY, DrafterSession, lookup_draft
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.target import TargetModel
 from ray_specdec.rounds import NO_TREE, FixedTree

@@ -1,6 +1,6 @@
 """Sub-tree ("what-if") feedback: a greedy round of one tree says exactly what every smaller arm would have kept.
 
-`what_if.what_if` is checked against the real thing: each smaller arm drafted from the same history by a fresh
+`counterfactuals.what_if` is checked against the real thing: each smaller arm drafted from the same history by a fresh
 drafter session and walked by `accept_greedy` against the same deterministic target (an oracle whose greedy token is
 a function of the context, steered to follow chosen paths of the big tree: drafter nodes of every rank, lookup nodes
 and the nodes they share). Then the bandit side: what-if rounds sharpen an arm's token estimate, never its time.
@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from ray_specdec.acceptance import accept_greedy
-from ray_specdec.bandit import Bandit, BanditConfig, ThroughputReward, UCB1
-from ray_specdec.bandit.policies import ArmStats
+from ray_specdec.speculation.acceptance import accept_greedy
+from ray_specdec.speculation.bandit import Bandit, BanditConfig, ThroughputReward, UCB1
+from ray_specdec.speculation.bandit.policies import ArmStats
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafting import Draft, DrafterSession
+from ray_specdec.speculation.drafting import Draft, DrafterSession
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.rounds import NO_TREE
-from ray_specdec.what_if import what_if
+from ray_specdec.speculation.counterfactuals import what_if
 from tests.helpers.inputs import random_prompt, repetitive_history
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
@@ -203,9 +203,9 @@ def test_what_if_rounds_lower_the_regret_on_nested_chains():
 def sampled_round(branching: tuple[int, ...], without_replacement: bool, gen: torch.Generator):
     """A sampled round over a small vocabulary: q and p at every node are fixed functions of the node's token path
     (p leans on q, so deep acceptance is common); children drawn from q, i.i.d. or without replacement."""
-    from ray_specdec.acceptance import accept_sampled
-    from ray_specdec.sampling import gumbel_top_k, sample
-    from ray_specdec.tree import build_tree
+    from ray_specdec.speculation.acceptance import accept_sampled
+    from ray_specdec.speculation.sampling import gumbel_top_k, sample
+    from ray_specdec.speculation.tree import build_tree
 
     def dist(path: tuple[int, ...], salt: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(hash((salt, path)) % 2**31)
@@ -260,7 +260,7 @@ def test_sampled_what_if_has_each_smaller_arms_acceptance_distribution(without_r
 def test_sampled_what_if_needs_the_lookup_branch_the_round_had():
     """A rejected lookup token changes the p that the drafter's children meet: an arm without the branch cannot be
     read off a sampled round that had one (a greedy round is fine: greedy acceptance is a prefix walk)."""
-    from ray_specdec.acceptance import Verdict
+    from ray_specdec.speculation.acceptance import Verdict
 
     session = DrafterSession(tiny_mamba(), repetitive_history(), vocab_size=VOCAB)
     draft = session.draft(TreeConfig((2, 1), 3), SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))

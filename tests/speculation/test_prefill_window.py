@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafting import DrafterSession
+from ray_specdec.speculation.drafting import DrafterSession
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from tests.helpers.inputs import random_prompt

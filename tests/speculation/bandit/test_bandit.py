@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from ray_specdec.bandit import (
+from ray_specdec.speculation.bandit import (
     DEFAULT_ARMS,
     Bandit,
     BanditConfig,
@@ -23,7 +23,7 @@ from ray_specdec.bandit import (
     bucket_labels,
     load_labels,
 )
-from ray_specdec.bandit.state import OWN_FIELDS, WHAT_IF_FIELDS
+from ray_specdec.speculation.bandit.state import OWN_FIELDS, WHAT_IF_FIELDS
 from ray_specdec.config import MAX_LOOKUP_TOKENS, TreeConfig
 from tests.helpers.bandit_sim import (MEANS, Env, assert_same_state, gaussian_env, late_share, random_rounds, replay,
                                       simulate)
@@ -355,7 +355,7 @@ def test_summary_reports_pulls_means_and_best():
 
 
 def test_throughput_estimates_are_the_cells_tokens_per_second():
-    from ray_specdec.bandit import Bandit, BanditConfig, PaperReward
+    from ray_specdec.speculation.bandit import Bandit, BanditConfig, PaperReward
 
     arms = (TreeConfig((1, 1)), TreeConfig(()), TreeConfig((2,)))
     bandit = Bandit(BanditConfig(arms=arms, prior_pulls=0), seed=0)

@@ -1,13 +1,14 @@
 """What-if feedback: the draft tokens each smaller tree would have had accepted in a round, from the round's own
-drafted tree and verdict, so that one round teaches the bandit every arm its tree contained (bandit/, goodput.py)."""
+drafted tree and verdict, so that one round teaches the bandit every arm its tree contained (bandit/,
+speculation/goodput.py)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ray_specdec.acceptance import Verdict
+from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.config import TreeConfig
-from ray_specdec.drafting import Draft
+from ray_specdec.speculation.drafting import Draft
 
 
 def what_if(

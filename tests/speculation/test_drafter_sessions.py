@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafting import DrafterSession
+from ray_specdec.speculation.drafting import DrafterSession
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.start_rule import REQUEST_EMA, StartRule
+from ray_specdec.speculation.start_rule import REQUEST_EMA, StartRule
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_mamba
 from tests.helpers.policies import RatedPolicy, ScriptedPolicy
@@ -49,8 +49,8 @@ def test_interleaved_undrafted_rounds_keep_output_and_drafter_state_exact(target
 def test_lazy_drafter_catches_up_to_a_prefill_from_scratch():
     """Every draft after rounds with and without drafts starts from the state a fresh prefill of every token so far
     gives, and proposes the same tree (greedy)."""
-    from ray_specdec.acceptance import Verdict
-    from ray_specdec.lazy_drafter import LazyDrafter
+    from ray_specdec.speculation.acceptance import Verdict
+    from ray_specdec.speculation.drafter_sessions import LazyDrafter
 
     drafter = tiny_mamba(vocab=32)
     tokens = random_prompt(12, seed=5, vocab=32)
@@ -99,7 +99,7 @@ def test_the_drafters_prefill_is_a_request_cost_not_a_rounds(target):
 @pytest.mark.parametrize("max_new, drafts", [(12, True), (6, False)])
 def test_the_start_rule_drafts_only_when_the_tokens_left_pay_for_the_drafters_prefill(target, max_new, drafts):
     """prefill 37 tokens x 1 ms = 37 ms; drafting saves 1/100 - 1/200 = 5 ms per token: worth it past 7.4 tokens."""
-    from ray_specdec.start_rule import START_ANYWAY_EVERY
+    from ray_specdec.speculation.start_rule import START_ANYWAY_EVERY
 
     prompt = random_prompt(37, seed=10)
     policy = RatedPolicy([(1, 1)], {(1, 1): 200.0, (): 100.0})
@@ -125,7 +125,7 @@ def test_the_start_rule_drafts_only_when_the_tokens_left_pay_for_the_drafters_pr
 def test_a_request_started_anyway_drafts_in_every_round(target, script, first):
     """The request the start rule starts only to explore drafts every round, even where the policy (here: confident
     that drafting does not pay) picks no tree: then the drafting arm with the best draw."""
-    from ray_specdec.start_rule import START_ANYWAY_EVERY
+    from ray_specdec.speculation.start_rule import START_ANYWAY_EVERY
 
     prompt = random_prompt(37, seed=12)
     policy = RatedPolicy(script, {(1, 1): 150.0, (2, 1): 120.0, (): 200.0})

@@ -1,15 +1,16 @@
-"""The drafter's prefix cache (ray_specdec/drafter_cache.py): a hit is the prefill's state, copied, bit for bit;
-the session advancing its state never changes what is kept; the byte budget holds; another drafter starts afresh."""
+"""The drafter's prefix cache (ray_specdec/speculation/drafter_cache.py): a hit is the prefill's state, copied, bit for
+bit; the session advancing its state never changes what is kept; the byte budget holds; another drafter starts
+afresh."""
 
 from __future__ import annotations
 
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafter_cache import DrafterStates, _bytes
-from ray_specdec.drafting import DrafterSession
+from ray_specdec.speculation.drafter_cache import DrafterStates, _bytes
+from ray_specdec.speculation.drafting import DrafterSession
 from ray_specdec.models.target import TargetModel
-from ray_specdec.lazy_drafter import LazyDrafter
+from ray_specdec.speculation.drafter_sessions import LazyDrafter
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget
@@ -72,7 +73,7 @@ def test_the_admission_check_keys_a_prompt_on_the_host_as_its_prefill_does():
     """prefill_key (the scheduler's check at admission, made on the host) is the ids prefill_input runs, as a tuple:
     out-of-vocabulary ids as 0, only the last prefill_window tokens where the drafter has a window; holds() finds a
     prompt a session prefilled, and not another one or another drafter's."""
-    from ray_specdec.drafting import prefill_input, prefill_key
+    from ray_specdec.speculation.drafting import prefill_input, prefill_key
 
     drafter = tiny_mamba(torch.float32)
     prompt = random_prompt(40, seed=3)

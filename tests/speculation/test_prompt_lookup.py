@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from ray_specdec.acceptance import Verdict
+from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafting import DrafterSession, _merge_lookup
-from ray_specdec.lookup import LookupIndex
+from ray_specdec.speculation.drafting import DrafterSession, _merge_lookup
+from ray_specdec.speculation.prompt_lookup import LookupIndex
 from tests.helpers.inputs import repetitive_history
 from tests.helpers.models import tiny_mamba
 

@@ -3,7 +3,7 @@ import torch
 from scipy.stats import chisquare
 
 from ray_specdec.config import SamplingParams
-from ray_specdec.sampling import gumbel_top_k, logits_to_probs, sample
+from ray_specdec.speculation.sampling import gumbel_top_k, logits_to_probs, sample
 
 
 def test_temperature_top_k_top_p_by_hand():
@@ -100,7 +100,7 @@ def test_plain_sampled_rounds_drawn_together_are_each_rounds_own_draw(dtype, dev
 
 
 def test_only_sampled_rounds_without_draft_or_logit_processing_are_plain():
-    from ray_specdec.drafting import lookup_draft
+    from ray_specdec.speculation.drafting import lookup_draft
     from ray_specdec.rounds import empty_draft, plain_sampled
 
     assert not plain_sampled(empty_draft(), SamplingParams(temperature=0.0))
@@ -111,7 +111,7 @@ def test_only_sampled_rounds_without_draft_or_logit_processing_are_plain():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sample_rows_draws_each_row_from_its_own_stream(device):
-    from ray_specdec.sampling import sample_rows
+    from ray_specdec.speculation.sampling import sample_rows
 
     probs = torch.softmax(torch.randn(6, 300), dim=-1).to(device)
     gens = [torch.Generator().manual_seed(i) for i in range(6)]

@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import MambaConfig
 
-from ray_specdec.acceptance import Verdict, accept_greedy
+from ray_specdec.speculation.acceptance import Verdict, accept_greedy
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER
-from ray_specdec.drafting import Draft, DrafterSession, DraftRequest, commit_many, draft_many
+from ray_specdec.speculation.drafting import Draft, DrafterSession, DraftRequest, commit_many, draft_many
 from ray_specdec.models import native
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
 from ray_specdec.models.mamba_state import StateSlots

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ray_specdec.config import SamplingParams
-from ray_specdec.stopping import StopChecker, decodes_by_concatenation
+from ray_specdec.speculation.stopping import StopChecker, decodes_by_concatenation
 from tests.helpers.models import tiny_tokenizer
 
 

@@ -6,8 +6,8 @@ emitted (as vLLM does for both unless include_stop_str_in_output).
 A round can emit several tokens at once; they are fed here one by one so that a generation never overshoots
 max_new_tokens or runs past an EOS or a stop string, whatever the tree accepted.
 
-min_tokens holds back stop strings as it holds back EOS and stop_token_ids (logits_processing.py): a stop string
-counts only where it completes in a token after the first min_tokens, i.e. where it ends past the text of those
+min_tokens holds back stop strings as it holds back EOS and stop_token_ids (speculation/logits_processing.py): a stop
+string counts only where it completes in a token after the first min_tokens, i.e. where it ends past the text of those
 tokens (vLLM's rule). One that completes earlier stays in the text and generation goes on. Which occurrence ends the
 request depends on the tokens alone, not on how rounds grouped them, so speculation stays lossless.
 

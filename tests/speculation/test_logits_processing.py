@@ -1,4 +1,5 @@
-"""logits_processing.py against a slow loop reference on random trees; logprobs rows; SamplingParams validation."""
+"""speculation/logits_processing.py against a slow loop reference on random trees; logprobs rows; SamplingParams
+validation."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import random
 import pytest
 import torch
 
-from ray_specdec.acceptance import Verdict
+from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.drafting import Draft
-from ray_specdec.logits_processing import TokenHistory, apply_logit_bias, path_counts, process_logits, token_logprobs
+from ray_specdec.speculation.drafting import Draft
+from ray_specdec.speculation.logits_processing import (TokenHistory, apply_logit_bias, path_counts, process_logits,
+                                                       token_logprobs)
 from ray_specdec.rounds import empty_draft, judge
-from ray_specdec.tree import build_tree
+from ray_specdec.speculation.tree import build_tree
 from tests.helpers.reference import reference_row
 
 V = 12

@@ -1,19 +1,19 @@
 """The target-side request options (penalties, logit_bias, min_tokens) on a verify's logits, and logprobs.
 
-Lossless under speculation. Verify row i (rows are ``[root, *tree nodes]`` in BFS order, tree.py) predicts the token
-after the root-to-i path, so target-only decoding at that position would have generated the request's tokens so far
-plus the draft tokens on that path (row i's ancestors and itself, root excluded). `process_logits` gives every row
-exactly the logits target-only decoding would use there: counts per row = the request's counts + counts along the
+Lossless under speculation. Verify row i (rows are ``[root, *tree nodes]`` in BFS order, speculation/tree.py) predicts
+the token after the root-to-i path, so target-only decoding at that position would have generated the request's tokens
+so far plus the draft tokens on that path (row i's ancestors and itself, root excluded). `process_logits` gives every
+row exactly the logits target-only decoding would use there: counts per row = the request's counts + counts along the
 row's path; min_tokens holds back at rows whose position is still short of it. Greedy argmax and `logits_to_probs`
 then see the processed target distribution, so the accepted tokens, the bonus token and every rejection follow it
-exactly (acceptance.py).
+exactly (speculation/acceptance.py).
 
 The drafter's q needs no such processing for exactness: acceptance only needs q to be the distribution the drafts
 were drawn from. `drafting.pick_children` adds logit_bias (path-independent: it helps acceptance when a bias bans or
 forces tokens) and keeps q the distribution it drew from; penalties and min_tokens stay off the drafter.
 
 Order, as vLLM's sampler: logit_bias, then repetition (prompt + generated), frequency and presence (generated)
-penalties, then min_tokens' -inf; temperature / top-k / top-p follow (sampling.py).
+penalties, then min_tokens' -inf; temperature / top-k / top-p follow (speculation/sampling.py).
 
 logprobs are the target's own: log_softmax of the raw logits at the row each emitted token came from (an accepted
 token at its parent's row, the bonus at the stop row), before any processing or temperature, as vLLM returns them by
@@ -28,9 +28,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ray_specdec.acceptance import Verdict
+from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.config import SamplingParams
-from ray_specdec.tree import TreeTensors
+from ray_specdec.speculation.tree import TreeTensors
 
 
 @dataclass(frozen=True)
