@@ -55,13 +55,13 @@ from typing import Any
 import torch
 
 from benchmarks.serve_peers import select_prompts
-from ray_specdec.speculation.bandit import Bandit
 from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.factory import resolve_device
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
+from ray_specdec.speculation.bandit import Bandit
 
 VARIANTS = (("batched", True, None), ("batched", True, "none"), ("pieces", True, None), ("pieces", True, "none"),
             ("eager", True, None), ("eager", True, "none"),

@@ -16,9 +16,9 @@ import torch
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.speculation.drafting import tree_for
 from ray_specdec.models import cpu_gemm, native
 from ray_specdec.models.target import TargetModel
+from ray_specdec.speculation.drafting import tree_for
 
 TABLE_ROWS = (1, 2, 3, 4, 5, 8, 12, 16, 32, 64, 128, 512)
 NATIVE_F32 = "native (f32 panels)"

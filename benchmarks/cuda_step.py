@@ -20,9 +20,9 @@ import torch
 from kernels.state_copy import _launch, state_copy
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
-from ray_specdec.speculation.drafting import tree_for
 from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.models.target import TargetModel
+from ray_specdec.speculation.drafting import tree_for
 
 
 def timed(fn: Callable[[], object], iters: int, repeats: int = 7) -> float:

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serve_peers import select_prompts
-from ray_specdec.speculation.bandit import Bandit
 from ray_specdec.config import SamplingParams
+from ray_specdec.engine.kv_sizing import kv_budget_rows
 from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
 from ray_specdec.factory import load_drafter, load_target
-from ray_specdec.engine.kv_sizing import kv_budget_rows
+from ray_specdec.speculation.bandit import Bandit
 
 MIN_TOKENS = 64
 WARM_UP = 4

@@ -19,8 +19,8 @@ import torch
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.speculation.drafting import tree_for
 from ray_specdec.models.target import TargetModel
+from ray_specdec.speculation.drafting import tree_for
 
 CONTEXTS = (200, 1000, 3000)
 TREES = {"plain step": "", "chain 1,1,1": "1,1,1", "tree 2,2,1,1+L8": "2,2,1,1+L8"}

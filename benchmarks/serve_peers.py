@@ -250,10 +250,10 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
     drafting on and tree none."""
     import torch
 
-    from ray_specdec.speculation.bandit import Bandit
     from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
     from ray_specdec.engine.llm import SpeculativeEngine
     from ray_specdec.factory import load_drafter, load_target
+    from ray_specdec.speculation.bandit import Bandit
 
     try:
         # the app's own policy: the bandit over the default arms, goodput sizing, the default lookup branch

@@ -159,10 +159,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from benchmarks.serve_peers import select_prompts
     from benchmarks.serve_peers_servers import TARGET
     from benchmarks.served_overhead import start_app, stop_app
-    from ray_specdec.speculation.bandit import Bandit
     from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams
     from ray_specdec.engine.llm import SpeculativeEngine
     from ray_specdec.factory import load_drafter, load_target
+    from ray_specdec.speculation.bandit import Bandit
 
     prompts = select_prompts(WARMUP_PROMPTS + args.blocks * args.block, args.seed)
     # an engine per in-process mode, each seeing every prompt once as the app does: a second run of a prompt on one

@@ -34,13 +34,13 @@ import torch
 from benchmarks.batched_loop import run_cell
 from benchmarks.serve_peers import select_prompts
 from deployments.engine import RankGroup
-from ray_specdec.speculation.bandit import Bandit
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine.llm import DEFAULT_SCHEDULER
+from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.engine.scheduler import Scheduler
+from ray_specdec.speculation.bandit import Bandit
 
 # name -> the switches it turns off (in the ranks' environment and this process's, where the RankGroup lives)
 VARIANTS = {

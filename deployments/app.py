@@ -24,13 +24,13 @@ from deployments.bandit import BanditHubDeployment
 from deployments.engine import EngineDeployment
 from deployments.metrics import MetricsHubDeployment
 from deployments.router import RouterDeployment, RouterSettings, ServerDeployment
-from ray_specdec.speculation.bandit import DEFAULT_ARMS, BanditConfig
 from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
 from ray_specdec.defaults import EMBEDDED_MODEL_NAMES
 from ray_specdec.engine.llm import DEFAULT_MIN_PATH_PROB
+from ray_specdec.engine.scheduler_config import SchedulerConfig, scheduler_config_from_args
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.tokenizer_check import TokenizerMismatch, check_model_pair
-from ray_specdec.engine.scheduler_config import SchedulerConfig, scheduler_config_from_args
+from ray_specdec.speculation.bandit import DEFAULT_ARMS, BanditConfig
 
 _SCHEDULER = SchedulerConfig()
 API_KEY_ENV = "RAY_SPECDEC_API_KEY"

@@ -25,13 +25,12 @@ import torch
 from tqdm import tqdm
 
 from ray_specdec.cli import OneLineParser, UsageError
-from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
+from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine.kv_sizing import device_room, fitted_kv_budget
+from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
+from ray_specdec.engine.scheduler_config import add_scheduler_arguments, scheduler_config_from_args
 from ray_specdec.models.device_clock import synchronize
 from ray_specdec.models.loading import prefill_window_arg
-from ray_specdec.rounds import NO_TREE
-from ray_specdec.engine.scheduler_config import add_scheduler_arguments, scheduler_config_from_args
 
 # Every method runs every prompt (and again at each temperature): with the prefix cache on, the methods after the
 # first would find the prompt's KV cached and skip the prefill that HF generate pays each time.
@@ -314,13 +313,13 @@ def gemm_panel_formats(target) -> list[str] | None:
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
-    from ray_specdec.speculation.bandit import Bandit, BanditConfig
     from ray_specdec.bench_report import write_report
-    from ray_specdec.models import cpu_attention
-    from ray_specdec.models.mamba_drafter import MambaDrafter
     from ray_specdec.factory import resolve_device
+    from ray_specdec.models import cpu_attention
     from ray_specdec.models.loading import resolve_dtype, resolve_model_path
+    from ray_specdec.models.mamba_drafter import MambaDrafter
     from ray_specdec.models.target import ATTN_IMPLEMENTATION, TargetModel
+    from ray_specdec.speculation.bandit import Bandit, BanditConfig
     from ray_specdec.training.corpus import heldout_prompts
 
     try:

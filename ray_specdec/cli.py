@@ -71,8 +71,8 @@ def generate_parser() -> OneLineParser:
 def run_generate(argv: list[str]) -> int:
     from ray_specdec.config import SamplingParams, TreeConfig
     from ray_specdec.engine.llm import DEFAULT_SCHEDULER
-    from ray_specdec.factory import load_engine
     from ray_specdec.engine.scheduler_config import scheduler_config_from_args
+    from ray_specdec.factory import load_engine
 
     from transformers.utils import logging as hf_logging
 

@@ -111,6 +111,9 @@ class TreeConfig:
         return f"{tree}+L{self.lookup}" if self.lookup else tree
 
 
+# A round without a draft (the target's step alone).
+NO_TREE = TreeConfig(())
+
 # The paper's trees plus the chain; the bandit's default arms extend this.
 PAPER_TREES = (
     TreeConfig((1, 1, 1, 1)),

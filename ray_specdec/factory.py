@@ -94,8 +94,8 @@ def load_engine(
     against that memory: LoadError where it does not fit); drafter_prefill_window: the drafter's state starts from
     this many last tokens of a request ("auto": the window the drafter's config names, else all; None or "all":
     all)."""
-    from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
     from ray_specdec.engine.kv_sizing import device_room, fitted_kv_budget
+    from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
     from ray_specdec.models.loading import resolve_dtype, resolve_model_path, resolve_prefill_window
 
     device = resolve_device(device)

@@ -9,8 +9,8 @@ from transformers import MambaConfig, MambaForCausalLM
 
 from ray_specdec.bench import main, parse_args
 from ray_specdec.engine.llm import DEFAULT_SCHEDULER
-from ray_specdec.models import native
 from ray_specdec.engine.scheduler_config import SchedulerConfig, flag
+from ray_specdec.models import native
 from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer
 
 

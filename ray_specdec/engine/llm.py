@@ -13,15 +13,15 @@ from dataclasses import replace
 from typing import Iterator, Sequence
 
 from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
-from ray_specdec.speculation.logits_processing import TokenLogprob
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.mamba_state import StateSlots
-from ray_specdec.models.target import TargetModel
-from ray_specdec.rounds import Generation, StreamChunk
+from ray_specdec.engine.outputs import Generation, StreamChunk
 from ray_specdec.engine.request import RequestTooLarge
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.mamba_state import StateSlots
+from ray_specdec.models.target import TargetModel
+from ray_specdec.speculation.logits_processing import TokenLogprob
 
 # Default cut of drafts by the drafter's own path probabilities (DrafterSession.draft); see docs/BENCHMARKS.md.
 DEFAULT_MIN_PATH_PROB = 0.0

@@ -7,15 +7,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ray_specdec.speculation.acceptance import Verdict
-from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.speculation.drafting import Draft
-from ray_specdec.speculation.drafter_sessions import LazyDrafter
-from ray_specdec.speculation.prompt_lookup import LookupIndex
+from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
+from ray_specdec.engine.outputs import StreamChunk
 from ray_specdec.engine.prefix_cache import ROOT
-from ray_specdec.rounds import NO_TREE, StreamChunk
-from ray_specdec.speculation.start_rule import DRAFT
 from ray_specdec.engine.stats import GenerationStats
+from ray_specdec.speculation.acceptance import Verdict
+from ray_specdec.speculation.drafter_sessions import LazyDrafter
+from ray_specdec.speculation.drafting import Draft
+from ray_specdec.speculation.prompt_lookup import LookupIndex
+from ray_specdec.speculation.start_rule import DRAFT
 from ray_specdec.speculation.stopping import StopChecker
 
 

@@ -44,29 +44,31 @@ from typing import Sequence
 
 import torch
 
-from ray_specdec.speculation.acceptance import Verdict
-from ray_specdec.speculation.bandit import DEFAULT_LOAD_EDGES, Bandit
-from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.speculation.drafter_cache import DrafterStates
-from ray_specdec.speculation.drafting import Draft, DraftRequest, draft_many, lookup_draft, prefill_key
-from ray_specdec.speculation.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows,
-                                             measure_prior, size_trees)
-from ray_specdec.speculation.drafter_sessions import LazyDrafter, ready_many
-from ray_specdec.speculation.logits_processing import TokenHistory
-from ray_specdec.speculation.prompt_lookup import LookupIndex
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.mamba_state import StateSlots
+from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine.kv_manager import PrefillPlan
+from ray_specdec.engine.outputs import StreamChunk
 from ray_specdec.engine.prefix_cache import PrefixIndex
 from ray_specdec.engine.request import QueueFull, Request, RequestTooLarge, StepOutput
-from ray_specdec.rounds import (NO_TREE, FixedTree, StreamChunk, empty_draft, fit_tree, judge, judge_plain_sampled,
-                                make_generators, plain_sampled, round_logprobs)
 from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.engine.target_backend import SegmentSpec, StepWork, TargetBackend, on_host
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.mamba_state import StateSlots
+from ray_specdec.speculation.acceptance import Verdict
+from ray_specdec.speculation.bandit import DEFAULT_LOAD_EDGES, Bandit
+from ray_specdec.speculation.counterfactuals import what_if
+from ray_specdec.speculation.drafter_cache import DrafterStates
+from ray_specdec.speculation.drafter_sessions import LazyDrafter, ready_many
+from ray_specdec.speculation.drafting import Draft, DraftRequest, draft_many, empty_draft, lookup_draft, prefill_key
+from ray_specdec.speculation.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows,
+                                             measure_prior, size_trees)
 from ray_specdec.speculation.guard import SpeculationGuard
+from ray_specdec.speculation.logits_processing import TokenHistory
+from ray_specdec.speculation.prompt_lookup import LookupIndex
+from ray_specdec.speculation.sampling import make_generators
 from ray_specdec.speculation.start_rule import EXPLORE, PLAIN, StartRule, drafting_arm, prefill_tokens
 from ray_specdec.speculation.stopping import StopChecker
-from ray_specdec.engine.target_backend import SegmentSpec, StepWork, TargetBackend, on_host
-from ray_specdec.speculation.counterfactuals import what_if
+from ray_specdec.speculation.tree_policy import FixedTree
+from ray_specdec.speculation.verify import judge, judge_plain_sampled, plain_sampled, round_logprobs
 
 # The shortest context suffix an undrafted round's lookup matches (plain_lookup): a single token matches often and
 # guesses badly, and every proposed token is a verify row (measured on held-out code, 4 tokens: 1.66 tokens a round
@@ -492,6 +494,17 @@ class Scheduler:
         if params.greedy and tree is None:
             lookup = max(lookup, self.config.plain_lookup)
         return 1 + nodes + lookup
+
+
+def fit_tree(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:
+    """The tree (and engine lookup tokens) cut until its verify rows fit the `room` left in the request's KV
+    reservation (a pick larger than the reservation foresaw, e.g. of a policy whose picks are not its arms)."""
+    while arm.depth and 1 + arm.num_nodes + max(arm.lookup, lookup) > room:
+        if lookup:
+            lookup = max(0, room - 1 - arm.num_nodes)
+        else:
+            arm = arm.truncated(arm.depth - 1)
+    return arm, lookup
 
 
 def _steered(r: Request) -> bool:

@@ -48,9 +48,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from ray_specdec.models import cpu_attention, cpu_gemm, fast_paths, kv_pool, lean_forward, tp_shards
 from ray_specdec.models.attention_masks import TreeMasks
 from ray_specdec.models.kv_cache import GrowableKVCache
+from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path, sliding_window
 from ray_specdec.models.step_spans import (Rows, Segment, all_spans, prefill_rounds, prefill_spans, verify_positions,
                                            verify_spans)
-from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path, sliding_window
 from ray_specdec.speculation.tree import TreeTensors
 
 # sdpa takes an arbitrary float mask, is exact against eager (float64 agrees to ~1e-15) and is faster on CPU.

@@ -28,10 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from ray_specdec.config import MAX_LOGPROBS, SamplingParams, TreeConfig
-from ray_specdec.speculation.logits_processing import TokenLogprob
-from ray_specdec.rounds import Generation, StreamChunk
-from ray_specdec.serving.token_bytes import token_bytes
+from ray_specdec.engine.outputs import Generation, StreamChunk
 from ray_specdec.engine.stats import GenerationStats
+from ray_specdec.serving.token_bytes import token_bytes
+from ray_specdec.speculation.logits_processing import TokenLogprob
 
 MAX_STOP_STRINGS = 8
 MAX_TREE_NODES = 256  # a client may pick a tree per request, but not one that makes every verify huge

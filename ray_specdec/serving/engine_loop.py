@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.rounds import StreamChunk
+from ray_specdec.engine.outputs import StreamChunk
 from ray_specdec.engine.request import QueueFull
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.serving.metrics import EngineMetrics

@@ -12,19 +12,11 @@ from typing import Any, Literal, Mapping, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ray_specdec.config import MAX_LOGPROBS, SamplingParams
-from ray_specdec.speculation.logits_processing import TokenLogprob
-from ray_specdec.rounds import Generation, StreamChunk
-from ray_specdec.serving.api import (
-    SamplingRequest,
-    cached_tokens,
-    finite,
-    new_completion_id,
-    response_body,
-    speculative_block,
-    unsupported,
-    usage_block,
-)
+from ray_specdec.engine.outputs import Generation, StreamChunk
+from ray_specdec.serving.api import (SamplingRequest, cached_tokens, finite, new_completion_id, response_body,
+                                     speculative_block, unsupported, usage_block)
 from ray_specdec.serving.token_bytes import token_bytes
+from ray_specdec.speculation.logits_processing import TokenLogprob
 
 # Refused when set (to anything but the value that means "plain text"), each by name.
 UNSUPPORTED_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",

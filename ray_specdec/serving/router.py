@@ -19,7 +19,7 @@ import time
 from typing import AsyncIterator, Callable, Protocol, Sequence
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.rounds import Generation, StreamChunk
+from ray_specdec.engine.outputs import Generation, StreamChunk
 
 logger = logging.getLogger(__name__)
 

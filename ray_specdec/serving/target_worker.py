@@ -24,10 +24,10 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from ray_specdec.engine.kv_sizing import device_room
+from ray_specdec.engine.target_backend import StepWork, TargetCaches
 from ray_specdec.models import shm_collective
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path
 from ray_specdec.models.target import ATTN_IMPLEMENTATION, TargetModel
-from ray_specdec.engine.target_backend import StepWork, TargetCaches
 
 
 def free_port() -> int:

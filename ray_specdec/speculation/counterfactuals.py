@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.config import TreeConfig
+from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.speculation.drafting import Draft
 
 

@@ -29,13 +29,13 @@ from typing import Sequence
 
 import torch
 
+from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
+from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
+from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.speculation.acceptance import Verdict
-from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.speculation.drafter_cache import DrafterStates
 from ray_specdec.speculation.logits_processing import apply_logit_bias
 from ray_specdec.speculation.prompt_lookup import LookupIndex
-from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
-from ray_specdec.models.mamba_state import StateSlots
 from ray_specdec.speculation.sampling import gumbel_top_k, logits_to_probs, sample
 from ray_specdec.speculation.tree import TreeTensors, build_tree
 
@@ -93,6 +93,11 @@ def lookup_draft(proposal: Sequence[int]) -> Draft:
     paths = tuple((0,) * depth for depth in range(1, len(proposal) + 1))
     return Draft(TreeConfig(()), torch.tensor(list(proposal), dtype=torch.long), None, paths=paths,
                  lookup_tokens=tuple(int(t) for t in proposal))
+
+
+def empty_draft() -> Draft:
+    """The draft of an undrafted round: no tree, no tokens."""
+    return Draft(NO_TREE, torch.empty(0, dtype=torch.long), None)
 
 
 def pick_children(

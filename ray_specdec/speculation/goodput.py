@@ -30,10 +30,9 @@ import numpy as np
 import torch
 
 from ray_specdec.config import TreeConfig
-from ray_specdec.models.device_clock import now, settle
 from ray_specdec.engine.target_backend import SegmentSpec, StepWork, TargetBackend
+from ray_specdec.models.device_clock import now, settle
 
-NO_TREE = TreeConfig(())
 # Features of a step: 1, verify rows, requests that draft, drafter rows, prefill rows.
 N_FEATURES = 5
 # Typical size of each feature: the prior's weight per feature is PRIOR_STEPS steps of this size.

@@ -28,8 +28,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.config import SamplingParams
+from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.speculation.tree import TreeTensors
 
 

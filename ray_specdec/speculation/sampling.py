@@ -6,6 +6,7 @@ decoding: speculation then reproduces exactly the distribution this function def
 
 from __future__ import annotations
 
+import secrets
 from typing import Sequence
 
 import torch
@@ -83,3 +84,11 @@ def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator | None)
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
     keys = torch.log(probs.double()) + gumbel  # zero-probability tokens get -inf keys and are never drawn
     return torch.topk(keys, k, dim=-1).indices
+
+
+def make_generators(seed: int | None) -> tuple[torch.Generator, torch.Generator]:
+    """Independent (draft, target) random streams; the same seed gives the same output."""
+    seed = secrets.randbits(62) if seed is None else seed
+    draft_gen = torch.Generator(device="cpu").manual_seed(seed)
+    target_gen = torch.Generator(device="cpu").manual_seed(seed ^ 0x5DEECE66D)
+    return draft_gen, target_gen

@@ -13,8 +13,7 @@ The same prefill, spread over the tokens a request decodes, is what drafting cos
 
 from __future__ import annotations
 
-from ray_specdec.config import TreeConfig
-from ray_specdec.rounds import NO_TREE
+from ray_specdec.config import NO_TREE, TreeConfig
 
 # Of the requests that the start rule keeps undrafted, one in this many drafts anyway, so that the drafting arms'
 # estimates in that context keep learning and a wrong "no" does not last.

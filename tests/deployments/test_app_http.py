@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from deployments import AppArgs
-from ray_specdec.speculation.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.loadtest import LoadTestConfig, run_loadtest
+from ray_specdec.speculation.bandit import BanditState
 from tests.helpers.bigram import PROMPTS, WORDS, greedy_reference
 from tests.helpers.metrics import metric_sum, scrape_metrics
 from tests.helpers.reference import greedy_margin

@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ray_specdec.speculation.bandit import Bandit, BanditConfig
 from ray_specdec.serving import metrics as m
+from ray_specdec.speculation.bandit import Bandit, BanditConfig
 from tests.helpers.metrics import scripted
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"

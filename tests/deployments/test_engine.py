@@ -22,7 +22,7 @@ import ray
 from deployments import engine as engine_module
 from deployments.engine import EngineReplica
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.rounds import StreamChunk
+from ray_specdec.engine.outputs import StreamChunk
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from tests.helpers.bigram import PROMPTS
 from tests.helpers.reference import greedy_margin

@@ -11,8 +11,8 @@ import pytest
 
 from deployments.bandit import BanditSaver
 from deployments.engine import EngineReplica
-from ray_specdec.speculation.bandit import Bandit, BanditConfig, BanditState
 from ray_specdec.config import SamplingParams
+from ray_specdec.speculation.bandit import Bandit, BanditConfig, BanditState
 
 
 def record(bandit: Bandit, rounds: int) -> None:

@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from deployments import AppArgs
-from ray_specdec.speculation.bandit import BanditState
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
+from ray_specdec.speculation.bandit import BanditState
 from tests.helpers.bigram import PROMPTS
 from tests.helpers.metrics import metric_sum, scrape_metrics
 from tests.helpers.serve import serve_app

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from deployments.router import OpenAIServer, all_or_none
-from ray_specdec.rounds import StreamChunk
+from ray_specdec.engine.outputs import StreamChunk
 
 
 def test_every_result_comes_back_in_order():

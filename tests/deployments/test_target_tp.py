@@ -17,12 +17,12 @@ from ray.util.placement_group import placement_group_table
 
 from deployments.engine import COMPILED_STEPS_ENV, RankGroup
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
-from ray_specdec.serving.target_worker import TargetWorker, check_tp_dtype, narrowed, shipped, widened
 from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, StepWork
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.target import Segment, TargetModel
+from ray_specdec.serving.target_worker import TargetWorker, check_tp_dtype, narrowed, shipped, widened
 from ray_specdec.speculation.tree import build_tree
 from tests.helpers.bigram import word_tokenizer
 from tests.helpers.models import tiny_gpt_neox, tiny_llama

@@ -13,9 +13,9 @@ from pydantic import ValidationError
 
 from deployments.app import AppArgs
 from ray_specdec.engine import kv_sizing
-from ray_specdec.factory import LoadError, load_engine
 from ray_specdec.engine.kv_sizing import AUTO_SHARE, GIB, device_room, fitted_kv_budget, kv_budget_rows
 from ray_specdec.engine.scheduler_config import SchedulerConfig, add_scheduler_arguments
+from ray_specdec.factory import LoadError, load_engine
 from tests.helpers.cli import run_cli
 
 

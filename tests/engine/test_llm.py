@@ -8,11 +8,11 @@ import torch
 from scipy.stats import chisquare
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.speculation.drafting import DrafterSession
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.rounds import empty_draft, judge
 from ray_specdec.models import native as native_kernels
 from ray_specdec.models.target import TargetModel
+from ray_specdec.speculation.drafting import DrafterSession, empty_draft
+from ray_specdec.speculation.verify import judge
 from tests.helpers.drafters import EchoState, TargetEchoDrafter
 from tests.helpers.inputs import TREES, random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba

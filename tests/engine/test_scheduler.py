@@ -11,17 +11,19 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from ray_specdec.speculation.bandit import Bandit, BanditConfig
-from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.target import TargetModel
-from ray_specdec.rounds import NO_TREE, FixedTree, empty_draft, judge
 from ray_specdec.engine.request import QueueFull, RequestTooLarge
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, on_host, row_argmaxes
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.target import TargetModel
+from ray_specdec.speculation.bandit import Bandit, BanditConfig
+from ray_specdec.speculation.drafting import empty_draft
+from ray_specdec.speculation.tree_policy import FixedTree
+from ray_specdec.speculation.verify import judge
 from tests.helpers.bigram import agreeing_pair
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba

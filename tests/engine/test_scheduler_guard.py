@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.rounds import NO_TREE
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
-from ray_specdec.speculation.start_rule import EXPLORE
 from ray_specdec.engine.target_backend import LocalTarget
+from ray_specdec.speculation.start_rule import EXPLORE
 from tests.helpers.bigram import agreeing_pair
 from tests.helpers.inputs import random_prompt
 from tests.helpers.policies import LoadRecorder

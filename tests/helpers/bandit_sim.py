@@ -8,8 +8,8 @@ from typing import Callable
 
 import numpy as np
 
-from ray_specdec.speculation.bandit import DEFAULT_ARMS, Bandit, BanditState
 from ray_specdec.config import TreeConfig
+from ray_specdec.speculation.bandit import DEFAULT_ARMS, Bandit, BanditState
 
 # An environment answers one round: (arm index, round number, context_len, rng) -> (accepted_tokens, round_time_s).
 Env = Callable[[int, int, int, np.random.Generator], tuple[int, float]]

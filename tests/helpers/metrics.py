@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ray_specdec.serving import metrics as m
 from ray_specdec.engine.stats import GenerationStats
+from ray_specdec.serving import metrics as m
 
 # (tree, depth, accepted, draft tokens) of request "a"'s rounds; each gives accepted + 1 tokens
 ROUNDS_A = [("2,1", 2, 0, 4), ("2,1", 2, 2, 4), ("1,1", 2, 1, 2)]

@@ -11,8 +11,8 @@ import torch
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
 from ray_specdec.models import batch_invariant, cpu_attention, native, target as target_module
-from ray_specdec.models.kv_cache import CacheFull
 from ray_specdec.models.attention_masks import tree_attention_mask
+from ray_specdec.models.kv_cache import CacheFull
 from ray_specdec.models.target import Segment, TargetModel
 from ray_specdec.speculation.tree import build_tree
 from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mistral

@@ -11,15 +11,15 @@ import weakref
 import pytest
 import torch
 
-from ray_specdec.models import kv_pool
-from ray_specdec.models.kv_pool import KVPool
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.models.target import TargetModel
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, StepWork
+from ray_specdec.models import kv_pool
+from ray_specdec.models.kv_pool import KVPool
+from ray_specdec.models.target import TargetModel
 from ray_specdec.serving import metrics
 from ray_specdec.serving.engine_loop import EngineLoop
-from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, StepWork
 from tests.helpers.engine_loop import collect, run, wait_until
 from tests.helpers.kv_grow import decode_pooled, requests
 from tests.helpers.metrics import parse

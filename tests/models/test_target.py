@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import ray_specdec.models.target as target_module
-from ray_specdec.models import attention_masks
 from ray_specdec.config import TreeConfig
+from ray_specdec.models import attention_masks
 from ray_specdec.models.target import TargetModel
 from ray_specdec.speculation.tree import build_tree
 from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mistral, tiny_tokenizer

@@ -11,13 +11,13 @@ from pydantic import ValidationError
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.speculation.logits_processing import TokenLogprob
+from ray_specdec.engine.outputs import Generation, StreamChunk
+from ray_specdec.engine.stats import GenerationStats
 from ray_specdec.models.loading import load_tokenizer
-from ray_specdec.rounds import Generation, StreamChunk
 from ray_specdec.serving import api
 from ray_specdec.serving.api import CompletionRequest, CompletionStream
 from ray_specdec.serving.openai_chat import ChatCompletionRequest, ChatStream, chat_body
-from ray_specdec.engine.stats import GenerationStats
+from ray_specdec.speculation.logits_processing import TokenLogprob
 
 
 @pytest.fixture(scope="module")

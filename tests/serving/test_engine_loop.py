@@ -12,18 +12,17 @@ from collections import Counter
 import pytest
 import torch
 
-from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine import scheduler as scheduler_module
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.target import TargetModel
-from ray_specdec.rounds import NO_TREE
 from ray_specdec.engine.request import QueueFull, RequestTooLarge
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.engine.target_backend import LocalTarget, StepWork
+from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.target import TargetModel
 from ray_specdec.serving import metrics as m
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
-from ray_specdec.engine.target_backend import LocalTarget, StepWork
 from tests.helpers.bigram import bigram_pair
 from tests.helpers.engine_loop import collect, run, wait_until
 from tests.helpers.inputs import random_prompt

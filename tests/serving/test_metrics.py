@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ray_specdec.speculation.bandit import BanditConfig, BanditHub
 from ray_specdec.config import TreeConfig
 from ray_specdec.serving import metrics as m
+from ray_specdec.speculation.bandit import BanditConfig, BanditHub
 from tests.helpers.metrics import parse, scripted
 
 # (tree, depth, accepted, draft tokens) of request "a"'s rounds; each gives accepted + 1 tokens

@@ -15,13 +15,13 @@ import torch
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
 from ray_specdec.engine.llm import SpeculativeEngine
+from ray_specdec.engine.scheduler import Scheduler
+from ray_specdec.engine.target_backend import LocalTarget
 from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.models.target import TargetModel
-from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.serving import router as router_module
 from ray_specdec.serving.engine_loop import EngineLoop
 from ray_specdec.serving.router import RequestError, Router, ServiceUnavailable
-from ray_specdec.engine.target_backend import LocalTarget
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba, tiny_tokenizer
 

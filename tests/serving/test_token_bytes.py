@@ -14,14 +14,14 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.speculation.logits_processing import TokenLogprob
+from ray_specdec.engine.outputs import Generation
+from ray_specdec.engine.stats import GenerationStats
 from ray_specdec.models.loading import load_tokenizer
-from ray_specdec.rounds import Generation
 from ray_specdec.serving import api
 from ray_specdec.serving.api import CompletionRequest, completion_body
 from ray_specdec.serving.openai_chat import ChatCompletionRequest, chat_body
 from ray_specdec.serving.token_bytes import TokenBytes, byte_level_alphabet, token_bytes
-from ray_specdec.engine.stats import GenerationStats
+from ray_specdec.speculation.logits_processing import TokenLogprob
 
 E_ACUTE = "\u00e9".encode("utf-8")  # C3 A9: one character, two bytes
 
@@ -129,7 +129,7 @@ def test_an_assistant_turn_sent_back_as_the_client_dumped_it_is_taken():
 @pytest.mark.parametrize("seed", [-1, -(2**63), 2**63 - 1, 2**62 + 5])
 def test_any_int64_seed_is_taken_and_seeds_the_generators(seed):
     """OpenAI takes any int64 seed; negative ones and those above 2**62 were refused."""
-    from ray_specdec.rounds import make_generators
+    from ray_specdec.speculation.sampling import make_generators
 
     params = CompletionRequest(prompt="w1", seed=seed).sampling_params()
     assert 0 <= params.seed < 2**63 and params.seed == CompletionRequest(prompt="w2", seed=seed).sampling_params().seed

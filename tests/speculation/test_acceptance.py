@@ -5,8 +5,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from ray_specdec.speculation.acceptance import accept_greedy, accept_sampled
 from ray_specdec.config import TreeConfig
+from ray_specdec.speculation.acceptance import accept_greedy, accept_sampled
 from ray_specdec.speculation.tree import build_tree
 
 V = 6

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from ray_specdec.speculation.acceptance import accept_greedy
-from ray_specdec.speculation.bandit import Bandit, BanditConfig, ThroughputReward, UCB1
-from ray_specdec.speculation.bandit.policies import ArmStats
-from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.speculation.drafting import Draft, DrafterSession
+from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.rounds import NO_TREE
+from ray_specdec.speculation.acceptance import accept_greedy
+from ray_specdec.speculation.bandit import UCB1, Bandit, BanditConfig, ThroughputReward
+from ray_specdec.speculation.bandit.policies import ArmStats
 from ray_specdec.speculation.counterfactuals import what_if
+from ray_specdec.speculation.drafting import Draft, DrafterSession
 from tests.helpers.inputs import random_prompt, repetitive_history
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 

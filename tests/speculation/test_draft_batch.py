@@ -16,13 +16,13 @@ import pytest
 import torch
 from transformers import MambaConfig
 
-from ray_specdec.speculation.acceptance import Verdict, accept_greedy
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER
-from ray_specdec.speculation.drafting import Draft, DrafterSession, DraftRequest, commit_many, draft_many
 from ray_specdec.models import native
 from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
 from ray_specdec.models.mamba_state import StateSlots
+from ray_specdec.speculation.acceptance import Verdict, accept_greedy
+from ray_specdec.speculation.drafting import Draft, DraftRequest, DrafterSession, commit_many, draft_many
 from tests.helpers.models import perturbed_mamba
 
 TINY = dict(vocab_size=77, hidden_size=40, state_size=6, num_hidden_layers=3, expand=2, conv_kernel=4,

@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.speculation.drafter_cache import DrafterStates, _bytes
-from ray_specdec.speculation.drafting import DrafterSession
-from ray_specdec.models.target import TargetModel
-from ray_specdec.speculation.drafter_sessions import LazyDrafter
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget
+from ray_specdec.models.target import TargetModel
+from ray_specdec.speculation.drafter_cache import DrafterStates, _bytes
+from ray_specdec.speculation.drafter_sessions import LazyDrafter
+from ray_specdec.speculation.drafting import DrafterSession
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 

@@ -7,21 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from ray_specdec.speculation.bandit import Bandit, BanditConfig
-from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.speculation.goodput import (
-    COST_WARMUP_STEPS,
-    PRIOR_ACCEPT_PER_DEPTH,
-    AcceptanceModel,
-    Candidate,
-    StepCostModel,
-    StepShape,
-    drafter_rows,
-    size_trees,
-)
 from ray_specdec.models.target import TargetModel
-from ray_specdec.rounds import NO_TREE
+from ray_specdec.speculation.bandit import Bandit, BanditConfig
+from ray_specdec.speculation.goodput import (COST_WARMUP_STEPS, PRIOR_ACCEPT_PER_DEPTH, AcceptanceModel, Candidate,
+                                             StepCostModel, StepShape, drafter_rows, size_trees)
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 

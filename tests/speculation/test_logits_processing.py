@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.speculation.drafting import Draft
+from ray_specdec.speculation.acceptance import Verdict
+from ray_specdec.speculation.drafting import Draft, empty_draft
 from ray_specdec.speculation.logits_processing import (TokenHistory, apply_logit_bias, path_counts, process_logits,
                                                        token_logprobs)
-from ray_specdec.rounds import empty_draft, judge
 from ray_specdec.speculation.tree import build_tree
+from ray_specdec.speculation.verify import judge
 from tests.helpers.reference import reference_row
 
 V = 12

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_specdec.speculation.acceptance import Verdict
-from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.speculation.drafting import LOOKUP_ONLY, DrafterSession, lookup_draft
+from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.target import TargetModel
-from ray_specdec.rounds import NO_TREE, FixedTree
 from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.models.target import TargetModel
+from ray_specdec.speculation.acceptance import Verdict
+from ray_specdec.speculation.drafting import LOOKUP_ONLY, DrafterSession, lookup_draft
+from ray_specdec.speculation.tree_policy import FixedTree
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 

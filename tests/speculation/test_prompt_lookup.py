@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.speculation.drafting import DrafterSession, _merge_lookup
 from ray_specdec.speculation.prompt_lookup import LookupIndex
 from tests.helpers.inputs import repetitive_history

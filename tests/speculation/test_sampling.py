@@ -81,7 +81,8 @@ def test_plain_sampled_rounds_drawn_together_are_each_rounds_own_draw(dtype, dev
     `judge` draws for the round alone from the same stream, and every stream ends where judge leaves it (the next
     draw agrees too). Peaked and flat rows, and a row whose mass sits on one token. On CUDA the logits live on the
     device and the streams on the host, as a request's do."""
-    from ray_specdec.rounds import empty_draft, judge, judge_plain_sampled, plain_sampled
+    from ray_specdec.speculation.drafting import empty_draft
+    from ray_specdec.speculation.verify import judge, judge_plain_sampled, plain_sampled
 
     vocab, rounds = 4096, 48
     torch.manual_seed(0)
@@ -100,8 +101,8 @@ def test_plain_sampled_rounds_drawn_together_are_each_rounds_own_draw(dtype, dev
 
 
 def test_only_sampled_rounds_without_draft_or_logit_processing_are_plain():
-    from ray_specdec.speculation.drafting import lookup_draft
-    from ray_specdec.rounds import empty_draft, plain_sampled
+    from ray_specdec.speculation.drafting import empty_draft, lookup_draft
+    from ray_specdec.speculation.verify import plain_sampled
 
     assert not plain_sampled(empty_draft(), SamplingParams(temperature=0.0))
     assert not plain_sampled(empty_draft(), SamplingParams(temperature=1.0, presence_penalty=0.5))

@@ -1,7 +1,7 @@
 """A contextual multi-armed bandit over tree configs, shared by all router replicas.
 
-The engine only sees `TreePolicy` (`select(context_len, load=...)`, `record(tree, context_len, accepted_tokens,
-round_time_s, load=...)`).
+The engine only sees a `TreePolicy` (speculation/tree_policy.py: `select(context_len, load=...)`,
+`record(tree, context_len, accepted_tokens, round_time_s, load=...)`).
 `Bandit` implements it for one process and is the router-side client of a `BanditHub` (the shared side, one Ray actor
 in deployments/); `BanditState` is the pure data that moves between them and is persisted to disk.
 """
@@ -13,10 +13,9 @@ from ray_specdec.speculation.bandit.client import (
     Bandit,
     BanditConfig,
     BanditHub,
-    TreePolicy,
     summarize,
 )
-from ray_specdec.speculation.bandit.policies import DiscountedUCB, GaussianThompson, PaperReward, ThroughputReward, UCB1
+from ray_specdec.speculation.bandit.policies import UCB1, DiscountedUCB, GaussianThompson, PaperReward, ThroughputReward
 from ray_specdec.speculation.bandit.state import BanditState, bucket_labels, load_labels
 
 __all__ = [
@@ -31,7 +30,6 @@ __all__ = [
     "GaussianThompson",
     "PaperReward",
     "ThroughputReward",
-    "TreePolicy",
     "UCB1",
     "bucket_labels",
     "load_labels",

@@ -16,14 +16,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ray_specdec.config import MAX_LOOKUP_TOKENS, PAPER_TREES, TreeConfig
 from ray_specdec.speculation.bandit.policies import (ArmStats, GaussianThompson, Policy, Reward, ThroughputReward,
                                                      posterior_draws)
 from ray_specdec.speculation.bandit.state import ONE_MODE, OWN_FIELDS, SPLIT_MODES, BanditState, load_labels
-from ray_specdec.config import MAX_LOOKUP_TOKENS, PAPER_TREES, TreeConfig
 
 # The paper's trees and the chain, plus shallower / wider shapes that win when verification is expensive.
 DEFAULT_ARMS = (
@@ -44,36 +44,6 @@ DEFAULT_BUCKET_EDGES = (1024, 2048, 4096, 8192)  # prompt tokens: <1k, 1-2k, 2-4
 # 8 -> 16); four levels keep each one's data plentiful (more cells learn slower), and they separate the concurrency
 # levels the benchmarks run (1, 8, 32).
 DEFAULT_LOAD_EDGES = (1, 4, 16)
-
-
-class TreePolicy(Protocol):
-    """Context of a round: the request's context length, whether it samples (temperature > 0) or is greedy, and the
-    load: the requests decoding in the round's step (1: alone).
-
-    `arms`: the trees it picks among (the scheduler's goodput sizing may take a smaller one of them instead of the
-    pick); `throughput`: its estimated tokens per second of round time per arm (empty: none; the start rule then
-    drafts)."""
-
-    @property
-    def arms(self) -> tuple[TreeConfig, ...]: ...
-
-    def select(self, context_len: int, sampled: bool = False, *, load: int = 1) -> TreeConfig: ...
-
-    def throughput(
-        self, context_len: int, sampled: bool = False, draw: bool = False, *, load: int = 1
-    ) -> dict[TreeConfig, float]: ...
-
-    def record(
-        self,
-        tree: TreeConfig,
-        context_len: int,
-        accepted_tokens: int,
-        round_time_s: float,
-        sampled: bool = False,
-        what_if: Mapping[TreeConfig, int] | None = None,
-        *,
-        load: int = 1,
-    ) -> None: ...
 
 
 @dataclass(frozen=True)

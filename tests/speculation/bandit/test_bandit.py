@@ -9,22 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from ray_specdec.speculation.bandit import (
-    DEFAULT_ARMS,
-    Bandit,
-    BanditConfig,
-    BanditHub,
-    BanditState,
-    DiscountedUCB,
-    GaussianThompson,
-    PaperReward,
-    ThroughputReward,
-    UCB1,
-    bucket_labels,
-    load_labels,
-)
-from ray_specdec.speculation.bandit.state import OWN_FIELDS, WHAT_IF_FIELDS
 from ray_specdec.config import MAX_LOOKUP_TOKENS, TreeConfig
+from ray_specdec.speculation.bandit import (DEFAULT_ARMS, UCB1, Bandit, BanditConfig, BanditHub, BanditState,
+                                            DiscountedUCB, GaussianThompson, PaperReward, ThroughputReward,
+                                            bucket_labels, load_labels)
+from ray_specdec.speculation.bandit.state import OWN_FIELDS, WHAT_IF_FIELDS
 from tests.helpers.bandit_sim import (MEANS, Env, assert_same_state, gaussian_env, late_share, random_rounds, replay,
                                       simulate)
 

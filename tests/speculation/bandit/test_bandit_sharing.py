@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from ray_specdec.speculation.bandit import DEFAULT_ARMS, Bandit, BanditConfig, BanditHub, UCB1
 from ray_specdec.config import TreeConfig
+from ray_specdec.speculation.bandit import DEFAULT_ARMS, UCB1, Bandit, BanditConfig, BanditHub
 from tests.helpers.bandit_sim import MEANS, assert_same_state, gaussian_env, random_rounds, replay, simulate
 
 

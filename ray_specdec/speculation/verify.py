@@ -1,25 +1,21 @@
-"""What every driver of the round loop shares: the judge of a round, random streams, output records, a fixed policy.
+"""Judging a round: the target's logits for the verify rows against the draft, for one request's sampling settings.
 
-The loop itself is `scheduler.Scheduler`; the in-process engine, the CLI, the benchmark and the Serve app drive it
-and import these types from here, not from each other.
+Greedy rounds walk the tree on the target's argmaxes; sampled rounds run multi-draft rejection sampling on processed
+distributions (acceptance.py holds the pure tensor functions and defines accepted, bonus and residual). Undrafted
+sampled rounds of a step are judged together (`judge_plain_sampled`), each with its own random stream.
 """
 
 from __future__ import annotations
 
-import secrets
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from ray_specdec.config import SamplingParams
 from ray_specdec.speculation.acceptance import Verdict, accept_greedy, accept_sampled
-from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.speculation.drafting import Draft
 from ray_specdec.speculation.logits_processing import TokenHistory, TokenLogprob, process_logits, token_logprobs
 from ray_specdec.speculation.sampling import logits_to_probs, sample_rows
-from ray_specdec.engine.stats import GenerationStats
-
-NO_TREE = TreeConfig(())
 
 
 def judge(
@@ -87,68 +83,3 @@ def round_logprobs(
 ) -> list[TokenLogprob] | None:
     """The logprobs of a round's first `kept` new tokens (those the stop checks kept), when the request asks."""
     return None if params.logprobs is None else token_logprobs(target_logits, verdict, params.logprobs, kept)
-
-
-def empty_draft() -> Draft:
-    return Draft(NO_TREE, torch.empty(0, dtype=torch.long), None)
-
-
-def make_generators(seed: int | None) -> tuple[torch.Generator, torch.Generator]:
-    """Independent (draft, target) random streams; the same seed gives the same output."""
-    seed = secrets.randbits(62) if seed is None else seed
-    draft_gen = torch.Generator(device="cpu").manual_seed(seed)
-    target_gen = torch.Generator(device="cpu").manual_seed(seed ^ 0x5DEECE66D)
-    return draft_gen, target_gen
-
-
-class FixedTree:
-    """A tree policy that always picks one config (the bandit is the adaptive one)."""
-
-    def __init__(self, tree: TreeConfig):
-        self.tree = tree
-
-    @property
-    def arms(self) -> tuple[TreeConfig, ...]:
-        return (self.tree,)
-
-    def select(self, context_len: int, sampled: bool = False, max_nodes: int | None = None, *,
-               load: int = 1) -> TreeConfig:  # fmt: skip
-        return self.tree
-
-    def throughput(self, context_len: int, sampled: bool = False, draw: bool = False, *,
-                   load: int = 1) -> dict[TreeConfig, float]:  # fmt: skip
-        return {}  # no estimates: the start rule drafts
-
-    def record(self, tree: TreeConfig, context_len: int, accepted_tokens: int, round_time_s: float,
-               sampled: bool = False, what_if=None, *, load: int = 1) -> None:
-        pass
-
-
-@dataclass
-class StreamChunk:
-    token_ids: list[int]  # tokens kept this round
-    text: str  # text delta
-    finish_reason: str | None
-    stats: GenerationStats
-    logprobs: list[TokenLogprob] | None = None  # one per kept token, when the request asks (params.logprobs)
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stats: GenerationStats
-    prompt_tokens: int
-    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asks (params.logprobs)
-
-
-def fit_tree(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:
-    """The tree (and engine lookup tokens) cut until its verify rows fit the `room` left in the request's KV
-    reservation (a pick larger than the reservation foresaw, e.g. of a policy whose picks are not its arms)."""
-    while arm.depth and 1 + arm.num_nodes + max(arm.lookup, lookup) > room:
-        if lookup:
-            lookup = max(0, room - 1 - arm.num_nodes)
-        else:
-            arm = arm.truncated(arm.depth - 1)
-    return arm, lookup
