@@ -6,7 +6,8 @@ of benchmarks/serve_peers.py). The cells at each concurrency start at their own 
 sends a prompt an earlier cell of its engine sent: the prefix cache would serve its prefill. A cell that runs
 past its share says so. Four variants of the same engine, side by side in one run:
 
-- `batched`: the lean forward (models/lean_forward.py) carries the verify rows of every request in one forward per
+- `batched`: the lean forward (models/target/lean_forward.py) carries the verify rows of every request in one forward
+per
   step, each weight read once for all of them; attention runs per request over its own cache;
 - `per-request`: `lean=False`, the model's own forward once per request per step (what the GPU path ran before the
   lean forward took CUDA);
@@ -17,8 +18,9 @@ past its share says so. Four variants of the same engine, side by side in one ru
   native call per forward (models/native/decoder.py);
 - `own-caches` (asked for by name): batched products, but every request's K/V in a cache of its own and its
   attention one call per request per layer (`kv_pool=False`); `batched` pools the caches where the target does
-  (models/kv_pool.py: CUDA), so its verify rows attend in one call per layer;
-- `eager` (asked for by name): `batched` without the target's CUDA graphs (`cuda_graphs=False`; models/step_graphs.py
+  (models/target/kv_pool.py: CUDA), so its verify rows attend in one call per layer;
+- `eager` (asked for by name): `batched` without the target's CUDA graphs (`cuda_graphs=False`;
+models/target/step_graphs.py
   graphs the work around each attention on CUDA, and a forward over pooled caches with its attention in one graph);
 - `pieces` (asked for by name): the graphs around each attention only, the attention eager between them (no fused
   forward: kernels/pooled_attention.py unused);
@@ -59,8 +61,8 @@ from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingPar
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.factory import resolve_device
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.bandit import Bandit
 
 VARIANTS = (("batched", True, None), ("batched", True, "none"), ("pieces", True, None), ("pieces", True, "none"),

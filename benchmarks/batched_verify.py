@@ -17,7 +17,7 @@ import torch
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.models.target import Segment, TargetModel
+from ray_specdec.models.target.model import Segment, TargetModel
 from ray_specdec.speculation.tree import build_tree
 
 TREE = (2, 1)  # 4 nodes: 5 verify rows per request

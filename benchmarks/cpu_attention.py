@@ -2,7 +2,7 @@
 
 Two copies of the target (both on the planned GEMM paths), one switched to the native attention, each with its cache
 prefilled to the same context; then verifies of 1 + n chain rows, alternating between the two in random order, and
-the median ms of each with their ratio. Rows below cpu_attention.MIN_ROWS run sdpa in both (a control for noise).
+the median ms of each with their ratio. Rows below attention.MIN_ROWS run sdpa in both (a control for noise).
 
 Run from the repository root: python -m benchmarks.cpu_attention [--target PATH] [--contexts 200,1000,3000]
     [--rows 1,3,5,8,12,16,25] [--repeats 30]
@@ -18,8 +18,8 @@ import time
 import torch
 
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.models import cpu_attention
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.native import attention
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.tree import build_tree
 
 
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> None:
         "sdpa": TargetModel.from_pretrained(args.target, native_attention=False),
         "native": TargetModel.from_pretrained(args.target, native_attention=True),
     }
-    print(f"torch threads: {torch.get_num_threads()}; native from {cpu_attention.MIN_ROWS} to "
-          f"{cpu_attention.MAX_ROWS} rows\n")  # fmt: skip
+    print(f"torch threads: {torch.get_num_threads()}; native from {attention.MIN_ROWS} to "
+          f"{attention.MAX_ROWS} rows\n")  # fmt: skip
     print("| context | rows | sdpa (ms) | native (ms) | sdpa / native |")
     print("| --- | --- | --- | --- | --- |")
     gen = torch.Generator().manual_seed(0)

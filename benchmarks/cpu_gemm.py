@@ -16,8 +16,8 @@ import torch
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.models import cpu_gemm, native
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.native import gemm
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.drafting import tree_for
 
 TABLE_ROWS = (1, 2, 3, 4, 5, 8, 12, 16, 32, 64, 128, 512)
@@ -48,21 +48,21 @@ def main() -> None:
     args = p.parse_args()
 
     target = TargetModel.from_pretrained(args.target, planned_gemm=False)
-    layers = cpu_gemm.linear_layers(target.model)
+    layers = gemm.linear_layers(target.model)
     weights = [(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in layers]
-    paths = {name: cpu_gemm.PATHS[name] for name in cpu_gemm.available_paths()}
-    if cpu_gemm.NATIVE in paths:
-        f32_panels = {id(w): native.pack_panels(w) for w, _ in weights}
-        paths[NATIVE_F32] = lambda x, w, b: native.linear(x, f32_panels[id(w)], b, w.shape[0])
-        formats = sorted({str(native.exact_panel_dtype(w)).removeprefix("torch.") for w, _ in weights})
+    paths = {name: gemm.PATHS[name] for name in gemm.available_paths()}
+    if gemm.NATIVE in paths:
+        f32_panels = {id(w): gemm.pack_panels(w) for w, _ in weights}
+        paths[NATIVE_F32] = lambda x, w, b: gemm.linear(x, f32_panels[id(w)], b, w.shape[0])
+        formats = sorted({str(gemm.exact_panel_dtype(w)).removeprefix("torch.") for w, _ in weights})
         print(f"native panels: {', '.join(formats)}")
-    timings = cpu_gemm.measure(weights, paths=paths)
+    timings = gemm.measure(weights, paths=paths)
     paths = list(dict.fromkeys(name for name, _ in timings))
     mb = sum(w.numel() * w.element_size() for w, _ in weights) / 1e6
     print(f"ms per sweep over the target's {len(weights)} Linear weights ({mb:.0f} MB), best of 4:")
     print("| rows | " + " | ".join(paths) + " | chosen |")
     print("| --- |" + " --- |" * (len(paths) + 1))
-    plan = cpu_gemm.choose({key: t for key, t in timings.items() if key[0] != NATIVE_F32})
+    plan = gemm.choose({key: t for key, t in timings.items() if key[0] != NATIVE_F32})
     for m in TABLE_ROWS:
         cells = " | ".join(f"{1e3 * timings[(p_, m)]:.2f}" for p_ in paths)
         print(f"| {m} | {cells} | {plan.path_for(m)} |")
@@ -73,9 +73,9 @@ def main() -> None:
     for _ in range(args.rounds):
         for planned in (True, False):
             if planned:
-                cpu_gemm.install(target.model, plan)
+                gemm.install(target.model, plan)
             else:
-                cpu_gemm.uninstall(target.model)
+                gemm.uninstall(target.model)
             for chain in (0, 3, 8):
                 results.setdefault(("planned" if planned else "F.linear", chain), []).append(
                     decode_ms(target, prompt, args.tokens, chain))

@@ -20,8 +20,8 @@ import torch
 from kernels.state_copy import _launch, state_copy
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.drafting import tree_for
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER
-from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.speculation.drafting import DraftRequest, DrafterSession, draft_many
 
 PROMPT_TOKENS = 64  # the prompt only sets the root state; its length does not change a draft's cost

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GPTNeoXConfig, MambaConfig, MambaForCausalLM
 
-from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.drafter.mamba import MambaDrafter
 
 VOCAB = 4096
 TARGET_CONTEXT = 128

@@ -19,7 +19,8 @@ import torch
 from transformers import DynamicCache
 
 from benchmarks.target_verify import build_target, tree_of
-from ray_specdec.models.target import TargetCache, TargetModel
+from ray_specdec.models.target.kv_cache import TargetCache
+from ray_specdec.models.target.model import TargetModel
 
 CACHE_LENGTHS = (128, 1024, 4096, 8192)
 TREE_SIZES = (0, 16)

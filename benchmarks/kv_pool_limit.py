@@ -1,7 +1,7 @@
-"""The GPU's KV pool (`models/kv_pool.py`) under a device memory limit, as requests decode with their grants growing
-(`kv_grow`): how often a request is refused a range (it then falls back to a cache of its own, or fails to grow),
-how often the pool packs, and how many rows its packs and moves copy. No model and no timing: the pool's bookkeeping
-and copies only, on the CPU, in one-row float32 layers.
+"""The GPU's KV pool (`models/target/kv_pool.py`) under a device memory limit, as requests decode with their grants
+growing (`kv_grow`): how often a request is refused a range (it then falls back to a cache of its own, or fails to
+grow), how often the pool packs, and how many rows its packs and moves copy. No model and no timing: the pool's
+bookkeeping and copies only, on the CPU, in one-row float32 layers.
 
 A closed loop keeps `--concurrency` requests in flight for `--steps` steps. A request's prompt is 1-2,000 tokens and
 it generates 16-1,000 (uniform); it is granted twice its prompt and first round at admission and doubled as it
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ray_specdec.models.kv_pool import KVPool
+from ray_specdec.models.target.kv_pool import KVPool
 
 ROUND = 16  # verify rows a decoding request's next round may add
 

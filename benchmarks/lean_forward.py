@@ -1,4 +1,4 @@
-"""Verify forwards of the target through HF's forward, the lean loop (models/lean_forward.py) with torch ops, and
+"""Verify forwards of the target through HF's forward, the lean loop (models/target/lean_forward.py) with torch ops, and
 the lean loop with its decoder layers in one native call (models/native/decoder.py), side by side.
 
 The targets share one model (the same weights, GEMM plan and attention), so the only difference is the forward's
@@ -19,7 +19,7 @@ import torch
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_TARGET
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.drafting import tree_for
 
 CONTEXTS = (200, 1000, 3000)

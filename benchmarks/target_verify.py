@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, GPTNeoXConfig
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.models.loading import resolve_dtype
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.tree import build_tree
 
 TREE_SIZES = (0, 8, 16, 32)

@@ -2,7 +2,8 @@
 the ranks' fast paths is worth.
 
 - `now`: the defaults: the ranks' lean forward (one forward per step for every request's verify rows;
-  models/tp_shards.py), their sums through shared memory on CPU (models/shm_collective.py), a Ray task per rank a step;
+  models/target/tp_shards.py), their sums through shared memory on CPU (models/target/shm_collective.py), a Ray task per
+  rank a step;
 - `compiled`: a step as one Ray compiled graph call instead (RAY_SPECDEC_COMPILED_STEPS=1, off by default);
 - `gloo`: gloo's all-reduce instead of shared memory (RAY_SPECDEC_SHM_ALLREDUCE=0);
 - `before`: gloo and HF's forward once per request per step (RAY_SPECDEC_LEAN=0): what the ranks ran before.
@@ -38,8 +39,8 @@ from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine.llm import DEFAULT_SCHEDULER
 from ray_specdec.engine.scheduler import Scheduler
+from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.loading import load_tokenizer
-from ray_specdec.models.mamba_drafter import MambaDrafter
 from ray_specdec.speculation.bandit import Bandit
 
 # name -> the switches it turns off (in the ranks' environment and this process's, where the RankGroup lives)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ray_specdec.config import TreeConfig
-from ray_specdec.models.target import Segment, TargetModel
+from ray_specdec.models.target.model import Segment, TargetModel
 from ray_specdec.speculation.tree import TreeTensors, build_tree
 
 

@@ -1,10 +1,10 @@
 """Pooled tree attention: every row of a forward attends over its request's rows of the K/V pool in one launch.
 
-On CUDA each request's cache is a contiguous range of one K/V pool per layer (ray_specdec/models/kv_pool.py). The
+On CUDA each request's cache is a contiguous range of one K/V pool per layer (ray_specdec/models/target/kv_pool.py). The
 eager path gathers every request's rows into a padded batch and calls sdpa: per layer two writes, three gathers, a
 reshape, sdpa and a pick, each a launch whose shapes change every step. This kernel reads the pool in place, so one
 launch per layer does it all, with shapes fixed by the forward's (padded) row count: a CUDA graph can hold it, and
-the whole forward becomes one graph per bucket (models/step_graphs.py).
+the whole forward becomes one graph per bucket (models/target/step_graphs.py).
 
 Program (r, h) serves row r and query head h:
 - meta[r] = (pool row of its request's key 0, keys cached before this forward, forward row of its request's first new

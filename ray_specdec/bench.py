@@ -302,12 +302,12 @@ def parse_args(argv):
 def gemm_panel_formats(target) -> list[str] | None:
     """The element formats of the native GEMM's packed weights for the target's Linear layers (None: no plan takes
     the native path)."""
-    from ray_specdec.models import cpu_gemm, native
+    from ray_specdec.models.native import gemm
 
-    if target.gemm_plan is None or cpu_gemm.NATIVE not in target.gemm_plan.paths:
+    if target.gemm_plan is None or gemm.NATIVE not in target.gemm_plan.paths:
         return None
-    return sorted({str(native.exact_panel_dtype(m.weight.detach())).removeprefix("torch.")
-                   for m in cpu_gemm.linear_layers(target.model)})
+    return sorted({str(gemm.exact_panel_dtype(m.weight.detach())).removeprefix("torch.")
+                   for m in gemm.linear_layers(target.model)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,10 +315,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray_specdec.bench_report import write_report
     from ray_specdec.factory import resolve_device
-    from ray_specdec.models import cpu_attention
+    from ray_specdec.models.drafter.mamba import MambaDrafter
     from ray_specdec.models.loading import resolve_dtype, resolve_model_path
-    from ray_specdec.models.mamba_drafter import MambaDrafter
-    from ray_specdec.models.target import ATTN_IMPLEMENTATION, TargetModel
+    from ray_specdec.models.native import attention
+    from ray_specdec.models.target.model import ATTN_IMPLEMENTATION, TargetModel
     from ray_specdec.speculation.bandit import Bandit, BanditConfig
     from ray_specdec.training.corpus import heldout_prompts
 
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                      "target_gemm_plan": target.gemm_plan.describe() if target.gemm_plan else None,
                      "target_native_attention": target.native_attention,
                      "target_native_attention_why": target.native_attention_why,
-                     "target_native_attention_rows": [cpu_attention.MIN_ROWS, cpu_attention.MAX_ROWS],
+                     "target_native_attention_rows": [attention.MIN_ROWS, attention.MAX_ROWS],
                      "target_lean_forward": target.lean_why is None, "target_lean_forward_why": target.lean_why,
                      "target_batch_invariant": target.batch_invariant,
                      "target_batch_invariant_why": target.batch_invariant_why,

@@ -39,19 +39,20 @@ def markdown(report: dict) -> str:
     gemm = report.get("hardware", {}).get("target_gemm_plan")
     if gemm is not None:
         panels = report["hardware"].get("target_gemm_panels")
-        lines += ["", f"Our engine's target GEMM paths (measured at load, models/cpu_gemm.py): {gemm}"
+        lines += ["", f"Our engine's target GEMM paths (measured at load, models/native/gemm.py): {gemm}"
                   + (f" (native panels: {', '.join(panels)})" if panels else "")
                   + "; HF's methods run the target as transformers loads it (F.linear)"]
     hardware = report.get("hardware", {})
     if "target_native_attention" in hardware:
         low, high = hardware.get("target_native_attention_rows", ("?", "?"))
         lines.append(f"Our engine's attention for {low}-{high} verify rows: " + (
-            "native C kernel (models/cpu_attention.py)" if hardware["target_native_attention"]
+            "native C kernel (models/native/attention.py)" if hardware["target_native_attention"]
             else f"sdpa ({hardware.get('target_native_attention_why')})"))
     if "target_batch_invariant" in hardware:
         lines.append("Our engine's verify rows: " + (
-            "batch-invariant (native GEMM and attention for every row count, models/batch_invariant.py; a step's "
-            "prefill chunks together on the native GEMM, each attending alone)" if hardware["target_batch_invariant"]
+            "batch-invariant (native GEMM and attention for every row count, models/target/batch_invariant.py; "
+            "a step's prefill chunks together on the native GEMM, each attending alone)"
+            if hardware["target_batch_invariant"]
             else f"the GEMM plan ({hardware.get('target_batch_invariant_why')})"))
     if "target_native_decoder_why" in hardware:
         why = hardware["target_native_decoder_why"]
@@ -59,10 +60,10 @@ def markdown(report: dict) -> str:
             "one native call per forward (models/native/decoder.py)" if why is None else f"torch ops ({why})"))
     if "target_lean_forward" in hardware:
         lines.append("Our engine's verify forward: " + (
-            "lean loop over the model's modules (models/lean_forward.py)" if hardware["target_lean_forward"]
+            "lean loop over the model's modules (models/target/lean_forward.py)" if hardware["target_lean_forward"]
             else f"HF's ({hardware.get('target_lean_forward_why')})"))
     if hardware.get("drafter_cuda_graphs"):
-        lines.append("Mamba drafter steps and catch-ups: CUDA graphs (models/cuda_graphs.py)")
+        lines.append("Mamba drafter steps and catch-ups: CUDA graphs (models/drafter/cuda_graphs.py)")
     elif hardware.get("drafter_graphs_why"):
         lines.append(f"Mamba drafter steps: eager torch ({hardware['drafter_graphs_why']})")
     elif "drafter_native" in hardware:

@@ -1,5 +1,5 @@
 """The embedded model family: the models shipped inside the package (trained by `ray_specdec.training`) and the ones
-grown from them on first use (models/growth.py), their names and directories, and `python -m ray_specdec models`.
+grown from them on first use (models/target/growth.py), their names and directories, and `python -m ray_specdec models`.
 
 Shipped paths are resolved relative to the installed package, so they work from a checkout and from a wheel alike. A
 grown model is built into the cache directory (RAY_SPECDEC_CACHE_DIR/models, default ~/.cache/ray_specdec/models) the
@@ -51,7 +51,7 @@ def embedded_model_path(name: str, build: bool = True) -> Path:
         raise ValueError(f"unknown embedded model {name!r}; expected one of {EMBEDDED_MODEL_NAMES}")
     out = models_cache_dir() / name
     if build:
-        from ray_specdec.models.growth import ensure_grown
+        from ray_specdec.models.target.growth import ensure_grown
 
         source, hidden_factor, mlp_factor = GROWN_MODELS[name]
         ensure_grown(name, default_model_path(source), out, hidden_factor, mlp_factor)
@@ -61,7 +61,7 @@ def embedded_model_path(name: str, build: bool = True) -> Path:
 def is_built(name: str) -> bool:
     """Whether embedded model `name` can be loaded from its directory as it is (a grown one: built and current)."""
     if name in GROWN_MODELS:
-        from ray_specdec.models.growth import is_current
+        from ray_specdec.models.target.growth import is_current
 
         source, hidden_factor, mlp_factor = GROWN_MODELS[name]
         return is_current(embedded_model_path(name, build=False), default_model_path(source), hidden_factor,

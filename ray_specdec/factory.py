@@ -43,7 +43,7 @@ def _first_line(e: Exception) -> str:
 
 
 def load_target(name: str | None, dtype="auto", device="cpu"):
-    from ray_specdec.models.target import TargetModel
+    from ray_specdec.models.target.model import TargetModel
 
     name = name or _default("target")
     try:
@@ -54,7 +54,7 @@ def load_target(name: str | None, dtype="auto", device="cpu"):
 
 def load_drafter(name: str | None, dtype="auto", device="cpu", prefill_window: int | str | None = "auto"):
     """None -> the embedded default drafter; 'none' -> no drafter (plain target decoding)."""
-    from ray_specdec.models.mamba_drafter import MambaDrafter
+    from ray_specdec.models.drafter.mamba import MambaDrafter
 
     if name is not None and name.lower() == "none":
         return None

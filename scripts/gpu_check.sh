@@ -15,7 +15,7 @@ nvidia-smi -L
 python3 -c "import torch, transformers, triton
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/engine/test_cuda_batching.py tests/engine/test_cuda.py \
-  tests/models/test_kv_pool.py tests/models/test_step_graphs.py tests/kernels/test_pooled_attention.py 2>&1 \
+  tests/models/target/test_kv_pool.py tests/models/target/test_step_graphs.py tests/kernels/test_pooled_attention.py 2>&1 \
   | tee "$out/tests.log" | quiet | tail -25
 python3 -m benchmarks.batched_loop --device cuda --dtype float32 --duration "${DURATION:-8}" \
   --variants "batched drafting,batched none,pieces none,eager none" \

@@ -1,6 +1,6 @@
 """Test-wide settings: tiny models are overhead-bound, and one intra-op thread avoids oversubscribing a 2-core box
 (Ray workers and DeepSpeed ranks started by tests run beside the test process). Measured GEMM plans
-(models/cpu_gemm.py) are kept in a directory of this run's own, not in the user's cache.
+(models/native/gemm.py) are kept in a directory of this run's own, not in the user's cache.
 
 The session ends with `os._exit(status)` once pytest has reported, where this process ran Ray: the deployment tests
 start and shut down several Rays (and Serve's handles) in this one process, which Ray does not support cleanly
@@ -21,7 +21,7 @@ os.environ["RAY_SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="ray_specdec_test_
 
 # after the settings above: the package reads them as it loads
 from ray_specdec import factory  # noqa: E402
-from ray_specdec.models.target import TargetModel  # noqa: E402
+from ray_specdec.models.target.model import TargetModel  # noqa: E402
 from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba, tiny_tokenizer  # noqa: E402
 
 _exit_status: list[int] = []

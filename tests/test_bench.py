@@ -10,7 +10,7 @@ from transformers import MambaConfig, MambaForCausalLM
 from ray_specdec.bench import main, parse_args
 from ray_specdec.engine.llm import DEFAULT_SCHEDULER
 from ray_specdec.engine.scheduler_config import SchedulerConfig, flag
-from ray_specdec.models import native
+from ray_specdec.models.native import library
 from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer
 
 
@@ -85,7 +85,7 @@ def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
     assert hardware["target_lean_forward"] is (hardware["device"] == "cpu")  # tiny GPTNeoX target: lean on CPU
     assert "Our engine's verify forward: " + ("lean loop" if hardware["target_lean_forward"] else "HF's") in markdown
     native_layers = hardware["target_native_decoder_why"] is None  # the tiny GPTNeoX's layers in one C call on CPU
-    assert native_layers is (hardware["device"] == "cpu" and native.load() is not None)
+    assert native_layers is (hardware["device"] == "cpu" and library.load() is not None)
     said = "one native call" if native_layers else "torch ops"
     assert "Our engine's verify rows' decoder layers: " + said in markdown
 

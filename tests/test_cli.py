@@ -13,7 +13,7 @@ from ray_specdec.config import SamplingParams
 from ray_specdec.engine.kv_sizing import kv_budget_rows
 from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
 from ray_specdec.engine.scheduler_config import SchedulerConfig, flag
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.target.model import TargetModel
 from tests.helpers.cli import run_cli
 
 WORDS = "the quick brown fox jumps over the lazy dog a tree of tokens is verified in one pass".split()

@@ -18,9 +18,9 @@ from ray_specdec.engine.request import RequestTooLarge
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.mamba_state import StateSlots
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.drafter.mamba_state import StateSlots
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.logits_processing import TokenLogprob
 
 # Default cut of drafts by the drafter's own path probabilities (DrafterSession.draft); see docs/BENCHMARKS.md.

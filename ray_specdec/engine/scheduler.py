@@ -51,8 +51,8 @@ from ray_specdec.engine.prefix_cache import PrefixIndex
 from ray_specdec.engine.request import QueueFull, Request, RequestTooLarge, StepOutput
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import SegmentSpec, StepWork, TargetBackend, on_host
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.mamba_state import StateSlots
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.drafter.mamba_state import StateSlots
 from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.speculation.bandit import DEFAULT_LOAD_EDGES, Bandit
 from ray_specdec.speculation.counterfactuals import what_if

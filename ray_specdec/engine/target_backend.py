@@ -16,7 +16,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from ray_specdec.models.target import Segment, TargetCache, TargetModel
+from ray_specdec.models.target.kv_cache import TargetCache
+from ray_specdec.models.target.model import Segment, TargetModel
 from ray_specdec.speculation.drafting import tree_from_paths
 
 
@@ -165,6 +166,6 @@ class LocalTarget(TargetCaches):
 
     @property
     def kv_pool(self) -> dict[str, int] | None:
-        """The target's KV pool's state (models/kv_pool.py), None where its caches are their own."""
+        """The target's KV pool's state (models/target/kv_pool.py), None where its caches are their own."""
         return getattr(self.target, "kv_pool_stats", None)
 

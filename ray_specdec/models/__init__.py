@@ -1,5 +1,6 @@
-"""Model adapters: the Transformer target and the Mamba drafter, plus shared loading helpers.
+"""Model adapters: the Transformer target (target/), the Mamba drafter (drafter/), the native CPU kernels beside their
+Python wrappers (native/), and shared loading helpers.
 
-Import the adapters from their modules (`ray_specdec.models.target`, `ray_specdec.models.mamba_drafter`) so that
+Import the adapters from their modules (`ray_specdec.models.target.model`, `ray_specdec.models.drafter.mamba`) so that
 using one does not import the other.
 """

@@ -6,7 +6,7 @@ all-reduced, so every rank runs the same calls on the same inputs and ends up wi
 scheduler's target side reaches the ranks with one call per step (`run(StepWork)`: commits, frees, allocations and
 the batched forward); every rank gets the same work in the same order, and only rank 0 returns logits. Each rank's
 target runs the lean forward over its shard (GPTNeoX and Llama): one forward for the verify rows of every request of
-the step, batch-invariant on CPU (models/tp_shards.py).
+the step, batch-invariant on CPU (models/target/tp_shards.py).
 
 With world_size == 1 DeepSpeed is not used at all: the plain HF module is exactly what the in-process engine runs
 (bit-identical logits, float64 allowed), and there is nothing to shard. `init_inference` with tp_size 1 would only
@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM
 
 from ray_specdec.engine.kv_sizing import device_room
 from ray_specdec.engine.target_backend import StepWork, TargetCaches
-from ray_specdec.models import shm_collective
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path
-from ray_specdec.models.target import ATTN_IMPLEMENTATION, TargetModel
+from ray_specdec.models.target import shm_collective
+from ray_specdec.models.target.model import ATTN_IMPLEMENTATION, TargetModel
 
 
 def free_port() -> int:

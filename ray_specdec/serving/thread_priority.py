@@ -9,7 +9,7 @@ little CPU but wake often. Served on 2 cores, those threads at niceness 19 gave 
 and 1.03-1.04x at 8 and 32 (alternated pairs; docs/BENCHMARKS.md).
 
 How. Linux lets a process raise the niceness of its own threads without privileges (lowering it needs CAP_SYS_NICE).
-The compute threads are the loop's own and its OpenMP team (`native.openmp_thread_ids`); every other thread of the
+The compute threads are the loop's own and its OpenMP team (`library.openmp_thread_ids`); every other thread of the
 process gets niceness 19, and `refresh` repeats that at most every REFRESH_S for threads started later. The compute
 threads keep the process's niceness (Ray starts workers at 15). Where the team cannot be known (no native kernels,
 another OS, two OpenMP runtimes in the process) nothing changes: a worker of torch's left at 19 would slow every
@@ -43,12 +43,12 @@ class ComputeFirst:
         """On the loop's thread, after its first parallel torch work (the team exists): the loop's thread and its
         OpenMP team as the compute threads, every other thread lowered now. None (logged) where the team cannot be
         known."""
-        from ray_specdec.models import native
+        from ray_specdec.models.native import library
 
-        team = native.openmp_thread_ids()
+        team = library.openmp_thread_ids()
         if team is None or threading.get_native_id() not in team:
             logger.info("compute threads first: off (the OpenMP team is unknown: %s)",
-                        native.why_unavailable() or "not Linux, or two OpenMP runtimes")  # fmt: skip
+                        library.why_unavailable() or "not Linux, or two OpenMP runtimes")  # fmt: skip
             return None
         keeper = cls(set(team))
         keeper.refresh(force=True)

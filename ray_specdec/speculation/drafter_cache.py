@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
+from ray_specdec.models.drafter.mamba import MambaDrafter, MambaState
 
 # The shipped drafter's entry is ~180 KB (4 layers x 512 channels x (4 + 16) floats, and its logits): ~360 entries.
 DEFAULT_MAX_BYTES = 64 << 20

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ray_specdec.models.device_clock import now
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.mamba_state import StateSlots
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.drafter.mamba_state import StateSlots
 from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.speculation.drafter_cache import DrafterStates
 from ray_specdec.speculation.drafting import DrafterSession, commit_many

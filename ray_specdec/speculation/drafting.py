@@ -30,8 +30,8 @@ from typing import Sequence
 import torch
 
 from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
-from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
-from ray_specdec.models.mamba_state import StateSlots
+from ray_specdec.models.drafter.mamba import MambaDrafter, MambaState
+from ray_specdec.models.drafter.mamba_state import StateSlots
 from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.speculation.drafter_cache import DrafterStates
 from ray_specdec.speculation.logits_processing import apply_logit_bias

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.target.model import TargetModel
 from tests.helpers.bigram import VOCAB, bigram_pair, word_tokenizer
 
 

@@ -20,8 +20,8 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, StepWork
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.target import Segment, TargetModel
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.target.model import Segment, TargetModel
 from ray_specdec.serving.target_worker import TargetWorker, check_tp_dtype, narrowed, shipped, widened
 from ray_specdec.speculation.tree import build_tree
 from tests.helpers.bigram import word_tokenizer
@@ -251,7 +251,7 @@ def test_tp2_batch_gives_the_greedy_tokens_of_tp1(tiny_dirs, model_dirs, family,
     try:
         assert_auto_tp_sharded(group, model)
         # every rank runs the lean forward over the step's rows, batch-invariant, verify rows through the native
-        # attention (tp_shards.py: its row-parallel products summed in rank order)
+        # attention (models/target/tp_shards.py: its row-parallel products summed in rank order)
         assert rank_paths(group) == [(None, None, None)] * 2
         (tp2, tp2_cached), tp2_hits = run_batch(group, drafter)  # the second run copies each rank's own shard
         (tp2_alone,), _ = run_batch(group, drafter, alone=True)
@@ -261,7 +261,8 @@ def test_tp2_batch_gives_the_greedy_tokens_of_tp1(tiny_dirs, model_dirs, family,
     finally:
         group.shutdown()
     assert (group.info["tp_size"], group.vocab_size, group.info["dtype"]) == (2, VOCAB, "float32")
-    assert group.info["shm_allreduce_why"] is None  # the ranks sum through shared memory (models/shm_collective.py)
+    # the ranks sum through shared memory (models/target/shm_collective.py)
+    assert group.info["shm_allreduce_why"] is None
     assert group.compiled_why is None  # every step went through the compiled graph
     assert tp2 == tp2_cached == tp1 and tp2_hits == hits
     # batch invariance over the ranks: each request's tokens, and a verify's logits, do not depend on the batch

@@ -23,8 +23,8 @@ if not torch.cuda.is_available():
 from ray_specdec.config import SamplingParams, TreeConfig  # noqa: E402
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
 from ray_specdec.engine.llm import SpeculativeEngine  # noqa: E402
-from ray_specdec.models.mamba_drafter import MambaDrafter  # noqa: E402
-from ray_specdec.models.target import TargetModel  # noqa: E402
+from ray_specdec.models.drafter.mamba import MambaDrafter  # noqa: E402
+from ray_specdec.models.target.model import TargetModel  # noqa: E402
 from ray_specdec.speculation.sampling import logits_to_probs  # noqa: E402
 from ray_specdec.training.corpus import heldout_prompts  # noqa: E402
 from ray_specdec.speculation.tree import build_tree  # noqa: E402

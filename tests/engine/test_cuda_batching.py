@@ -1,10 +1,10 @@
 """Continuous batching on a CUDA device (skipped without one).
 
-On CUDA the lean forward (models/lean_forward.py) carries the verify rows of every request of a step in one forward:
-each weight is one cuBLAS product for all of them, and the requests' verify rows attend over their caches, ranges of
-one pool per layer, in one sdpa call per layer (models/kv_pool.py; with caches of their own, one call per request).
-There is no batch-invariant path on CUDA (cuBLAS picks its kernel by the row count, so a row's rounding may depend on
-the rows beside it), so what holds there is:
+On CUDA the lean forward (models/target/lean_forward.py) carries the verify rows of every request of a step in one
+forward: each weight is one cuBLAS product for all of them, and the requests' verify rows attend over their caches,
+ranges of one pool per layer, in one sdpa call per layer (models/target/kv_pool.py; with caches of their own, one call
+per request). There is no batch-invariant path on CUDA (cuBLAS picks its kernel by the row count, so a row's rounding
+may depend on the rows beside it), so what holds there is:
 
 - the batched forward computes what HF's forward computes request by request (float64: to rounding; same argmax);
 - float64: a request's greedy tokens are the same alone and in a batch of mixed prompts, lengths, max_tokens and
@@ -25,8 +25,8 @@ if not torch.cuda.is_available():
 from ray_specdec.config import SamplingParams, TreeConfig  # noqa: E402
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
 from ray_specdec.engine.llm import SpeculativeEngine  # noqa: E402
-from ray_specdec.models.mamba_drafter import MambaDrafter  # noqa: E402
-from ray_specdec.models.target import Segment, TargetModel  # noqa: E402
+from ray_specdec.models.drafter.mamba import MambaDrafter  # noqa: E402
+from ray_specdec.models.target.model import Segment, TargetModel  # noqa: E402
 from ray_specdec.training.corpus import heldout_prompts  # noqa: E402
 from ray_specdec.speculation.tree import build_tree  # noqa: E402
 from tests.helpers.inputs import random_prompt  # noqa: E402
@@ -134,8 +134,8 @@ def test_float32_batches_leave_plain_decoding_only_at_near_ties_on_cuda():
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "pieces"])
 @pytest.mark.parametrize("make_target", [tiny_gpt_neox, tiny_llama], ids=["neox", "llama"])
 def test_graphed_forwards_compute_the_eager_forwards_on_cuda(make_target, fused):
-    """The target's CUDA graphs (models/step_graphs.py), captured at load for every bucket, replay what the eager lean
-    forward computes (float64: to rounding, same argmax; caches too), over steps of five verifies, with and without
+    """The target's CUDA graphs (models/target/step_graphs.py), captured at load for every bucket, replay what the eager
+    lean forward computes (float64: to rounding, same argmax; caches too), over steps of five verifies, with and without
     a prefill chunk beside them, and past the largest bucket (eager). Fused (the default over pooled caches): each
     forward is one graph, its attention the Triton kernel of kernels/pooled_attention.py."""
     model = make_target(torch.float64, max_positions=1024, seed=4).to(CUDA)

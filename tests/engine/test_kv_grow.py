@@ -15,9 +15,9 @@ from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget, StepWork
-from ray_specdec.models.kv_cache import CacheFull, GrowableKVCache
-from ray_specdec.models.kv_pool import KVPool
-from ray_specdec.models.target import Segment, TargetModel
+from ray_specdec.models.target.kv_cache import CacheFull, GrowableKVCache
+from ray_specdec.models.target.kv_pool import KVPool
+from ray_specdec.models.target.model import Segment, TargetModel
 from tests.helpers.inputs import random_prompt
 from tests.helpers.kv_grow import decode_pooled, requests, run_within_budget
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba

@@ -9,8 +9,8 @@ from scipy.stats import chisquare
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models import native as native_kernels
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.native import library
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.drafting import DrafterSession, empty_draft
 from ray_specdec.speculation.verify import judge
 from tests.helpers.drafters import EchoState, TargetEchoDrafter
@@ -126,8 +126,8 @@ def test_sampled_generation_has_target_distribution(branching, draft_sampling, t
                                                     min_path_prob, native):
     target = TargetModel(tiny_gpt_neox(torch.float64, vocab=ENUMERATED_VOCAB, seed=5))
     target.eos_token_ids = frozenset()
-    if native and native_kernels.load() is None:
-        pytest.skip(f"native kernels unavailable: {native_kernels.why_unavailable()}")
+    if native and library.load() is None:
+        pytest.skip(f"native kernels unavailable: {library.why_unavailable()}")
     drafter = tiny_mamba(torch.float32 if native else torch.float64, vocab=ENUMERATED_VOCAB, seed=6)
     assert (drafter.native is not None) == native
     prompt = [1, 4, 2]

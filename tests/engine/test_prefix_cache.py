@@ -13,7 +13,7 @@ from ray_specdec.engine.prefix_cache import ROOT, PrefixIndex
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, StepWork
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.target.model import TargetModel
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 

@@ -18,8 +18,8 @@ from ray_specdec.engine.request import QueueFull, RequestTooLarge
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, on_host, row_argmaxes
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.bandit import Bandit, BanditConfig
 from ray_specdec.speculation.drafting import empty_draft
 from ray_specdec.speculation.tree_policy import FixedTree

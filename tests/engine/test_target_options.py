@@ -12,8 +12,8 @@ from transformers import DynamicCache
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.sampling import logits_to_probs
 from tests.helpers.drafters import TargetEchoDrafter
 from tests.helpers.inputs import random_prompt

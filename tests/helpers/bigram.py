@@ -15,8 +15,8 @@ from transformers import MambaConfig, MambaForCausalLM, PreTrainedModel
 
 from ray_specdec.defaults import CHAT_TEMPLATE
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.target.model import TargetModel
 from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer
 from tests.helpers.reference import greedy_margin
 

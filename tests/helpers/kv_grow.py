@@ -10,7 +10,7 @@ from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.target.model import TargetModel
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox
 

@@ -19,7 +19,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.drafter.mamba import MambaDrafter
 
 
 def _build(config, dtype: torch.dtype, seed: int) -> PreTrainedModel:

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.target.model import TargetModel
 from tests.helpers.models import tiny_mamba
 
 ENUMERATED_VOCAB = 6  # the vocabulary of targets whose continuations are enumerated: 6^n sequences of n tokens

@@ -19,8 +19,8 @@ from ray_specdec.engine.request import QueueFull, RequestTooLarge
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget, StepWork
-from ray_specdec.models.mamba_drafter import MambaDrafter
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.serving import metrics as m
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
 from tests.helpers.bigram import bigram_pair

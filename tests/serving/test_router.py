@@ -18,7 +18,7 @@ from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.target_backend import LocalTarget
 from ray_specdec.models.loading import load_tokenizer
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.serving import router as router_module
 from ray_specdec.serving.engine_loop import EngineLoop
 from ray_specdec.serving.router import RequestError, Router, ServiceUnavailable

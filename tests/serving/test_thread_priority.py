@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_specdec.models import native
+from ray_specdec.models.native import library
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ CHILD = textwrap.dedent("""
     from ray_specdec.engine.scheduler import Scheduler
     from ray_specdec.engine.scheduler_config import SchedulerConfig
     from ray_specdec.engine.target_backend import LocalTarget
-    from ray_specdec.models.target import TargetModel
+    from ray_specdec.models.target.model import TargetModel
     from ray_specdec.serving.engine_loop import EngineLoop
     from tests.helpers.inputs import random_prompt
     from tests.helpers.models import tiny_gpt_neox, tiny_mamba
@@ -86,8 +86,8 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.skipif(sys.platform != "linux", reason="thread niceness per thread is Linux's")
 def test_compute_first_lowers_every_other_thread_and_keeps_the_loops_team():
-    if native.load() is None:
-        pytest.skip(f"native kernels unavailable: {native.why_unavailable()}")
+    if library.load() is None:
+        pytest.skip(f"native kernels unavailable: {library.why_unavailable()}")
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "2"}
     done = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip

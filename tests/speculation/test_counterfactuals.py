@@ -96,7 +96,7 @@ def test_no_what_if_when_the_drafter_cut_the_tree():
 
 
 def test_engine_feeds_what_if_rounds_to_the_bandit():
-    from ray_specdec.models.target import TargetModel
+    from ray_specdec.models.target.model import TargetModel
 
     target = TargetModel(tiny_gpt_neox(torch.float64, max_positions=512))
     arms = (TreeConfig((2, 1)), TreeConfig((1,)), NO_TREE)

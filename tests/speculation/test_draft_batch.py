@@ -18,9 +18,9 @@ from transformers import MambaConfig
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER
-from ray_specdec.models import native
-from ray_specdec.models.mamba_drafter import MambaDrafter, MambaState
-from ray_specdec.models.mamba_state import StateSlots
+from ray_specdec.models.drafter.mamba import MambaDrafter, MambaState
+from ray_specdec.models.drafter.mamba_state import StateSlots
+from ray_specdec.models.native import library
 from ray_specdec.speculation.acceptance import Verdict, accept_greedy
 from ray_specdec.speculation.drafting import Draft, DraftRequest, DrafterSession, commit_many, draft_many
 from tests.helpers.models import perturbed_mamba
@@ -255,7 +255,7 @@ def test_native_step_is_row_invariant(name, rows, threads):
     """Each row of a step over `rows` rows equals that row stepped alone, bit for bit: logits and both states."""
     d = drafter(name)
     if d.native is None:
-        pytest.skip(f"native kernels unavailable here: {native.why_unavailable()}")
+        pytest.skip(f"native kernels unavailable here: {library.why_unavailable()}")
     assert d.steps_row_invariant
     g = torch.Generator().manual_seed(rows)
     state = d.copy_rows(d.prefill(torch.randint(0, d.vocab_size, (9,), generator=g))[0], [0] * rows)

@@ -10,7 +10,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.drafter_cache import DrafterStates, _bytes
 from ray_specdec.speculation.drafter_sessions import LazyDrafter
 from ray_specdec.speculation.drafting import DrafterSession

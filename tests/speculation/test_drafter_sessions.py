@@ -8,7 +8,7 @@ import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.speculation.drafting import DrafterSession
 from ray_specdec.speculation.start_rule import REQUEST_EMA, StartRule
 from tests.helpers.inputs import random_prompt

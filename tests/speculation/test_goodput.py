@@ -9,7 +9,7 @@ import torch
 
 from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.bandit import Bandit, BanditConfig
 from ray_specdec.speculation.goodput import (COST_WARMUP_STEPS, PRIOR_ACCEPT_PER_DEPTH, AcceptanceModel, Candidate,
                                              StepCostModel, StepShape, drafter_rows, size_trees)

@@ -12,7 +12,7 @@ import torch
 from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.engine.scheduler_config import SchedulerConfig
-from ray_specdec.models.target import TargetModel
+from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.speculation.drafting import LOOKUP_ONLY, DrafterSession, lookup_draft
 from ray_specdec.speculation.tree_policy import FixedTree

@@ -8,7 +8,7 @@ import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.mamba_drafter import MambaDrafter
+from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.speculation.drafting import DrafterSession
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_mamba

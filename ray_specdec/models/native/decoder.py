@@ -16,8 +16,12 @@ import ctypes
 import torch
 from transformers import GPTNeoXForCausalLM, LlamaForCausalLM
 
-from ray_specdec.models import cpu_gemm, native, tp_shards
+from ray_specdec.models.native import gemm, library
+
+
+
 from ray_specdec.models.loading import switched_on
+from ray_specdec.models.target import tp_shards
 
 NORM_LAYER, NORM_RMS = 0, 1  # decoder_cpu.c's norm kinds
 MLP_GELU, MLP_SILU_GATED = 0, 1  # and MLP kinds
@@ -52,8 +56,8 @@ def why_not(model: torch.nn.Module, rotary: int | None = None) -> str | None:
     """Why `NativeDecoder` cannot run `model` (None when it can); rotary: the dims its rotary table covers."""
     if not enabled_by_environment():
         return "RAY_SPECDEC_NATIVE_DECODER=0"
-    if native.load() is None:
-        return f"no native kernels ({native.why_unavailable()})"
+    if library.load() is None:
+        return f"no native kernels ({library.why_unavailable()})"
     if not isinstance(model, (GPTNeoXForCausalLM, LlamaForCausalLM)):
         return f"it runs GPTNeoX and Llama targets, not {type(model).__name__}"
     params = list(model.parameters())
@@ -89,11 +93,11 @@ def _linears(model, layer) -> list[torch.nn.Module]:
 
 class NativeDecoder:
     """The decoder layers of one float32 CPU target as decoder_cpu.c runs them (`layers`). It holds the weights'
-    packed panels (cpu_gemm's, shared with the torch path's native products) and rebuilds its tables when a weight
+    packed panels (gemm.py's, shared with the torch path's native products) and rebuilds its tables when a weight
     has changed in place since."""
 
     def __init__(self, model: torch.nn.Module, rotary: int):
-        self.lib = native.load()
+        self.lib = library.load()
         self.model, self.rotary = model, rotary
         self.layers = model.base_model.layers[: model.config.num_hidden_layers]
         self._params = [p for layer in self.layers for p in layer.parameters()]
@@ -120,9 +124,9 @@ class NativeDecoder:
             return t.data_ptr()
 
         def matrix(linear: torch.nn.Linear) -> tuple[int, int, int | None]:
-            panels = cpu_gemm.native_panels(linear.weight)
+            panels = gemm.native_panels(linear.weight)
             keep.append(panels)
-            return panels.data_ptr(), native.PANEL_FORMATS[panels.dtype], vector(linear.bias)
+            return panels.data_ptr(), gemm.PANEL_FORMATS[panels.dtype], vector(linear.bias)
 
         layers = []
         for layer in self.layers:
@@ -174,7 +178,7 @@ class NativeDecoder:
         decoder = self._decoder()
         rows = hidden.shape[1]
         cos, sin, tables = cos.contiguous(), sin.contiguous(), tables.contiguous()
-        native._match_torch_threads(self.lib)
+        library.match_torch_threads(self.lib)
         if self.lib.decoder_layers(ctypes.byref(decoder), rows, hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                    tables.shape[1], tables.data_ptr(), torch.get_num_threads()) != 0:  # fmt: skip
             raise MemoryError("the native decoder layers could not allocate their buffers")

@@ -6,9 +6,9 @@ dozen strided passes), copies every chunk's keys and values into its cache, and 
 outputs. `PrefillWrites` does the first two in one native pass per layer, writing keys and values straight into the
 caches' buffers, and gathers the outputs into one buffer: the same bits as the torch path (the rotary rounds each
 product and sum as torch does), with fewer passes over memory. Where the model's attention is HF's sdpa function
-(or cpu_attention's, on the rows it hands to sdpa), each chunk calls torch's sdpa with the arguments HF's function
-would give it and its output [H, S, D] is transposed once, into the step's output buffer: HF's function would copy it
-to [S, H, D] first (with the gather after it, ~13% of a step of four ~256-token prompts, py-spy).
+(or the native attention's, on the rows it hands to sdpa), each chunk calls torch's sdpa with the arguments HF's
+function would give it and its output [H, S, D] is transposed once, into the step's output buffer: HF's function would
+copy it to [S, H, D] first (with the gather after it, ~13% of a step of four ~256-token prompts, py-spy).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from ray_specdec.models import cpu_attention, native
+from ray_specdec.models.native import attention as native_attention, library
+
 from ray_specdec.models.loading import switched_on
 
 # Columns of prefill_writes' segment table (SEG_* in prefill_cpu.c): first row, rows, first cache row, the keys'
@@ -32,7 +33,7 @@ def available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel runs here: float32 on CPU, with the native library built, unless
     RAY_SPECDEC_NATIVE_PREFILL=0 (the torch path, the same bits)."""
     return (dtype == torch.float32 and device.type == "cpu" and switched_on("RAY_SPECDEC_NATIVE_PREFILL")
-            and native.load() is not None)  # fmt: skip
+            and library.load() is not None)  # fmt: skip
 
 
 def write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -41,9 +42,9 @@ def write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torc
     [R, rotary] contiguous, table int64 [segments, FIELDS] -> the rotated queries [1, H, R, D] (None without
     with_queries), after every segment's rotated keys and its values are written to its cache rows (the buffers must
     be live and hold them)."""
-    lib = native.load()
+    lib = library.load()
     if lib is None:
-        raise RuntimeError(f"native prefill writes unavailable: {native.why_unavailable()}")
+        raise RuntimeError(f"native prefill writes unavailable: {library.why_unavailable()}")
     _, heads, rows, dim = query.shape
     kv_heads = key.shape[1]
     for name, t in (("query", query), ("key", key), ("value", value), ("cos", cos), ("sin", sin)):
@@ -125,7 +126,7 @@ class PrefillWrites:
             q, k, v = rotated[:, :, span.start : span.end], keys[:, :, :end], values[:, :, :end]
             heads_first = None
             if attention is sdpa_attention_forward or (
-                    attention is cpu_attention.attention and not cpu_attention.runs_natively(q, k, v, span.mask)):
+                    attention is native_attention.attention and not native_attention.runs_natively(q, k, v, span.mask)):
                 heads_first = sdpa_heads_first(module, q, k, v, span.mask, module.scaling)
             if heads_first is not None:
                 out[span.start : span.end] = heads_first[0].transpose(0, 1)
