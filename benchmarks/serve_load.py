@@ -1,7 +1,7 @@
 """Drafting on vs off through the Serve app, side by side in one run: throughput at concurrency 1 and 8.
 
 Starts Ray and the app (embedded default models, one engine replica given every CPU) on a loopback port, then runs
-the closed-loop load test of `ray_specdec.loadtest` once per (concurrency, mode), alternating modes:
+the closed-loop load test of `ray_specdec.tools.loadtest` once per (concurrency, mode), alternating modes:
 - `off`: every request says tree "none" (plain target decoding through the same router and engine);
 - `on`: the service's own choice: the shared bandit (default arms, no drafting among them) with goodput sizing;
 - `chain`: every request asks for the chain 1,1,1,1 (speculation forced on, no goodput sizing; the app's default
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from deployments import AppArgs, app
-    from ray_specdec.loadtest import LoadTestConfig, describe, run_loadtest
+    from ray_specdec.tools.loadtest import LoadTestConfig, describe, run_loadtest
 
     prompts = heldout_texts(args.prompts, seed=7)
     env = ray_env()

@@ -15,10 +15,10 @@ from ray_specdec.models.loading import prefill_window_arg
 
 # Subcommands implemented elsewhere: name -> module whose main(argv) -> int handles it.
 EXTERNAL_COMMANDS = {
-    "bench": "ray_specdec.bench",
-    "loadtest": "ray_specdec.loadtest",
-    "models": "ray_specdec.list_models",
-    "qa-traffic": "ray_specdec.qa_traffic",
+    "bench": "ray_specdec.tools.bench",
+    "loadtest": "ray_specdec.tools.loadtest",
+    "models": "ray_specdec.tools.list_models",
+    "qa-traffic": "ray_specdec.tools.qa_traffic",
     "train-drafter": "ray_specdec.training.distill",
 }
 

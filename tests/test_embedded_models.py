@@ -11,9 +11,9 @@ import pytest
 from ray_specdec.cli import main as cli_main
 from ray_specdec.defaults import (DEFAULT_MODEL_NAMES, EMBEDDED_MODEL_NAMES, TARGET_NEOX_LARGE, default_model_path,
                                   embedded_model_path, is_built, models_cache_dir)
-from ray_specdec.list_models import main
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.tokenizer_check import check_model_pair
+from ray_specdec.tools.list_models import main
 
 
 

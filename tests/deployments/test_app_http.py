@@ -20,8 +20,8 @@ import pytest
 
 from deployments import AppArgs
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.loadtest import LoadTestConfig, run_loadtest
 from ray_specdec.speculation.bandit import BanditState
+from ray_specdec.tools.loadtest import LoadTestConfig, run_loadtest
 from tests.helpers.bigram import PROMPTS, WORDS, greedy_reference
 from tests.helpers.metrics import metric_sum, scrape_metrics
 from tests.helpers.reference import greedy_margin

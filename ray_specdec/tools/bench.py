@@ -167,7 +167,7 @@ def split_like(n: int, counts: tuple[int, ...]) -> tuple[int, ...]:
 
 def qa_prompts(tokenizer, n: int, buckets: list[int], seed: int) -> list[list[int]]:
     """n long-context QA prompts (qa_traffic) over held-out documents only, cycling through the token buckets."""
-    from ray_specdec.qa_traffic import QAGenerator, token_counter
+    from ray_specdec.tools.qa_traffic import QAGenerator, token_counter
     from ray_specdec.training.corpus import is_heldout
 
     if n <= 0:
@@ -313,13 +313,13 @@ def gemm_panel_formats(target) -> list[str] | None:
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
-    from ray_specdec.bench_report import write_report
     from ray_specdec.factory import resolve_device
     from ray_specdec.models.drafter.mamba import MambaDrafter
     from ray_specdec.models.loading import resolve_dtype, resolve_model_path
     from ray_specdec.models.native import attention
     from ray_specdec.models.target.model import ATTN_IMPLEMENTATION, TargetModel
     from ray_specdec.speculation.bandit import Bandit, BanditConfig
+    from ray_specdec.tools.bench_report import write_report
     from ray_specdec.training.corpus import heldout_prompts
 
     try:

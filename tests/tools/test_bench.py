@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import MambaConfig, MambaForCausalLM
 
-from ray_specdec.bench import main, parse_args
 from ray_specdec.engine.llm import DEFAULT_SCHEDULER
 from ray_specdec.engine.scheduler_config import SchedulerConfig, flag
 from ray_specdec.models.native import library
+from ray_specdec.tools.bench import main, parse_args
 from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer
 
 
@@ -131,7 +131,7 @@ def test_bench_bad_flags_are_one_line_and_exit_2(argv, message, capsys):
 
 
 def test_bandit_vs_best_fixed_line():
-    from ray_specdec.bench_report import bandit_vs_best_fixed
+    from ray_specdec.tools.bench_report import bandit_vs_best_fixed
 
     methods = [{"name": n, "temperature": 0.0, "tokens_per_s": v, "speedup_vs_hf_generate": v / 100}
                for n, v in [("hf_generate", 100.0), ("ours_target_only", 90.0), ("ours_mamba_chain_1,1", 120.0),
@@ -147,7 +147,7 @@ def _method(name, seconds, tokens=None):
 
 
 def test_cross_fitted_best_arm_carries_no_selection_bias():
-    from ray_specdec.bench_report import cross_fitted
+    from ray_specdec.tools.bench_report import cross_fitted
 
     # A is fast on the even prompts, B on the odd ones: picked on one half, each is timed where it is slow.
     a = _method("ours_a", [1.0, 2.0, 1.0, 2.0])
@@ -161,7 +161,7 @@ def test_cross_fitted_best_arm_carries_no_selection_bias():
 
 
 def test_paired_bootstrap_interval():
-    from ray_specdec.bench_report import bandit_vs_best_fixed, paired_bootstrap
+    from ray_specdec.tools.bench_report import bandit_vs_best_fixed, paired_bootstrap
 
     base = [1.0, 3.0, 0.5, 2.0, 1.5, 4.0]
     best = _method("ours_best", base)
@@ -178,7 +178,7 @@ def test_paired_bootstrap_interval():
 
 
 def test_warmup_prompts_follow_the_measured_mix():
-    from ray_specdec.bench import split_like
+    from ray_specdec.tools.bench import split_like
 
     assert split_like(8, (10, 3, 4)) == (5, 1, 2)  # 4.71, 1.41, 1.88: the largest remainders get the spare two
     assert split_like(7, (1, 1, 1)) == (3, 2, 2)
@@ -191,7 +191,7 @@ def test_warmup_prompts_follow_the_measured_mix():
 def test_report_explains_low_precision_differences():
     """In bfloat16 no method's greedy text need equal HF generate's (HF's own assisted modes differ too): the report
     says why; in float32 a difference stays a plain NO without that excuse."""
-    from ray_specdec.bench_report import markdown
+    from ray_specdec.tools.bench_report import markdown
 
     def report(dtype):
         method = dict(name="ours_target_only", temperature=0, tokens_per_s=10.0, speedup_vs_hf_generate=1.0,

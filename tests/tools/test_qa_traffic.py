@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from ray_specdec import qa_traffic
-from ray_specdec.qa_traffic import extract_facts, generate, main, token_counter
+from ray_specdec.tools import qa_traffic
+from ray_specdec.tools.qa_traffic import extract_facts, generate, main, token_counter
 
 WORDS = re.compile(r"\w+|[^\w\s]")
 

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from ray_specdec.loadtest import LoadTestConfig, check_loopback, main, percentiles, run_loadtest
+from ray_specdec.tools.loadtest import LoadTestConfig, check_loopback, main, percentiles, run_loadtest
 
 TOKEN_DELAY_S = 0.002
 
