@@ -23,13 +23,14 @@ from ray.serve import Application
 from deployments.bandit import BanditHubDeployment
 from deployments.engine import EngineDeployment
 from deployments.metrics import MetricsHubDeployment
-from deployments.router import RouterDeployment, RouterSettings, ServerDeployment
+from deployments.router import RouterDeployment, ServerDeployment
 from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
 from ray_specdec.defaults import EMBEDDED_MODEL_NAMES
 from ray_specdec.engine.llm import DEFAULT_MIN_PATH_PROB
 from ray_specdec.engine.scheduler_config import SchedulerConfig, scheduler_config_from_args
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.tokenizer_check import TokenizerMismatch, check_model_pair
+from ray_specdec.serving.openai_server import ServerSettings
 from ray_specdec.speculation.bandit import DEFAULT_ARMS, BanditConfig
 
 _SCHEDULER = SchedulerConfig()
@@ -282,7 +283,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
         recover_timeout_s=args.recover_timeout_s, compute_first=args.compute_first,
         bandit_path=path if local and bandit is not None else None,
     )  # fmt: skip
-    settings = RouterSettings(
+    settings = ServerSettings(
         model_name=args.model_name or os.path.basename(target_path.rstrip("/")), tokenizer=target_path,
         max_context=args.max_context, request_timeout_s=args.request_timeout_s, retry_s=args.retry_s,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

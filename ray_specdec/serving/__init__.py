@@ -1,4 +1,5 @@
-"""The serving sides without Ray: per-request target and drafter workers, the router's round loop, the HTTP models.
+"""The serving sides without Ray: the OpenAI-compatible HTTP server, the engine loop and the target worker of an
+engine replica, the router's side of a request, the HTTP models and metrics.
 
 deployments/ wraps these plain classes in Ray actors and Serve deployments; everything here runs in one process.
 """

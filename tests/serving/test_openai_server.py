@@ -1,4 +1,4 @@
-"""A request's choices in deployments/router.py, without a Serve app: `all_or_none` runs them together, and when one
+"""A request's choices in serving/openai_server.py, without a Serve app: `all_or_none` runs them together, and when one
 fails (a full queue, a lost target) or time runs out, the others are cancelled, not left running unread; a stream's
 events close every choice when the client leaves."""
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.router import OpenAIServer, all_or_none
 from ray_specdec.engine.outputs import StreamChunk
+from ray_specdec.serving.openai_server import OpenAIServer, all_or_none
 
 
 def test_every_result_comes_back_in_order():
