@@ -29,7 +29,7 @@ MAX_POSITIONS = 16384
 
 
 class CatCache(DynamicCache):
-    """The baseline: DynamicCache, whose layers grow by torch.cat, compacted by gather + slice as target.py did."""
+    """The baseline: DynamicCache, whose layers grow by torch.cat, compacted by gather + slice."""
 
     def compact(self, base: int, keep: Sequence[int]) -> None:
         index = torch.tensor(list(keep), dtype=torch.long) + base

@@ -1,5 +1,5 @@
 """Which fast paths a TargetModel takes, and why not where it does not: each an on / off / auto switch
-(`switch_why`), with the reason that keeps it off on this model and device (its "blocker"). target.py asks them in
+(`switch_why`), with the reason that keeps it off on this model and device (its "blocker"). target/model.py asks them in
 order at load: native attention, the lean forward, batch invariance, the KV pool, CUDA graphs."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The native C step and scan of the Mamba drafter (models/native) against the torch path, and their fallbacks.
 
-The torch path is itself tested against HF's Mamba (test_mamba_drafter.py, where float32 drafters now run native by
-default); here the native kernels are held to the float64 torch path at float32 rounding, on shapes that cross every
-block boundary of the C GEMM (64- and 16-wide output blocks, a ragged tail, row groups of 4).
+The torch path is itself tested against HF's Mamba (tests/models/drafter/test_mamba.py, where float32 drafters now run
+native by default); here the native kernels are held to the float64 torch path at float32 rounding, on shapes that cross
+every block boundary of the C GEMM (64- and 16-wide output blocks, a ragged tail, row groups of 4).
 """
 
 from __future__ import annotations
