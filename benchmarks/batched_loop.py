@@ -6,9 +6,8 @@ of benchmarks/serve_peers.py). The cells at each concurrency start at their own 
 sends a prompt an earlier cell of its engine sent: the prefix cache would serve its prefill. A cell that runs
 past its share says so. Four variants of the same engine, side by side in one run:
 
-- `batched`: the lean forward (models/target/lean_forward.py) carries the verify rows of every request in one forward
-per
-  step, each weight read once for all of them; attention runs per request over its own cache;
+- `batched`: the lean forward (models/target/lean_forward.py) carries the verify rows of every request in one
+  forward per step, each weight read once for all of them; attention runs per request over its own cache;
 - `per-request`: `lean=False`, the model's own forward once per request per step (what the GPU path ran before the
   lean forward took CUDA);
 
@@ -20,12 +19,12 @@ per
   attention one call per request per layer (`kv_pool=False`); `batched` pools the caches where the target does
   (models/target/kv_pool.py: CUDA), so its verify rows attend in one call per layer;
 - `eager` (asked for by name): `batched` without the target's CUDA graphs (`cuda_graphs=False`;
-models/target/step_graphs.py
-  graphs the work around each attention on CUDA, and a forward over pooled caches with its attention in one graph);
+  models/target/step_graphs.py graphs the work around each attention on CUDA, and a forward over pooled caches
+  with its attention in one graph);
 - `pieces` (asked for by name): the graphs around each attention only, the attention eager between them (no fused
   forward: kernels/pooled_attention.py unused);
 
-each with the app's policy (the bandit over the default arms, goodput sizing, the speculation guard, the lookup
+each with the app's policy (the bandit's default arms priced by the speculation controller, the lookup
 branch) and with `tree none`. Every variant runs the same prompts in the same order, so their greedy tokens can be
 compared prompt by prompt: `per-request none` computes each request alone, the target's own greedy decoding, and the
 others are checked against it (on CPU the batch-invariant path makes them identical; on CUDA in float32 they may
@@ -164,9 +163,10 @@ def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: i
         scheduler.abort(key)
     while scheduler.has_work:  # let aborted requests leave before the next cell
         scheduler.step()
-    guard = scheduler.guard.summary() if getattr(scheduler, "guard", None) is not None else None
+    speculation = scheduler.controller.summary()
     return {"tokens_per_s": produced / elapsed, "steps_per_s": steps / elapsed, "finished": len(tokens),
-            "sent": next(order) - start, "seconds": elapsed, "guard": guard, "profile": profile}, tokens  # fmt: skip
+            "sent": next(order) - start, "seconds": elapsed, "speculation": speculation,
+            "profile": profile}, tokens  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -265,44 +265,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         n, m = table.get(("batched none", c)), table.get(("per-request none", c))
         if a and b:
             print(f"c={c}: batched / per-request, drafting {a / b:.2f}x" + (f", none {n / m:.2f}x" if n and m else ""))
-    for line in guard_check(results["cells"], sampled=args.temperature > 0):
+    for line in speculation_check(results["cells"]):
         print(line)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
     return results
 
 
-def guard_check(cells: list[dict[str, Any]], sampled: bool = False) -> list[str]:
-    """Per concurrency with both `batched drafting` and `batched none` cells: what drafting measured against none in
-    the closed loop, beside the speculation guard's own speedup at that load level (from the drafting cell's end),
-    of its sampled steps' verdict where the cells sample (`sampled`: the guard keeps one per mode). The guard
-    promises the service's choice is never slower than no speculation; a guard that measures drafting faster while
-    the cells say slower misses a cost (seen on an H100: 1.35x against 0.92x at 1)."""
+def speculation_check(cells: list[dict[str, Any]]) -> list[str]:
+    """Per concurrency with both `batched drafting` and `batched none` cells: the service's choice against tree none
+    in the closed loop, beside the share of rounds the speculation controller drafted in the drafting cell (a choice
+    slower than none while it drafts most rounds misprices drafting; one that drafts no round should match none)."""
     lines = []
-    for drafted in (c for c in cells if c["variant"] == "batched drafting" and c.get("guard")):
+    for drafted in (c for c in cells if c["variant"] == "batched drafting" and c.get("speculation")):
         none = next((c for c in cells if c["variant"] == "batched none" and c["concurrency"] == drafted["concurrency"]),
                     None)  # fmt: skip
-        level = next((lv for lv in drafted["guard"] if _holds(lv["load"], drafted["concurrency"])), None)
-        if none is None or level is None or not none["tokens_per_s"]:
+        if none is None or not none["tokens_per_s"]:
             continue
-        if sampled:
-            level = {**level["sampled"], "load": f"{level['load']} (sampled steps)"}
-        speedup = "unmeasured" if level["speedup"] is None else f"{level['speedup']:.2f}x"
-        verdict = "undrafted" if level["undrafted"] else "drafting"
+        share = drafted["speculation"]["drafted_share"]
+        drafted_text = "no rounds yet" if share is None else f"{share:.0%} of its rounds"
         ratio = drafted["tokens_per_s"] / none["tokens_per_s"]
-        lines.append(f"c={drafted['concurrency']}: drafting / none {ratio:.2f}x in the cells; the guard at level "
-                     f"{level['load']}: {speedup}, {verdict}")
+        lines.append(f"c={drafted['concurrency']}: the controller's choice / none {ratio:.2f}x in the cells; it "
+                     f"drafted {drafted_text}")
     return lines
-
-
-def _holds(label: str, load: int) -> bool:
-    """Whether a load level's label ('1', '5-16', '17+', 'all') takes `load` requests."""
-    if label == "all":
-        return True
-    low, _, high = label.partition("-")
-    if low.endswith("+"):
-        return load >= int(low[:-1])
-    return int(low) <= load <= int(high or low)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,10 @@ The load is chat's without max_tokens: each request may generate up to the rest 
 the shipped target), so it reserves ~8k KV rows, yet it stops at the first line break after 64 tokens (`min_tokens` 64,
 every token whose text holds a line break a stop token), as most chat answers end long before the context does. A closed
 loop keeps `--concurrency` requests in the scheduler (a finished one is replaced at once) for `--duration` seconds,
-greedy, held-out code prompts of 32-512 tokens, the app's policy (the bandit, goodput, the guard, lookup), the app's KV
-budget (`--kv-budget-gib`, 2 by default). Cells alternate between the two settings, each on an engine of its own (so
-that no engine's prefix cache holds another's prompts), every cell on fresh prompts; both engines see the same prompts
-in the same order, and the greedy tokens of every request both finished are compared.
+greedy, held-out code prompts of 32-512 tokens, the app's policy (the bandit's arms, the controller, lookup), the
+app's KV budget (`--kv-budget-gib`, 2 by default). Cells alternate between the two settings, each on an engine of
+its own (so that no engine's prefix cache holds another's prompts), every cell on fresh prompts; both engines see the
+same prompts in the same order, and the greedy tokens of every request both finished are compared.
 
 `--max-tokens N` sends serve_peers' load instead (max_tokens N, no stop before it): where reservations never fill
 the budget, what the grants cost.

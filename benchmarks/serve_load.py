@@ -3,8 +3,9 @@
 Starts Ray and the app (embedded default models, one engine replica given every CPU) on a loopback port, then runs
 the closed-loop load test of `ray_specdec.tools.loadtest` once per (concurrency, mode), alternating modes:
 - `off`: every request says tree "none" (plain target decoding through the same router and engine);
-- `on`: the service's own choice: the shared bandit (default arms, no drafting among them) with goodput sizing;
-- `chain`: every request asks for the chain 1,1,1,1 (speculation forced on, no goodput sizing; the app's default
+- `on`: the service's own choice: the shared bandit (default arms, no drafting among them) priced by the
+  speculation controller;
+- `chain`: every request asks for the chain 1,1,1,1 (speculation forced on, no controller; the app's default
   lookup branch rides on it, as on every drafted tree).
 Prompts are held-out corpus windows (the domain the default models were trained on). The report gives tokens/s,
 latency and mean accepted length per run and each mode's throughput as a ratio of `off` at the same concurrency.

@@ -1,8 +1,8 @@
 """Our Serve app against the servers a user would pick instead, side by side in one run (issue 18's benchmark).
 
 Systems, all on the shipped `target-neox` in float32, with the same prompts:
-- `inproc`, `inproc-none`: our in-process engine (the app's policy: the bandit, goodput sizing, lookup branch), one
-  request at a time, drafting on and tree "none": what serving costs on top of the loop;
+- `inproc`, `inproc-none`: our in-process engine (the app's policy: the bandit's arms, the speculation controller,
+  lookup branch), one request at a time, drafting on and tree "none": what serving costs on top of the loop;
 - `ours`, `ours-none`: the Serve app started as benchmarks/serve_load.py starts it; drafting is the service's own
   choice, or every request says `"tree": "none"`;
 - `vllm`, `vllm-draft`: vLLM-CPU plain, and with its draft-model speculation using `drafter-neox-small`, started by
@@ -66,13 +66,13 @@ def select_prompts(n: int, seed: int, min_tokens: int = 32, max_tokens: int = 51
 # ---- the load -------------------------------------------------------------------------------------------------------
 
 def engine_state(endpoint: Endpoint) -> dict[str, Any] | None:
-    """After a cell: the engine's step count and the speculation guard's verdicts per load level (what the service's
-    choice ran on), or None where the server has no such path or does not answer it."""
+    """After a cell: the engine's step count and the speculation controller's state (the share of rounds it drafted,
+    its step cost model), or None where the server has no such path or does not answer it."""
     if endpoint.stats is None:
         return None
     try:
         engine = httpx.get(f"{endpoint.url}{endpoint.stats}", timeout=30.0, trust_env=False).json()["engine"]
-        return {"steps": engine["steps"], "guard": engine["guard"]}
+        return {"steps": engine["steps"], "speculation": engine["speculation"]}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
 
@@ -256,7 +256,7 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
     from ray_specdec.speculation.bandit import Bandit
 
     try:
-        # the app's own policy: the bandit over the default arms, goodput sizing, the default lookup branch
+        # the app's own policy: the bandit's default arms, the speculation controller, the default lookup branch
         target = load_target(str(args.target_dir), dtype="float32", device="cpu")
         engine = SpeculativeEngine(target, load_drafter(None, dtype="float32"), Bandit(), lookup=DEFAULT_LOOKUP,
                                    plain_lookup=DEFAULT_PLAIN_LOOKUP)

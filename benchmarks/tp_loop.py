@@ -11,7 +11,7 @@ the ranks' fast paths is worth.
 Each variant starts its own local Ray and `RankGroup` (`--tp` rank actors of one thread each, gloo on CPU, NCCL on
 GPU), and runs the same prompts in the same order: held-out code windows of 32-512 tokens (benchmarks/serve_peers.py's),
 64 new tokens (`--max-tokens`), greedy, a finished request replaced by the next prompt at once. Each cell runs the
-app's policy (the bandit, goodput sizing, the guard, the lookup branch) and `tree none`; the greedy tokens of each
+app's policy (the bandit's arms priced by the controller, the lookup branch) and `tree none`; the greedy tokens of each
 variant are compared with `before`'s prompt by prompt (they may part at near-ties: the per-request path's products
 take other row counts, so other roundings).
 

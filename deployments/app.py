@@ -129,7 +129,7 @@ class AppArgs(BaseModel):
     # every drafted tree of a greedy request also verifies up to this many tokens copied from earlier in the context
     # (prompt lookup; 0: off). Trees written with their own "+L<k>" keep theirs.
     lookup: int = Field(DEFAULT_LOOKUP, ge=0, le=MAX_LOOKUP_TOKENS)
-    # greedy rounds the service runs undrafted (its policy's, its guard's or its start rule's choice; not a request's
+    # greedy rounds the service runs undrafted (its speculation controller's choice; not a request's
     # own "tree") verify up to this many lookup tokens instead: no drafter step (0: off)
     plain_lookup: int = Field(DEFAULT_PLAIN_LOOKUP, ge=0, le=MAX_LOOKUP_TOKENS)
     # trees and the bandit
@@ -141,9 +141,6 @@ class AppArgs(BaseModel):
     # one and answers HTTP itself: two processes fewer beside the engine, each waking hundreds of times a second), or
     # "auto": "replica" where it can be (ingress engine, replicas 1, no autoscaling), else "deployments"
     hubs: Literal["auto", "replica", "deployments"] = "auto"
-    goodput: bool = True  # shrink trees when the batch's goodput says so (ray_specdec/speculation/goodput.py)
-    # run a load level's rounds undrafted while its drafted steps measure slower (ray_specdec/speculation/guard.py)
-    guard: bool = True
     # the scheduler of each engine replica (ray_specdec/engine/scheduler.py, SchedulerConfig)
     # KV of the admitted requests per replica (all its ranks), in GiB; "auto": 90% of the device's memory free after
     # loading the models. Either is checked against that memory as the replica starts (ray_specdec/engine/kv_sizing.py).

@@ -77,7 +77,7 @@ def test_every_scheduler_setting_is_a_generate_flag():
     text = generate_parser().format_help()
     for f in fields(SchedulerConfig):
         assert flag(f.name) in text
-    assert "--no-goodput" in text and "--kv-budget-gib" in text
+    assert "--no-prefix-cache" in text and "--kv-budget-gib" in text
 
 
 def test_scheduler_flags_reach_the_engine(cli_model_dirs, built_engines, capsys):
@@ -85,12 +85,12 @@ def test_scheduler_flags_reach_the_engine(cli_model_dirs, built_engines, capsys)
     code, out, err = run_cli(["generate", "--prompt", "the quick brown", "--target", str(target_dir), "--drafter",
                           str(drafter_dir), "--tree", "2,1", "--max-new-tokens", "9", "--json", "--max-running", "8",
                           "--max-waiting", "2", "--step-tokens", "768", "--prefill-chunk", "4", "--kv-budget-tokens",
-                          "4096", "--min-path-prob", "0.05", "--lookup", "3", "--plain-lookup", "2", "--no-goodput"],
+                          "4096", "--min-path-prob", "0.05", "--lookup", "3", "--plain-lookup", "2", "--no-kv-grow"],
                          capsys)  # fmt: skip
     assert code == 0, err
     assert built_engines[0].scheduler.config == SchedulerConfig(
         kv_budget_tokens=4096, max_running=8, max_waiting=2, step_tokens=768, prefill_chunk=4, min_path_prob=0.05,
-        lookup=3, plain_lookup=2, goodput=False)  # fmt: skip
+        lookup=3, plain_lookup=2, kv_grow=False)  # fmt: skip
     target = TargetModel.from_pretrained(str(target_dir))
     expected = SpeculativeEngine(target, None).generate("the quick brown", SamplingParams(max_new_tokens=9))
     assert json.loads(out)["token_ids"] == expected.token_ids  # greedy: the settings change the speed, not the text

@@ -67,22 +67,9 @@ class SpeculativeEngine:
         return self.scheduler.config.min_path_prob
 
     @property
-    def kept_plain(self) -> int:
-        """Requests the start rule kept undrafted (engine/scheduler.py)."""
-        return self.scheduler.kept_plain
-
-    @kept_plain.setter
-    def kept_plain(self, value: int) -> None:
-        self.scheduler.kept_plain = value
-
-    @property
-    def prefill_s_per_token(self) -> float | None:
-        """The drafter's measured prefill cost per token (the start rule's estimate)."""
-        return self.scheduler.prefill_s_per_token
-
-    @prefill_s_per_token.setter
-    def prefill_s_per_token(self, value: float | None) -> None:
-        self.scheduler.prefill_s_per_token = value
+    def controller(self):
+        """The speculation controller (speculation/controller.py): every round's tree."""
+        return self.scheduler.controller
 
     @property
     def drafter(self) -> MambaDrafter | None:

@@ -7,15 +7,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
+from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.outputs import StreamChunk
 from ray_specdec.engine.prefix_cache import ROOT
 from ray_specdec.engine.stats import GenerationStats
-from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.speculation.drafter_sessions import LazyDrafter
-from ray_specdec.speculation.drafting import Draft
 from ray_specdec.speculation.prompt_lookup import LookupIndex
-from ray_specdec.speculation.start_rule import DRAFT
 from ray_specdec.speculation.stopping import StopChecker
 
 
@@ -42,17 +39,12 @@ class Request:
     stats: GenerationStats = field(default_factory=GenerationStats)
     drafter: LazyDrafter | None = None
     lookup_index: LookupIndex | None = None  # undrafted rounds' lookup (plain_lookup), built at the first such round
-    start: str = DRAFT
     prefilled: int = 0
     prefix_key: int = ROOT  # prefix_cache's key of tokens[:prefilled] (of the last chunk planned, during a step)
     admitted: bool = False
-    # this step's round
-    arm: TreeConfig = NO_TREE
-    lookup: int = 0
-    draft: Draft | None = None
-    verdict: Verdict | None = None
-    context_len: int = 0  # tokens before this step's round
-    chunk_end: int = 0  # this step's prefill chunk ends here
+    last_rows: int = 1  # verify rows of its last round (the next step's prefill leaves room for as many)
+    # this step's prefill chunk (the KV manager's plan)
+    chunk_end: int = 0  # it ends here
     chunk_rows: int = 0
 
     @property

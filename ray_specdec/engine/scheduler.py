@@ -5,20 +5,24 @@ One `step()`:
    prefill chunks are picked within the rows the rounds leave; a request whose prompt's last chunk is among them
    also runs its first round in this step, verified after the chunk in the same forward, so that its first tokens
    come with the chunk's step (as a plain server samples its first token from the prefill), not a step later;
-2. tree sizes: each round's policy pick, shrunk by goodput for the whole batch (speculation/goodput.py), or none at
-   a load level where steps that draft measure slower than steps that do not (speculation/guard.py);
+2. trees: the speculation controller picks every round's tree, none included, for the batch's expected tokens per
+   second of step time (speculation/controller.py);
 3. one batched draft for every request that drafts (`drafting.draft_many`);
 4. one target call (`TargetBackend.run`): last step's commits, then one forward over this step's prefill chunks
    and every round's verify rows;
 5. per request: acceptance, commit (sent with the next step's target call), stop checks, one output chunk.
 
-Everything that drives generation uses this loop: `engine.SpeculativeEngine` (CLI, benchmark, offline batches) and
+`step()` is `update(plan, execute(plan))` of `plan = schedule()`: `schedule` does 1 and 2 (a `StepPlan`: the target
+call's work, the prompts' chunks, one `Round` per request with its tree), `execute` does 3 and 4 (a `StepResult`), and
+`update` does 5 and teaches the bandit and the controller.
+
+Everything that drives generation uses this loop: `llm.SpeculativeEngine` (CLI, benchmark, offline batches) and
 the Serve app's engine replica. It runs without Ray and without threads; callers step it.
 
 Batch invariance. A prompt is prefilled in chunks cut at fixed positions (multiples of `prefill_chunk` from its
 start), never by what else runs in the step, and the target's batched forward computes each segment's rows the same
 whatever shares the forward (`TargetModel.batch_invariant`). So a greedy request's tokens do not depend on the other
-requests in flight, nor on the tree sizes goodput picks for it.
+requests in flight, nor on the trees the controller picks for it.
 
 KV budget (engine/kv_manager.py: grants, the prefix cache's room, each step's prefill chunks). Each request has a
 reservation, the KV rows it can ever need (prompt + max_new_tokens + its largest verify), and a grant, the rows its
@@ -39,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -54,18 +58,15 @@ from ray_specdec.engine.target_backend import SegmentSpec, StepWork, TargetBacke
 from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.drafter.mamba_state import StateSlots
 from ray_specdec.speculation.acceptance import Verdict
-from ray_specdec.speculation.bandit import DEFAULT_LOAD_EDGES, Bandit
+from ray_specdec.speculation.controller import (RoundFacts, SpeculationConfig, SpeculationController, StepShape,
+                                                drafter_rows)
 from ray_specdec.speculation.counterfactuals import what_if
 from ray_specdec.speculation.drafter_cache import DrafterStates
 from ray_specdec.speculation.drafter_sessions import LazyDrafter, ready_many
 from ray_specdec.speculation.drafting import Draft, DraftRequest, draft_many, empty_draft, lookup_draft, prefill_key
-from ray_specdec.speculation.goodput import (AcceptanceModel, Candidate, StepCostModel, StepShape, drafter_rows,
-                                             measure_prior, size_trees)
-from ray_specdec.speculation.guard import SpeculationGuard
 from ray_specdec.speculation.logits_processing import TokenHistory
 from ray_specdec.speculation.prompt_lookup import LookupIndex
 from ray_specdec.speculation.sampling import make_generators
-from ray_specdec.speculation.start_rule import EXPLORE, PLAIN, StartRule, drafting_arm, prefill_tokens
 from ray_specdec.speculation.stopping import StopChecker
 from ray_specdec.speculation.tree_policy import FixedTree
 from ray_specdec.speculation.verify import judge, judge_plain_sampled, plain_sampled, round_logprobs
@@ -74,13 +75,37 @@ from ray_specdec.speculation.verify import judge, judge_plain_sampled, plain_sam
 # guesses badly, and every proposed token is a verify row (measured on held-out code, 4 tokens: 1.66 tokens a round
 # over 2.34 rows with pairs, 1.84 over 3.42 with single tokens).
 PLAIN_LOOKUP_MIN_NGRAM = 2
-# Weight of a round in the running mean of the rows a lookup branch adds (goodput costs trees with it).
-LOOKUP_ROWS_WEIGHT = 0.05
+
+@dataclass
+class Round:
+    """One request's round in a step: the tree the controller chose, its draft and, after the forward, its verdict."""
+
+    request: Request
+    tree: TreeConfig = NO_TREE  # the drafter's tree (cut to what the request's KV holds)
+    lookup: int = 0  # prompt-lookup tokens added to a drafted tree (greedy requests)
+    context_len: int = 0  # the request's tokens before the round
+    draft: Draft | None = None
+    verdict: Verdict | None = None
 
 
-def _start_rule_field(name: str) -> property:
-    """A field of the scheduler's start rule, read and set on the scheduler (engine, bench and tests do)."""
-    return property(lambda self: getattr(self.start_rule, name), lambda self, v: setattr(self.start_rule, name, v))
+@dataclass
+class StepPlan:
+    """What `schedule` decided for a step."""
+
+    work: StepWork  # the target call's work: last step's commits, allocations, releases, and this step's chunks
+    prefilling: list[Request]  # requests whose prompt chunks run in the step
+    rounds: list[Round]
+    prefill_rows: int
+    started: float  # perf_counter when the step began
+
+
+@dataclass
+class StepResult:
+    """What `execute` gave back: each round's target logits (in `plan.rounds` order), what the step ran and when."""
+
+    logits: list
+    shape: StepShape
+    times: tuple[float, float, float]  # start (drafter prefills left out), drafts done, forward done
 
 
 class Scheduler:
@@ -92,9 +117,11 @@ class Scheduler:
         policy=TreeConfig((3, 2, 2, 1, 1)),
         config: SchedulerConfig = SchedulerConfig(),
         max_context: int | None = None,
+        speculation: SpeculationConfig = SpeculationConfig(),
     ):
-        """policy: a TreeConfig (every request drafts it) or a tree policy (the bandit); max_context: a cap on prompt
-        + max_new_tokens below the target's own context."""
+        """policy: a TreeConfig (every request drafts it) or a tree policy (the bandit: its arms and the shared
+        statistics the controller prices them with); max_context: a cap on prompt + max_new_tokens below the target's
+        own context; speculation: the controller's settings."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -109,16 +136,9 @@ class Scheduler:
         self.drafter_states = DrafterStates() if config.prefix_cache and drafter is not None else None
         # the drafting requests' root states, one slot each (mamba_state.StateSlots; allocated on the first draft)
         self.drafter_slots = StateSlots(drafter, config.max_running)
-        self.cost = StepCostModel()
-        self.acceptance = AcceptanceModel()
-        self.start_rule = StartRule()  # whether a request starts its drafter (speculation/start_rule.py)
-        # drafted against plain steps per load level (speculation/guard.py), where the policy may pick no tree
-        edges = self.policy.config.load_edges if isinstance(self.policy, Bandit) else DEFAULT_LOAD_EDGES
-        guarded = config.guard and NO_TREE in self.policy.arms and len(self.policy.arms) > 1
-        self.guard = SpeculationGuard(edges) if guarded else None
-        self.guarded = False  # whether the guard runs this step's rounds undrafted
+        # every round's tree, each step (speculation/controller.py)
+        self.controller = SpeculationController(self.policy, speculation)
         self.rounds_unrecorded = 0  # rounds whose tree is none of the policy's arms (cut at the end of a request)
-        self.lookup_rows = float(self.config.lookup)  # mean verify rows a drafted tree's lookup branch added (EW)
         self.steps = 0
         self.kv_waits = 0  # decoding requests that skipped the last step's round: their KV could not grow
         self.kv_waited = 0  # such skipped rounds since the start
@@ -216,13 +236,19 @@ class Scheduler:
         self.target.reset()
         self._work = self.kv.reset(self.running.values())
 
-    # ----- the step -----
+    # ----- the step: schedule, execute, update -----
 
     def step(self) -> list[StepOutput]:
         """One step over every running request; -> one output chunk per request that decoded a round."""
-        if self.config.goodput and self.drafter is not None and len(self.policy.arms) > 1 and not self.cost.calibrated:
+        if self.drafter is not None and self.controller.prices and not self.controller.cost.calibrated:
             self.calibrate()
-        t0 = time.perf_counter()
+        plan = self.schedule()
+        result = self.execute(plan)
+        return self.update(plan, result)
+
+    def schedule(self) -> StepPlan:
+        """Which requests run this step, which prompt chunks, and every round's tree."""
+        started = time.perf_counter()
         self._admit()
         decoding = [r for r in self.running.values() if r.decoding]
         prefilling = [r for r in self.running.values() if not r.decoding]
@@ -232,58 +258,65 @@ class Scheduler:
         self.kv_waited += self.kv_waits
         work, self._work = self._work, StepWork()
         # prefill chunks first, within what the rounds leave of the step's rows (as many as their last rounds had)
-        rounds_hint = sum(1 + (0 if r.draft is None else r.draft.tokens.numel()) for r in decoding)
+        rounds_hint = sum(r.last_rows for r in decoding)
         prefill_rows = self.kv.plan(prefilling, work, self.config.step_tokens - rounds_hint)
         # a prompt whose last chunk runs in this step has its first round in it too, after the chunk (the verify of
         # its last token): its first tokens come a step sooner. Its cache must hold the round, as any round's: a
         # request prefilled again after a fault (reset_target) holds only what its tokens filled
         last_chunks = [r for r in prefilling if r.chunk_end == len(r.tokens) - 1]
-        rounds = decoding + [r for r in last_chunks if self.kv.room(r, self.running.values(), work)]
-        self.load = max(len(rounds), 1)
-        admitted = len(self.running)  # the guard's load: decoding and prefilling (speculation/guard.py says why)
-        # the guard measures its own choice: a step where no decoding request's rounds follow it (each runs a tree
-        # its client asked for, or the start rule keeps it undrafted) would score two identical modes
-        guard = self.guard if self.drafter is not None and any(_steered(r) for r in rounds) else None
-        sampled = any(r.sampled for r in rounds if _steered(r))  # drafting pays less at T > 0: verdicts apart
-        self.guarded = guard is not None and guard.plain(admitted, sampled)
-        self._choose_trees(rounds)
-        draft_rows, drafter_prefill_s = self._draft(rounds)
-        t0 += drafter_prefill_s  # the rounds' time leaves the drafter's prefills out (request costs, in prefill_s)
+        requests = decoding + [r for r in last_chunks if self.kv.room(r, self.running.values(), work)]
+        self.load = max(len(requests), 1)
+        trees = self.controller.choose([self._facts(r) for r in requests], prefill_rows)
+        rounds = []
+        for r, tree in zip(requests, trees):
+            lookup = min(self.config.lookup if r.params.greedy else 0, r.stop.remaining - 1)
+            tree, lookup = fit_tree(tree, lookup, room=r.granted - (len(r.tokens) - 1))
+            rounds.append(Round(r, tree, lookup, context_len=len(r.tokens)))
+        return StepPlan(work, prefilling, rounds, prefill_rows, started)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """The step's drafts (one batched draft) and its one target call: last step's commits, the prompt chunks and
+        every round's verify rows in one forward."""
+        draft_rows, drafter_prefill_s = self._draft(plan.rounds)
+        t0 = plan.started + drafter_prefill_s  # the rounds' time leaves the drafter's prefills out (request costs)
         t1 = time.perf_counter()
-        first, verify_rows = len(work.segments), 0
-        for r, drafted in zip(rounds, on_host([r.draft.tokens for r in rounds])):
+        work = plan.work
+        first, verify_rows, kilotokens = len(work.segments), 0, 0.0
+        for rd, drafted in zip(plan.rounds, on_host([rd.draft.tokens for rd in plan.rounds])):
+            r = rd.request
             if r.params.argmax_only:  # judged on the host, on the target's argmaxes (target_backend.row_argmaxes)
-                r.draft = replace(r.draft, tokens=drafted)
+                rd.draft = replace(rd.draft, tokens=drafted)
             root = torch.tensor([r.tokens[-1]])
             tokens = torch.cat([root, drafted.reshape(-1)]) if drafted.numel() else root
-            work.segments.append(SegmentSpec(r.request_id, tokens, tuple(r.draft.tree.paths),
-                                              r.params.argmax_only))
+            work.segments.append(SegmentSpec(r.request_id, tokens, tuple(rd.draft.tree.paths), r.params.argmax_only))
             verify_rows += tokens.numel()
+            kilotokens += tokens.numel() * rd.context_len / 1024
         logits = self._run(work)
-        t2 = time.perf_counter()
-        for r in prefilling:
+        drafting = sum(rd.draft.config.depth > 0 for rd in plan.rounds)  # lookup-only rounds run no drafter
+        shape = StepShape(verify_rows, kilotokens, drafting, draft_rows, plan.prefill_rows)
+        return StepResult(logits[first:first + len(plan.rounds)], shape, (t0, t1, time.perf_counter()))
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[StepOutput]:
+        """Judge every round, commit it (sent with the next step's target call), check stops, emit one chunk per
+        round, and learn from the step."""
+        for r in plan.prefilling:
             r.prefilled = r.chunk_end
+        rounds, logits = plan.rounds, result.logits
         # plain sampled rounds draw together; the others are judged one by one
-        plain = [i for i, r in enumerate(rounds) if plain_sampled(r.draft, r.params)]
-        verdicts = dict(zip(plain, judge_plain_sampled([logits[first + i] for i in plain],
-                                                       [rounds[i].params for i in plain],
-                                                       [rounds[i].target_gen for i in plain]) if plain else []))
+        plain = [i for i, rd in enumerate(rounds) if plain_sampled(rd.draft, rd.request.params)]
+        verdicts = dict(zip(plain, judge_plain_sampled([logits[i] for i in plain],
+                                                       [rounds[i].request.params for i in plain],
+                                                       [rounds[i].request.target_gen for i in plain])
+                            if plain else []))  # fmt: skip
         outputs = []
         try:
-            for i, r in enumerate(rounds):
-                outputs.append(self._finish_round(r, logits[first + i], verdicts.get(i)))
+            for i, rd in enumerate(rounds):
+                outputs.append(self._finish_round(rd, logits[i], verdicts.get(i)))
         except Exception as exc:  # rounds taken are in their requests (a finished one has left): the caller hands
             with contextlib.suppress(AttributeError):  # their chunks out (EngineLoop), then recovers or fails the rest
                 exc.step_outputs = outputs
             raise
-        t3 = time.perf_counter()
-        self._account(rounds, prefilling, draft_rows, verify_rows, prefill_rows, (t0, t1, t2, t3))
-        if guard is not None:  # the realised result of its choice; drafting's prefills at their steady-state share
-            tokens = sum(len(r.verdict.new_tokens) for r in rounds)
-            steered = sum(len(r.verdict.new_tokens) for r in rounds if _steered(r))
-            guard.observe(admitted, tokens, t3 - t0, prefill_rows > 0, decoding=len(rounds),
-                          drafting_s=steered * self.start_rule.prefill_s_per_decoded_token(),
-                          drafter_prefill_s=drafter_prefill_s)
+        self._account(plan, result, time.perf_counter())
         self.steps += 1
         if not self.has_work:  # nothing will step again soon: free the caches of the requests that just ended
             self._send_pending()
@@ -305,8 +338,8 @@ class Scheduler:
         return logits
 
     def calibrate(self) -> None:
-        """The step cost model's prior, measured on this target and drafter (goodput.measure_prior)."""
-        self.cost.set_prior(measure_prior(self.target, self.drafter))
+        """The controller's step cost prior and drafter prefill rate, measured on this target and drafter."""
+        self.controller.calibrate(self.target, self.drafter)
 
     def _admit(self) -> None:
         """Waiting requests join, oldest first, while their first grant fits; none while a running one waits for KV
@@ -319,70 +352,58 @@ class Scheduler:
             self.kv.admit(r, self._work)
             if self.drafter is not None:
                 r.drafter = LazyDrafter(self.drafter, self.target.vocab_size, self.drafter_states, self.drafter_slots)
-                if r.tree is None:  # the request will decode alongside every running one (itself included)
-                    prefill = self._drafter_prefill(r.tokens)
-                    r.start = self.start_rule.decide(self.policy, prefill, len(r.tokens), r.stop.remaining, r.sampled,
-                                                     load=len(self.running))  # fmt: skip
-                    if _steered(r):
-                        self.start_rule.note_request(prefill, r.stop.remaining)
 
     # ----- trees and drafts -----
 
-    def _choose_trees(self, decoding: list[Request]) -> None:
-        candidates = [self._candidate(r) for r in decoding]
-        if self.config.goodput and len(decoding):
-            choice = size_trees(candidates, self.cost, prefill_rows=0)
+    def _facts(self, r: Request) -> RoundFacts:
+        """What the controller weighs for r's round: its options (a tree its client asked for, or the pick of a policy
+        that picks its own trees, as the only one; else every arm of the bandit, none among them by default), cut to the
+        tokens it has
+        left (the bonus token comes for free: never draft deeper than what is left), and what its drafted and
+        undrafted rounds cost beyond their trees' nodes."""
+        cut = r.stop.remaining - 1
+        if self.drafter is None:
+            options = [NO_TREE]
+        elif r.tree is not None:
+            options = [r.tree.truncated(cut)]
+        elif not self.controller.prices:  # a fixed tree (or a test's script)
+            options = [self.policy.select(len(r.tokens), r.sampled, load=self.load).truncated(cut)]
         else:
-            choice = [0] * len(decoding)
-        for r, c, i in zip(decoding, candidates, choice):
-            lookup = min(self.config.lookup if r.params.greedy else 0, r.stop.remaining - 1)
-            r.arm, r.lookup = fit_tree(c.trees[i], lookup, room=r.granted - (len(r.tokens) - 1))
+            options = list(dict.fromkeys(t.truncated(cut) for t in self.policy.arms))
+        greedy = r.params.greedy
+        prefill = self._drafter_prefill(r.tokens) if r.drafter is not None and r.drafter.session is None else 0
+        return RoundFacts(len(r.tokens), r.sampled, r.stop.remaining, options,
+                          lookup_rows=self.controller.lookup_rows if greedy and self.config.lookup else 0.0,
+                          plain_lookup_rows=(self.controller.plain_lookup_rows
+                                             if greedy and r.tree is None and self.config.plain_lookup else 0.0),
+                          prefill_tokens=prefill)  # fmt: skip
 
-    def _candidate(self, r: Request) -> Candidate:
-        """The request's trees for this step: its policy's pick, then the policy's smaller arms (goodput may take
-        one of those instead; "none" only where it is an arm). A fixed tree or an exploring request keeps its pick;
-        in a step the guard runs undrafted, every request but those with a tree of their own gets none (exploring
-        ones too: their rounds draft in the guard's policy steps, so a plain step costs what plain decoding does)."""
-        cut = r.stop.remaining - 1  # the bonus token comes for free: never draft deeper than what is left
-        ctx = len(r.tokens)
-        if self.drafter is None or r.start == PLAIN or (self.guarded and r.tree is None):
-            return Candidate([NO_TREE], [1.0], fixed=True)
-        if r.tree is not None:
-            return Candidate([r.tree.truncated(cut)], [1.0], fixed=True)
-        pick = self.policy.select(ctx, r.sampled, load=self.load)
-        if r.start == EXPLORE and not pick.depth:
-            pick = drafting_arm(self.policy, ctx, r.sampled, load=self.load)
-        smaller = sorted((a for a in self.policy.arms if a.num_nodes < pick.num_nodes), key=lambda a: -a.num_nodes)
-        trees = list(dict.fromkeys(t.truncated(cut) for t in (pick, *smaller)))
-        tokens = [self.acceptance.expected_tokens(t, ctx, r.sampled) for t in trees]
-        extra = self.lookup_rows if self.config.lookup and r.params.greedy else 0.0
-        return Candidate(trees, tokens, fixed=r.start == EXPLORE, extra_rows=extra)
-
-    def _draft(self, decoding: list[Request]) -> tuple[int, float]:
+    def _draft(self, rounds: list[Round]) -> tuple[int, float]:
         """Drafts for this step's rounds (one batched draft); -> (drafter rows stepped, seconds of drafter prefills:
         a per-request cost, kept out of the rounds' time)."""
         owners, configs, prefills = [], [], 0.0
-        for r in decoding:
-            config = r.arm.with_lookup(r.lookup)
-            if r.drafter is None or not config.depth:
-                r.draft = self._plain_lookup(r)
+        for rd in rounds:
+            config = rd.tree.with_lookup(rd.lookup)
+            if rd.request.drafter is None or not config.depth:
+                rd.draft = self._plain_lookup(rd.request)
                 continue
-            owners.append(r)
+            owners.append(rd)
             configs.append(config)
         # every drafting request's waiting verdicts through the drafter together, first prefills one by one
-        for r, prefill_s in zip(owners, ready_many([(r.drafter, r.tokens) for r in owners])):
+        requests = [rd.request for rd in owners]
+        for r, prefill_s in zip(requests, ready_many([(r.drafter, r.tokens) for r in requests])):
             if prefill_s:
                 r.stats.prefill_s += prefill_s
                 prefills += prefill_s
-                self._note_prefill(prefill_s, self._prefilled(len(r.tokens)))
-        batch = [DraftRequest(r.drafter.session, c, r.params, r.draft_gen) for r, c in zip(owners, configs)]
-        for r, draft in zip(owners, draft_many(batch, self.config.min_path_prob)):
-            r.draft = draft
-        return sum(drafter_rows(r.draft.config) for r in owners), prefills
+                self.controller.observe_prefill(prefill_s, self._prefilled(len(r.tokens)))
+        batch = [DraftRequest(r.drafter.session, c, r.params, r.draft_gen) for r, c in zip(requests, configs)]
+        for rd, draft in zip(owners, draft_many(batch, self.config.min_path_prob)):
+            rd.draft = draft
+        return sum(drafter_rows(rd.draft.config) for rd in owners), prefills
 
     def _plain_lookup(self, r: Request) -> Draft:
         """An undrafted round's draft: a prompt-lookup proposal of up to `plain_lookup` tokens as a chain (no drafter
-        runs), for a greedy request whose rounds the scheduler steers; else no draft."""
+        runs), for a greedy request whose tree the controller chooses; else no draft."""
         room = r.granted - len(r.tokens)  # verify rows past the root that its cache holds
         size = min(self.config.plain_lookup, r.stop.remaining - 1, room)
         if size <= 0 or r.tree is not None or not r.params.greedy:
@@ -394,63 +415,63 @@ class Scheduler:
 
     # ----- after the forward -----
 
-    def _finish_round(self, r: Request, logits: torch.Tensor, verdict: Verdict | None = None) -> StepOutput:
+    def _finish_round(self, rd: Round, logits: torch.Tensor, verdict: Verdict | None = None) -> StepOutput:
         """verdict: the round's, judged already (plain sampled rounds, drawn together); None: judge it here."""
+        r, draft = rd.request, rd.draft
         if verdict is None:
             history = TokenHistory(r.tokens, r.prompt_len, r.stop.stop_ids)
-            verdict = judge(logits, r.draft, r.params, r.target_gen, history)
+            verdict = judge(logits, draft, r.params, r.target_gen, history)
+        rd.verdict = verdict
         self._work.commits.append((r.request_id, verdict.keep_rows))
         if r.drafter is not None:
             r.drafter.commit(verdict)
         if r.lookup_index is not None:
             r.lookup_index.extend(verdict.new_tokens)
-        context_len = len(r.tokens)
         r.tokens += verdict.new_tokens
         r.prefilled = len(r.tokens) - 1  # with the commit, the cache holds the root and the accepted path
+        r.last_rows = 1 + len(draft.tokens)
         kept, delta = r.stop.feed(verdict.new_tokens)
         r.stats.new_tokens += len(kept)
-        r.stats.record_round(r.draft.label, r.draft.tree.depth, len(verdict.accepted_rows), len(r.draft.tokens))
-        r.verdict, r.context_len = verdict, context_len
+        r.stats.record_round(draft.label, draft.tree.depth, len(verdict.accepted_rows), len(draft.tokens))
         if r.stop.finished:
             self.running.pop(r.request_id, None)
             self._free(r)
-            if r.drafter is not None and _steered(r):
-                self.start_rule.note_finished(r.stats.new_tokens)
         logprobs = round_logprobs(logits, verdict, r.params, len(kept))
         return StepOutput(r.request_id, StreamChunk(kept, delta, r.stop.finish_reason, r.stats, logprobs))
 
-    def _account(self, decoding, prefilling, draft_rows, verify_rows, prefill_rows, times) -> None:
-        """Split the step's time among its requests (by rows), teach the policy, the acceptance and cost models."""
-        t0, t1, t2, t3 = times
-        drafting = sum(r.draft.config.depth > 0 for r in decoding)  # lookup-only rounds run no drafter
-        self.cost.observe(StepShape(verify_rows, draft_rows, prefill_rows, drafting), t3 - t0)
-        rows = verify_rows + prefill_rows
-        for r in prefilling:
+    def _account(self, plan: StepPlan, result: StepResult, t3: float) -> None:
+        """Split the step's time among its requests (by rows), teach the policy and the controller."""
+        t0, t1, t2 = result.times
+        shape = result.shape
+        self.controller.observe_step(shape, t3 - t0)
+        rows = shape.verify_rows + shape.prefill_rows
+        for r in plan.prefilling:
             r.stats.prefill_s += (t3 - t0) * r.chunk_rows / max(rows, 1)
-        for r in decoding:
-            own = r.draft.tree.num_nodes + 1
-            share = own / max(rows, 1)
-            r.stats.draft_s += (t1 - t0) * (drafter_rows(r.draft.config) / max(draft_rows, 1))
+        for rd in plan.rounds:
+            r, draft = rd.request, rd.draft
+            share = (draft.tree.num_nodes + 1) / max(rows, 1)
+            r.stats.draft_s += (t1 - t0) * (drafter_rows(draft.config) / max(shape.drafter_rows, 1))
             r.stats.verify_s += (t2 - t1) * share
-            r.stats.other_s += (t3 - t2) / max(len(decoding), 1)
+            r.stats.other_s += (t3 - t2) / max(len(plan.rounds), 1)
             r.stats.last_round_s = (t3 - t0) * share
-            if r.lookup and r.draft.config.depth:  # rows beyond the drafter's own nodes
-                extra = len(r.draft.tokens) - TreeConfig(r.draft.config.branching).num_nodes
-                self.lookup_rows += LOOKUP_ROWS_WEIGHT * (max(extra, 0) - self.lookup_rows)
-            self._teach(r)
+            if rd.lookup and draft.config.depth:  # rows beyond the drafter's own nodes
+                extra = len(draft.tokens) - TreeConfig(draft.config.branching).num_nodes
+                self.controller.observe_lookup(max(extra, 0), drafted=True)
+            elif not draft.config.depth and r.tree is None and r.params.greedy and self.config.plain_lookup:
+                self.controller.observe_lookup(len(draft.tokens), drafted=False)
+            self._teach(rd)
 
-    def _teach(self, r: Request) -> None:
-        verdict, draft = r.verdict, r.draft
+    def _teach(self, rd: Round) -> None:
+        r, verdict, draft = rd.request, rd.verdict, rd.draft
         accepted = len(verdict.accepted_rows)
         arms = self.policy.arms
         # what smaller drafted trees would have accepted (not for a lookup-only round: no drafter drafted it)
-        what = (what_if(draft, verdict, arms, r.lookup, r.sampled)
+        what = (what_if(draft, verdict, arms, rd.lookup, r.sampled)
                 if self.config.min_path_prob == 0 and draft.config.depth else None)  # fmt: skip
-        arm = r.arm if draft.arm == r.arm.with_lookup(r.lookup) else draft.arm
+        arm = rd.tree if draft.arm == rd.tree.with_lookup(rd.lookup) else draft.arm
         if arm not in arms:
             self.rounds_unrecorded += 1
-        self.acceptance.record(arm, r.context_len, r.sampled, accepted, what)
-        self.policy.record(arm, r.context_len, accepted, max(r.stats.last_round_s, 1e-9), r.sampled, what,
+        self.policy.record(arm, rd.context_len, accepted, max(r.stats.last_round_s, 1e-9), r.sampled, what,
                            load=self.load)  # fmt: skip
 
     def _free(self, r: Request) -> None:
@@ -466,13 +487,11 @@ class Scheduler:
             self._work.releases.append(r.request_id)
             r.admitted = False
 
-    # ----- the start rule's state (speculation/start_rule.py) -----
-
-    kept_plain = _start_rule_field("kept_plain")  # requests the start rule kept undrafted
-    prefill_s_per_token = _start_rule_field("prefill_s_per_token")  # the drafter's, measured (running estimate)
+    # ----- the drafter's prefill -----
 
     def _prefilled(self, context_len: int) -> int:
-        return prefill_tokens(self.drafter, context_len)
+        window = self.drafter.prefill_window
+        return min(context_len, window) if window else context_len
 
     def _drafter_prefill(self, tokens: list[int]) -> int:
         """Tokens the drafter's prefill over `tokens` would run: none where its state is kept
@@ -481,9 +500,6 @@ class Scheduler:
         if states is not None and states.holds(self.drafter, prefill_key(self.drafter, tokens)):
             return 0
         return self._prefilled(len(tokens))
-
-    def _note_prefill(self, seconds: float, tokens: int) -> None:
-        self.start_rule.note_prefill(seconds, tokens)
 
     def _max_verify_rows(self, params: SamplingParams, tree: TreeConfig | None) -> int:
         trees = [tree] if tree is not None else list(self.policy.arms) if self.drafter is not None else []
@@ -496,6 +512,7 @@ class Scheduler:
         return 1 + nodes + lookup
 
 
+
 def fit_tree(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:
     """The tree (and engine lookup tokens) cut until its verify rows fit the `room` left in the request's KV
     reservation (a pick larger than the reservation foresaw, e.g. of a policy whose picks are not its arms)."""
@@ -505,8 +522,3 @@ def fit_tree(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:
         else:
             arm = arm.truncated(arm.depth - 1)
     return arm, lookup
-
-
-def _steered(r: Request) -> bool:
-    """Whether r's rounds follow the speculation guard's mode (the policy's trees, or none in its plain steps)."""
-    return r.tree is None and r.start != PLAIN

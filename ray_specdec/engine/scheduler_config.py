@@ -2,8 +2,8 @@
 `bench` and the app parse.
 
 `add_scheduler_arguments` adds a flag per field (`kv_budget_tokens` -> `--kv-budget-tokens`; booleans as
-`--goodput / --no-goodput`), typed, defaulted and described from the dataclass itself (the comment on each field is
-its help), every value checked by SchedulerConfig's own validation as it is parsed, so a bad one is argparse's
+`--prefix-cache / --no-prefix-cache`), typed, defaulted and described from the dataclass itself (the comment on each
+field is its help), every value checked by SchedulerConfig's own validation as it is parsed, so a bad one is argparse's
 one-line error. `--kv-budget-gib` gives the budget in GiB instead of rows, or `auto` (the app's `kv_budget_gib`): it
 becomes rows once the target's bytes per token and the device's free memory are known (`kv_sizing.fitted_kv_budget`,
 which checks either budget against that memory). `scheduler_config_from_args` reads the fields back from anything
@@ -36,10 +36,8 @@ class SchedulerConfig:
     prefill_chunk: int = 512  # a prompt's chunks are cut at multiples of this: its KV never depends on the batch
     min_path_prob: float = 0.0  # drafts stop at depths the drafter rates below this (DrafterSession.draft)
     lookup: int = 0  # prompt-lookup tokens added to every drafted tree of greedy requests
-    # undrafted by the policy's, the guard's or the start rule's choice; never under a tree the client asked for
+    # undrafted by the speculation controller's choice; never under a tree the client asked for
     plain_lookup: int = 0  # prompt-lookup tokens verified in greedy rounds that run undrafted (no drafter step)
-    goodput: bool = True  # shrink the policy's picks when the batch's goodput says so (speculation/goodput.py)
-    guard: bool = True  # run a load level undrafted while its drafted steps measure slower (speculation/guard.py)
     prefix_cache: bool = True  # keep prompt chunks' KV in unreserved budget for later prompts (engine/prefix_cache.py)
     # on: admit against the KV requests hold and grow each one's as it decodes, a request waiting a step where its
     # growth would leave some request unable to finish (never preempted: exact); off: reserve each one's most

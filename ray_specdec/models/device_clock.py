@@ -2,7 +2,7 @@
 
 On CUDA a call returns once its kernels are queued: `perf_counter` around it measures the launches, and the device's
 time lands in whatever next waits for it. A cost that is measured apart from the step it runs in (a drafter prefill,
-which the speculation guard charges at its steady-state share) must therefore wait for the device at both ends: at the
+which the speculation controller charges as a per-request cost) must therefore wait for the device at both ends: at the
 start so that earlier queued work is not counted, at the end so that its own is. On CPU both waits are no-ops.
 """
 

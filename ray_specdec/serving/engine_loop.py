@@ -16,9 +16,9 @@ If recovery fails or takes longer than `recover_timeout_s`, every request in fli
 (HTTP 503 with Retry-After), and `healthy` stays False until a recovery succeeds.
 
 Metrics. `metrics` (serving/metrics.py) records every request's arrival, admission, rounds and end, and the
-scheduler's state after each step, on the loop's thread; the speculation guard's verdicts and the target's KV pool
+scheduler's state after each step, on the loop's thread; the speculation controller's state and the target's KV pool
 (where its caches are pooled) at most once per REPORT_S while steps run, and when the work runs out (also in
-`stats()["guard"]` and `stats()["kv_pool"]`).
+`stats()["speculation"]` and `stats()["kv_pool"]`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from ray_specdec.serving.thread_priority import ComputeFirst
 logger = logging.getLogger(__name__)
 
 
-# How often, at most, the guard's verdicts and the KV pool's state are copied out for the metrics and stats (the
-# guard's summary fits a line per load level, the pool's four numbers take its lock: cheap, but not for every step).
+# How often, at most, the controller's state and the KV pool's are copied out for the metrics and stats (the cost
+# model's weights solve a small system, the pool's four numbers take its lock: cheap, but not for every step).
 REPORT_S = 1.0
 
 
@@ -91,7 +91,7 @@ class EngineLoop:
         self.metrics = EngineMetrics()
         self.faults = 0  # steps that raised
         self.recoveries = 0
-        self.guard_summary: list[dict] | None = None  # the guard's verdicts as last copied out (None: no guard)
+        self.speculation_summary: dict | None = None  # the speculation controller's state as last copied out
         self._reported_at = -math.inf
         self._wake = threading.Condition()
         self._inbox: deque[tuple] = deque()
@@ -165,7 +165,7 @@ class EngineLoop:
         return {"running": s.num_running, "waiting": s.num_waiting, "kv_reserved": s.reserved,
                 "kv_budget": s.config.kv_budget_tokens, "kv_waits": s.kv_waits, "kv_waited": s.kv_waited,
                 "steps": s.steps, "faults": self.faults, "recoveries": self.recoveries, "healthy": self.healthy,
-                "guard": self.guard_summary, "kv_pool": getattr(s.target, "kv_pool", None)}  # fmt: skip
+                "speculation": self.speculation_summary, "kv_pool": getattr(s.target, "kv_pool", None)}  # fmt: skip
 
     def _run(self, scheduler, built: list, ready: threading.Event) -> None:
         if not ready.is_set():
@@ -244,15 +244,13 @@ class EngineLoop:
             self.metrics.prefix_cache(s.prefix.queried_rows, s.prefix.hit_rows)
 
     def _report(self, now: float) -> None:
-        """The guard's verdicts and the KV pool's state to the metrics (the guard's to the stats too): at most once per
-        REPORT_S, and when the work runs out (so an idle replica shows its last state)."""
+        """The speculation controller's state and the KV pool's to the metrics (the controller's to the stats too): at
+        most once per REPORT_S, and when the work runs out (so an idle replica shows its last state)."""
         if now - self._reported_at < REPORT_S and self.scheduler.has_work:
             return
         self._reported_at = now
-        guard = self.scheduler.guard
-        if guard is not None:
-            self.guard_summary = guard.summary()
-            self.metrics.guard(self.guard_summary)
+        self.speculation_summary = self.scheduler.controller.summary()
+        self.metrics.speculation(self.speculation_summary)
         pool = getattr(self.scheduler.target, "kv_pool", None)
         if pool is not None:
             self.metrics.kv_pool(pool)

@@ -86,8 +86,8 @@ ROUTER_IN_FLIGHT = "ray_specdec:router_requests_in_flight"
 BANDIT_PULLS = "ray_specdec:bandit_arm_pulls"
 BANDIT_REWARD = "ray_specdec:bandit_arm_mean_reward"
 BANDIT_BEST = "ray_specdec:bandit_best_arm"
-GUARD_UNDRAFTED = "ray_specdec:speculation_guard_undrafted"
-GUARD_SPEEDUP = "ray_specdec:speculation_guard_speedup"
+DRAFTED_SHARE = "ray_specdec:speculation_drafted_share"
+STEP_COST = "ray_specdec:speculation_step_cost_seconds"
 
 METRICS = {m.name: m for m in (
     Metric(PROMPT_TOKENS, COUNTER, "Prompt tokens of requests that got their first token."),
@@ -99,7 +99,7 @@ METRICS = {m.name: m for m in (
     Metric(ACCEPTED, COUNTER, "Drafted tokens the target accepted (bonus tokens excluded)."),
     Metric(ACCEPTED_PER_POS, COUNTER, "Rounds that accepted a drafted token at depth position + 1.", ("position",)),
     Metric(DRAFTS_PER_POS, COUNTER, "Rounds whose drafted tree reached depth position + 1.", ("position",)),
-    Metric(ROUNDS, COUNTER, "Draft + verify rounds by the tree they drafted (the bandit's pick, cut by goodput; "
+    Metric(ROUNDS, COUNTER, "Draft + verify rounds by the tree they drafted (the speculation controller's choice; "
            "none: no draft).", ("tree",)),
     Metric(TTFT, HISTOGRAM, "Time to first token in seconds.", buckets=TTFT_BUCKETS),
     Metric(ITL, HISTOGRAM, "Seconds between a request's rounds that gave tokens (one observation per round).",
@@ -127,12 +127,11 @@ METRICS = {m.name: m for m in (
            ("bucket", "load", "tree")),
     Metric(BANDIT_BEST, GAUGE, "1 for the bandit's current best tree of each context bucket and load level.",
            ("bucket", "load", "tree")),
-    Metric(GUARD_UNDRAFTED, GAUGE, "1 where the speculation guard runs a load level's rounds undrafted (its drafted "
-           "steps measured slower than undrafted ones), else 0; greedy steps and steps with a sampled request apart.",
-           ("load", "sampling", "replica")),
-    Metric(GUARD_SPEEDUP, GAUGE, "Decode throughput of a load level's drafted steps over its undrafted ones, as the "
-           "speculation guard measured it (absent until both are measured); greedy and sampled steps apart.",
-           ("load", "sampling", "replica")),
+    Metric(DRAFTED_SHARE, GAUGE, "Share of the rounds the speculation controller chose a drafted tree for, since "
+           "the replica started.", ("replica",)),
+    Metric(STEP_COST, GAUGE, "The speculation controller's step cost model: seconds per unit of each feature of a "
+           "step (fixed, verify_rows, verify_row_kilotokens, drafting, drafter_rows, prefill_rows).",
+           ("feature", "replica")),
 )}  # fmt: skip
 
 
@@ -249,15 +248,13 @@ class EngineMetrics(Recorder):
             self._set(PREFIX_QUERIES, queried)
             self._set(PREFIX_HITS, hits)
 
-    def guard(self, summary: list[dict]) -> None:
-        """The speculation guard's state (`SpeculationGuard.summary()`: per load level the greedy steps' verdict, the
-        sampled steps' under "sampled")."""
-        sets = [((row["load"], "greedy"), row) for row in summary]
-        sets += [((row["load"], "sampled"), row["sampled"]) for row in summary if "sampled" in row]
+    def speculation(self, summary: dict) -> None:
+        """The speculation controller's state (`SpeculationController.summary()`)."""
         with self._lock:
-            self._values[GUARD_UNDRAFTED] = {key: float(level["undrafted"]) for key, level in sets}
-            self._values[GUARD_SPEEDUP] = {key: level["speedup"] for key, level in sets
-                                           if level["speedup"] is not None}  # fmt: skip
+            if summary["drafted_share"] is not None:
+                self._set(DRAFTED_SHARE, float(summary["drafted_share"]))
+            for feature, seconds in summary["cost_weights"].items():
+                self._set(STEP_COST, float(seconds), (feature,))
 
     def _count_rounds(self, live: _Live, stats: GenerationStats) -> None:
         """The spec-decode counters of the request's rounds since the last look (`stats`: its totals so far). Every

@@ -1,6 +1,6 @@
 """What-if feedback: the draft tokens each smaller tree would have had accepted in a round, from the round's own
 drafted tree and verdict, so that one round teaches the bandit every arm its tree contained (bandit/,
-speculation/goodput.py)."""
+speculation/controller.py)."""
 
 from __future__ import annotations
 

@@ -32,10 +32,8 @@ class LazyDrafter:
         """Bring the session up to date before a draft: -> seconds spent on a first prefill (0 if none).
 
         The prefill is timed with the device idle at both ends (device_clock): on CUDA its kernels would otherwise
-        be counted at their launch cost, the speculation guard and the start rule would take drafter prefills for
-        nearly free, and their device time would land in the step that next waits, as a stall its cap mostly drops
-        (H100, fresh prompts: the guard measured drafting 1.35x faster at one request while the closed loop ran
-        0.92x of tree none)."""
+        be counted at their launch cost, the speculation controller would take drafter prefills for nearly free, and
+        their device time would land in the step that next waits."""
         return ready_many([(self, tokens)])[0]
 
     def _start(self, tokens: Sequence[int]) -> float:

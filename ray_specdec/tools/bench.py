@@ -465,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                      "cut_trees": [f"{t}@{c:g}" for t, c in cut_trees],
                      "bandit_warmup_prompts": args.bandit_warmup,
                      "bandit_pulls": {str(arm): int(n) for arm, n in zip(bandit.config.arms, bandit_pulls(bandit))},
-                     # requests (warm-up included) the engine's start rule ran without drafting at all
-                     "bandit_requests_kept_plain": bandit_engine.kept_plain,
+                     # rounds (warm-up included) the bandit engine's controller ran undrafted, of all its rounds
+                     "bandit_undrafted_share": _undrafted_share(bandit_engine.controller),
                      "target": model_label(args.target), "drafter": model_label(args.drafter),
                      "tf_drafter": model_label(args.tf_drafter), "quick": args.quick},
     }
@@ -485,3 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"WARNING: greedy outputs differ from HF generate for: {', '.join(identical)}")
     return 0
+
+
+def _undrafted_share(controller) -> float | None:
+    total = controller.drafted_rounds + controller.undrafted_rounds
+    return controller.undrafted_rounds / total if total else None

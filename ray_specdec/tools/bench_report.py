@@ -33,9 +33,9 @@ def markdown(report: dict) -> str:
     if pulls:
         lines += ["", "Bandit pulls per arm (warm-up included): "
                   + ", ".join(f"{arm}: {n}" for arm, n in pulls.items())]
-        plain = report["settings"].get("bandit_requests_kept_plain")
+        plain = report["settings"].get("bandit_undrafted_share")
         if plain is not None:
-            lines.append(f"Requests the bandit's engine kept undrafted (the drafter's prefill would not pay): {plain}")
+            lines.append(f"Rounds the bandit's engine ran undrafted (its controller's choice): {plain:.0%}")
     gemm = report.get("hardware", {}).get("target_gemm_plan")
     if gemm is not None:
         panels = report["hardware"].get("target_gemm_panels")

@@ -140,18 +140,20 @@ def test_repeated_cells_compare_by_their_medians(tmp_path):
 
 
 def test_engine_state_is_kept_where_the_server_says_it(monkeypatch):
-    guard = [{"load": "17+", "undrafted": True, "speedup": 0.5, "plain": 32, "policy": 9, "explore_period": 256}]
+    speculation = {"drafted_share": 0.25, "cost_weights": {"fixed": 2e-3}}
     asked = []
 
     def get(url, **kwargs):
         asked.append(url)
         if "down" in url:
             raise httpx.ConnectError("refused")
-        return httpx.Response(200, json={"replicas": {}, "engine": {"steps": 7, "guard": guard, "running": 0}})
+        engine = {"steps": 7, "speculation": speculation, "running": 0}
+        return httpx.Response(200, json={"replicas": {}, "engine": engine})
 
     monkeypatch.setattr(httpx, "get", get)
     assert engine_state(Endpoint("http://127.0.0.1:1", None)) is None and not asked  # a peer: nothing to ask
-    assert engine_state(Endpoint("http://127.0.0.1:1", None, stats="/v1/stats")) == {"steps": 7, "guard": guard}
+    state = engine_state(Endpoint("http://127.0.0.1:1", None, stats="/v1/stats"))
+    assert state == {"steps": 7, "speculation": speculation}
     assert asked == ["http://127.0.0.1:1/v1/stats"]
     assert engine_state(Endpoint("http://down:1", None, stats="/v1/stats")) is None
 

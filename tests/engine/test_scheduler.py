@@ -87,7 +87,7 @@ def check_batch_invariance(target: TargetModel, drafter: MambaDrafter, requests,
         if hf:
             assert expected == hf_greedy_ignore_eos(target, prompt, params.max_new_tokens)[: len(expected)]
         assert len(expected) == params.max_new_tokens or expected[-1] in target.eos_token_ids
-    # the policy's trees, sized by goodput, in one generate_many: the same tokens
+    # the trees the speculation controller chooses, in one generate_many: the same tokens
     many = engine.generate_many([r[1] for r in requests], [r[2] for r in requests])
     assert [g.token_ids for g in many] == [together[r[0]] for r in requests]
     assert not engine.scheduler.target.caches and engine.scheduler.reserved == 0

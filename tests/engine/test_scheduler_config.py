@@ -13,11 +13,10 @@ from ray_specdec.engine.scheduler_config import (SchedulerConfig, add_scheduler_
 
 # a value other than the default for every field
 CHANGED = {"kv_budget_tokens": 4096, "max_running": 8, "max_waiting": 3, "step_tokens": 768, "prefill_chunk": 128,
-           "min_path_prob": 0.05, "lookup": 4, "plain_lookup": 3, "goodput": False, "guard": False,
-           "prefix_cache": False, "kv_grow": False}
+           "min_path_prob": 0.05, "lookup": 4, "plain_lookup": 3, "prefix_cache": False, "kv_grow": False}
 ARGV = ["--kv-budget-tokens", "4096", "--max-running", "8", "--max-waiting", "3", "--step-tokens", "768",
-        "--prefill-chunk", "128", "--min-path-prob", "0.05", "--lookup", "4", "--plain-lookup", "3", "--no-goodput",
-        "--no-guard", "--no-prefix-cache", "--no-kv-grow"]
+        "--prefill-chunk", "128", "--min-path-prob", "0.05", "--lookup", "4", "--plain-lookup", "3",
+        "--no-prefix-cache", "--no-kv-grow"]
 
 
 def parser(defaults: SchedulerConfig = SchedulerConfig()) -> OneLineParser:
@@ -36,7 +35,7 @@ def test_every_field_is_a_flag_with_its_default_and_comment():
         assert flag(f.name) in action.option_strings
         assert action.default == getattr(defaults, f.name)
         assert action.help.startswith(comments[f.name].replace("%", "%%"))
-    assert actions["goodput"].option_strings == ["--goodput", "--no-goodput"]
+    assert actions["prefix_cache"].option_strings == ["--prefix-cache", "--no-prefix-cache"]
     assert scheduler_config_from_args(parser(defaults).parse_args([]), defaults) == defaults
 
 

@@ -59,6 +59,5 @@ def scripted() -> m.EngineMetrics:
     rec.prefix_cache(queried=60, hits=25)  # totals: the last one stands
     rec.kv_pool({"rows": 2048, "free_rows": 1000, "packs": 1, "moved_rows": 300})
     rec.kv_pool({"rows": 4096, "free_rows": 3000, "packs": 2, "moved_rows": 420})  # totals: the last one stands
-    rec.guard([{"load": "1", "undrafted": False, "speedup": None, "plain": 0, "policy": 3, "explore_period": 32},
-               {"load": "5-16", "undrafted": True, "speedup": 0.8, "plain": 20, "policy": 9, "explore_period": 64}])
+    rec.speculation({"drafted_share": 0.25, "cost_weights": {"fixed": 2e-3, "verify_rows": 1e-4}})
     return rec

@@ -1,7 +1,9 @@
-"""Test policies in place of the bandit: trees picked from a script (with or without throughput estimates), or one
-tree with a note of the load each pick and lesson came at."""
+"""Test policies in place of the bandit: trees picked from a script, arms with fixed statistics for the speculation
+controller to price, or one tree with a note of the load each pick and lesson came at."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from ray_specdec.config import TreeConfig
 
@@ -9,7 +11,7 @@ from ray_specdec.config import TreeConfig
 class ScriptedPolicy:
     """Picks trees from a script, round after round (the last one once the script runs out)."""
 
-    arms = ()  # no smaller arms: goodput sizing keeps every pick
+    arms = ()  # no statistics to price: the controller keeps every pick
 
     def __init__(self, script):
         self.script, self.round, self.records = [TreeConfig(b) for b in script], 0, []
@@ -26,17 +28,34 @@ class ScriptedPolicy:
         self.records.append((str(tree), round_time_s))
 
 
-class RatedPolicy(ScriptedPolicy):
-    """A scripted policy that also reports throughput estimates (tokens per second of round time), as the bandit
-    does."""
+class PricedPolicy:
+    """The bandit's side as the speculation controller reads it, with fixed statistics: its arms, and per arm the
+    mean tokens of a round (a thousand rounds' worth, no spread: the controller's draws are its means)."""
 
-    def __init__(self, script, rates):
-        super().__init__(script)
-        self.rates = {TreeConfig(b): r for b, r in rates.items()}
+    def __init__(self, tokens):
+        self.tokens = {TreeConfig(b): float(t) for b, t in tokens.items()}
+        self.records = []
 
-    def throughput(self, context_len, sampled=False, draw=False, *, load=1):
-        assert draw  # the engine decides on Thompson draws
-        return dict(self.rates)
+    @property
+    def arms(self):
+        return tuple(self.tokens)
+
+    def token_sums(self, context_len, sampled=False):
+        return np.array([(1000.0, 1000.0 * t, 1000.0 * t * t) for t in self.tokens.values()])
+
+    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None, *, load=1):
+        self.records.append((str(tree), round_time_s))
+
+
+def fix_costs(controller, prefill_s_per_token: float | None) -> None:
+    """A speculation controller whose step costs are fixed, whatever this machine's steps take: 10 ms a step, its
+    verify rows free, 0.1 ms per drafting request (so drafting pays wherever the drafter's prefill does not eat its
+    tokens), and the drafter's prefill at `prefill_s_per_token` (None: not measured yet)."""
+    from ray_specdec.speculation.controller import FEATURES
+
+    controller.cost.set_prior([{"fixed": 10e-3, "drafting": 0.1e-3}.get(name, 0.0) for name in FEATURES])
+    controller.observe_step = lambda shape, seconds: None
+    controller.prefill_s_per_token = prefill_s_per_token
 
 
 class LoadRecorder:

@@ -57,13 +57,13 @@ def test_a_drafter_prefill_is_timed_to_the_end_of_its_device_work(monkeypatch):
 
 def test_the_cost_models_prior_times_device_work_not_launches(monkeypatch):
     """measure_prior's drafter steps and target forwards include the device's queued time."""
-    from ray_specdec.speculation.goodput import _time_drafter
+    from ray_specdec.speculation.controller import _time_drafter
 
     device = QueuedDevice()
     monkeypatch.setattr(device_clock, "synchronize", device)
     drafter = tiny_mamba(vocab=32)
     device.armed = True
-    for kind in (1, 16, "extend"):
+    for kind in (1, 16, "extend", "prefill"):
         assert _time_drafter(drafter, kind) >= QUEUED_S
     device.calls.clear()
     device_clock.settle([torch.zeros(2), None, torch.zeros(3)])

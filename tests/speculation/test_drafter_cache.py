@@ -54,9 +54,9 @@ def test_the_byte_budget_drops_the_least_recently_used():
     assert list(states.entries) == [tuple(prompts[0])] and states.misses == 4
 
 
-def test_a_kept_state_costs_the_start_rule_and_the_prefill_estimate_nothing():
-    """The start rule weighs no drafter prefill for a prompt whose state is kept, and a copied state is not timed as
-    a prefill (it would drag the measured cost per token towards zero)."""
+def test_a_kept_state_costs_the_controller_and_the_prefill_estimate_nothing():
+    """The speculation controller charges no drafter prefill for a prompt whose state is kept, and a copied state is
+    not timed as a prefill (it would drag the measured cost per token towards zero)."""
     drafter = tiny_mamba(torch.float32)
     scheduler = Scheduler(LocalTarget(TargetModel(tiny_gpt_neox(torch.float32))), drafter, None, TreeConfig((2, 1)))
     prompt = random_prompt(40, seed=3)

@@ -84,7 +84,7 @@ def test_in_a_batch_only_the_schedulers_own_greedy_rounds_get_lookup(target):
     """Requests of every kind in one batch, drafted and lookup rounds interleaved by the policy: each gets its tokens
     alone; a client's `none`, a client's tree and a sampled request never run a lookup round."""
     engine = SpeculativeEngine(target, tiny_mamba(torch.float32), Alternating(),
-                               config=SchedulerConfig(plain_lookup=LOOKUP, guard=False, goodput=False))  # fmt: skip
+                               config=SchedulerConfig(plain_lookup=LOOKUP))  # fmt: skip
     greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
     requests = [("policy0", repetitive(25, 3), greedy, None), ("policy1", repetitive(40, 4), greedy, None),
                 ("none", repetitive(25, 3), greedy, NO_TREE), ("chain", repetitive(30, 5), greedy, TreeConfig((2, 1))),

@@ -1,5 +1,6 @@
 """A drafter prefill window: a request's drafter state starts from its last N tokens. Drafts change, the output
-never does; the lookup branch still searches the whole context, and the start rule prices the shorter prefill."""
+never does; the lookup branch still searches the whole context, and the speculation controller prices the shorter
+prefill."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.speculation.drafting import DrafterSession
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_mamba
-from tests.helpers.policies import RatedPolicy
+from tests.helpers.policies import PricedPolicy, fix_costs
 from tests.helpers.reference import hf_greedy
 
 
@@ -51,19 +52,19 @@ def test_greedy_output_is_the_target_alone_with_any_window(target, tree, window)
     assert set(result.stats.trees) - {"none"}  # it drafted, from the windowed state
 
 
-def test_the_start_rule_prices_the_windowed_prefill(target):
-    """37 tokens x 1 ms of prefill do not pay for 6 tokens saving 5 ms each (30 ms); a 5-token window (5 ms) does."""
+def test_the_controller_prices_the_windowed_prefill(target):
+    """37 tokens x 5 ms of prefill do not pay for 6 tokens at 3 a round against 1; a 5-token window (25 ms) does."""
     prompt = random_prompt(37, seed=10)
     for window, drafts in ((None, False), (5, True)):
-        engine = SpeculativeEngine(target, windowed(window), RatedPolicy([(1, 1)], {(1, 1): 200.0, (): 100.0}))
-        engine.prefill_s_per_token = 1e-3
+        engine = SpeculativeEngine(target, windowed(window), PricedPolicy({(): 1.0, (1, 1): 3.0}))
+        fix_costs(engine.controller, 5e-3)
         result = engine.generate(prompt, SamplingParams(max_new_tokens=6))
         assert ("1,1" in result.stats.trees) == drafts
         assert result.token_ids == hf_greedy(target, prompt, 6)
     # the measured cost per token divides by the tokens the prefill ran, not by the context
-    engine = SpeculativeEngine(target, windowed(5), RatedPolicy([(1, 1)], {(1, 1): 200.0}))
-    engine.scheduler._note_prefill(0.05, engine.scheduler._prefilled(37))
-    assert engine.prefill_s_per_token == pytest.approx(0.01)
+    engine = SpeculativeEngine(target, windowed(5), PricedPolicy({(): 1.0, (1, 1): 3.0}))
+    engine.controller.observe_prefill(0.05, engine.scheduler._prefilled(37))
+    assert engine.controller.prefill_s_per_token == pytest.approx(0.01)
 
 
 def test_bad_windows_are_refused(tmp_path):

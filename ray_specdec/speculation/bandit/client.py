@@ -33,7 +33,7 @@ DEFAULT_ARMS = (
     TreeConfig((4, 2, 1)),
     TreeConfig((2, 2, 1, 1)),
     # no drafting: where speculation does not pay (a target step as cheap as a few drafter steps, a saturated
-    # target), goodput, not acceptance, decides, and the throughput reward can settle here (SmartSpec's lesson)
+    # target), the step's cost, not acceptance, decides (SmartSpec's lesson)
     TreeConfig(()),
 )
 DEFAULT_BUCKET_EDGES = (1024, 2048, 4096, 8192)  # prompt tokens: <1k, 1-2k, 2-4k, 4-8k, >=8k
@@ -219,6 +219,18 @@ class Bandit:
                 values[pulled] = posterior_draws(_pulled_only(stats, pulled), self._rng)
         return {arm: float(v) for arm, v, ok in zip(self.config.arms, values, pulled) if ok and v > 0}
 
+    def token_sums(self, context_len: int, sampled: bool = False) -> np.ndarray:
+        """[arms, 3]: the rounds, and the sum and sum of squares of their tokens (accepted + the bonus), of every arm
+        in the context's prompt-length bucket and sampling mode, pooled over load levels (what a round accepts does
+        not depend on the load), own rounds and what-if rounds together, discounted: what the speculation controller
+        prices each arm's tokens with (speculation/controller.py)."""
+        with self._lock:
+            state = self._view
+            cells = [state.bucket_of(context_len, sampled, load) for load in _level_loads(state.load_edges)]
+            sums = state.disc[cells].sum(axis=0)  # [arms, fields]
+        own, what = sums[:, [0, 3, 5]], sums[:, len(OWN_FIELDS):]
+        return own + what
+
     def record(
         self,
         tree: TreeConfig,
@@ -330,6 +342,11 @@ class BanditHub:
             raise ValueError("this BanditHub has no path to save to")
         self.state.save(self.path)
         self._last_save = self._clock()
+
+
+def _level_loads(edges: tuple[int, ...]) -> list[int]:
+    """One load in each load level of these edges."""
+    return [1, *(e + 1 for e in edges)] if edges else [1]
 
 
 def _pulled_only(stats: ArmStats, pulled: np.ndarray) -> ArmStats:

@@ -379,7 +379,7 @@ def test_native_attention_rows_do_not_depend_on_the_row_count_or_masked_keys(thr
 def test_native_attention_tree_rows_are_their_rows_decoded_one_by_one(threads, heads, kv_heads, dim, cached, window):
     """A verify's tree row attends over the cache, its ancestors and itself exactly as when those tokens are decoded
     one by one: the bits of one row over exactly those keys laid out one after the other, whatever other rows the tree
-    has (so what a request commits does not depend on the tree goodput gave it). Caches of 120 / 126 keys put the
+    has (so what a request commits does not depend on the tree the controller gave it). Caches of 120 / 126 keys put the
     tree's rows across a key block boundary (128), where keys weighted 0 at shifted places would change the sums."""
     tree = build_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)])
     rows = tree.num_nodes + 1

@@ -1,0 +1,435 @@
+"""The speculation controller: once per step, every request's tree (`none` included), chosen to maximise the batch's
+expected tokens per second of step time.
+
+    rate(step) = sum_r E[tokens of r's round | r's tree] / T(step)
+
+This is the one place that decides how much to draft. Its parts:
+
+- **T(step)**: `StepCostModel`, a linear model of the step's wall time in what the step runs: a fixed cost, verify
+  rows, verify rows times their context (attention), requests that draft, drafter rows and target prefill rows. Its
+  prior is measured on this target and drafter when the scheduler starts (`measure_prior`), and every step refines
+  it by exponentially weighted least squares on the step's measured time. Nothing is assumed about the hardware: on
+  a target whose weights fit the cache a verify row costs nearly a plain step, on a memory-bound one almost nothing.
+- **E[tokens]**: the shared bandit's statistics (`bandit.Bandit.token_sums`): the tokens (accepted + the bonus) a
+  round of each arm gave, per prompt-length bucket and greedy or sampled, pooled over load levels (acceptance does
+  not depend on load), fed by the what-if counterfactuals (`counterfactuals.py`: one round teaches every arm its
+  tree contains). The undrafted arm's tokens are those of its prompt-lookup proposal (`SchedulerConfig.plain_lookup`),
+  so prompt lookup is priced in undrafted rounds as in drafted ones (there as extra verify rows, `lookup_rows`).
+- **The drafter's prefill**: a request whose drafter holds no state yet pays one prefill over its context before its
+  first drafted round. That is a per-request cost, not a per-round one: a drafted option is charged its share, the
+  prefill's seconds times the option's expected tokens over the tokens the request has left to generate.
+- **Exploration**: Thompson sampling. Each step draws every arm's expected tokens from its posterior (a normal around
+  the mean of its rounds, with `prior_rounds` pseudo-rounds at an optimistic prior), so arms with few rounds are
+  tried where they could win and not where even an optimistic draw loses.
+- **The choice**: the step's rate is a ratio of sums over requests, each of which picks one option. Dinkelbach's
+  method finds its exact maximum: for a rate lambda every request takes its option of highest tokens - lambda x
+  seconds (a separable problem), lambda becomes the rate of those picks, and this repeats until the picks hold
+  (2-4 passes; `choose_options`). One request in flight keeps a tree only where it beats plain decoding; under load,
+  where every verify row adds to a step the others wait for, trees shrink, down to none where that pays.
+
+Requests whose client asked for a tree keep it (truncated to what they have left); a policy of one arm (a fixed
+tree: `--tree`, the benchmarks' fixed cells) is not second-guessed either.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ray_specdec.config import TreeConfig
+from ray_specdec.engine.target_backend import SegmentSpec, StepWork, TargetBackend
+from ray_specdec.models.device_clock import now, settle
+
+NO_TREE = TreeConfig(())
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """The controller's settings. Every tuning constant of speculation lives here."""
+
+    # Weight of the past in the step cost model's least squares, per step: ~200 steps of memory, so that the model
+    # follows load changes within a second or two of traffic.
+    cost_forget: float = 0.995
+    # How many steps of typical size the measured prior counts as (a ridge towards it).
+    cost_prior_steps: float = 64.0
+    # Steps measured before the cost model is trusted without a measured prior.
+    cost_warmup_steps: int = 16
+    # Prior tokens an arm's round accepts per draft depth, before any round of it was measured: optimistic, so that
+    # an arm is tried where it could pay.
+    prior_accept_per_depth: float = 0.6
+    # Pseudo-rounds the prior counts as in an arm's posterior; a handful of real rounds outweigh it.
+    prior_rounds: float = 2.0
+    # Standard deviation of one round's tokens assumed where an arm's own rounds do not say yet.
+    prior_round_sd: float = 1.0
+    # Draw expected tokens from their posteriors (Thompson sampling); off: use the posterior means (no exploration).
+    explore: bool = True
+    # Weight of a round in the running means of the verify rows a lookup proposal adds (drafted and undrafted).
+    lookup_rows_weight: float = 0.05
+    # Weight of the newest measurement in the running estimate of the drafter's prefill seconds per token.
+    prefill_rate_weight: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not 0 < self.cost_forget <= 1:
+            raise ValueError(f"cost_forget must be in (0, 1], got {self.cost_forget}")
+        for name in ("cost_prior_steps", "prior_accept_per_depth", "prior_rounds", "prior_round_sd"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lookup_rows_weight", "prefill_rate_weight"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+
+
+# ----- the step's cost -----
+
+# Features of a step: 1, verify rows, verify rows x their context in thousands of tokens, requests that draft,
+# drafter rows, target prefill rows.
+FEATURES = ("fixed", "verify_rows", "verify_row_kilotokens", "drafting", "drafter_rows", "prefill_rows")
+# Typical size of each feature: the prior's weight per feature is `cost_prior_steps` steps of this size.
+FEATURE_SCALE = np.array([1.0, 32.0, 32.0, 8.0, 16.0, 512.0])
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step ran, in the cost model's features."""
+
+    verify_rows: int = 0
+    verify_row_kilotokens: float = 0.0  # sum over rounds of verify rows x context / 1024
+    drafting: int = 0  # requests that ran the drafter
+    drafter_rows: int = 0  # rows the drafter stepped, all depths
+    prefill_rows: int = 0
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.verify_rows, self.verify_row_kilotokens, self.drafting, self.drafter_rows,
+                         self.prefill_rows])  # fmt: skip
+
+
+def drafter_rows(tree: TreeConfig) -> int:
+    """Rows the drafter steps for a tree: every depth but the last (leaves are never stepped)."""
+    return sum(tree.rows_per_depth[:-1])
+
+
+class StepCostModel:
+    """T(step) = w . features(step), by exponentially weighted least squares around a prior (a ridge towards it);
+    no weight below 0 (a row never makes a step cheaper, though noise over few distinct shapes can say so)."""
+
+    def __init__(self, config: SpeculationConfig = SpeculationConfig()):
+        self.config = config
+        n = len(FEATURES)
+        self._prior_xtx = np.diag(FEATURE_SCALE**2) * 1e-6
+        self._prior_xty = np.zeros(n)
+        self._xtx = np.zeros((n, n))
+        self._xty = np.zeros(n)
+        self.steps = 0
+        self.calibrated = False
+        self._w: np.ndarray | None = None
+
+    def set_prior(self, weights: Sequence[float]) -> None:
+        """Pull the fit towards `weights` (one per feature) with the evidence of `cost_prior_steps` typical steps."""
+        self._prior_xtx = np.diag(FEATURE_SCALE**2) * self.config.cost_prior_steps
+        self._prior_xty = self._prior_xtx @ np.asarray(weights, dtype=np.float64)
+        self.calibrated = True
+        self._w = None
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        x = shape.features()
+        forget = self.config.cost_forget
+        self._xtx = forget * self._xtx + np.outer(x, x)
+        self._xty = forget * self._xty + x * seconds
+        self.steps += 1
+        self._w = None
+
+    @property
+    def warm(self) -> bool:
+        return self.calibrated or self.steps >= self.config.cost_warmup_steps
+
+    def weights(self) -> np.ndarray:
+        if self._w is None:
+            w = np.linalg.solve(self._xtx + self._prior_xtx, self._xty + self._prior_xty)
+            self._w = np.maximum(w, 0.0)
+        return self._w
+
+    def predict(self, shape: StepShape) -> float:
+        return float(self.weights() @ shape.features())
+
+    def summary(self) -> dict[str, float]:
+        """The fitted weights by feature (seconds per unit)."""
+        return dict(zip(FEATURES, map(float, self.weights())))
+
+
+# ----- expected tokens -----
+
+
+def posterior_tokens(arms: Sequence[TreeConfig], sums: np.ndarray, config: SpeculationConfig,
+                     rng: np.random.Generator | None) -> np.ndarray:  # fmt: skip
+    """Expected tokens of a round of each arm (accepted + the bonus): the posterior mean, or with `rng` one draw from
+    the posterior. sums [arms, 3]: rounds, sum and sum of squares of their tokens (`Bandit.token_sums`).
+
+    The posterior is a normal around the mean of the rounds plus `prior_rounds` pseudo-rounds at the optimistic prior
+    (1 + prior_accept_per_depth x depth, and 1 for the undrafted arm); its spread is the rounds' own (the prior's sd
+    until two rounds say otherwise) over sqrt(rounds + prior_rounds). Draws stay within what a round can give:
+    [1, 1 + max depth] (the undrafted arm: its rounds' largest possible lookup, taken as the mean's)."""
+    sums = np.asarray(sums, dtype=np.float64).reshape(len(arms), 3)
+    n, total, sq = sums.T
+    depth = np.array([arm.max_depth for arm in arms], dtype=np.float64)
+    prior = 1.0 + config.prior_accept_per_depth * depth
+    k = config.prior_rounds
+    mean = np.divide(total + k * prior, n + k, out=prior.copy(), where=(n + k) > 0)
+    own_var = np.divide(sq, n, out=np.zeros_like(sq), where=n > 0) - np.divide(total, n, out=np.zeros_like(sq),
+                                                                                where=n > 0) ** 2  # fmt: skip
+    var = np.where(n >= 2, np.maximum(own_var, 0.0), config.prior_round_sd**2)
+    if rng is None:
+        return mean
+    se = np.sqrt(var / np.maximum(n + k, 1e-9))
+    draw = mean + se * rng.standard_normal(len(arms))
+    top = np.where(depth > 0, 1.0 + depth, np.maximum(mean, 1.0))
+    return np.clip(draw, 1.0, top)
+
+
+# ----- the choice -----
+
+
+def choose_options(tokens: np.ndarray, seconds: np.ndarray, fixed_s: float, max_passes: int = 16) -> np.ndarray:
+    """The option per request (row) that maximises sum(tokens) / (fixed_s + sum(seconds)) over the step.
+
+    tokens, seconds: [requests, options]; an option that is not available has tokens -inf. Dinkelbach's method: from
+    each request's first option, at the rate lambda of the current picks every request takes its option of highest
+    tokens - lambda * seconds; the rate of those picks is the next lambda. Each pass raises the rate, and picks that
+    hold are the exact maximum (the problem is separable in the requests once lambda is fixed)."""
+    rows = np.arange(tokens.shape[0])
+    choice = np.zeros(tokens.shape[0], dtype=np.int64)
+    if not tokens.shape[0]:
+        return choice
+    for _ in range(max_passes):
+        rate = tokens[rows, choice].sum() / max(fixed_s + seconds[rows, choice].sum(), 1e-12)
+        value = tokens - rate * seconds
+        best = np.argmax(value, axis=1)
+        # keep the current pick on ties (no churn between equal options)
+        keep = value[rows, choice] >= value[rows, best] - 1e-12 * np.abs(value[rows, best])
+        best = np.where(keep, choice, best)
+        if (best == choice).all():
+            break
+        choice = best
+    return choice
+
+
+@dataclass
+class RoundFacts:
+    """What the controller needs to know of a request's next round."""
+
+    context_len: int
+    sampled: bool
+    remaining: int  # tokens the request may still generate
+    options: Sequence[TreeConfig]  # trees it may run; NO_TREE among them where drafting is optional
+    lookup_rows: float = 0.0  # verify rows a drafted option's lookup branch adds (mean measured)
+    plain_lookup_rows: float = 0.0  # verify rows the undrafted option's lookup proposal adds (mean measured)
+    prefill_tokens: int = 0  # tokens the drafter must prefill before this request's first drafted round (0: none)
+
+
+class SpeculationController:
+    """Chooses every request's tree per step (`choose`); learns the step's cost (`observe_step`) and the drafter's
+    prefill rate (`observe_prefill`); reads expected tokens from the policy's shared statistics."""
+
+    def __init__(self, policy, config: SpeculationConfig = SpeculationConfig(), seed: int | None = None):
+        """policy: the bandit (`Bandit`: its arms and its shared statistics) or a fixed tree policy (one arm)."""
+        self.policy = policy
+        self.config = config
+        self.cost = StepCostModel(config)
+        self.prefill_s_per_token: float | None = None
+        self.lookup_rows = 0.0  # mean verify rows a drafted tree's lookup branch added (running)
+        self.plain_lookup_rows = 0.0  # mean verify rows an undrafted round's lookup proposal added (running)
+        self.drafted_rounds = 0  # rounds the controller chose a drafted tree for
+        self.undrafted_rounds = 0  # rounds it chose none for
+        self._rng = np.random.default_rng(seed)
+
+    @property
+    def arms(self) -> tuple[TreeConfig, ...]:
+        return tuple(self.policy.arms)
+
+    @property
+    def prices(self) -> bool:
+        """Whether the controller chooses the trees: the policy keeps the shared statistics it prices its arms with
+        (the bandit), and has more than one arm. Otherwise the policy's own pick is the round's tree (a fixed tree)."""
+        return hasattr(self.policy, "token_sums") and len(self.arms) > 1
+
+    def expected_tokens(self, context_len: int, sampled: bool, draw: bool = False) -> dict[TreeConfig, float]:
+        """Each arm's expected tokens per round in this context (with `draw`: one posterior draw)."""
+        arms = self.arms
+        sums = self.policy.token_sums(context_len, sampled) if hasattr(self.policy, "token_sums") else None
+        if sums is None:
+            sums = np.zeros((len(arms), 3))
+        values = posterior_tokens(arms, sums, self.config, self._rng if draw and self.config.explore else None)
+        return dict(zip(arms, map(float, values)))
+
+    def choose(self, rounds: Sequence[RoundFacts], prefill_rows: int = 0) -> list[TreeConfig]:
+        """Every round's tree for this step. A round of one option keeps it."""
+        picks = [facts.options[0] for facts in rounds]
+        open_rounds = [i for i, facts in enumerate(rounds) if len(facts.options) > 1]
+        if not open_rounds or not self.cost.warm:
+            return self._counted(picks)
+        w = dict(zip(FEATURES, self.cost.weights()))
+        width = max(len(rounds[i].options) for i in open_rounds)
+        fixed_s = w["fixed"] + w["prefill_rows"] * prefill_rows
+        draws: dict[tuple[int, bool], dict[TreeConfig, float]] = {}  # one draw per cell per step
+        closed_tokens = 0.0
+        for i, facts in enumerate(rounds):  # rounds that keep their one option add to the step as they are
+            if len(facts.options) == 1:
+                tokens, seconds = self._price(facts, facts.options[0], w, draws)
+                closed_tokens += tokens
+                fixed_s += seconds
+        tokens = np.full((len(open_rounds) + 1, width), -np.inf)
+        seconds = np.zeros((len(open_rounds) + 1, width))
+        tokens[-1, 0] = closed_tokens  # the closed rounds, as one row with one option
+        for row, i in enumerate(open_rounds):
+            for j, tree in enumerate(rounds[i].options):
+                tokens[row, j], seconds[row, j] = self._price(rounds[i], tree, w, draws)
+        choice = choose_options(tokens, seconds, fixed_s)
+        for row, i in enumerate(open_rounds):
+            picks[i] = rounds[i].options[choice[row]]
+        return self._counted(picks)
+
+    def _counted(self, picks: list[TreeConfig]) -> list[TreeConfig]:
+        drafted = sum(1 for tree in picks if tree.depth)
+        self.drafted_rounds += drafted
+        self.undrafted_rounds += len(picks) - drafted
+        return picks
+
+    def _price(self, facts: RoundFacts, tree: TreeConfig, w: dict[str, float],
+               draws: dict[tuple[int, bool], dict[TreeConfig, float]]) -> tuple[float, float]:  # fmt: skip
+        """(expected tokens, seconds it adds to the step) of a round of `tree`."""
+        key = (_bucket(facts.context_len), facts.sampled)
+        if key not in draws:
+            draws[key] = self.expected_tokens(facts.context_len, facts.sampled, draw=True)
+        expected = draws[key]
+        kilotokens = facts.context_len / 1024
+        if not tree.depth:
+            rows = 1.0 + facts.plain_lookup_rows
+            tokens = expected.get(NO_TREE, 1.0)
+            return tokens, rows * (w["verify_rows"] + w["verify_row_kilotokens"] * kilotokens)
+        full = expected.get(tree)
+        if full is None:  # a tree cut short (the request's last tokens): the largest arm it is a cut of
+            full = max((v for arm, v in expected.items() if arm.depth and arm.truncated(tree.depth) == tree),
+                       default=1.0 + self.config.prior_accept_per_depth * tree.max_depth)  # fmt: skip
+        tokens = min(full, 1.0 + tree.max_depth + facts.lookup_rows)
+        rows = 1.0 + tree.num_nodes + (tree.lookup or facts.lookup_rows)
+        seconds = (rows * (w["verify_rows"] + w["verify_row_kilotokens"] * kilotokens) + w["drafting"]
+                   + w["drafter_rows"] * drafter_rows(tree))  # fmt: skip
+        if facts.prefill_tokens and self.prefill_s_per_token is not None:  # its share of the drafter's prefill
+            seconds += self.prefill_s_per_token * facts.prefill_tokens * min(1.0, tokens / max(facts.remaining, 1))
+        return tokens, seconds
+
+    # ----- learning -----
+
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        self.cost.observe(shape, seconds)
+
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        """A drafter prefill over `tokens` took `seconds`."""
+        rate = seconds / max(tokens, 1)
+        old = self.prefill_s_per_token
+        self.prefill_s_per_token = rate if old is None else old + self.config.prefill_rate_weight * (rate - old)
+
+    def observe_lookup(self, rows: int, drafted: bool) -> None:
+        """A round's lookup proposal added `rows` verify rows (in a drafted tree, or as an undrafted round's chain)."""
+        weight = self.config.lookup_rows_weight
+        if drafted:
+            self.lookup_rows += weight * (rows - self.lookup_rows)
+        else:
+            self.plain_lookup_rows += weight * (rows - self.plain_lookup_rows)
+
+    def calibrate(self, target: TargetBackend, drafter) -> None:
+        """The step cost model's prior and the drafter's prefill rate, measured on this target and drafter."""
+        weights, prefill_s_per_token = measure_prior(target, drafter)
+        self.cost.set_prior(weights)
+        if self.prefill_s_per_token is None:
+            self.prefill_s_per_token = prefill_s_per_token
+
+    def summary(self) -> dict:
+        """What `/v1/bandit` and the stats show of the controller: the cost model's weights, the drafter's prefill
+        rate, the lookup rows and the share of rounds it drafted."""
+        total = self.drafted_rounds + self.undrafted_rounds
+        return {"cost_weights": self.cost.summary(), "cost_steps": self.cost.steps,
+                "drafter_prefill_s_per_token": self.prefill_s_per_token, "lookup_rows": self.lookup_rows,
+                "plain_lookup_rows": self.plain_lookup_rows, "drafted_rounds": self.drafted_rounds,
+                "undrafted_rounds": self.undrafted_rounds,
+                "drafted_share": self.drafted_rounds / total if total else None}  # fmt: skip
+
+
+def _bucket(context_len: int) -> int:
+    """A coarse context key for sharing one posterior draw per step between requests of similar contexts."""
+    return max(context_len, 1).bit_length()
+
+
+# ----- the measured prior -----
+
+
+def measure_prior(target: TargetBackend, drafter) -> tuple[list[float], float]:
+    """-> (StepCostModel weights, the drafter's prefill seconds per token), measured on a target side and a drafter:
+    the target's forward at a few batch shapes (requests x rows per request, over 64 tokens of context, and one
+    request over up to 512 for the attention's share, through `target.run` like any step), the drafter's step at 1
+    and 16 rows, its catch-up over two tokens and its prefill over 64. Each shape is timed three times and the
+    fastest kept (the machine's noise only ever adds)."""
+    ids = [f"calibrate-{i}" for i in range(8)]
+    t0 = time.perf_counter()
+    long = min(512, target.max_context // 2)  # a small test model's context may be short
+    contexts = {i: (long if i == ids[0] else 64) for i in ids}
+    settle(target.run(StepWork(allocations=[(i, contexts[i] + 64) for i in ids],
+                               segments=[SegmentSpec(i, torch.zeros(contexts[i] - 1, dtype=torch.long))
+                                         for i in ids])))  # fmt: skip
+    prefill_s = (time.perf_counter() - t0) / sum(contexts[i] - 1 for i in ids)
+    samples: dict[tuple[int, int], float] = {}  # (requests, rows per request) -> seconds
+    pending: list[str] = []
+    shapes = [(1, 1), (1, 16), (8, 1), (8, 4)]
+    for requests, per_request in shapes * 3:
+        chain = tuple((0,) * d for d in range(1, per_request))
+        members = ids[1:requests + 1] if requests < len(ids) else ids
+        work = StepWork(commits=[(i, (0,)) for i in pending],
+                        segments=[SegmentSpec(i, torch.zeros(per_request, dtype=torch.long), chain)
+                                  for i in members])  # fmt: skip
+        t0 = time.perf_counter()
+        settle(target.run(work))  # the device's time too, not the launches' (device_clock)
+        key = (requests, per_request)
+        samples[key] = min(time.perf_counter() - t0, samples.get(key, math.inf))
+        pending = members
+    # one request over the long context, 16 rows: the attention's share
+    long_chain = tuple((0,) * d for d in range(1, 16))
+    long_s = math.inf
+    for _ in range(3):
+        work = StepWork(commits=[(i, (0,)) for i in pending],
+                        segments=[SegmentSpec(ids[0], torch.zeros(16, dtype=torch.long), long_chain)])
+        t0 = time.perf_counter()
+        settle(target.run(work))
+        long_s = min(long_s, time.perf_counter() - t0)
+        pending = [ids[0]]
+    target.run(StepWork(commits=[(i, (0,)) for i in pending], releases=ids))
+    x = np.array([[1.0, r * n] for r, n in samples], dtype=np.float64)
+    y = np.array(list(samples.values()), dtype=np.float64)
+    fixed, per_row = np.linalg.lstsq(x, y, rcond=None)[0].tolist()
+    fixed, per_row = max(fixed, 0.0), max(per_row, 0.0)
+    # beyond a 16-row step at 64 tokens: attention over the longer context's extra tokens, per row and kilotoken
+    per_row_kilotoken = max(long_s - samples[(1, 16)], 0.0) / (16 * max(long - 64, 1) / 1024) if long > 64 else 0.0
+    if drafter is None:
+        return [fixed, per_row, per_row_kilotoken, 0.0, 0.0, prefill_s], 0.0
+    step_1, step_16, catch_up, prefill_64 = (min(_time_drafter(drafter, kind) for _ in range(3))
+                                             for kind in (1, 16, "extend", "prefill"))  # fmt: skip
+    per_drafter_row = max(step_16 - step_1, 0.0) / 15
+    drafting = catch_up + max(step_1 - per_drafter_row, 0.0)
+    return [fixed, per_row, per_row_kilotoken, drafting, per_drafter_row, prefill_s], prefill_64 / 64
+
+
+def _time_drafter(drafter, kind: int | str) -> float:
+    """Seconds of one drafter step of `kind` rows, of a catch-up over two tokens ("extend") or of a prefill over 64
+    ("prefill"), with the device idle at both ends (device_clock: on CUDA the launches alone would price drafting
+    near zero)."""
+    t0 = now(drafter.device)
+    if kind == "extend":
+        drafter.extend(drafter.new_state(1), torch.zeros(2, dtype=torch.long))
+    elif kind == "prefill":
+        drafter.prefill(torch.zeros(64, dtype=torch.long))
+    else:
+        drafter.step(drafter.new_state(kind), torch.zeros(kind, dtype=torch.long))
+    return now(drafter.device) - t0

@@ -1,0 +1,195 @@
+"""The speculation controller: the exact batch optimum, the posterior, the cost fit, and its choices."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from ray_specdec.config import TreeConfig
+from ray_specdec.speculation.controller import (FEATURES, NO_TREE, RoundFacts, SpeculationConfig,
+                                                SpeculationController, StepCostModel, StepShape, choose_options,
+                                                posterior_tokens)
+
+CHAIN = TreeConfig((1, 1, 1))
+WIDE = TreeConfig((4, 2, 1))
+
+
+class StatsPolicy:
+    """A policy with fixed statistics: per arm (rounds, mean tokens, sd)."""
+
+    def __init__(self, stats: dict[TreeConfig, tuple[float, float, float]]):
+        self.stats = stats
+
+    @property
+    def arms(self):
+        return tuple(self.stats)
+
+    def token_sums(self, context_len, sampled):
+        rows = []
+        for n, mean, sd in self.stats.values():
+            rows.append((n, n * mean, n * (sd * sd + mean * mean)))
+        return np.array(rows)
+
+
+def weights(**values) -> list[float]:
+    return [values.get(name, 0.0) for name in FEATURES]
+
+
+def controller(stats, explore=False, **cost) -> SpeculationController:
+    c = SpeculationController(StatsPolicy(stats), SpeculationConfig(explore=explore), seed=0)
+    c.cost.set_prior(weights(**cost))
+    return c
+
+
+def facts(context_len=100, remaining=100, options=(CHAIN, NO_TREE), **kw) -> RoundFacts:
+    return RoundFacts(context_len, False, remaining, options, **kw)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_choose_options_is_the_exact_optimum(seed):
+    rng = np.random.default_rng(seed)
+    requests, options = rng.integers(1, 5), rng.integers(1, 5)
+    tokens = rng.uniform(1, 5, (requests, options))
+    seconds = rng.uniform(0.001, 0.01, (requests, options))
+    tokens[rng.random((requests, options)) < 0.2] = -np.inf
+    tokens[:, 0] = rng.uniform(1, 5, requests)  # the first option is always available
+    fixed = float(rng.uniform(0, 0.02))
+    best = max(itertools.product(range(options), repeat=requests),
+               key=lambda c: sum(tokens[r, j] for r, j in enumerate(c)) / (fixed + sum(seconds[r, j]
+                                                                                     for r, j in enumerate(c))))
+    choice = choose_options(tokens, seconds, fixed)
+
+    def rate(c):
+        return sum(tokens[r, j] for r, j in enumerate(c)) / (fixed + sum(seconds[r, j] for r, j in enumerate(c)))
+
+    assert rate(choice) == pytest.approx(rate(best), rel=1e-9)
+
+
+def test_posterior_is_the_prior_without_rounds_and_the_rounds_mean_with_many():
+    config = SpeculationConfig()
+    arms = (NO_TREE, CHAIN)
+    empty = posterior_tokens(arms, np.zeros((2, 3)), config, None)
+    assert empty.tolist() == pytest.approx([1.0, 1.0 + 0.6 * 3])
+    n = 10_000.0
+    sums = np.array([[n, n * 1.5, n * (0.25 + 2.25)], [n, n * 2.2, n * (1 + 2.2**2)]])
+    assert posterior_tokens(arms, sums, config, None).tolist() == pytest.approx([1.5, 2.2], rel=1e-3)
+    draws = np.array([posterior_tokens(arms, np.zeros((2, 3)), config, np.random.default_rng(s)) for s in range(500)])
+    assert draws[:, 1].min() >= 1.0 and draws[:, 1].max() <= 4.0  # within what a chain of 3 can give
+    assert draws[:, 1].std() > 0.3  # unmeasured: wide
+    narrow = np.array([posterior_tokens(arms, sums, config, np.random.default_rng(s)) for s in range(500)])
+    assert narrow[:, 1].std() < 0.05  # well measured: narrow
+
+
+def test_step_cost_model_recovers_the_weights_of_what_steps_run():
+    rng = np.random.default_rng(0)
+    truth = np.array([2e-3, 1e-4, 2e-5, 5e-4, 3e-5, 4e-6])
+    model = StepCostModel(SpeculationConfig(cost_forget=1.0))
+    for _ in range(400):
+        shape = StepShape(int(rng.integers(1, 64)), float(rng.uniform(0, 64)), int(rng.integers(0, 8)),
+                          int(rng.integers(0, 32)), int(rng.integers(0, 512)))
+        model.observe(shape, float(truth @ shape.features()))
+    assert model.weights() == pytest.approx(truth, rel=1e-3, abs=1e-9)
+
+
+def test_one_request_drafts_where_verify_rows_are_cheap_and_not_where_they_cost_a_step():
+    stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: (100, 3.0, 1.0)}
+    memory_bound = controller(stats, fixed=10e-3, verify_rows=0.05e-3, drafting=1e-3, drafter_rows=0.2e-3)
+    assert memory_bound.choose([facts()]) == [CHAIN]
+    cache_bound = controller(stats, fixed=1e-3, verify_rows=1.5e-3, drafting=1e-3, drafter_rows=0.2e-3)
+    assert cache_bound.choose([facts()]) == [NO_TREE]
+
+
+def test_under_load_trees_shrink_to_none_where_rows_add_up():
+    stats = {NO_TREE: (100, 1.0, 0.0), TreeConfig((1,)): (100, 1.8, 0.4), CHAIN: (100, 2.6, 1.0),
+             WIDE: (100, 3.0, 1.0)}  # fmt: skip
+    options = (WIDE, CHAIN, TreeConfig((1,)), NO_TREE)
+    c = controller(stats, fixed=10e-3, verify_rows=0.05e-3, drafting=0.5e-3, drafter_rows=0.02e-3)
+    alone = c.choose([facts(options=options)])
+    crowd = c.choose([facts(options=options) for _ in range(64)])
+    assert alone == [WIDE]  # the wide tree pays for one request: its step is mostly the fixed cost
+    assert max(t.num_nodes for t in crowd) < WIDE.num_nodes  # shared by 64: smaller trees
+    c_saturated = controller(stats, fixed=1e-3, verify_rows=1e-3, drafting=0.5e-3, drafter_rows=0.1e-3)
+    assert set(c_saturated.choose([facts(options=options) for _ in range(64)])) == {NO_TREE}
+
+
+def test_the_drafter_prefill_is_charged_over_the_tokens_left():
+    stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: (100, 3.0, 1.0)}
+    c = controller(stats, fixed=10e-3, verify_rows=0.05e-3, drafting=1e-3, drafter_rows=0.2e-3)
+    c.prefill_s_per_token = 1e-4  # a prefill over 2,000 tokens: 0.2 s
+    assert c.choose([facts(context_len=2000, remaining=1000, prefill_tokens=2000)]) == [CHAIN]
+    assert c.choose([facts(context_len=2000, remaining=4, prefill_tokens=2000)]) == [NO_TREE]
+    assert c.choose([facts(context_len=2000, remaining=4, prefill_tokens=0)]) == [CHAIN]  # its state is kept
+
+
+def test_rounds_of_one_option_keep_it_and_weigh_on_the_others():
+    stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: (100, 2.0, 1.0)}
+    c = controller(stats, fixed=2e-3, verify_rows=0.5e-3, drafting=0.2e-3, drafter_rows=0.1e-3)
+    big = TreeConfig((4, 4, 2))  # a client's own tree: 56 rows the step pays whatever the others run
+    picks = c.choose([facts(options=(big,)), facts()])
+    assert picks[0] == big
+    assert c.choose([facts(options=(NO_TREE,))]) == [NO_TREE]
+
+
+def test_unmeasured_arms_are_tried_by_posterior_draws():
+    stats = {NO_TREE: (1000, 1.0, 0.0), CHAIN: (0, 0.0, 0.0)}  # the chain: prior only
+    c = controller(stats, explore=True, fixed=2e-3, verify_rows=0.8e-3, drafting=0.4e-3, drafter_rows=0.1e-3)
+    picks = [c.choose([facts()])[0] for _ in range(200)]
+    assert 0 < picks.count(CHAIN) < 200  # sometimes worth trying, never certain
+    measured = controller({NO_TREE: (1000, 1.0, 0.0), CHAIN: (5000, 1.2, 0.5)}, explore=True, fixed=2e-3,
+                          verify_rows=0.8e-3, drafting=0.4e-3, drafter_rows=0.1e-3)  # fmt: skip
+    assert [measured.choose([facts()])[0] for _ in range(200)].count(CHAIN) == 0  # known to lose: never
+
+
+def test_without_a_warm_cost_model_each_round_keeps_its_first_option():
+    c = SpeculationController(StatsPolicy({NO_TREE: (0, 0, 0), CHAIN: (0, 0, 0)}), seed=0)
+    assert c.choose([facts(options=(CHAIN, NO_TREE))]) == [CHAIN]
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="cost_forget"):
+        SpeculationConfig(cost_forget=0)
+    with pytest.raises(ValueError, match="prior_rounds"):
+        SpeculationConfig(prior_rounds=-1)
+
+
+def test_in_the_engine_a_drafter_that_never_agrees_ends_in_plain_rounds():
+    """Random tiny models: the drafter's tokens are (almost) never the target's. The controller, pricing the bandit's
+    arms (none and two trees) with what their rounds accepted, learns that drafting only costs: after warm-up most
+    rounds draft nothing. Output stays the target's own."""
+    import torch
+
+    from ray_specdec.config import SamplingParams
+    from ray_specdec.engine.llm import SpeculativeEngine
+    from ray_specdec.models.target.model import TargetModel
+    from ray_specdec.speculation.bandit import Bandit, BanditConfig
+    from tests.helpers.inputs import random_prompt
+    from tests.helpers.models import tiny_gpt_neox, tiny_mamba
+
+    target = TargetModel(tiny_gpt_neox(torch.float32, vocab=128, seed=1))
+    bandit = Bandit(BanditConfig(arms=(NO_TREE, TreeConfig((1, 1, 1)), TreeConfig((2, 2, 1)))), seed=0)
+    engine = SpeculativeEngine(target, tiny_mamba(torch.float32, seed=2), bandit)
+    plain = SpeculativeEngine(target, None)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    late = {}
+    for i in range(12):
+        prompt = random_prompt(20 + i, seed=100 + i)
+        result = engine.generate(prompt, params)
+        assert result.token_ids == plain.generate(prompt, params).token_ids
+        if i >= 6:  # after warm-up
+            for label, n in result.stats.trees.items():
+                late[label] = late.get(label, 0) + n
+    assert late.get("none", 0) > 0.75 * sum(late.values()), late
+    assert engine.controller.cost.calibrated  # its step costs were measured on this target and drafter
+
+
+def test_the_bandit_hands_the_controller_its_token_sums_pooled_over_load_levels():
+    from ray_specdec.speculation.bandit import Bandit, BanditConfig
+
+    bandit = Bandit(BanditConfig(arms=(NO_TREE, CHAIN), gamma=1.0))
+    bandit.record(CHAIN, 100, 2, 0.01, load=1)
+    bandit.record(CHAIN, 100, 0, 0.01, load=30)  # another load level: pooled
+    bandit.record(CHAIN, 100, 3, 0.01, sampled=True)  # sampled: apart
+    bandit.record(CHAIN, 5000, 3, 0.01)  # another prompt-length bucket: apart
+    bandit.record(CHAIN, 100, 3, 0.01, what_if={NO_TREE: 0})  # a what-if round teaches the undrafted arm
+    sums = bandit.token_sums(100, sampled=False)
+    assert sums.tolist() == [[1.0, 1.0, 1.0], [3.0, 3.0 + 1.0 + 4.0, 9.0 + 1.0 + 16.0]]
