@@ -24,6 +24,7 @@ from deployments.bandit import BanditHubDeployment
 from deployments.engine import EngineDeployment
 from deployments.metrics import MetricsHubDeployment
 from deployments.router import RouterDeployment, ServerDeployment
+from ray_specdec import env
 from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
 from ray_specdec.defaults import EMBEDDED_MODEL_NAMES
 from ray_specdec.engine.llm import DEFAULT_MIN_PATH_PROB
@@ -34,7 +35,6 @@ from ray_specdec.serving.openai_server import ServerSettings
 from ray_specdec.speculation.bandit import DEFAULT_ARMS, BanditConfig
 
 _SCHEDULER = SchedulerConfig()
-API_KEY_ENV = "RAY_SPECDEC_API_KEY"
 
 # Ray Serve's own periodic work, slowed on a machine of a few cores. Every wake-up of the Serve controller's loop
 # (every 0.1 s by default) and of each replica's metrics export (0.1 s) preempts one of the engine's OpenMP threads
@@ -283,7 +283,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     settings = ServerSettings(
         model_name=args.model_name or os.path.basename(target_path.rstrip("/")), tokenizer=target_path,
         max_context=args.max_context, request_timeout_s=args.request_timeout_s, retry_s=args.retry_s,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=args.api_key or env.API_KEY.value() or None,
         stream_interval_s=args.stream_interval_s,
     )  # fmt: skip
     if args.ingress == "engine":

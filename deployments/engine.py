@@ -37,6 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.bandit import BanditSaver, BanditSync
 from deployments.metrics import MetricsPush, replica_name
+from ray_specdec import env
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.kv_sizing import device_room, fitted_kv_budget
 from ray_specdec.engine.request import QueueFull, RequestTooLarge
@@ -44,7 +45,7 @@ from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget, StepWork
 from ray_specdec.models.drafter.mamba import MambaDrafter
-from ray_specdec.models.loading import failure, load_tokenizer, switched_on
+from ray_specdec.models.loading import failure, load_tokenizer
 from ray_specdec.models.target.model import TargetModel
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
 from ray_specdec.serving.target_worker import TargetWorker, free_port, widened
@@ -56,12 +57,6 @@ logger = logging.getLogger("ray.serve")
 PLACEMENT_TIMEOUT_S = 600.0
 # A step the ranks have not finished by then is a hung rank (a step is at most step_tokens rows: well under this).
 RANK_STEP_TIMEOUT_S = 300.0
-# RAY_SPECDEC_COMPILED_STEPS=1: a step reaches the ranks through a Ray compiled graph (shared-memory channels between
-# this process and the rank actors) instead of a put of the StepWork, one task per rank and a get. Off by default:
-# an idle call took ~0.9 ms against ~5.2 ms on the 2-core machine, but the channels' readers poll, and there the
-# polling took the cores the ranks and the loop compute on: the TP=2 loop ran 0.67-0.91x of one task per rank in two
-# runs (docs/BENCHMARKS.md). Not measured where ranks have cores to spare.
-COMPILED_STEPS_ENV = "RAY_SPECDEC_COMPILED_STEPS"
 # Token rows up to which a StepWork travels inline with each rank's call (8 bytes a row: well under Ray's 100 KiB
 # inline bound with the rest of the work), beyond which it is put in the object store once.
 INLINE_STEP_ROWS = 4096
@@ -133,8 +128,8 @@ class RankGroup:
 
     def _compile(self):
         """A step as a compiled graph over the ranks' `run` -> (the graph, None), or (None, why not)."""
-        if not switched_on(COMPILED_STEPS_ENV, default=False):
-            return None, f"{COMPILED_STEPS_ENV} is not set to 1"
+        if not env.COMPILED_STEPS.on():
+            return None, f"{env.COMPILED_STEPS.name} is not set to 1"
         try:
             from ray.dag import InputNode, MultiOutputNode
 

@@ -9,8 +9,9 @@ first time its name is resolved, and rebuilt where its source or factors changed
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from ray_specdec import env
 
 DEFAULT_MODELS_DIR = Path(__file__).resolve().parent / "default_models"
 
@@ -38,7 +39,7 @@ def default_model_path(name: str) -> Path:
 def models_cache_dir() -> Path:
     """Where grown models are built: RAY_SPECDEC_CACHE_DIR/models, or ~/.cache/ray_specdec/models (also where that
     variable is empty, which keeps no GEMM plans but cannot keep no models)."""
-    root = os.environ.get("RAY_SPECDEC_CACHE_DIR", "").strip()
+    root = (env.CACHE_DIR.value() or "").strip()
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "ray_specdec") / "models"
 
 

@@ -17,15 +17,6 @@ def failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def switched_on(variable: str, default: bool = True) -> bool:
-    """An on/off environment switch (RAY_SPECDEC_NATIVE and the like): `default` unless set, off where set to
-    0 / off / false / no, on where set to anything else."""
-    value = os.environ.get(variable)
-    if value is None:
-        return default
-    return value.strip().lower() not in ("0", "off", "false", "no")
-
-
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,

@@ -15,7 +15,8 @@ import ray
 import torch
 from ray.util.placement_group import placement_group_table
 
-from deployments.engine import COMPILED_STEPS_ENV, RankGroup
+from deployments.engine import RankGroup
+from ray_specdec import env
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
@@ -246,7 +247,7 @@ def test_tp2_batch_gives_the_greedy_tokens_of_tp1(tiny_dirs, model_dirs, family,
         assert greedy_margin(model, prompt, tokens) > MARGIN, "pick prompts whose greedy argmax is not a near-tie"
     assert len({t for tokens in tp1.values() for t in tokens}) > 10  # not one token over and over
 
-    monkeypatch.setenv(COMPILED_STEPS_ENV, "1")  # steps as a compiled graph (the fault tests run one task per rank)
+    monkeypatch.setenv(env.COMPILED_STEPS.name, "1")  # steps as a compiled graph (the fault tests: a task per rank)
     group = RankGroup(path, tp_size=2, dtype=None, device="cpu", num_cpus_per_rank=0.5)
     try:
         assert_auto_tp_sharded(group, model)

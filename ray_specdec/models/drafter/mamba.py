@@ -23,10 +23,11 @@ from transformers import MambaForCausalLM
 
 from kernels.selective_scan import available as scan_kernel_available, selective_scan
 from kernels.state_copy import copy_state_rows
+from ray_specdec import env
 from ray_specdec.models.drafter.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs
 from ray_specdec.models.drafter.mamba_ops import causal_conv, contract_state, rms_norm, scan_block
 from ray_specdec.models.drafter.mamba_state import MambaState, MixerWeights
-from ray_specdec.models.loading import failure, resolve_dtype, resolve_model_path, resolve_prefill_window, switched_on
+from ray_specdec.models.loading import failure, resolve_dtype, resolve_model_path, resolve_prefill_window
 from ray_specdec.models.native import gemm, library, mamba as native_mamba
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class MambaDrafter:
         self.extend_graphs: StepGraphs | None = None
         self.graphs_why: str | None = None  # why a CUDA drafter steps eagerly, when it does
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and switched_on("RAY_SPECDEC_CUDA_GRAPHS")
+            cuda_graphs = self.device.type == "cuda" and env.CUDA_GRAPHS.on()
             if cuda_graphs:
                 self._start_graphs(insist=False)
         elif cuda_graphs:

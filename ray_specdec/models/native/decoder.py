@@ -20,7 +20,7 @@ from ray_specdec.models.native import gemm, library
 
 
 
-from ray_specdec.models.loading import switched_on
+from ray_specdec import env
 from ray_specdec.models.target import tp_shards
 
 NORM_LAYER, NORM_RMS = 0, 1  # decoder_cpu.c's norm kinds
@@ -49,7 +49,7 @@ class Decoder(ctypes.Structure):
 
 
 def enabled_by_environment() -> bool:
-    return switched_on("RAY_SPECDEC_NATIVE_DECODER")
+    return env.NATIVE_DECODER.on()
 
 
 def why_not(model: torch.nn.Module, rotary: int | None = None) -> str | None:

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ray_specdec.models.loading import switched_on
+from ray_specdec import env
 from ray_specdec.models.native import library
 
 LINEAR, WEIGHT_LEFT, ONEDNN, NATIVE = "linear", "weight_left", "onednn", "native"
@@ -153,7 +153,7 @@ PATHS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tor
 
 def enabled_by_environment() -> bool:
     """RAY_SPECDEC_PLANNED_GEMM=0 (or off/false/no) turns the automatic choice off, e.g. to compare."""
-    return switched_on("RAY_SPECDEC_PLANNED_GEMM")
+    return env.PLANNED_GEMM.on()
 
 
 def available_paths() -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ray_specdec.models.loading import switched_on
+from ray_specdec import env
 
 # Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
 SOURCES = tuple(Path(__file__).with_name(name)
@@ -58,7 +58,7 @@ _why: list[str] = []
 
 def enabled_by_environment() -> bool:
     """RAY_SPECDEC_NATIVE=0 (or off / false / no) keeps the torch paths."""
-    return switched_on("RAY_SPECDEC_NATIVE")
+    return env.NATIVE.on()
 
 
 def why_unavailable() -> str | None:
@@ -85,7 +85,7 @@ def available_isas(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
 
 def selected_isa() -> str:
     """RAY_SPECDEC_NATIVE_ISA (one of ISA_FLAGS), "native" where unset."""
-    isa = os.environ.get("RAY_SPECDEC_NATIVE_ISA", "").strip().lower() or "native"
+    isa = (env.NATIVE_ISA.value() or "").strip().lower() or "native"
     if isa not in ISA_FLAGS:
         raise ValueError(f"RAY_SPECDEC_NATIVE_ISA={isa!r}: expected one of {sorted(ISA_FLAGS)}")
     return isa
@@ -155,7 +155,7 @@ def _build(compiler: str, flags: tuple[str, ...]) -> Path:
 def cache_dir() -> Path | None:
     """Where measured plans are kept across processes: RAY_SPECDEC_CACHE_DIR, or ~/.cache/ray_specdec; an empty
     RAY_SPECDEC_CACHE_DIR keeps none (every process measures)."""
-    configured = os.environ.get("RAY_SPECDEC_CACHE_DIR")
+    configured = env.CACHE_DIR.value()
     if configured is not None:
         return Path(configured) if configured.strip() else None
     return Path.home() / ".cache" / "ray_specdec"

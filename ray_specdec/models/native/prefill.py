@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 
 from ray_specdec.models.native import attention as native_attention, library
 
-from ray_specdec.models.loading import switched_on
+from ray_specdec import env
 
 # Columns of prefill_writes' segment table (SEG_* in prefill_cpu.c): first row, rows, first cache row, the keys'
 # address, head stride and row stride (floats), the values'.
@@ -32,7 +32,7 @@ FIRST, ROWS, DEST, KEYS, VALUES = 0, 1, 2, 3, 6
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel runs here: float32 on CPU, with the native library built, unless
     RAY_SPECDEC_NATIVE_PREFILL=0 (the torch path, the same bits)."""
-    return (dtype == torch.float32 and device.type == "cpu" and switched_on("RAY_SPECDEC_NATIVE_PREFILL")
+    return (dtype == torch.float32 and device.type == "cpu" and env.NATIVE_PREFILL.on()
             and library.load() is not None)  # fmt: skip
 
 

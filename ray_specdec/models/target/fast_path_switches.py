@@ -8,7 +8,8 @@ import logging
 
 from transformers import PreTrainedModel
 
-from ray_specdec.models.loading import failure, switched_on
+from ray_specdec import env
+from ray_specdec.models.loading import failure
 from ray_specdec.models.native import attention, library
 from ray_specdec.models.target import batch_invariant as invariant, step_graphs
 
@@ -19,13 +20,13 @@ logger = logging.getLogger(__name__)
 SHARD_UNTESTED = "the model is a DeepSpeed shard (its forward runs eagerly, over caches of its own)"
 
 
-def switch_why(name: str, requested: bool | None, variable: str, blocker) -> str | None:
-    """Why an on/off/auto feature is off (None: on). requested None: on unless `variable` switches it off or
+def switch_why(name: str, requested: bool | None, switch: env.Switch, blocker) -> str | None:
+    """Why an on/off/auto feature is off (None: on). requested None: on unless `switch` is set off or
     `blocker()` names a reason; True: on, or a RuntimeError with the reason; False: off."""
     if requested is False:
         return f"{name}=False"
-    if requested is None and not switched_on(variable):
-        return f"{variable}=0"
+    if requested is None and not switch.on():
+        return f"{switch.name}=0"
     why = blocker()
     if requested and why is not None:
         raise RuntimeError(f"{name}=True but {why}")
@@ -81,7 +82,7 @@ def cuda_graphs_blocker(target) -> str | None:
 def start_graphs(target, insisted: bool) -> None:
     """Capture every bucket's graphs now (seconds for a 7B model; none in any request)."""
     try:
-        graphs = step_graphs.PiecewiseGraphs(target._lean, fused=switched_on("RAY_SPECDEC_FUSED_ATTENTION"))
+        graphs = step_graphs.PiecewiseGraphs(target._lean, fused=env.FUSED_ATTENTION.on())
         with target._sdpa_backends():
             graphs.capture()
     except (RuntimeError, ValueError) as exc:

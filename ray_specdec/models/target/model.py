@@ -46,6 +46,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from ray_specdec import env
 from ray_specdec.models.native import attention, gemm
 
 
@@ -174,10 +175,10 @@ class TargetModel:
             self.native_attention_why = "native_attention=False"
         if self.native_attention_why is None:
             attention.install(self.model)
-        self.lean_why: str | None = fast_path_switches.switch_why("lean", lean, "RAY_SPECDEC_LEAN",
+        self.lean_why: str | None = fast_path_switches.switch_why("lean", lean, env.LEAN,
                                                           lambda: lean_forward.why_unsupported(self.model))
         self.batch_invariant_why: str | None = fast_path_switches.switch_why(
-            "batch_invariant", batch_invariant, "RAY_SPECDEC_BATCH_INVARIANT",
+            "batch_invariant", batch_invariant, env.BATCH_INVARIANT,
             lambda: fast_path_switches.batch_invariance_blocker(self))
         self._lean = (
             lean_forward.LeanForward(self.model, batch_invariant=self.batch_invariant_why is None)
@@ -189,11 +190,11 @@ class TargetModel:
         self.one_forward = self._lean is not None and not self.batch_invariant and not self._eager and (
             self.device.type == "cuda")
         self.kv_pool_why: str | None = fast_path_switches.switch_why(
-            "kv_pool", kv_pool, "RAY_SPECDEC_KV_POOL",
+            "kv_pool", kv_pool, env.KV_POOL,
             lambda: fast_path_switches.kv_pool_blocker(self, insisted=kv_pool is True))
         self._pool: kv_pool.KVPool | None = None  # made on the first cache with a capacity
         self.cuda_graphs_why: str | None = fast_path_switches.switch_why(
-            "cuda_graphs", cuda_graphs, "RAY_SPECDEC_CUDA_GRAPHS", lambda: fast_path_switches.cuda_graphs_blocker(self))
+            "cuda_graphs", cuda_graphs, env.CUDA_GRAPHS, lambda: fast_path_switches.cuda_graphs_blocker(self))
         if self.cuda_graphs_why is None:
             fast_path_switches.start_graphs(self, insisted=cuda_graphs is True)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ray_specdec.models.loading import switched_on
+from ray_specdec import env
 from ray_specdec.models.native import library
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ _active: "ShmSum | None" = None
 
 def enabled_by_environment() -> bool:
     """RAY_SPECDEC_SHM_ALLREDUCE=0 (or off / false / no) keeps the process group's all-reduce."""
-    return switched_on("RAY_SPECDEC_SHM_ALLREDUCE")
+    return env.SHM_ALLREDUCE.on()
 
 
 class ShmSum:
