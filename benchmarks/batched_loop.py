@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from benchmarks.serve_peers import select_prompts
-from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
+from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.factory import resolve_device
@@ -224,8 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             target._lean.native_decoder = None
         if name == "pieces" and target._lean is not None and target._lean.graphs is not None:
             target._lean.graphs.fused = False
-        engine = SpeculativeEngine(target, drafter, Bandit(), lookup=DEFAULT_LOOKUP,
-                                   plain_lookup=DEFAULT_PLAIN_LOOKUP)
+        engine = SpeculativeEngine(target, drafter, Bandit())
         encoded = [engine.encode(t) for t in texts]
         prompts, warm_up = encoded[:args.prompts], encoded[args.prompts:]
         tree = TreeConfig.parse(tree_text) if tree_text else None

@@ -23,14 +23,14 @@ import itertools
 import json
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks.serve_peers import select_prompts
 from ray_specdec.config import SamplingParams
 from ray_specdec.engine.kv_sizing import kv_budget_rows
-from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
+from ray_specdec.engine.config import EngineConfig
+from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.factory import load_drafter, load_target
 from ray_specdec.speculation.bandit import Bandit
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for grow in (True, False):
         target = load_target(None, dtype="float32")
         rows = kv_budget_rows(args.kv_budget_gib, target.kv_bytes_per_token)
-        config = replace(DEFAULT_SCHEDULER, kv_budget_tokens=rows, kv_grow=grow)
+        config = EngineConfig().with_fields(kv_budget_tokens=rows, kv_grow=grow)
         engines[grow] = SpeculativeEngine(target, drafter, Bandit(), config=config)
     engine = engines[True]
     tokenizer = engine.tokenizer

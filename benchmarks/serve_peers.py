@@ -250,7 +250,7 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
     drafting on and tree none."""
     import torch
 
-    from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
+    from ray_specdec.config import SamplingParams, TreeConfig
     from ray_specdec.engine.llm import SpeculativeEngine
     from ray_specdec.factory import load_drafter, load_target
     from ray_specdec.speculation.bandit import Bandit
@@ -258,8 +258,7 @@ def run_inproc(args: argparse.Namespace, prompts: list[str], cells: list, texts:
     try:
         # the app's own policy: the bandit's default arms, the speculation controller, the default lookup branch
         target = load_target(str(args.target_dir), dtype="float32", device="cpu")
-        engine = SpeculativeEngine(target, load_drafter(None, dtype="float32"), Bandit(), lookup=DEFAULT_LOOKUP,
-                                   plain_lookup=DEFAULT_PLAIN_LOOKUP)
+        engine = SpeculativeEngine(target, load_drafter(None, dtype="float32"), Bandit())
         for index in range(2):  # warm-up, as for the servers
             engine.generate(prompts[index], SamplingParams(max_new_tokens=args.max_tokens))
         for temperature, repeat in itertools.product(args.temperatures, range(args.repeats)):

@@ -170,14 +170,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from benchmarks.batched_loop import run_cell
     from benchmarks.serve_peers import select_prompts
     from benchmarks.serve_peers_servers import TARGET
-    from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams
+    from ray_specdec.config import SamplingParams
     from ray_specdec.engine.llm import SpeculativeEngine
     from ray_specdec.factory import load_drafter, load_target
     from ray_specdec.speculation.bandit import Bandit
 
     target = load_target(str(TARGET), dtype="float32", device="cpu")
-    engine = SpeculativeEngine(target, load_drafter(None, dtype="float32"), Bandit(), lookup=DEFAULT_LOOKUP,
-                                   plain_lookup=DEFAULT_PLAIN_LOOKUP)
+    engine = SpeculativeEngine(target, load_drafter(None, dtype="float32"), Bandit())
     prompts = [engine.encode(p) for p in select_prompts(6000, 97)]
     engine.generate_many(prompts[-4:], SamplingParams(max_new_tokens=64), tree)
     cells: list[dict[str, Any]] = []

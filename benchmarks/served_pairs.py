@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from benchmarks.serve_peers import select_prompts
     from benchmarks.serve_peers_servers import TARGET
     from benchmarks.served_overhead import start_app, stop_app
-    from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams
+    from ray_specdec.config import SamplingParams
     from ray_specdec.engine.llm import SpeculativeEngine
     from ray_specdec.factory import load_drafter, load_target
     from ray_specdec.speculation.bandit import Bandit
@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # an engine per in-process mode, each seeing every prompt once as the app does: a second run of a prompt on one
     # engine would take its prefill from the prefix cache
     engines = {mode: SpeculativeEngine(load_target(str(TARGET), dtype="float32", device="cpu"),
-                                       load_drafter(None, dtype="float32"), Bandit(), lookup=DEFAULT_LOOKUP,
-                                       plain_lookup=DEFAULT_PLAIN_LOOKUP)  # the app's policy, as serve_peers' inproc
+                                       load_drafter(None, dtype="float32"), Bandit())  # the app's, as serve_peers'
                for mode in ("alone", "beside")}  # fmt: skip
     params = SamplingParams(max_new_tokens=args.max_tokens)
     fields = {} if tree is None else {"tree": args.tree}

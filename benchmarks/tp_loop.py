@@ -37,7 +37,7 @@ from benchmarks.serve_peers import select_prompts
 from deployments.engine import RankGroup
 from ray_specdec.config import TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
-from ray_specdec.engine.llm import DEFAULT_SCHEDULER
+from ray_specdec.engine.config import EngineConfig
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.loading import load_tokenizer
@@ -67,7 +67,8 @@ def run_variant(name: str, args: argparse.Namespace, texts: list[str]) -> tuple[
             tokenizer = load_tokenizer(str(DEFAULT_TARGET))
             drafter = MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER), dtype=args.dtype, device=args.device)
             prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-            scheduler = Scheduler(group, drafter, tokenizer, Bandit(), DEFAULT_SCHEDULER)
+            scheduler = Scheduler(group, drafter, tokenizer, Bandit(), EngineConfig().scheduler,
+                                  speculation=EngineConfig().speculation)
             loop, device = SimpleNamespace(scheduler=scheduler), torch.device("cpu")  # the loop's side is on the CPU
             warm_up = min(WARM_UP, len(prompts) // 2)
             run_cell(loop, prompts, 4, None, min(5.0, args.duration), device, max_new_tokens=args.max_tokens,

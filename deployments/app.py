@@ -10,14 +10,15 @@ Defaults: the embedded default models on CPU, tp_size 1, one engine replica, the
 Errors in the arguments are reported in one line (`serve run` prints "Error: ...").
 """
 
+import dataclasses
 import os
 import types
 import typing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_type_hints
 
 import click
 import ray
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from ray.serve import Application
 
 from deployments.bandit import BanditHubDeployment
@@ -25,16 +26,14 @@ from deployments.engine import EngineDeployment
 from deployments.metrics import MetricsHubDeployment
 from deployments.router import RouterDeployment, ServerDeployment
 from ray_specdec import env
-from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, MAX_LOOKUP_TOKENS, TreeConfig, default_tree
+from ray_specdec.config import TreeConfig, default_tree
 from ray_specdec.defaults import EMBEDDED_MODEL_NAMES
-from ray_specdec.engine.llm import DEFAULT_MIN_PATH_PROB
-from ray_specdec.engine.scheduler_config import SchedulerConfig, scheduler_config_from_args
+from ray_specdec.engine.config import PART_CLASSES, EngineConfig, engine_config_from_args
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.tokenizer_check import TokenizerMismatch, check_model_pair
 from ray_specdec.serving.openai_server import ServerSettings
+from ray_specdec.settings import field_bounds, field_docs
 from ray_specdec.speculation.bandit import DEFAULT_ARMS, BanditConfig
-
-_SCHEDULER = SchedulerConfig()
 
 # Ray Serve's own periodic work, slowed on a machine of a few cores. Every wake-up of the Serve controller's loop
 # (every 0.1 s by default) and of each replica's metrics export (0.1 s) preempts one of the engine's OpenMP threads
@@ -94,7 +93,10 @@ class AppError(click.ClickException):
     """A one-line configuration error (click prints it as "Error: ..." and `serve run` exits with status 1)."""
 
 
-class AppArgs(BaseModel):
+class AppOwnArgs(BaseModel):
+    """The app's own arguments: the models, the deployment's shape, the tree policy and the KV budget in GiB.
+    `AppArgs` adds every field of `EngineConfig` under its own name."""
+
     model_config = ConfigDict(extra="forbid")
 
     # models
@@ -124,14 +126,6 @@ class AppArgs(BaseModel):
     # a request's drafter state starts from its last this many tokens: "auto" (the window the drafter's config names;
     # the shipped drafter: 512), "all" (or None), or a count >= 1 (see docs/BENCHMARKS.md)
     drafter_prefill_window: Annotated[int, Field(ge=1)] | Literal["auto", "all"] | None = "auto"
-    # drafts stop at depths whose paths the drafter itself rates below this probability (0: always the whole tree)
-    min_path_prob: float = Field(DEFAULT_MIN_PATH_PROB, ge=0, lt=1)
-    # every drafted tree of a greedy request also verifies up to this many tokens copied from earlier in the context
-    # (prompt lookup; 0: off). Trees written with their own "+L<k>" keep theirs.
-    lookup: int = Field(DEFAULT_LOOKUP, ge=0, le=MAX_LOOKUP_TOKENS)
-    # greedy rounds the service runs undrafted (its speculation controller's choice; not a request's
-    # own "tree") verify up to this many lookup tokens instead: no drafter step (0: off)
-    plain_lookup: int = Field(DEFAULT_PLAIN_LOOKUP, ge=0, le=MAX_LOOKUP_TOKENS)
     # trees and the bandit
     trees: str | list[str] | None = None  # bandit arms, "1,1,1,1;3,3,2,1;none" or a list; None: the default arms
     tree: str | None = None  # one tree for every request instead of the bandit
@@ -141,21 +135,10 @@ class AppArgs(BaseModel):
     # one and answers HTTP itself: two processes fewer beside the engine, each waking hundreds of times a second), or
     # "auto": "replica" where it can be (ingress engine, replicas 1, no autoscaling), else "deployments"
     hubs: Literal["auto", "replica", "deployments"] = "auto"
-    # the scheduler of each engine replica (ray_specdec/engine/scheduler.py, SchedulerConfig)
     # KV of the admitted requests per replica (all its ranks), in GiB; "auto": 90% of the device's memory free after
     # loading the models. Either is checked against that memory as the replica starts (ray_specdec/engine/kv_sizing.py).
     kv_budget_gib: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] | None = 2.0
     kv_budget_tokens: int | None = Field(None, ge=1)  # the same budget in cached tokens (instead of kv_budget_gib)
-    max_running: int = Field(_SCHEDULER.max_running, ge=1)  # requests batched together per replica
-    max_waiting: int = Field(_SCHEDULER.max_waiting, ge=0)  # queued requests per replica beyond which: 503
-    step_tokens: int = Field(_SCHEDULER.step_tokens, ge=1)  # target rows per step (verify rows + prefill chunks)
-    prefill_chunk: int = Field(_SCHEDULER.prefill_chunk, ge=1)  # prompt tokens per prefill chunk
-    # keep prompt chunks' KV in the budget nobody reserved, for later prompts that start the same (the same output)
-    prefix_cache: bool = _SCHEDULER.prefix_cache
-    # grow each request's KV as it decodes (admitted on its prompt's rows, never preempted: a request whose growth
-    # does not fit waits a step) instead of reserving prompt + max_tokens at admission
-    # (ray_specdec/engine/kv_manager.py)
-    kv_grow: bool = _SCHEDULER.kv_grow
     # serving shape. "engine": each engine replica answers HTTP itself (the proxy hands it the request; no hop in
     # between). "router": router replicas answer HTTP and forward to the engine replicas, one hop further, and a
     # request whose engine replica dies mid-stream continues on another (docs/INTERFACES.md, "Serving")
@@ -173,14 +156,7 @@ class AppArgs(BaseModel):
     compute_first: bool = True
     max_ongoing_requests: int = Field(256, ge=1)  # per router replica (router mode only)
     max_queued_requests: int = Field(256, ge=0)  # waiting for a replica; beyond this Serve answers 503
-    request_timeout_s: float = Field(600.0, gt=0)
-    retry_s: float = Field(60.0, ge=0)  # how long a request whose engine replica died waits for another
     recover_timeout_s: float = Field(120.0, gt=0)  # how long an engine waits for restarted target ranks
-    # when set (or RAY_SPECDEC_API_KEY is), /v1/* needs "Authorization: Bearer <api_key>"; /health stays open
-    api_key: str | None = None
-    # streamed responses send a chunk at most this often after the first token (the rounds in between are merged):
-    # each chunk costs CPU in the engine, router and HTTP proxy processes (docs/BENCHMARKS.md); 0: one per round
-    stream_interval_s: float = Field(0.2, ge=0)
 
     @field_validator("trees")
     @classmethod
@@ -208,13 +184,13 @@ class AppArgs(BaseModel):
         return device
 
     @model_validator(mode="after")
-    def _check_ranges(self) -> "AppArgs":
+    def _check_ranges(self) -> "AppOwnArgs":
         lo, hi = self.min_replicas or 1, self.max_replicas or self.replicas
         if hi < lo:
             raise ValueError(f"max_replicas ({hi}) < min_replicas ({lo})")
         if self.kv_budget_tokens is not None and "kv_budget_gib" in self.model_fields_set:
             raise ValueError("give kv_budget_gib or kv_budget_tokens, not both")
-        self.scheduler_config()  # SchedulerConfig's own checks as well
+        self.engine_config()  # the config's own checks as well
         if self.hubs == "replica" and not self._one_replica:
             raise ValueError("hubs=replica needs one engine replica answering HTTP itself (ingress=engine, "
                              "replicas=1, no autoscaling): each replica would learn and count alone")  # fmt: skip
@@ -246,9 +222,27 @@ class AppArgs(BaseModel):
         replicas = self.max_replicas if self.autoscaling else self.replicas
         return float(max(1, cores // (replicas * self.tp_size)))
 
-    def scheduler_config(self) -> SchedulerConfig:
-        """The fields named as SchedulerConfig's, read as the CLI's flags are (kv_budget_tokens None: the default)."""
-        return scheduler_config_from_args(self)
+    def engine_config(self) -> EngineConfig:
+        """The fields named as EngineConfig's, read as the CLI's flags are (kv_budget_tokens None: the default)."""
+        return engine_config_from_args(self)
+
+
+def _engine_fields() -> dict[str, tuple]:
+    """Every field of EngineConfig's parts as a pydantic field: its type, default, bounds and documentation from the
+    dataclass. kv_budget_tokens is the app's own (None: the budget is kv_budget_gib)."""
+    own = set(AppOwnArgs.model_fields)
+    made = {}
+    for cls in PART_CLASSES.values():
+        docs, hints, defaults = field_docs(cls), get_type_hints(cls), cls()
+        for f in dataclasses.fields(cls):
+            if f.name not in own:
+                made[f.name] = (hints[f.name], Field(getattr(defaults, f.name), description=docs.get(f.name) or None,
+                                                     **field_bounds(f)))
+    return made
+
+
+AppArgs = create_model("AppArgs", __base__=AppOwnArgs, __module__=__name__, **_engine_fields())
+AppArgs.__doc__ = "Every argument of the app: AppOwnArgs' and EngineConfig's fields (docs/SETTINGS.md)."
 
 
 def app(args: AppArgs | dict[str, Any]) -> Application:
@@ -268,6 +262,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     arms = tuple(TreeConfig.parse(t) for t in args.trees) if args.trees else DEFAULT_ARMS
     bandit = BanditConfig(arms=arms) if drafter_path is not None and fixed is None else None
     path = os.path.abspath(os.path.expanduser(args.bandit_path)) if args.bandit_path else None
+    config = args.engine_config()
     local = args.hubs_in_replica  # the replica's bandit is the whole state, and its metrics the app's
     hub = BanditHubDeployment.bind(bandit, path) if bandit is not None and not local else None
     # every replica's metrics, for GET /metrics (deployments/metrics.py)
@@ -275,16 +270,16 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     replica = dict(
         target=target_path, drafter=drafter_path, tp_size=args.tp_size, dtype=args.dtype, device=args.device,
         num_cpus_per_rank=args.cpus_per_rank, policy=bandit or fixed or default_tree(args.device),
-        scheduler=args.scheduler_config(), kv_budget_gib=None if args.kv_budget_tokens else args.kv_budget_gib,
+        config=config, kv_budget_gib=None if args.kv_budget_tokens else args.kv_budget_gib,
         max_context=args.max_context, drafter_prefill_window=args.drafter_prefill_window,
         recover_timeout_s=args.recover_timeout_s, compute_first=args.compute_first,
         bandit_path=path if local and bandit is not None else None,
     )  # fmt: skip
+    serving = config.serving
     settings = ServerSettings(
+        **dataclasses.asdict(serving) | {"api_key": serving.api_key or env.API_KEY.value()},
         model_name=args.model_name or os.path.basename(target_path.rstrip("/")), tokenizer=target_path,
-        max_context=args.max_context, request_timeout_s=args.request_timeout_s, retry_s=args.retry_s,
-        api_key=args.api_key or env.API_KEY.value() or None,
-        stream_interval_s=args.stream_interval_s,
+        max_context=args.max_context,
     )  # fmt: skip
     if args.ingress == "engine":
         options = _engine_options(args) | {"max_queued_requests": args.max_queued_requests}

@@ -38,11 +38,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.bandit import BanditSaver, BanditSync
 from deployments.metrics import MetricsPush, replica_name
 from ray_specdec import env
-from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.config import SamplingParams, TreeConfig, default_tree
+from ray_specdec.engine.config import EngineConfig
 from ray_specdec.engine.kv_sizing import device_room, fitted_kv_budget
 from ray_specdec.engine.request import QueueFull, RequestTooLarge
 from ray_specdec.engine.scheduler import Scheduler
-from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget, StepWork
 from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.loading import failure, load_tokenizer
@@ -220,8 +220,8 @@ class EngineReplica:
         dtype: str | None = None,
         device: str = "cpu",
         num_cpus_per_rank: float = 1.0,
-        policy: BanditConfig | TreeConfig = TreeConfig((1, 1, 1)),
-        scheduler: SchedulerConfig = SchedulerConfig(),
+        policy: BanditConfig | TreeConfig | None = None,
+        config: EngineConfig = EngineConfig(),
         kv_budget_gib: float | str | None = None,
         max_context: int | None = None,
         drafter_prefill_window: int | str | None = "auto",
@@ -232,8 +232,10 @@ class EngineReplica:
         metrics_hub=None,
         compute_first: bool = False,
     ):
-        """bandit_hub: the shared bandit this replica's syncs with; without one, bandit_path: the JSON file its own
-        bandit (the whole state: the app's only replica) is loaded from and saved to. metrics_hub: where this
+        """policy: the bandit's arms, or one tree for every request (None: the device's default tree); config: the
+        engine's settings, whose scheduler and speculation parts run here. bandit_hub: the shared bandit this
+        replica's syncs with; without one, bandit_path: the JSON file its own bandit (the whole state: the app's only
+        replica) is loaded from and saved to. metrics_hub: where this
         replica pushes its metrics (deployments/metrics.py); None: nowhere (an engine replica inside the HTTP server:
         the server pushes them with its own, or renders them alone). compute_first: on CPU at tp_size 1, the
         process's other threads below the loop's compute threads (ray_specdec/serving/thread_priority.py)."""
@@ -249,13 +251,15 @@ class EngineReplica:
             elif bandit_path is not None:
                 self.bandit_sync = BanditSaver(self.bandit, bandit_path)
             policy = self.bandit
+        elif policy is None:
+            policy = default_tree(device)
         self.tokenizer = load_tokenizer(target)
         self.backend = self.drafter = None
 
         def build() -> Scheduler:
             """The models and the scheduler, on the loop's thread: the one thread of this process that runs torch's
             parallel work (EngineLoop says why)."""
-            config = scheduler
+            scheduler = config.scheduler
             if tp_size == 1:
                 # the CPUs the replica reserved are its threads (Ray sets OMP_NUM_THREADS from them only when
                 # unset, and a runtime environment may have set it to 1)
@@ -273,9 +277,10 @@ class EngineReplica:
                 room = device_room(self.backend.target.device)
             # a budget the device cannot hold fails here, with what would fit, not as an OOM mid-step under load
             shards = tp_size if device != "cpu" else 1  # GPU ranks hold their shares apiece; CPU ranks share a host
-            config = replace(config, kv_budget_tokens=fitted_kv_budget(config.kv_budget_tokens, kv_budget_gib,
-                                                                       kv_bytes, room, shards))  # fmt: skip
-            return Scheduler(self.backend, self.drafter, self.tokenizer, policy, config, max_context)
+            scheduler = replace(scheduler, kv_budget_tokens=fitted_kv_budget(scheduler.kv_budget_tokens, kv_budget_gib,
+                                                                             kv_bytes, room, shards))  # fmt: skip
+            return Scheduler(self.backend, self.drafter, self.tokenizer, policy, scheduler, max_context,
+                             config.speculation)
 
         self.loop = EngineLoop(build, self._restart_ranks if tp_size > 1 else None, recover_timeout_s,
                                compute_first=compute_first and tp_size == 1 and device == "cpu")

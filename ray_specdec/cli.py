@@ -40,8 +40,7 @@ def positive_int(text: str) -> int:
 
 
 def generate_parser() -> OneLineParser:
-    from ray_specdec.engine.llm import DEFAULT_SCHEDULER
-    from ray_specdec.engine.scheduler_config import add_scheduler_arguments
+    from ray_specdec.engine.config import add_engine_arguments
 
     p = OneLineParser(prog="python -m ray_specdec generate", description="Generate with tree speculative decoding.")
     p.add_argument("--prompt", required=True, help="prompt text")
@@ -64,14 +63,13 @@ def generate_parser() -> OneLineParser:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, float64 or auto")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_scheduler_arguments(p, DEFAULT_SCHEDULER)
+    add_engine_arguments(p)
     return p
 
 
 def run_generate(argv: list[str]) -> int:
     from ray_specdec.config import SamplingParams, TreeConfig
-    from ray_specdec.engine.llm import DEFAULT_SCHEDULER
-    from ray_specdec.engine.scheduler_config import scheduler_config_from_args
+    from ray_specdec.engine.config import engine_config_from_args
     from ray_specdec.factory import load_engine
 
     from transformers.utils import logging as hf_logging
@@ -91,11 +89,11 @@ def run_generate(argv: list[str]) -> int:
             draft_sampling=args.draft_sampling,
         )
         tree = TreeConfig.parse(args.tree) if args.tree is not None else None  # None: the device's default
-        scheduler = scheduler_config_from_args(args, DEFAULT_SCHEDULER)
+        config = engine_config_from_args(args)
     except ValueError as e:
         raise UsageError(str(e)) from None
     engine = load_engine(args.target, args.drafter, tree=tree, dtype=args.dtype, device=args.device,
-                         scheduler=scheduler, kv_budget_gib=args.kv_budget_gib,
+                         config=config, kv_budget_gib=args.kv_budget_gib,
                          drafter_prefill_window=args.drafter_prefill_window)
     try:
         result = engine.generate(args.prompt, params)

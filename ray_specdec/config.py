@@ -123,23 +123,15 @@ PAPER_TREES = (
 )
 
 
-# What the CLI and the app use when no tree is given (the bandit learns better ones per deployment): on an
+# The tree of an engine given none (the library, the CLI; the app when it has no drafter or bandit): on an
 # accelerator verifying a few more rows is nearly free, so a small tree; on CPU every verified row costs, and a
-# short chain is the fastest shape (1,1,1 beat 1,1,1,1 in both runs with lookup branches, docs/BENCHMARKS.md).
+# short chain is the fastest shape (1,1,1 beat 1,1,1,1 with lookup branches, docs/BENCHMARKS.md).
 DEFAULT_TREE = TreeConfig((2, 2, 1, 1))
 CPU_DEFAULT_TREE = TreeConfig((1, 1, 1))
-# Lookup tokens the CLI, the app and the bench add to every drafted tree of greedy requests (TreeConfig.with_lookup):
-# free drafts where the context repeats itself, a few more verify rows when it does (docs/BENCHMARKS.md).
-DEFAULT_LOOKUP = 8
-# Lookup tokens the CLI, the app and the bench verify in greedy rounds that run undrafted
-# (SchedulerConfig.plain_lookup): no drafter step, a few verify rows. In process on the 2-core machine, where the
-# drafter's rounds lost to plain ones once the target's verify layers ran natively: 1.31x plain decoding at one
-# request (4 and 8 tokens alike), within noise at 8 and 32 (docs/BENCHMARKS.md).
-DEFAULT_PLAIN_LOOKUP = 4
 
 
-def default_tree(device: str) -> TreeConfig:
-    """The default tree for a device string ("cpu", "cuda", "cuda:1", ...)."""
+def default_tree(device) -> TreeConfig:
+    """The default tree for a device ("cpu", "cuda", "cuda:1", a torch.device)."""
     return CPU_DEFAULT_TREE if str(device).split(":")[0] == "cpu" else DEFAULT_TREE
 
 

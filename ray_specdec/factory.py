@@ -11,7 +11,7 @@ import torch
 from ray_specdec.config import TreeConfig, default_tree
 
 if TYPE_CHECKING:
-    from ray_specdec.engine.scheduler_config import SchedulerConfig
+    from ray_specdec.engine.config import EngineConfig
 
 
 class LoadError(Exception):
@@ -84,18 +84,20 @@ def load_engine(
     tree: TreeConfig | None = None,
     dtype: str = "auto",
     device: str | None = "auto",
-    scheduler: SchedulerConfig | None = None,
+    config: EngineConfig | None = None,
     kv_budget_gib: float | str | None = None,
     drafter_prefill_window: int | str | None = "auto",
 ):
-    """tree None: the device's default tree (config.default_tree); scheduler: the SchedulerConfig (None: the engine's
-    DEFAULT_SCHEDULER, draft cut and lookup tokens included); kv_budget_gib: its KV budget in GiB of the target's cache
+    """tree None: the device's default tree (config.default_tree); config: the engine's settings (None:
+    EngineConfig(), the defaults the app has too); kv_budget_gib: its KV budget in GiB of the target's cache
     instead of rows ("auto": kv_sizing.AUTO_SHARE of the device's memory free after loading; either budget is checked
     against that memory: LoadError where it does not fit); drafter_prefill_window: the drafter's state starts from
     this many last tokens of a request ("auto": the window the drafter's config names, else all; None or "all":
     all)."""
     from ray_specdec.engine.kv_sizing import device_room, fitted_kv_budget
-    from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
+    from ray_specdec.engine.config import EngineConfig
+    from ray_specdec.engine.llm import SpeculativeEngine
+    from ray_specdec.engine.scheduler_config import SchedulerConfig
     from ray_specdec.models.loading import resolve_dtype, resolve_model_path, resolve_prefill_window
 
     device = resolve_device(device)
@@ -119,14 +121,15 @@ def load_engine(
             f"drafter_prefill_window must be >= 1, 'auto', 'all' or None, got {drafter_prefill_window!r}"
         ) from None
     drafter_model = load_drafter(drafter, dtype, device, drafter_prefill_window)
-    scheduler = scheduler or DEFAULT_SCHEDULER
+    config = config or EngineConfig()
+    scheduler = config.scheduler
     try:
         # the default budget (131,072 rows: ~64 GiB of a 7B model's KV) shrinks to the device; a chosen one must fit
         rows = fitted_kv_budget(scheduler.kv_budget_tokens, kv_budget_gib, target_model.kv_bytes_per_token,
                                 device_room(device),
-                                given=scheduler.kv_budget_tokens != DEFAULT_SCHEDULER.kv_budget_tokens)
+                                given=scheduler.kv_budget_tokens != SchedulerConfig().kv_budget_tokens)
     except ValueError as e:
         raise LoadError(str(e)) from None
-    scheduler = replace(scheduler, kv_budget_tokens=rows)
+    config = replace(config, scheduler=replace(scheduler, kv_budget_tokens=rows))
     tree = tree if tree is not None else default_tree(str(device))
-    return SpeculativeEngine(target_model, drafter_model, tree, config=scheduler)
+    return SpeculativeEngine(target_model, drafter_model, tree, config=config)

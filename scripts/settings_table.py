@@ -1,9 +1,10 @@
-"""Write docs/SETTINGS.md: the app's arguments (`deployments.app.AppArgs`) and the scheduler's settings
-(`ray_specdec.engine.scheduler_config.SchedulerConfig`) as Markdown tables, read from their declarations.
+"""Write docs/SETTINGS.md: the app's own arguments (`deployments.app.AppOwnArgs`), the engine's settings
+(`ray_specdec.engine.config.EngineConfig`: its scheduler, speculation and serving parts) and the environment switches
+(`ray_specdec.env`) as Markdown tables, read from their declarations.
 
-Each row's meaning is the field's own documentation where it is declared: a pydantic `description` or a dataclass
-field's `metadata["doc"]` when it has one, else the comment on the line that declares it, else the comment lines
-directly above it. Types, constraints and defaults come from the live classes, so the table cannot drift from them.
+Each row's meaning is the field's own documentation where it is declared (`ray_specdec.settings.field_docs`: the
+comment on the line that declares it, else the comment lines directly above it). Types, bounds and defaults come from
+the live classes, so the tables cannot drift from them.
 
     python scripts/settings_table.py            # rewrite docs/SETTINGS.md
     python scripts/settings_table.py --check    # exit 1 when docs/SETTINGS.md is not what it would write
@@ -15,46 +16,13 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import io
 import sys
 import textwrap
-import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "SETTINGS.md"
 sys.path.insert(0, str(ROOT))
-
-
-def declared_comments(cls) -> dict[str, tuple[str, list[str]]]:
-    """Field name -> (comment on its line, comment lines directly above it), from the class's source."""
-    source = textwrap.dedent(inspect.getsource(cls))
-    comments: dict[int, str] = {}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-    lines = source.splitlines()
-    found = {}
-    for node in ast.parse(source).body[0].body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        trailing = comments.get(node.end_lineno, "") if lines[node.end_lineno - 1].split("#")[0].strip() else ""
-        above, line = [], node.lineno - 1
-        while line >= 1 and lines[line - 1].lstrip().startswith("#"):
-            above.insert(0, comments[line])
-            line -= 1
-        found[node.target.id] = (trailing, above)
-    return found
-
-
-def comment_meaning(trailing: str, above: list[str]) -> str:
-    """The trailing comment; else the block above, less a heading line that opens it (a first line without closing
-    punctuation followed by a line that starts a sentence, e.g. "the scheduler of each engine replica (...)")."""
-    if trailing:
-        return trailing
-    if len(above) > 1 and above[1][:1].isupper() and above[0][-1:] not in ".:;,":
-        above = above[1:]
-    return " ".join(above)
 
 
 def cell(text: str) -> str:
@@ -99,60 +67,94 @@ def pydantic_type(annotation_source: str, info) -> str:
 
 
 def app_table() -> list[str]:
-    from deployments.app import AppArgs
+    from deployments.app import AppOwnArgs
+    from ray_specdec.settings import field_docs
 
-    source = textwrap.dedent(inspect.getsource(AppArgs))
+    source = textwrap.dedent(inspect.getsource(AppOwnArgs))
     annotations = {n.target.id: ast.get_source_segment(source, n.annotation)
                    for n in ast.parse(source).body[0].body
                    if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-    comments = declared_comments(AppArgs)
+    docs = field_docs(AppOwnArgs)
     rows = ["| name | type | default | meaning |", "| --- | --- | --- | --- |"]
-    for name, info in AppArgs.model_fields.items():
+    for name, info in AppOwnArgs.model_fields.items():
         default = info.default_factory() if info.default_factory is not None else info.default
-        meaning = info.description or comment_meaning(*comments.get(name, ("", [])))
+        meaning = info.description or docs.get(name, "")
         rows.append(f"| `{name}` | {pydantic_type(annotations[name], info)} | {literal(default)} | "
                     f"{cell(meaning) or ' '} |")
     return rows
 
 
-def scheduler_table() -> list[str]:
-    from ray_specdec.engine.llm import DEFAULT_SCHEDULER
-    from ray_specdec.engine.scheduler_config import SchedulerConfig, flag
+def part_table(cls, flags: bool) -> list[str]:
+    from ray_specdec.settings import field_bounds, field_docs, flag
 
-    comments = declared_comments(SchedulerConfig)
-    library = SchedulerConfig()
-    rows = ["| name | flag | type | default | meaning |", "| --- | --- | --- | --- | --- |"]
-    for f in dataclasses.fields(SchedulerConfig):
-        ours, lib = getattr(DEFAULT_SCHEDULER, f.name), getattr(library, f.name)
-        default = literal(ours) if ours == lib else f"{literal(ours)} (`SchedulerConfig()`: {literal(lib)})"
-        meaning = f.metadata.get("doc") or comment_meaning(comments.get(f.name, ("", []))[0], [])
-        kind = f.type if isinstance(f.type, str) else f.type.__name__
-        rows.append(f"| `{f.name}` | `{flag(f.name)}` | `{kind}` | {default} | {cell(meaning) or ' '} |")
+    docs, defaults = field_docs(cls), cls()
+    head = ["name", *(["flag"] if flags else []), "type", "default", "meaning"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for f in dataclasses.fields(cls):
+        kind = (f.type if isinstance(f.type, str) else f.type.__name__).replace("|", "\\|")
+        bounds = ", ".join(f"{sign} {value}" for name, value in field_bounds(f).items()
+                           for key, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if key == name)
+        cells = [f"`{f.name}`", *([f"`{flag(f.name)}`"] if flags else []),
+                 f"`{kind}`" + (f" ({bounds})" if bounds else ""), literal(getattr(defaults, f.name)),
+                 cell(docs.get(f.name, "")) or " "]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def env_table() -> list[str]:
+    from ray_specdec import env
+
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for var in env.ALL:
+        default = ("on" if var.default else "off") if isinstance(var, env.Switch) else "unset"
+        rows.append(f"| `{var.name}` | {default} | {cell(var.doc)} |")
     return rows
 
 
 def settings_markdown() -> str:
+    from ray_specdec.engine.config import PART_CLASSES
+
     parts = [
         "# Settings",
         "",
-        "Generated by `python scripts/settings_table.py` from the declarations of `AppArgs` (`deployments/app.py`) "
-        "and `SchedulerConfig` (`ray_specdec/engine/scheduler_config.py`); edit those, not this file.",
+        "Generated by `python scripts/settings_table.py` from the declarations of `AppOwnArgs` (`deployments/app.py`), "
+        "the parts of `EngineConfig` (`ray_specdec/engine/config.py`) and `ray_specdec/env.py`; edit those, not this "
+        "file.",
+        "",
+        "One `EngineConfig` holds an engine's settings, with one default each: the library (`SpeculativeEngine`), "
+        "`python -m ray_specdec generate` and `bench`, and the app use the same. The app's arguments are its own "
+        "(below) plus every field of `EngineConfig`'s parts under the field's own name. Set them with `serve run "
+        "deployments:app key=value ...` or under `args:` of a Serve config file (`serve_config.yaml`); unknown names "
+        "are refused.",
         "",
         "## App arguments",
         "",
-        "Set with `serve run deployments:app key=value ...` or under `args:` of a Serve config file "
-        "(`serve_config.yaml`). Unknown names are refused.",
-        "",
         *app_table(),
         "",
-        "## Scheduler",
+        "## Scheduler (`SchedulerConfig`)",
         "",
-        "One `SchedulerConfig` per engine: the app builds it from the arguments of the same names above; "
-        "`python -m ray_specdec generate` and `bench` take each field as a flag. The default is the one "
-        "`generate`, `bench` and the app use; where the bare dataclass differs it is given after it. "
-        "`--kv-budget-gib GIB|auto` gives the budget in GiB instead of rows.",
+        "Each field is also a flag of `generate` and `bench`. `--kv-budget-gib GIB|auto` (the app's `kv_budget_gib`) "
+        "gives the budget in GiB instead of rows; the app's budget is `kv_budget_gib` unless `kv_budget_tokens` is "
+        "given.",
         "",
-        *scheduler_table(),
+        *part_table(PART_CLASSES["scheduler"], flags=True),
+        "",
+        "## Speculation (`SpeculationConfig`)",
+        "",
+        "Each field is also a flag of `generate` and `bench`.",
+        "",
+        *part_table(PART_CLASSES["speculation"], flags=True),
+        "",
+        "## Serving (`ServingConfig`)",
+        "",
+        *part_table(PART_CLASSES["serving"], flags=False),
+        "",
+        "## Environment",
+        "",
+        "Read in `ray_specdec/env.py`. A switch is off where set to 0 / off / false / no, on where set to anything "
+        "else.",
+        "",
+        *env_table(),
         "",
     ]
     return "\n".join(parts)

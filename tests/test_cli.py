@@ -4,15 +4,18 @@ engine; bad input is one line on stderr and exit code 2."""
 import json
 import subprocess
 import sys
-from dataclasses import fields, replace
+from dataclasses import fields
 
 import pytest
 
 from ray_specdec.cli import generate_parser
 from ray_specdec.config import SamplingParams
 from ray_specdec.engine.kv_sizing import kv_budget_rows
-from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
-from ray_specdec.engine.scheduler_config import SchedulerConfig, flag
+from ray_specdec.engine.config import EngineConfig
+from ray_specdec.engine.llm import SpeculativeEngine
+from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.settings import flag
+from ray_specdec.speculation.controller import SpeculationConfig
 from ray_specdec.models.target.model import TargetModel
 from tests.helpers.cli import run_cli
 
@@ -75,7 +78,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, cli_model_dirs, capsys):
 
 def test_every_scheduler_setting_is_a_generate_flag():
     text = generate_parser().format_help()
-    for f in fields(SchedulerConfig):
+    for f in fields(SchedulerConfig) + fields(SpeculationConfig):
         assert flag(f.name) in text
     assert "--no-prefix-cache" in text and "--kv-budget-gib" in text
 
@@ -88,7 +91,7 @@ def test_scheduler_flags_reach_the_engine(cli_model_dirs, built_engines, capsys)
                           "4096", "--min-path-prob", "0.05", "--lookup", "3", "--plain-lookup", "2", "--no-kv-grow"],
                          capsys)  # fmt: skip
     assert code == 0, err
-    assert built_engines[0].scheduler.config == SchedulerConfig(
+    assert built_engines[0].config == EngineConfig().with_fields(
         kv_budget_tokens=4096, max_running=8, max_waiting=2, step_tokens=768, prefill_chunk=4, min_path_prob=0.05,
         lookup=3, plain_lookup=2, kv_grow=False)  # fmt: skip
     target = TargetModel.from_pretrained(str(target_dir))
@@ -101,9 +104,9 @@ def test_kv_budget_in_gib_becomes_rows_of_the_targets_cache(cli_model_dirs, buil
     code, _, err = run_cli(["generate", "--prompt", "a tree", "--target", str(target_dir), "--drafter", "none",
                         "--max-new-tokens", "3", "--kv-budget-gib", "0.001"], capsys)
     assert code == 0, err
-    config = built_engines[0].scheduler.config
+    config = built_engines[0].config.scheduler
     assert config.kv_budget_tokens == kv_budget_rows(0.001, built_engines[0].target.kv_bytes_per_token)
-    assert config == replace(DEFAULT_SCHEDULER, kv_budget_tokens=config.kv_budget_tokens)
+    assert built_engines[0].config == EngineConfig().with_fields(kv_budget_tokens=config.kv_budget_tokens)
 
 
 def test_module_entry_point_exit_code(cli_model_dirs):

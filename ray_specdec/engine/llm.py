@@ -9,26 +9,18 @@ the same code path.
 from __future__ import annotations
 
 import uuid
-from dataclasses import replace
 from typing import Iterator, Sequence
 
-from ray_specdec.config import DEFAULT_LOOKUP, DEFAULT_PLAIN_LOOKUP, SamplingParams, TreeConfig
+from ray_specdec.config import SamplingParams, TreeConfig, default_tree
+from ray_specdec.engine.config import EngineConfig
 from ray_specdec.engine.outputs import Generation, StreamChunk
 from ray_specdec.engine.request import RequestTooLarge
 from ray_specdec.engine.scheduler import Scheduler
-from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget
 from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.drafter.mamba_state import StateSlots
 from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.logits_processing import TokenLogprob
-
-# Default cut of drafts by the drafter's own path probabilities (DrafterSession.draft); see docs/BENCHMARKS.md.
-DEFAULT_MIN_PATH_PROB = 0.0
-# What the CLI and the bench run with unless told otherwise, as the app does (whose KV budget is in GiB);
-# SpeculativeEngine's own default is the plain SchedulerConfig(): no lookup tokens, in drafted rounds or plain ones.
-DEFAULT_SCHEDULER = SchedulerConfig(min_path_prob=DEFAULT_MIN_PATH_PROB, lookup=DEFAULT_LOOKUP,
-                                    plain_lookup=DEFAULT_PLAIN_LOOKUP)
 
 
 class SpeculativeEngine:
@@ -36,23 +28,19 @@ class SpeculativeEngine:
         self,
         target: TargetModel,
         drafter: MambaDrafter | None,
-        tree_policy=TreeConfig((3, 2, 2, 1, 1)),
+        tree_policy=None,
         tokenizer=None,
-        min_path_prob: float | None = None,
-        lookup: int | None = None,
-        config: SchedulerConfig | None = None,
-        plain_lookup: int | None = None,
+        config: EngineConfig = EngineConfig(),
     ):
-        """tree_policy: a TreeConfig or a tree policy (the bandit). config: the scheduler's settings (KV budget, batch
-        and step sizes, draft cut, lookup; default SchedulerConfig()). min_path_prob (drafts stop at depths whose
-        nodes the drafter rates below this) and lookup (every drafted tree of a greedy request also verifies up to
-        this many prompt-lookup tokens, speculation/prompt_lookup.py) and plain_lookup (greedy rounds that run undrafted
-        verify up to this many lookup tokens instead), when given, override config's."""
-        overrides = {"min_path_prob": min_path_prob, "lookup": lookup, "plain_lookup": plain_lookup}
-        config = replace(config or SchedulerConfig(), **{k: v for k, v in overrides.items() if v is not None})
+        """tree_policy: a TreeConfig or a tree policy (the bandit); None: the target's device's default tree
+        (config.default_tree). config: the engine's settings (engine/config.py), the same defaults as the CLI's and
+        the app's; the scheduler runs its scheduler and speculation parts."""
         self.target = target
         self.tokenizer = tokenizer if tokenizer is not None else target.tokenizer
-        self.scheduler = Scheduler(LocalTarget(target), drafter, self.tokenizer, tree_policy, config)
+        self.config = config
+        policy = tree_policy if tree_policy is not None else default_tree(target.device)
+        self.scheduler = Scheduler(LocalTarget(target), drafter, self.tokenizer, policy, config.scheduler,
+                                   speculation=config.speculation)
 
     @property
     def policy(self):
@@ -60,11 +48,11 @@ class SpeculativeEngine:
 
     @property
     def lookup(self) -> int:
-        return self.scheduler.config.lookup
+        return self.config.speculation.lookup
 
     @property
     def min_path_prob(self) -> float:
-        return self.scheduler.config.min_path_prob
+        return self.config.speculation.min_path_prob
 
     @property
     def controller(self):
@@ -166,5 +154,4 @@ class SpeculativeEngine:
         return key
 
 
-__all__ = ["DEFAULT_MIN_PATH_PROB", "DEFAULT_SCHEDULER", "Generation", "RequestTooLarge", "SpeculativeEngine",
-           "StreamChunk"]
+__all__ = ["Generation", "RequestTooLarge", "SpeculativeEngine", "StreamChunk"]

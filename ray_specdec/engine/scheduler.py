@@ -114,19 +114,21 @@ class Scheduler:
         target: TargetBackend,
         drafter: MambaDrafter | None,
         tokenizer,
-        policy=TreeConfig((3, 2, 2, 1, 1)),
+        policy,
         config: SchedulerConfig = SchedulerConfig(),
         max_context: int | None = None,
         speculation: SpeculationConfig = SpeculationConfig(),
     ):
         """policy: a TreeConfig (every request drafts it) or a tree policy (the bandit: its arms and the shared
-        statistics the controller prices them with); max_context: a cap on prompt + max_new_tokens below the target's
-        own context; speculation: the controller's settings."""
+        statistics the controller prices them with); config and speculation: the scheduler's and the speculation
+        parts of the engine's settings (engine/config.py EngineConfig); max_context: a cap on prompt +
+        max_new_tokens below the target's own context."""
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.policy = FixedTree(policy) if isinstance(policy, TreeConfig) else policy
         self.config = config
+        self.speculation = speculation
         self.max_context = min(target.max_context, max_context or target.max_context)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
@@ -269,7 +271,7 @@ class Scheduler:
         trees = self.controller.choose([self._facts(r) for r in requests], prefill_rows)
         rounds = []
         for r, tree in zip(requests, trees):
-            lookup = min(self.config.lookup if r.params.greedy else 0, r.stop.remaining - 1)
+            lookup = min(self.speculation.lookup if r.params.greedy else 0, r.stop.remaining - 1)
             tree, lookup = fit_tree(tree, lookup, room=r.granted - (len(r.tokens) - 1))
             rounds.append(Round(r, tree, lookup, context_len=len(r.tokens)))
         return StepPlan(work, prefilling, rounds, prefill_rows, started)
@@ -373,9 +375,9 @@ class Scheduler:
         greedy = r.params.greedy
         prefill = self._drafter_prefill(r.tokens) if r.drafter is not None and r.drafter.session is None else 0
         return RoundFacts(len(r.tokens), r.sampled, r.stop.remaining, options,
-                          lookup_rows=self.controller.lookup_rows if greedy and self.config.lookup else 0.0,
+                          lookup_rows=self.controller.lookup_rows if greedy and self.speculation.lookup else 0.0,
                           plain_lookup_rows=(self.controller.plain_lookup_rows
-                                             if greedy and r.tree is None and self.config.plain_lookup else 0.0),
+                                             if greedy and r.tree is None and self.speculation.plain_lookup else 0.0),
                           prefill_tokens=prefill)  # fmt: skip
 
     def _draft(self, rounds: list[Round]) -> tuple[int, float]:
@@ -397,7 +399,7 @@ class Scheduler:
                 prefills += prefill_s
                 self.controller.observe_prefill(prefill_s, self._prefilled(len(r.tokens)))
         batch = [DraftRequest(r.drafter.session, c, r.params, r.draft_gen) for r, c in zip(requests, configs)]
-        for rd, draft in zip(owners, draft_many(batch, self.config.min_path_prob)):
+        for rd, draft in zip(owners, draft_many(batch, self.speculation.min_path_prob)):
             rd.draft = draft
         return sum(drafter_rows(rd.draft.config) for rd in owners), prefills
 
@@ -405,7 +407,7 @@ class Scheduler:
         """An undrafted round's draft: a prompt-lookup proposal of up to `plain_lookup` tokens as a chain (no drafter
         runs), for a greedy request whose tree the controller chooses; else no draft."""
         room = r.granted - len(r.tokens)  # verify rows past the root that its cache holds
-        size = min(self.config.plain_lookup, r.stop.remaining - 1, room)
+        size = min(self.speculation.plain_lookup, r.stop.remaining - 1, room)
         if size <= 0 or r.tree is not None or not r.params.greedy:
             return empty_draft()
         if r.lookup_index is None:
@@ -457,7 +459,7 @@ class Scheduler:
             if rd.lookup and draft.config.depth:  # rows beyond the drafter's own nodes
                 extra = len(draft.tokens) - TreeConfig(draft.config.branching).num_nodes
                 self.controller.observe_lookup(max(extra, 0), drafted=True)
-            elif not draft.config.depth and r.tree is None and r.params.greedy and self.config.plain_lookup:
+            elif not draft.config.depth and r.tree is None and r.params.greedy and self.speculation.plain_lookup:
                 self.controller.observe_lookup(len(draft.tokens), drafted=False)
             self._teach(rd)
 
@@ -467,7 +469,7 @@ class Scheduler:
         arms = self.policy.arms
         # what smaller drafted trees would have accepted (not for a lookup-only round: no drafter drafted it)
         what = (what_if(draft, verdict, arms, rd.lookup, r.sampled)
-                if self.config.min_path_prob == 0 and draft.config.depth else None)  # fmt: skip
+                if self.speculation.min_path_prob == 0 and draft.config.depth else None)  # fmt: skip
         arm = rd.tree if draft.arm == rd.tree.with_lookup(rd.lookup) else draft.arm
         if arm not in arms:
             self.rounds_unrecorded += 1
@@ -506,9 +508,9 @@ class Scheduler:
         nodes = max((t.num_nodes for t in trees), default=0)
         lookup = max((t.lookup for t in trees), default=0)
         if params.greedy and self.drafter is not None:
-            lookup = max(lookup, self.config.lookup)
+            lookup = max(lookup, self.speculation.lookup)
         if params.greedy and tree is None:
-            lookup = max(lookup, self.config.plain_lookup)
+            lookup = max(lookup, self.speculation.plain_lookup)
         return 1 + nodes + lookup
 
 

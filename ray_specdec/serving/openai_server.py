@@ -31,6 +31,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.models.loading import load_tokenizer
 from ray_specdec.serving import api, openai_chat
 from ray_specdec.serving.event_stream import EventStream
+from ray_specdec.serving.config import ServingConfig
 from ray_specdec.serving.metrics import RouterMetrics
 from ray_specdec.serving.router import EngineClient, RequestError, Router
 
@@ -68,15 +69,13 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return JSONResponse(api.error_body(message), status_code=exc.status_code, headers=exc.headers)
 
 
-@dataclass(frozen=True)
-class ServerSettings:
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings(ServingConfig):
+    """What one server answers with: the target's name and tokenizer, and the serving settings."""
+
     model_name: str  # what /v1/models and responses call the target
     tokenizer: str  # directory or hub id holding the target's tokenizer
     max_context: int | None = None  # cap on prompt + max_tokens below the target's own context length
-    request_timeout_s: float = 600.0  # a request still running after this gets 504 (streams: an error event)
-    retry_s: float = 60.0  # how long a request whose replica was lost may wait for another one
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>" (401 otherwise)
-    stream_interval_s: float = 0.0  # a stream's chunks come at most this often after its first (rounds merged)
 
 
 def nth_sample(params: SamplingParams, j: int) -> SamplingParams:

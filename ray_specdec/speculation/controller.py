@@ -13,7 +13,7 @@ This is the one place that decides how much to draft. Its parts:
 - **E[tokens]**: the shared bandit's statistics (`bandit.Bandit.token_sums`): the tokens (accepted + the bonus) a
   round of each arm gave, per prompt-length bucket and greedy or sampled, pooled over load levels (acceptance does
   not depend on load), fed by the what-if counterfactuals (`counterfactuals.py`: one round teaches every arm its
-  tree contains). The undrafted arm's tokens are those of its prompt-lookup proposal (`SchedulerConfig.plain_lookup`),
+  tree contains). The undrafted arm's tokens are those of its prompt-lookup proposal (`SpeculationConfig.plain_lookup`),
   so prompt lookup is priced in undrafted rounds as in drafted ones (there as extra verify rows, `lookup_rows`).
 - **The drafter's prefill**: a request whose drafter holds no state yet pays one prefill over its context before its
   first drafted round. That is a per-request cost, not a per-round one: a drafted option is charged its share, the
@@ -41,47 +41,52 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ray_specdec.config import TreeConfig
+from ray_specdec.config import MAX_LOOKUP_TOKENS, TreeConfig
 from ray_specdec.engine.target_backend import SegmentSpec, StepWork, TargetBackend
 from ray_specdec.models.device_clock import now, settle
+from ray_specdec.settings import bounded, check_bounds
 
 NO_TREE = TreeConfig(())
 
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """The controller's settings. Every tuning constant of speculation lives here."""
+    """How much is drafted and how the choice is made: the proposers' settings and every tuning constant of the
+    speculation controller. Part of `engine.config.EngineConfig`; each field is a flag of `generate` and `bench` and an
+    argument of the app, its comment the documentation."""
 
+    # drafts stop at depths whose paths the drafter itself rates below this probability (0: always the whole tree)
+    min_path_prob: float = bounded(0.0, ge=0, lt=1)
+    # every drafted tree of a greedy request also verifies up to this many tokens copied from earlier in the context
+    # (prompt lookup, speculation/prompt_lookup.py; 0: off): free drafts where the context repeats itself, a few more
+    # verify rows when it does (docs/BENCHMARKS.md). Trees written with their own "+L<k>" keep theirs.
+    lookup: int = bounded(8, ge=0, le=MAX_LOOKUP_TOKENS)
+    # greedy rounds the controller runs undrafted (never a request's own tree) verify up to this many lookup tokens
+    # instead: no drafter step, a few verify rows (0: off)
+    plain_lookup: int = bounded(4, ge=0, le=MAX_LOOKUP_TOKENS)
     # Weight of the past in the step cost model's least squares, per step: ~200 steps of memory, so that the model
     # follows load changes within a second or two of traffic.
-    cost_forget: float = 0.995
+    cost_forget: float = bounded(0.995, gt=0, le=1)
     # How many steps of typical size the measured prior counts as (a ridge towards it).
-    cost_prior_steps: float = 64.0
+    cost_prior_steps: float = bounded(64.0, ge=0)
     # Steps measured before the cost model is trusted without a measured prior.
-    cost_warmup_steps: int = 16
+    cost_warmup_steps: int = bounded(16, ge=0)
     # Prior tokens an arm's round accepts per draft depth, before any round of it was measured: optimistic, so that
     # an arm is tried where it could pay.
-    prior_accept_per_depth: float = 0.6
+    prior_accept_per_depth: float = bounded(0.6, ge=0)
     # Pseudo-rounds the prior counts as in an arm's posterior; a handful of real rounds outweigh it.
-    prior_rounds: float = 2.0
+    prior_rounds: float = bounded(2.0, ge=0)
     # Standard deviation of one round's tokens assumed where an arm's own rounds do not say yet.
-    prior_round_sd: float = 1.0
+    prior_round_sd: float = bounded(1.0, ge=0)
     # Draw expected tokens from their posteriors (Thompson sampling); off: use the posterior means (no exploration).
     explore: bool = True
     # Weight of a round in the running means of the verify rows a lookup proposal adds (drafted and undrafted).
-    lookup_rows_weight: float = 0.05
+    lookup_rows_weight: float = bounded(0.05, gt=0, le=1)
     # Weight of the newest measurement in the running estimate of the drafter's prefill seconds per token.
-    prefill_rate_weight: float = 0.2
+    prefill_rate_weight: float = bounded(0.2, gt=0, le=1)
 
     def __post_init__(self) -> None:
-        if not 0 < self.cost_forget <= 1:
-            raise ValueError(f"cost_forget must be in (0, 1], got {self.cost_forget}")
-        for name in ("cost_prior_steps", "prior_accept_per_depth", "prior_rounds", "prior_round_sd"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lookup_rows_weight", "prefill_rate_weight"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        check_bounds(self)
 
 
 # ----- the step's cost -----

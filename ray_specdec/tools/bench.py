@@ -18,7 +18,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,14 +27,15 @@ from tqdm import tqdm
 from ray_specdec.cli import OneLineParser, UsageError
 from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine.kv_sizing import device_room, fitted_kv_budget
-from ray_specdec.engine.llm import DEFAULT_SCHEDULER, SpeculativeEngine
-from ray_specdec.engine.scheduler_config import add_scheduler_arguments, scheduler_config_from_args
+from ray_specdec.engine.config import EngineConfig, add_engine_arguments, engine_config_from_args
+from ray_specdec.engine.llm import SpeculativeEngine
+from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.models.device_clock import synchronize
 from ray_specdec.models.loading import prefill_window_arg
 
 # Every method runs every prompt (and again at each temperature): with the prefix cache on, the methods after the
 # first would find the prompt's KV cached and skip the prefill that HF generate pays each time.
-BENCH_SCHEDULER = replace(DEFAULT_SCHEDULER, prefix_cache=False)
+BENCH_CONFIG = EngineConfig().with_fields(prefix_cache=False)
 
 
 @dataclass
@@ -280,7 +281,7 @@ def parse_args(argv):
                         "prompts, the bandit, and drafter memory from 1k to 8k tokens (--target etc. still apply)")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="Markdown table and PNG plots go here")
-    add_scheduler_arguments(p, BENCH_SCHEDULER, notes={
+    add_engine_arguments(p, BENCH_CONFIG, notes={
         "lookup": "the bandit's engine only (its arms are the trees without their own lookup, plus no drafting)",
         "prefix_cache": "off in bench: every method goes over the same prompts, and each pays its own prefill, as "
                         "HF generate's does"})
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         qa_buckets = [int(b) for b in args.qa_buckets.split(",")]
         if min(qa_buckets) < 64:
             raise ValueError(f"--qa-buckets must be >= 64 tokens, got {args.qa_buckets}")
-        scheduler = scheduler_config_from_args(args, BENCH_SCHEDULER)
+        config = engine_config_from_args(args, BENCH_CONFIG)
     except ValueError as e:
         print(f"error: bad bench arguments: {e}", file=sys.stderr)
         return 2
@@ -366,16 +367,16 @@ def main(argv: list[str] | None = None) -> int:
     groups = ["short"] * len(short) + ["long"] * len(long) + ["qa"] * len(qa)  # the group of each prompt
     prompts = short + long + qa
     try:
-        scheduler = replace(scheduler, kv_budget_tokens=fitted_kv_budget(
-            scheduler.kv_budget_tokens, args.kv_budget_gib, target.kv_bytes_per_token, device_room(target.device),
-            given=scheduler.kv_budget_tokens != DEFAULT_SCHEDULER.kv_budget_tokens))
+        config = config.with_fields(kv_budget_tokens=fitted_kv_budget(
+            config.scheduler.kv_budget_tokens, args.kv_budget_gib, target.kv_bytes_per_token,
+            device_room(target.device), given=config.scheduler.kv_budget_tokens != SchedulerConfig().kv_budget_tokens))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    fixed = replace(scheduler, lookup=0)  # the engines of fixed trees: each tree names its own lookup branch
+    fixed = config.with_fields(lookup=0)  # the engines of fixed trees: each tree names its own lookup branch
     ours = SpeculativeEngine(target, drafter, trees[0], config=fixed)
     # our own plain decoding, the baseline of every speedup over it: no drafter and no prompt lookup
-    plain = SpeculativeEngine(target, None, config=replace(fixed, plain_lookup=0))
+    plain = SpeculativeEngine(target, None, config=fixed.with_fields(plain_lookup=0))
 
     # Every method is a function (temperature, prompts, seed) -> MethodResult.
     methods = [("hf_generate", lambda t, ps, sd: run_hf("hf_generate", hf, ps, args.max_new_tokens, t, sd)),
@@ -385,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                                                              prompt_lookup_num_tokens=10)),
                ("ours_target_only", lambda t, ps, sd: run_ours("ours_target_only", plain, ps, args.max_new_tokens, t,
                                                                sd, None))]
-    if fixed.plain_lookup:  # undrafted rounds with prompt lookup (greedy requests only): the service's "none" arm
+    # undrafted rounds with prompt lookup (greedy requests only): the service's "none" arm
+    if fixed.speculation.plain_lookup:
         looked_up = SpeculativeEngine(target, None, config=fixed)
         methods.append(("ours_prompt_lookup", lambda t, ps, sd: run_ours("ours_prompt_lookup", looked_up, ps,
                                                                          args.max_new_tokens, t, sd, None)))
@@ -396,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for tree, tree_cut in cut_trees:  # the same trees with a draft cut of their own (not bandit arms)
         name = f"ours_mamba_{'chain' if set(tree.branching) == {1} else 'tree'}_{tree}_cut{tree_cut:g}"
-        engine = SpeculativeEngine(target, drafter, tree, config=replace(fixed, min_path_prob=tree_cut))
+        engine = SpeculativeEngine(target, drafter, tree, config=fixed.with_fields(min_path_prob=tree_cut))
         methods.append((name, lambda t, ps, sd, tree=tree, name=name, engine=engine: run_ours(
             name, engine, ps, args.max_new_tokens, t, sd, tree)))
 
@@ -404,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     # during the measured run, after a warm-up on other held-out prompts (a served bandit has seen earlier traffic).
     arms = tuple(dict.fromkeys(t.without_lookup() for t in trees))
     bandit = Bandit(BanditConfig(arms=(*arms, NO_TREE)), seed=args.seed)
-    bandit_engine = SpeculativeEngine(target, drafter, bandit, config=scheduler)
+    bandit_engine = SpeculativeEngine(target, drafter, bandit, config=config)
     n_short, n_long, n_qa = split_like(args.bandit_warmup, (len(short), len(long), len(qa)))
     warmup = ([p.token_ids for p in heldout_prompts(n_short, 64, 256, seed=args.seed + 3, tokenizer=tok)]
               + [p.token_ids for p in heldout_prompts(n_long, 1024, 2048, seed=args.seed + 4, tokenizer=tok)]
@@ -459,8 +461,9 @@ def main(argv: list[str] | None = None) -> int:
                      "device": str(target.device), "dtype": str(dtype).removeprefix("torch.")},
         "settings": {"prompts": len(short), "long_prompts": len(long), "qa_prompts": len(qa),
                      "qa_buckets": qa_buckets, "max_new_tokens": args.max_new_tokens,
-                     "trees": [str(t) for t in trees], "min_path_prob": scheduler.min_path_prob,
-                     "bandit_lookup": scheduler.lookup, "scheduler": asdict(bandit_engine.scheduler.config),
+                     "trees": [str(t) for t in trees], "min_path_prob": config.speculation.min_path_prob,
+                     "bandit_lookup": config.speculation.lookup, "scheduler": asdict(config.scheduler),
+                     "speculation": asdict(config.speculation),
                      "drafter_prefill_window": drafter.prefill_window,
                      "cut_trees": [f"{t}@{c:g}" for t, c in cut_trees],
                      "bandit_warmup_prompts": args.bandit_warmup,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ray_specdec.config import TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.target.model import TargetModel
@@ -34,4 +35,4 @@ def engine(model_dirs) -> SpeculativeEngine:
     """The in-process engine over the saved models (the reference for serving outputs)."""
     target_dir, drafter_dir = model_dirs
     target = TargetModel.from_pretrained(str(target_dir))
-    return SpeculativeEngine(target, MambaDrafter.from_pretrained(str(drafter_dir)))
+    return SpeculativeEngine(target, MambaDrafter.from_pretrained(str(drafter_dir)), TreeConfig((3, 2, 2, 1, 1)))

@@ -23,6 +23,7 @@ from deployments import engine as engine_module
 from deployments.engine import EngineReplica
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.outputs import StreamChunk
+from ray_specdec.engine.config import EngineConfig
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from tests.helpers.bigram import PROMPTS
 from tests.helpers.reference import greedy_margin
@@ -40,7 +41,7 @@ def replica(model_dirs):
     target, drafter = model_dirs
     ray.init(num_cpus=2, include_dashboard=False)
     replica = EngineReplica(str(target), str(drafter), tp_size=2, num_cpus_per_rank=0.5, policy=TreeConfig((1, 1)),
-                            scheduler=SchedulerConfig(prefill_chunk=16))  # fmt: skip
+                            config=EngineConfig(scheduler=SchedulerConfig(prefill_chunk=16)))  # fmt: skip
     yield replica
     replica.shutdown()
     ray.shutdown()

@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from deployments.app import AppArgs
 from ray_specdec.engine import kv_sizing
 from ray_specdec.engine.kv_sizing import AUTO_SHARE, GIB, device_room, fitted_kv_budget, kv_budget_rows
-from ray_specdec.engine.scheduler_config import SchedulerConfig, add_scheduler_arguments
+from ray_specdec.engine.config import EngineConfig, add_engine_arguments
+from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.factory import LoadError, load_engine
 from tests.helpers.cli import run_cli
 
@@ -85,7 +86,7 @@ def test_the_cli_takes_auto_and_refuses_too_much_in_one_line(cli_model_dirs, bui
     code, out, err = run_cli(argv + ["--kv-budget-gib", "2"], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "does not fit" in err
     parser = argparse.ArgumentParser()
-    add_scheduler_arguments(parser)
+    add_engine_arguments(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-budget-gib", "plenty"])
     assert "'auto'" in capsys.readouterr().err
@@ -145,6 +146,6 @@ def test_the_default_budget_shrinks_to_the_device_and_a_chosen_one_does_not(cli_
     assert engine.scheduler.config.kv_budget_tokens == math.floor(AUTO_SHARE * (1 << 20) / per_token)
     assert "the default KV budget" in caplog.text
     with pytest.raises(LoadError, match="does not fit"):
-        load_engine(str(target_dir), "none", scheduler=SchedulerConfig(kv_budget_tokens=100_000))
+        load_engine(str(target_dir), "none", config=EngineConfig(scheduler=SchedulerConfig(kv_budget_tokens=100_000)))
     with pytest.raises(ValueError, match="does not fit"):
         fitted_kv_budget(1, 1.0, 1024, room=1 << 20, given=False)  # GiB are always chosen

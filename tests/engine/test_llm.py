@@ -14,6 +14,7 @@ from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.drafting import DrafterSession, empty_draft
 from ray_specdec.speculation.verify import judge
 from tests.helpers.drafters import EchoState, TargetEchoDrafter
+from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import TREES, random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 from tests.helpers.reference import (ENUMERATED_VOCAB, assert_emitted_distribution, enumerate_target, hf_greedy,
@@ -35,7 +36,8 @@ def test_greedy_matches_target_and_hf_generate_for_every_tree(target, prompt_len
     for branching in TREES:
         for drafter in drafters:
             for min_path_prob in (0.0, 0.3):  # 0.3: drafts cut short where the drafter rates its paths unlikely
-                engine = SpeculativeEngine(target, drafter, TreeConfig(branching), min_path_prob=min_path_prob)
+                engine = SpeculativeEngine(target, drafter, TreeConfig(branching),
+                                           config=lookup_off(min_path_prob=min_path_prob))
                 result = engine.generate(prompt, SamplingParams(max_new_tokens=n))
                 assert result.token_ids == expected, (branching, type(drafter).__name__, min_path_prob)
                 assert len(result.token_ids) <= n
@@ -136,7 +138,7 @@ def test_sampled_generation_has_target_distribution(branching, draft_sampling, t
     base = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=n_tokens,
                           draft_sampling=draft_sampling)
     exact = enumerate_target(target, prompt, base, n_tokens)
-    engine = SpeculativeEngine(target, drafter, TreeConfig(branching), min_path_prob=min_path_prob)
+    engine = SpeculativeEngine(target, drafter, TreeConfig(branching), config=lookup_off(min_path_prob=min_path_prob))
     counts = dict.fromkeys(exact, 0)
     accepted = full = 0
     for seed in range(n_samples):
@@ -181,7 +183,7 @@ def test_cut_drafts_keep_the_target_distribution():
     prompt, n_tokens, n_samples = [1, 4, 2], 3, 5000
     params = SamplingParams(temperature=1.0, max_new_tokens=n_tokens, draft_sampling="iid")
     exact = enumerate_target(target, prompt, params, n_tokens)
-    engine = SpeculativeEngine(target, drafter, TreeConfig((1, 1)), min_path_prob=0.45)
+    engine = SpeculativeEngine(target, drafter, TreeConfig((1, 1)), config=lookup_off(min_path_prob=0.45))
     counts = dict.fromkeys(exact, 0)
     kinds = set()
     for seed in range(n_samples):
@@ -236,7 +238,8 @@ def test_greedy_with_a_lookup_branch_matches_target(target):
         for text in ("1+L6", "1,1,1+L2", "2,2,1+L8", "3,1+L4"):
             config = TreeConfig.parse(text)
             for min_path_prob in (0.0, 0.3):
-                result = SpeculativeEngine(target, tiny_mamba(), config, min_path_prob=min_path_prob).generate(
+                settings = lookup_off(min_path_prob=min_path_prob)
+                result = SpeculativeEngine(target, tiny_mamba(), config, config=settings).generate(
                     prompt, SamplingParams(max_new_tokens=n)
                 )
                 assert result.token_ids == expected, (prompt_len, text, min_path_prob)
@@ -293,7 +296,7 @@ def test_engine_lookup_setting_extends_every_drafted_tree_and_records_the_picked
     prompt = random_prompt(300, seed=300)
     expected = hf_greedy(target, prompt, 23)
     policy = RecordingPolicy(TreeConfig((1,)))
-    engine = SpeculativeEngine(target, tiny_mamba(), policy, lookup=6)
+    engine = SpeculativeEngine(target, tiny_mamba(), policy, config=lookup_off(lookup=6))
     result = engine.generate(prompt, SamplingParams(max_new_tokens=23))
     assert result.token_ids == expected
     # lookup branches were drafted, named by the size asked for (less only where fewer tokens were left to generate)
@@ -303,7 +306,7 @@ def test_engine_lookup_setting_extends_every_drafted_tree_and_records_the_picked
     assert max(accepted for _, accepted, _ in policy.records) > 1
     assert not any(sampled for _, _, sampled in policy.records)
     with pytest.raises(ValueError, match="lookup"):
-        SpeculativeEngine(target, tiny_mamba(), policy, lookup=-1)
+        SpeculativeEngine(target, tiny_mamba(), policy, config=lookup_off(lookup=-1))
 
 
 def test_bandit_with_engine_lookup_learns_from_rounds_deeper_than_its_arms(target):
@@ -311,7 +314,7 @@ def test_bandit_with_engine_lookup_learns_from_rounds_deeper_than_its_arms(targe
 
     prompt = random_prompt(300, seed=300)
     bandit = Bandit(BanditConfig(arms=(TreeConfig((1,)), TreeConfig((1, 1)))), seed=0)  # always drafting
-    engine = SpeculativeEngine(target, tiny_mamba(), bandit, lookup=8)
+    engine = SpeculativeEngine(target, tiny_mamba(), bandit, config=lookup_off(lookup=8))
     result = engine.generate(prompt, SamplingParams(max_new_tokens=23))
     assert result.token_ids == hf_greedy(target, prompt, 23)
     assert max(result.stats.accepted_lengths) > 3  # lookup tokens accepted beyond every arm's depth
@@ -337,8 +340,9 @@ def test_the_lookup_setting_leaves_sampled_requests_alone(target):
     """The engine-wide lookup setting is for greedy requests; a sampled one drafts exactly as without it."""
     prompt = random_prompt(300, seed=300)
     params = SamplingParams(temperature=1.0, seed=11, max_new_tokens=20)
-    with_setting = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1)), lookup=8).generate(prompt, params)
-    without = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1))).generate(prompt, params)
+    with_setting = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1)), config=lookup_off(lookup=8)).generate(
+        prompt, params)
+    without = SpeculativeEngine(target, tiny_mamba(), TreeConfig((2, 1)), config=lookup_off()).generate(prompt, params)
     assert with_setting.token_ids == without.token_ids
     assert not any("+L" in name for name in with_setting.stats.trees)
 

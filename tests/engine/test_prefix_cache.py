@@ -14,6 +14,7 @@ from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, StepWork
 from ray_specdec.models.target.model import TargetModel
+from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
@@ -174,7 +175,7 @@ def test_cached_prompts_give_the_tokens_and_logprobs_of_prefilled_ones(tiny, tre
         assert len(tokens) == params.max_new_tokens
         assert cached == EXPECTED_CACHED[name] and first_time[name][2] == EXPECTED_COLD[name], name
         assert without[name][2] == 0
-    plain = SpeculativeEngine(target, None, config=config)
+    plain = SpeculativeEngine(target, None, config=lookup_off(scheduler=config))
     assert with_cache["same"][0] == plain.generate(requests[0][1], requests[0][2]).token_ids
 
 
@@ -192,7 +193,7 @@ def test_a_prompt_admitted_several_times_at_once_is_prefilled_once(tiny):
     out = run(scheduler, [(f"c{i}", prompt, params) for i in range(4)])
     assert sorted(o[2] for o in out.values()) == [0, 99, 99, 99]
     assert sum(prefill_rows) == 99  # the prompt's prefill, once
-    alone = SpeculativeEngine(target, None, config=SchedulerConfig(prefill_chunk=CHUNK, prefix_cache=False))
+    alone = SpeculativeEngine(target, None, config=lookup_off(prefill_chunk=CHUNK, prefix_cache=False))
     assert all(o[0] == alone.generate(prompt, params).token_ids for o in out.values())
 
 
@@ -209,7 +210,7 @@ def test_the_budget_evicts_cached_chunks_before_requests_wait(tiny):
     prompts = [random_prompt(70, seed=20 + i) for i in (0, 0, 0, 1, 1, 1, 0, 2, 2, 2, 1, 0)]
     requests = [(f"q{i}", p, params) for i, p in enumerate(prompts)]
     out = run(scheduler, requests)
-    plain = SpeculativeEngine(target, None, config=SchedulerConfig(prefill_chunk=CHUNK, prefix_cache=False))
+    plain = SpeculativeEngine(target, None, config=lookup_off(prefill_chunk=CHUNK, prefix_cache=False))
     for (name, prompt, _), expected in zip(requests, plain.generate_many(prompts, params)):
         assert out[name][0] == expected.token_ids, name
     assert sum(o[2] for o in out.values()) > 0  # some requests found their prompt cached

@@ -25,6 +25,7 @@ from ray_specdec.speculation.drafting import empty_draft
 from ray_specdec.speculation.tree_policy import FixedTree
 from ray_specdec.speculation.verify import judge
 from tests.helpers.bigram import agreeing_pair
+from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 from tests.helpers.policies import LoadRecorder
@@ -74,12 +75,12 @@ def run_together(scheduler: Scheduler, requests) -> tuple[dict[str, list[int]], 
 
 def check_batch_invariance(target: TargetModel, drafter: MambaDrafter, requests, config: SchedulerConfig,
                            hf: bool) -> None:  # fmt: skip
-    engine = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=config)
+    engine = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=lookup_off(scheduler=config))
     together, _, seen = run_together(engine.scheduler, requests)
     assert seen["peak"] == len(requests)  # every request shared steps with all others
     assert {"none", "1", "3,2,1", "1,1,1,1"} <= set(seen["trees"]) and len(seen["trees"]) >= 6  # trees of many shapes
     assert sum(seen["trees"].values()) < sum(map(len, together.values()))  # rounds that took several tokens
-    plain = SpeculativeEngine(target, None, config=config)
+    plain = SpeculativeEngine(target, None, config=lookup_off(scheduler=config))
     for request_id, prompt, params, tree in requests:
         alone = engine.generate(prompt, params, tree).token_ids
         expected = plain.generate(prompt, params).token_ids
@@ -180,7 +181,7 @@ def test_a_long_prefill_does_not_stall_running_streams(long_context_pair):
     prefill_steps = outputs[3:first_long]
     assert len(prefill_steps) >= 1000 // 64  # its prefill took many steps...
     assert all(step == ["s0", "s1", "s2"] for step in prefill_steps)  # ...and every short stream went on in each
-    plain = SpeculativeEngine(target, None, config=config)
+    plain = SpeculativeEngine(target, None, config=lookup_off(scheduler=config))
     for request_id, prompt in prompts.items():  # with its own tokens
         assert tokens[request_id] == plain.generate(prompt, short).token_ids
     assert tokens["long"] == plain.generate(*long).token_ids
@@ -206,7 +207,7 @@ def test_a_request_decodes_its_first_round_in_the_step_of_its_prompts_last_chunk
             tokens[out.request_id] += out.chunk.token_ids
             first.setdefault(out.request_id, (step, out.chunk.stats.rounds))
     assert first == {"10": (1, 1), "17": (1, 1), "33": (2, 1), "40": (3, 1)}
-    plain = SpeculativeEngine(target, None, config=config)
+    plain = SpeculativeEngine(target, None, config=lookup_off(scheduler=config))
     for n, prompt in prompts.items():
         assert tokens[str(n)] == plain.generate(prompt, params).token_ids
     assert not scheduler.target.caches
@@ -256,7 +257,7 @@ def test_the_kv_budget_queues_what_does_not_fit_and_refuses_what_never_will(long
 def test_a_target_that_loses_every_cache_loses_no_request(long_context_pair, at_step):
     """reset_target() mid-run (a restarted rank): every request is prefilled again and ends with its own tokens."""
     target, drafter = long_context_pair
-    engine = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=SchedulerConfig(prefill_chunk=32))
+    engine = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=lookup_off(prefill_chunk=32))
     requests = workload([3, 150, 40, 1, 90, 12], target.vocab_size, seed=60)
     scheduler = engine.scheduler
     for request_id, prompt, params, tree in requests:
@@ -425,8 +426,8 @@ def test_drafting_requests_keep_their_roots_in_slots_and_give_them_back():
     requests = workload(SHIPPED_PROMPTS, target.vocab_size)
     trees = [t if t is not None else TreeConfig((2, 1, 1)) for *_, t in requests]  # fixed: no timing decides them
     prompts, params = [r[1] for r in requests], [r[2] for r in requests]
-    slotted = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=SMALL)
-    own = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=SMALL)
+    slotted = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=lookup_off(scheduler=SMALL))
+    own = SpeculativeEngine(target, drafter, TreeConfig((2, 1, 1)), config=lookup_off(scheduler=SMALL))
     own.scheduler.drafter_slots = None
     slots = slotted.scheduler.drafter_slots
     taken = []

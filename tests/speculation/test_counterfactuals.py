@@ -22,6 +22,7 @@ from ray_specdec.speculation.bandit import UCB1, Bandit, BanditConfig, Throughpu
 from ray_specdec.speculation.bandit.policies import ArmStats
 from ray_specdec.speculation.counterfactuals import what_if
 from ray_specdec.speculation.drafting import Draft, DrafterSession
+from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import random_prompt, repetitive_history
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
@@ -101,7 +102,7 @@ def test_engine_feeds_what_if_rounds_to_the_bandit():
     target = TargetModel(tiny_gpt_neox(torch.float64, max_positions=512))
     arms = (TreeConfig((2, 1)), TreeConfig((1,)), NO_TREE)
     bandit = Bandit(BanditConfig(arms=arms, policy=UCB1(), prior_pulls=0), seed=0)
-    engine = SpeculativeEngine(target, tiny_mamba(), bandit, lookup=2)
+    engine = SpeculativeEngine(target, tiny_mamba(), bandit, config=lookup_off(lookup=2))
     prompt = random_prompt(30, seed=13)
     engine.generate(prompt, SamplingParams(max_new_tokens=40))
     state = bandit.state

@@ -11,11 +11,12 @@ import torch
 
 from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.speculation.controller import SpeculationConfig
 from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.speculation.drafting import LOOKUP_ONLY, DrafterSession, lookup_draft
 from ray_specdec.speculation.tree_policy import FixedTree
+from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
@@ -58,7 +59,7 @@ class Alternating(FixedTree):
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 40])
 def test_undrafted_rounds_verify_lookup_and_keep_the_targets_tokens(target, max_new):
-    engine = SpeculativeEngine(target, None, config=SchedulerConfig(plain_lookup=LOOKUP))
+    engine = SpeculativeEngine(target, None, config=lookup_off(plain_lookup=LOOKUP))
     prompts = [repetitive(30, seed) for seed in range(4)] + [random_prompt(50, seed=9)]
     lookup_rounds = 0
     for prompt in prompts:
@@ -73,7 +74,7 @@ def test_undrafted_rounds_verify_lookup_and_keep_the_targets_tokens(target, max_
 def test_lookup_rounds_take_several_tokens_where_the_text_repeats(target):
     """A tiny random target's greedy text falls into a loop; lookup then proposes it and rounds accept it."""
     prompt = repetitive(20, seed=1)
-    got = SpeculativeEngine(target, None, config=SchedulerConfig(plain_lookup=LOOKUP)).generate(
+    got = SpeculativeEngine(target, None, config=lookup_off(plain_lookup=LOOKUP)).generate(
         prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))
     assert got.token_ids == alone(target, prompt, 60)
     assert got.stats.trees.get(LOOKUP_ONLY, 0) > 0
@@ -84,7 +85,7 @@ def test_in_a_batch_only_the_schedulers_own_greedy_rounds_get_lookup(target):
     """Requests of every kind in one batch, drafted and lookup rounds interleaved by the policy: each gets its tokens
     alone; a client's `none`, a client's tree and a sampled request never run a lookup round."""
     engine = SpeculativeEngine(target, tiny_mamba(torch.float32), Alternating(),
-                               config=SchedulerConfig(plain_lookup=LOOKUP))  # fmt: skip
+                               config=lookup_off(plain_lookup=LOOKUP))  # fmt: skip
     greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
     requests = [("policy0", repetitive(25, 3), greedy, None), ("policy1", repetitive(40, 4), greedy, None),
                 ("none", repetitive(25, 3), greedy, NO_TREE), ("chain", repetitive(30, 5), greedy, TreeConfig((2, 1))),
@@ -106,7 +107,7 @@ def test_in_a_batch_only_the_schedulers_own_greedy_rounds_get_lookup(target):
 
 
 def test_the_reservation_holds_the_lookup_rows(target):
-    scheduler = SpeculativeEngine(target, None, config=SchedulerConfig(plain_lookup=LOOKUP)).scheduler
+    scheduler = SpeculativeEngine(target, None, config=lookup_off(plain_lookup=LOOKUP)).scheduler
     greedy, sampled = SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=10, temperature=1.0)
     assert scheduler.check(20, greedy) == 20 + 10 + 1 + LOOKUP
     assert scheduler.check(20, greedy, NO_TREE) == 20 + 10 + 1  # the client's `none`: plain rounds only
@@ -138,6 +139,6 @@ def test_a_lookup_draft_is_a_chain_of_the_proposal():
 
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="plain_lookup"):
-        SchedulerConfig(plain_lookup=-1)
+        SpeculationConfig(plain_lookup=-1)
     with pytest.raises(ValueError, match="plain_lookup"):
-        SchedulerConfig(plain_lookup=33)
+        SpeculationConfig(plain_lookup=33)

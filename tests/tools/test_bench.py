@@ -1,14 +1,16 @@
 """The benchmark's contract on tiny models: JSON fields, greedy identity check, Markdown and PNG outputs."""
 
 import json
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 
 import pytest
 import torch
 from transformers import MambaConfig, MambaForCausalLM
 
-from ray_specdec.engine.llm import DEFAULT_SCHEDULER
-from ray_specdec.engine.scheduler_config import SchedulerConfig, flag
+from ray_specdec.engine.config import EngineConfig
+from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.settings import flag
+from ray_specdec.speculation.controller import SpeculationConfig
 from ray_specdec.models.native import library
 from ray_specdec.tools.bench import main, parse_args
 from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer
@@ -41,8 +43,9 @@ def test_bench_json_report_and_plots(model_dirs, tmp_path, capsys):
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     # what the bandit ran: the engine's defaults but the prefix cache, off in bench (methods share prompts)
-    assert report["settings"]["scheduler"] == asdict(replace(DEFAULT_SCHEDULER, max_running=4, step_tokens=256,
-                                                             prefill_chunk=64, lookup=4, prefix_cache=False))
+    ran = EngineConfig().with_fields(max_running=4, step_tokens=256, prefill_chunk=64, lookup=4, prefix_cache=False)
+    assert report["settings"]["scheduler"] == asdict(ran.scheduler)
+    assert report["settings"]["speculation"] == asdict(ran.speculation)
     names = {m["name"] for m in report["methods"]}
     assert {"hf_generate", "hf_assisted", "hf_prompt_lookup", "ours_target_only",
             "ours_mamba_chain_1,1,1", "ours_mamba_tree_2,1+L4", "ours_mamba_bandit"} <= names
@@ -109,7 +112,7 @@ def test_bench_bad_device_and_dtype_exit_2(capsys):
 def test_bench_help_has_every_scheduler_flag(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out
-    for f in fields(SchedulerConfig):
+    for f in fields(SchedulerConfig) + fields(SpeculationConfig):
         assert flag(f.name) in text
     assert "--kv-budget-gib" in text
     assert not parse_args([]).prefix_cache and parse_args(["--prefix-cache"]).prefix_cache
