@@ -37,8 +37,8 @@ def repetitive(n: int, seed: int) -> list[int]:
 
 
 def alone(target: TargetModel, prompt: list[int], max_new: int) -> list[int]:
-    return SpeculativeEngine(target, None).generate(prompt, SamplingParams(max_new_tokens=max_new,
-                                                                           ignore_eos=True)).token_ids
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    return SpeculativeEngine(target, None, config=lookup_off()).generate(prompt, params).token_ids
 
 
 class Alternating(FixedTree):
@@ -112,7 +112,7 @@ def test_the_reservation_holds_the_lookup_rows(target):
     assert scheduler.check(20, greedy) == 20 + 10 + 1 + LOOKUP
     assert scheduler.check(20, greedy, NO_TREE) == 20 + 10 + 1  # the client's `none`: plain rounds only
     assert scheduler.check(20, sampled) == 20 + 10 + 1
-    plain = SpeculativeEngine(target, None).scheduler
+    plain = SpeculativeEngine(target, None, config=lookup_off()).scheduler
     assert plain.check(20, greedy) == 20 + 10 + 1
 
 
