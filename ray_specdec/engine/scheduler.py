@@ -83,6 +83,7 @@ class Round:
     request: Request
     tree: TreeConfig = NO_TREE  # the drafter's tree (cut to what the request's KV holds)
     lookup: int = 0  # prompt-lookup tokens added to a drafted tree (greedy requests)
+    plain_lookup: bool = False  # undrafted: whether it verifies a prompt-lookup proposal (`plain_lookup`)
     context_len: int = 0  # the request's tokens before the round
     draft: Draft | None = None
     verdict: Verdict | None = None
@@ -268,12 +269,12 @@ class Scheduler:
         last_chunks = [r for r in prefilling if r.chunk_end == len(r.tokens) - 1]
         requests = decoding + [r for r in last_chunks if self.kv.room(r, self.running.values(), work)]
         self.load = max(len(requests), 1)
-        trees = self.controller.choose([self._facts(r) for r in requests], prefill_rows)
+        picks = self.controller.choose([self._facts(r) for r in requests])
         rounds = []
-        for r, tree in zip(requests, trees):
+        for r, pick in zip(requests, picks):
             lookup = min(self.speculation.lookup if r.params.greedy else 0, r.stop.remaining - 1)
-            tree, lookup = fit_tree(tree, lookup, room=r.granted - (len(r.tokens) - 1))
-            rounds.append(Round(r, tree, lookup, context_len=len(r.tokens)))
+            tree, lookup = fit_tree(pick.tree, lookup, room=r.granted - (len(r.tokens) - 1))
+            rounds.append(Round(r, tree, lookup, pick.plain_lookup, context_len=len(r.tokens)))
         return StepPlan(work, prefilling, rounds, prefill_rows, started)
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -376,8 +377,7 @@ class Scheduler:
         prefill = self._drafter_prefill(r.tokens) if r.drafter is not None and r.drafter.session is None else 0
         return RoundFacts(len(r.tokens), r.sampled, r.stop.remaining, options,
                           lookup_rows=self.controller.lookup_rows if greedy and self.speculation.lookup else 0.0,
-                          plain_lookup_rows=(self.controller.plain_lookup_rows
-                                             if greedy and r.tree is None and self.speculation.plain_lookup else 0.0),
+                          plain_lookup_rows=self.controller.plain_lookup_rows if self._lookup_allowed(r) else None,
                           prefill_tokens=prefill)  # fmt: skip
 
     def _draft(self, rounds: list[Round]) -> tuple[int, float]:
@@ -387,7 +387,7 @@ class Scheduler:
         for rd in rounds:
             config = rd.tree.with_lookup(rd.lookup)
             if rd.request.drafter is None or not config.depth:
-                rd.draft = self._plain_lookup(rd.request)
+                rd.draft = self._plain_lookup(rd.request) if rd.plain_lookup else empty_draft()
                 continue
             owners.append(rd)
             configs.append(config)
@@ -402,6 +402,11 @@ class Scheduler:
         for rd, draft in zip(owners, draft_many(batch, self.speculation.min_path_prob)):
             rd.draft = draft
         return sum(drafter_rows(rd.draft.config) for rd in owners), prefills
+
+    def _lookup_allowed(self, r: Request) -> bool:
+        """Whether r's undrafted rounds may verify a prompt-lookup proposal: a greedy request whose tree the
+        scheduler chooses, with `plain_lookup` on."""
+        return bool(self.speculation.plain_lookup) and r.params.greedy and r.tree is None
 
     def _plain_lookup(self, r: Request) -> Draft:
         """An undrafted round's draft: a prompt-lookup proposal of up to `plain_lookup` tokens as a chain (no drafter
@@ -445,7 +450,7 @@ class Scheduler:
         """Split the step's time among its requests (by rows), teach the policy and the controller."""
         t0, t1, t2 = result.times
         shape = result.shape
-        self.controller.observe_step(shape, t3 - t0)
+        self.controller.observe_step(shape, t3 - t0, draft_seconds=t1 - t0)
         rows = shape.verify_rows + shape.prefill_rows
         for r in plan.prefilling:
             r.stats.prefill_s += (t3 - t0) * r.chunk_rows / max(rows, 1)
@@ -459,7 +464,7 @@ class Scheduler:
             if rd.lookup and draft.config.depth:  # rows beyond the drafter's own nodes
                 extra = len(draft.tokens) - TreeConfig(draft.config.branching).num_nodes
                 self.controller.observe_lookup(max(extra, 0), drafted=True)
-            elif not draft.config.depth and r.tree is None and r.params.greedy and self.speculation.plain_lookup:
+            elif rd.plain_lookup and not draft.config.depth:
                 self.controller.observe_lookup(len(draft.tokens), drafted=False)
             self._teach(rd)
 
@@ -471,6 +476,8 @@ class Scheduler:
         what = (what_if(draft, verdict, arms, rd.lookup, r.sampled)
                 if self.speculation.min_path_prob == 0 and draft.config.depth else None)  # fmt: skip
         arm = rd.tree if draft.arm == rd.tree.with_lookup(rd.lookup) else draft.arm
+        if not arm.depth and not rd.plain_lookup and self._lookup_allowed(r):
+            return  # it declined its lookup proposal: the undrafted arm's tokens are those of rounds with one
         if arm not in arms:
             self.rounds_unrecorded += 1
         self.policy.record(arm, rd.context_len, accepted, max(r.stats.last_round_s, 1e-9), r.sampled, what,

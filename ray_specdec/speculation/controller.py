@@ -5,8 +5,9 @@ expected tokens per second of step time.
 
 This is the one place that decides how much to draft. Its parts:
 
-- **T(step)**: `StepCostModel`, a linear model of the step's wall time in what the step runs: a fixed cost, verify
-  rows, verify rows times their context (attention), requests that draft, drafter rows and target prefill rows. Its
+- **T(step)**: `StepCostModel`, a linear model of the step's wall time in what the step runs: a fixed cost, target
+  rows (verify and prefill alike), verify rows times their context (attention), requests that draft and drafter rows
+  (these two fitted on the drafts' own time). Its
   prior is measured on this target and drafter when the scheduler starts (`measure_prior`), and every step refines
   it by exponentially weighted least squares on the step's measured time. Nothing is assumed about the hardware: on
   a target whose weights fit the cache a verify row costs nearly a plain step, on a memory-bound one almost nothing.
@@ -36,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -67,8 +68,9 @@ class SpeculationConfig:
     # Weight of the past in the step cost model's least squares, per step: ~200 steps of memory, so that the model
     # follows load changes within a second or two of traffic.
     cost_forget: float = bounded(0.995, gt=0, le=1)
-    # How many steps of typical size the measured prior counts as (a ridge towards it).
-    cost_prior_steps: float = bounded(64.0, ge=0)
+    # How many steps of typical size the measured prior counts as (a ridge towards it): a few, as it is measured on a
+    # quiet machine with small shapes, and the steps of real traffic should take over within a second.
+    cost_prior_steps: float = bounded(8.0, ge=0)
     # Steps measured before the cost model is trusted without a measured prior.
     cost_warmup_steps: int = bounded(16, ge=0)
     # Prior tokens an arm's round accepts per draft depth, before any round of it was measured: optimistic, so that
@@ -91,11 +93,12 @@ class SpeculationConfig:
 
 # ----- the step's cost -----
 
-# Features of a step: 1, verify rows, verify rows x their context in thousands of tokens, requests that draft,
-# drafter rows, target prefill rows.
-FEATURES = ("fixed", "verify_rows", "verify_row_kilotokens", "drafting", "drafter_rows", "prefill_rows")
+# Features of a step: 1, target rows (verify and prefill rows alike: for the forward's matrix products a row is a
+# row, and prefill steps then teach the cost of a verify row too), verify rows x their context in thousands of tokens
+# (attention), requests that draft, drafter rows.
+FEATURES = ("fixed", "target_rows", "verify_row_kilotokens", "drafting", "drafter_rows")
 # Typical size of each feature: the prior's weight per feature is `cost_prior_steps` steps of this size.
-FEATURE_SCALE = np.array([1.0, 32.0, 32.0, 8.0, 16.0, 512.0])
+FEATURE_SCALE = np.array([1.0, 64.0, 32.0, 8.0, 16.0])
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,8 @@ class StepShape:
     prefill_rows: int = 0
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.verify_rows, self.verify_row_kilotokens, self.drafting, self.drafter_rows,
-                         self.prefill_rows])  # fmt: skip
+        return np.array([1.0, self.verify_rows + self.prefill_rows, self.verify_row_kilotokens, self.drafting,
+                         self.drafter_rows])  # fmt: skip
 
 
 def drafter_rows(tree: TreeConfig) -> int:
@@ -118,33 +121,40 @@ def drafter_rows(tree: TreeConfig) -> int:
     return sum(tree.rows_per_depth[:-1])
 
 
+# The features the draft's own time is fitted on, and those the rest of the step's time is fitted on.
+DRAFT_FEATURES = (3, 4)  # drafting, drafter_rows
+FORWARD_FEATURES = (0, 1, 2)  # fixed, target_rows, verify_row_kilotokens
+
+
 class StepCostModel:
     """T(step) = w . features(step), by exponentially weighted least squares around a prior (a ridge towards it);
-    no weight below 0 (a row never makes a step cheaper, though noise over few distinct shapes can say so)."""
+    no weight below 0 (a row never makes a step cheaper, though noise over few distinct shapes can say so).
+
+    The step's time is measured in two parts, each fitted on its own features: the drafts (requests that draft,
+    drafter rows) and the rest (the target's forward over verify and prefill rows, judging, committing). Fitted on
+    the whole step's time, the two sides' features move together under steady traffic (every request drafts a similar
+    tree), and the fit could not tell a drafter row from a verify row."""
 
     def __init__(self, config: SpeculationConfig = SpeculationConfig()):
         self.config = config
-        n = len(FEATURES)
-        self._prior_xtx = np.diag(FEATURE_SCALE**2) * 1e-6
-        self._prior_xty = np.zeros(n)
-        self._xtx = np.zeros((n, n))
-        self._xty = np.zeros(n)
+        self._parts = [_Ridge(np.array(DRAFT_FEATURES)), _Ridge(np.array(FORWARD_FEATURES))]
         self.steps = 0
         self.calibrated = False
         self._w: np.ndarray | None = None
 
     def set_prior(self, weights: Sequence[float]) -> None:
         """Pull the fit towards `weights` (one per feature) with the evidence of `cost_prior_steps` typical steps."""
-        self._prior_xtx = np.diag(FEATURE_SCALE**2) * self.config.cost_prior_steps
-        self._prior_xty = self._prior_xtx @ np.asarray(weights, dtype=np.float64)
+        for part in self._parts:
+            part.set_prior(np.asarray(weights, dtype=np.float64), self.config.cost_prior_steps)
         self.calibrated = True
         self._w = None
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
+    def observe(self, shape: StepShape, seconds: float, draft_seconds: float = 0.0) -> None:
+        """A step of `shape` took `seconds`, `draft_seconds` of them drafting."""
         x = shape.features()
-        forget = self.config.cost_forget
-        self._xtx = forget * self._xtx + np.outer(x, x)
-        self._xty = forget * self._xty + x * seconds
+        draft, forward = self._parts
+        draft.observe(x, draft_seconds, self.config.cost_forget)
+        forward.observe(x, seconds - draft_seconds, self.config.cost_forget)
         self.steps += 1
         self._w = None
 
@@ -154,7 +164,9 @@ class StepCostModel:
 
     def weights(self) -> np.ndarray:
         if self._w is None:
-            w = np.linalg.solve(self._xtx + self._prior_xtx, self._xty + self._prior_xty)
+            w = np.zeros(len(FEATURES))
+            for part in self._parts:
+                w[part.features] = part.solve()
             self._w = np.maximum(w, 0.0)
         return self._w
 
@@ -164,6 +176,30 @@ class StepCostModel:
     def summary(self) -> dict[str, float]:
         """The fitted weights by feature (seconds per unit)."""
         return dict(zip(FEATURES, map(float, self.weights())))
+
+
+class _Ridge:
+    """One part of the step's time: least squares on some of the features, forgetting the past, around a prior."""
+
+    def __init__(self, features: np.ndarray):
+        self.features = features
+        scale = FEATURE_SCALE[features]
+        self._prior_xtx = np.diag(scale**2) * 1e-6
+        self._prior_xty = np.zeros(len(features))
+        self._xtx = np.zeros((len(features), len(features)))
+        self._xty = np.zeros(len(features))
+
+    def set_prior(self, weights: np.ndarray, steps: float) -> None:
+        self._prior_xtx = np.diag(FEATURE_SCALE[self.features] ** 2) * max(steps, 1e-6)
+        self._prior_xty = self._prior_xtx @ weights[self.features]
+
+    def observe(self, x: np.ndarray, seconds: float, forget: float) -> None:
+        x = x[self.features]
+        self._xtx = forget * self._xtx + np.outer(x, x)
+        self._xty = forget * self._xty + x * seconds
+
+    def solve(self) -> np.ndarray:
+        return np.linalg.solve(self._xtx + self._prior_xtx, self._xty + self._prior_xty)
 
 
 # ----- expected tokens -----
@@ -222,6 +258,13 @@ def choose_options(tokens: np.ndarray, seconds: np.ndarray, fixed_s: float, max_
     return choice
 
 
+class Pick(NamedTuple):
+    """A round's choice: its tree, and for an undrafted round whether it verifies a prompt-lookup proposal."""
+
+    tree: TreeConfig
+    plain_lookup: bool = False
+
+
 @dataclass
 class RoundFacts:
     """What the controller needs to know of a request's next round."""
@@ -231,7 +274,8 @@ class RoundFacts:
     remaining: int  # tokens the request may still generate
     options: Sequence[TreeConfig]  # trees it may run; NO_TREE among them where drafting is optional
     lookup_rows: float = 0.0  # verify rows a drafted option's lookup branch adds (mean measured)
-    plain_lookup_rows: float = 0.0  # verify rows the undrafted option's lookup proposal adds (mean measured)
+    # verify rows the undrafted option's lookup proposal adds (mean measured); None: no lookup in undrafted rounds
+    plain_lookup_rows: float | None = None
     prefill_tokens: int = 0  # tokens the drafter must prefill before this request's first drafted round (0: none)
 
 
@@ -270,58 +314,66 @@ class SpeculationController:
         values = posterior_tokens(arms, sums, self.config, self._rng if draw and self.config.explore else None)
         return dict(zip(arms, map(float, values)))
 
-    def choose(self, rounds: Sequence[RoundFacts], prefill_rows: int = 0) -> list[TreeConfig]:
-        """Every round's tree for this step. A round of one option keeps it."""
-        picks = [facts.options[0] for facts in rounds]
-        open_rounds = [i for i, facts in enumerate(rounds) if len(facts.options) > 1]
+    def choose(self, rounds: Sequence[RoundFacts]) -> list[Pick]:
+        """Every round's tree for this step, for the rounds' expected tokens per second of the step's decode time (its
+        prompt chunks left out). A round of one option keeps it. Where an undrafted round may verify a prompt-lookup
+        proposal (`plain_lookup_rows` not None), undrafted with and without one are two options, priced apart."""
+        options = [_expand(facts) for facts in rounds]
+        picks = [opts[0] for opts in options]
+        open_rounds = [i for i, opts in enumerate(options) if len(opts) > 1]
         if not open_rounds or not self.cost.warm:
             return self._counted(picks)
         w = dict(zip(FEATURES, self.cost.weights()))
-        width = max(len(rounds[i].options) for i in open_rounds)
-        fixed_s = w["fixed"] + w["prefill_rows"] * prefill_rows
+        width = max(len(options[i]) for i in open_rounds)
+        # the step's prompt chunks are left out: their rows are work every request pays once whatever the trees, and
+        # counted here they would make a step that carries a long chunk look like a cheap place for verify rows
+        fixed_s = w["fixed"]
         draws: dict[tuple[int, bool], dict[TreeConfig, float]] = {}  # one draw per cell per step
         closed_tokens = 0.0
-        for i, facts in enumerate(rounds):  # rounds that keep their one option add to the step as they are
-            if len(facts.options) == 1:
-                tokens, seconds = self._price(facts, facts.options[0], w, draws)
+        for i, opts in enumerate(options):  # rounds that keep their one option add to the step as they are
+            if len(opts) == 1:
+                tokens, seconds = self._price(rounds[i], opts[0], w, draws)
                 closed_tokens += tokens
                 fixed_s += seconds
         tokens = np.full((len(open_rounds) + 1, width), -np.inf)
         seconds = np.zeros((len(open_rounds) + 1, width))
         tokens[-1, 0] = closed_tokens  # the closed rounds, as one row with one option
         for row, i in enumerate(open_rounds):
-            for j, tree in enumerate(rounds[i].options):
-                tokens[row, j], seconds[row, j] = self._price(rounds[i], tree, w, draws)
+            for j, pick in enumerate(options[i]):
+                tokens[row, j], seconds[row, j] = self._price(rounds[i], pick, w, draws)
         choice = choose_options(tokens, seconds, fixed_s)
         for row, i in enumerate(open_rounds):
-            picks[i] = rounds[i].options[choice[row]]
+            picks[i] = options[i][choice[row]]
         return self._counted(picks)
 
-    def _counted(self, picks: list[TreeConfig]) -> list[TreeConfig]:
-        drafted = sum(1 for tree in picks if tree.depth)
+    def _counted(self, picks: list[Pick]) -> list[Pick]:
+        drafted = sum(1 for pick in picks if pick.tree.depth)
         self.drafted_rounds += drafted
         self.undrafted_rounds += len(picks) - drafted
         return picks
 
-    def _price(self, facts: RoundFacts, tree: TreeConfig, w: dict[str, float],
+    def _price(self, facts: RoundFacts, pick: Pick, w: dict[str, float],
                draws: dict[tuple[int, bool], dict[TreeConfig, float]]) -> tuple[float, float]:  # fmt: skip
-        """(expected tokens, seconds it adds to the step) of a round of `tree`."""
+        """(expected tokens, seconds it adds to the step) of a round of `pick`."""
+        tree = pick.tree
         key = (_bucket(facts.context_len), facts.sampled)
         if key not in draws:
             draws[key] = self.expected_tokens(facts.context_len, facts.sampled, draw=True)
         expected = draws[key]
         kilotokens = facts.context_len / 1024
         if not tree.depth:
-            rows = 1.0 + facts.plain_lookup_rows
-            tokens = expected.get(NO_TREE, 1.0)
-            return tokens, rows * (w["verify_rows"] + w["verify_row_kilotokens"] * kilotokens)
+            if not pick.plain_lookup:
+                return 1.0, w["target_rows"] + w["verify_row_kilotokens"] * kilotokens
+            rows = 1.0 + (facts.plain_lookup_rows or 0.0)
+            tokens = expected.get(NO_TREE, 1.0)  # the undrafted arm learns from rounds with a lookup proposal
+            return tokens, rows * (w["target_rows"] + w["verify_row_kilotokens"] * kilotokens)
         full = expected.get(tree)
         if full is None:  # a tree cut short (the request's last tokens): the largest arm it is a cut of
             full = max((v for arm, v in expected.items() if arm.depth and arm.truncated(tree.depth) == tree),
                        default=1.0 + self.config.prior_accept_per_depth * tree.max_depth)  # fmt: skip
         tokens = min(full, 1.0 + tree.max_depth + facts.lookup_rows)
         rows = 1.0 + tree.num_nodes + (tree.lookup or facts.lookup_rows)
-        seconds = (rows * (w["verify_rows"] + w["verify_row_kilotokens"] * kilotokens) + w["drafting"]
+        seconds = (rows * (w["target_rows"] + w["verify_row_kilotokens"] * kilotokens) + w["drafting"]
                    + w["drafter_rows"] * drafter_rows(tree))  # fmt: skip
         if facts.prefill_tokens and self.prefill_s_per_token is not None:  # its share of the drafter's prefill
             seconds += self.prefill_s_per_token * facts.prefill_tokens * min(1.0, tokens / max(facts.remaining, 1))
@@ -329,8 +381,9 @@ class SpeculationController:
 
     # ----- learning -----
 
-    def observe_step(self, shape: StepShape, seconds: float) -> None:
-        self.cost.observe(shape, seconds)
+    def observe_step(self, shape: StepShape, seconds: float, draft_seconds: float = 0.0) -> None:
+        """A step of `shape` took `seconds`, `draft_seconds` of them drafting."""
+        self.cost.observe(shape, seconds, draft_seconds)
 
     def observe_prefill(self, seconds: float, tokens: int) -> None:
         """A drafter prefill over `tokens` took `seconds`."""
@@ -364,6 +417,18 @@ class SpeculationController:
                 "drafted_share": self.drafted_rounds / total if total else None}  # fmt: skip
 
 
+def _expand(facts: RoundFacts) -> list[Pick]:
+    """A round's options as picks: the undrafted one twice, with and without a lookup proposal, where it may have
+    one."""
+    picks = []
+    for tree in facts.options:
+        if not tree.depth and facts.plain_lookup_rows is not None:
+            picks += [Pick(tree, True), Pick(tree, False)]
+        else:
+            picks.append(Pick(tree))
+    return picks
+
+
 def _bucket(context_len: int) -> int:
     """A coarse context key for sharing one posterior draw per step between requests of similar contexts."""
     return max(context_len, 1).bit_length()
@@ -379,13 +444,11 @@ def measure_prior(target: TargetBackend, drafter) -> tuple[list[float], float]:
     and 16 rows, its catch-up over two tokens and its prefill over 64. Each shape is timed three times and the
     fastest kept (the machine's noise only ever adds)."""
     ids = [f"calibrate-{i}" for i in range(8)]
-    t0 = time.perf_counter()
     long = min(512, target.max_context // 2)  # a small test model's context may be short
     contexts = {i: (long if i == ids[0] else 64) for i in ids}
     settle(target.run(StepWork(allocations=[(i, contexts[i] + 64) for i in ids],
                                segments=[SegmentSpec(i, torch.zeros(contexts[i] - 1, dtype=torch.long))
                                          for i in ids])))  # fmt: skip
-    prefill_s = (time.perf_counter() - t0) / sum(contexts[i] - 1 for i in ids)
     samples: dict[tuple[int, int], float] = {}  # (requests, rows per request) -> seconds
     pending: list[str] = []
     shapes = [(1, 1), (1, 16), (8, 1), (8, 4)]
@@ -418,12 +481,12 @@ def measure_prior(target: TargetBackend, drafter) -> tuple[list[float], float]:
     # beyond a 16-row step at 64 tokens: attention over the longer context's extra tokens, per row and kilotoken
     per_row_kilotoken = max(long_s - samples[(1, 16)], 0.0) / (16 * max(long - 64, 1) / 1024) if long > 64 else 0.0
     if drafter is None:
-        return [fixed, per_row, per_row_kilotoken, 0.0, 0.0, prefill_s], 0.0
+        return [fixed, per_row, per_row_kilotoken, 0.0, 0.0], 0.0
     step_1, step_16, catch_up, prefill_64 = (min(_time_drafter(drafter, kind) for _ in range(3))
                                              for kind in (1, 16, "extend", "prefill"))  # fmt: skip
     per_drafter_row = max(step_16 - step_1, 0.0) / 15
     drafting = catch_up + max(step_1 - per_drafter_row, 0.0)
-    return [fixed, per_row, per_row_kilotoken, drafting, per_drafter_row, prefill_s], prefill_64 / 64
+    return [fixed, per_row, per_row_kilotoken, drafting, per_drafter_row], prefill_64 / 64
 
 
 def _time_drafter(drafter, kind: int | str) -> float:

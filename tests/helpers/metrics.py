@@ -59,5 +59,5 @@ def scripted() -> m.EngineMetrics:
     rec.prefix_cache(queried=60, hits=25)  # totals: the last one stands
     rec.kv_pool({"rows": 2048, "free_rows": 1000, "packs": 1, "moved_rows": 300})
     rec.kv_pool({"rows": 4096, "free_rows": 3000, "packs": 2, "moved_rows": 420})  # totals: the last one stands
-    rec.speculation({"drafted_share": 0.25, "cost_weights": {"fixed": 2e-3, "verify_rows": 1e-4}})
+    rec.speculation({"drafted_share": 0.25, "cost_weights": {"fixed": 2e-3, "target_rows": 1e-4}})
     return rec

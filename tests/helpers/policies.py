@@ -54,7 +54,7 @@ def fix_costs(controller, prefill_s_per_token: float | None) -> None:
     from ray_specdec.speculation.controller import FEATURES
 
     controller.cost.set_prior([{"fixed": 10e-3, "drafting": 0.1e-3}.get(name, 0.0) for name in FEATURES])
-    controller.observe_step = lambda shape, seconds: None
+    controller.observe_step = lambda shape, seconds, draft_seconds=0.0: None
     controller.prefill_s_per_token = prefill_s_per_token
 
 

@@ -347,8 +347,8 @@ def test_the_controllers_state_reaches_the_metrics_and_the_stats():
     rounds = summary["drafted_rounds"] + summary["undrafted_rounds"]
     assert rounds >= 6 * 40 // 3  # every round of the six requests was the controller's (at most 3 tokens each)
     assert summary["drafted_share"] == pytest.approx(summary["drafted_rounds"] / rounds)
-    assert set(summary["cost_weights"]) == {"fixed", "verify_rows", "verify_row_kilotokens", "drafting",
-                                            "drafter_rows", "prefill_rows"}  # fmt: skip
+    assert set(summary["cost_weights"]) == {"fixed", "target_rows", "verify_row_kilotokens", "drafting",
+                                            "drafter_rows"}  # fmt: skip
     assert summary["cost_steps"] > 0
     snap = loop.metrics.snapshot()
     assert snap[m.DRAFTED_SHARE] == {(): summary["drafted_share"]}

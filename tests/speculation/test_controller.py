@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ray_specdec.config import TreeConfig
-from ray_specdec.speculation.controller import (FEATURES, NO_TREE, RoundFacts, SpeculationConfig,
+from ray_specdec.speculation.controller import (FEATURES, NO_TREE, Pick, RoundFacts, SpeculationConfig,
                                                 SpeculationController, StepCostModel, StepShape, choose_options,
                                                 posterior_tokens)
 
@@ -29,6 +29,10 @@ class StatsPolicy:
         for n, mean, sd in self.stats.values():
             rows.append((n, n * mean, n * (sd * sd + mean * mean)))
         return np.array(rows)
+
+
+def trees(picks) -> list[TreeConfig]:
+    return [pick.tree for pick in picks]
 
 
 def weights(**values) -> list[float]:
@@ -82,67 +86,80 @@ def test_posterior_is_the_prior_without_rounds_and_the_rounds_mean_with_many():
 
 def test_step_cost_model_recovers_the_weights_of_what_steps_run():
     rng = np.random.default_rng(0)
-    truth = np.array([2e-3, 1e-4, 2e-5, 5e-4, 3e-5, 4e-6])
+    truth = np.array([2e-3, 1e-4, 2e-5, 5e-4, 3e-5])
     model = StepCostModel(SpeculationConfig(cost_forget=1.0))
     for _ in range(400):
         shape = StepShape(int(rng.integers(1, 64)), float(rng.uniform(0, 64)), int(rng.integers(0, 8)),
                           int(rng.integers(0, 32)), int(rng.integers(0, 512)))
-        model.observe(shape, float(truth @ shape.features()))
+        x = shape.features()
+        model.observe(shape, float(truth @ x), draft_seconds=float(truth[3:5] @ x[3:5]))
     assert model.weights() == pytest.approx(truth, rel=1e-3, abs=1e-9)
 
 
 def test_one_request_drafts_where_verify_rows_are_cheap_and_not_where_they_cost_a_step():
     stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: (100, 3.0, 1.0)}
-    memory_bound = controller(stats, fixed=10e-3, verify_rows=0.05e-3, drafting=1e-3, drafter_rows=0.2e-3)
-    assert memory_bound.choose([facts()]) == [CHAIN]
-    cache_bound = controller(stats, fixed=1e-3, verify_rows=1.5e-3, drafting=1e-3, drafter_rows=0.2e-3)
-    assert cache_bound.choose([facts()]) == [NO_TREE]
+    memory_bound = controller(stats, fixed=10e-3, target_rows=0.05e-3, drafting=1e-3, drafter_rows=0.2e-3)
+    assert trees(memory_bound.choose([facts()])) == [CHAIN]
+    cache_bound = controller(stats, fixed=1e-3, target_rows=1.5e-3, drafting=1e-3, drafter_rows=0.2e-3)
+    assert trees(cache_bound.choose([facts()])) == [NO_TREE]
 
 
 def test_under_load_trees_shrink_to_none_where_rows_add_up():
     stats = {NO_TREE: (100, 1.0, 0.0), TreeConfig((1,)): (100, 1.8, 0.4), CHAIN: (100, 2.6, 1.0),
              WIDE: (100, 3.0, 1.0)}  # fmt: skip
     options = (WIDE, CHAIN, TreeConfig((1,)), NO_TREE)
-    c = controller(stats, fixed=10e-3, verify_rows=0.05e-3, drafting=0.5e-3, drafter_rows=0.02e-3)
-    alone = c.choose([facts(options=options)])
-    crowd = c.choose([facts(options=options) for _ in range(64)])
+    c = controller(stats, fixed=10e-3, target_rows=0.05e-3, drafting=0.5e-3, drafter_rows=0.02e-3)
+    alone = trees(c.choose([facts(options=options)]))
+    crowd = trees(c.choose([facts(options=options) for _ in range(64)]))
     assert alone == [WIDE]  # the wide tree pays for one request: its step is mostly the fixed cost
     assert max(t.num_nodes for t in crowd) < WIDE.num_nodes  # shared by 64: smaller trees
-    c_saturated = controller(stats, fixed=1e-3, verify_rows=1e-3, drafting=0.5e-3, drafter_rows=0.1e-3)
-    assert set(c_saturated.choose([facts(options=options) for _ in range(64)])) == {NO_TREE}
+    c_saturated = controller(stats, fixed=1e-3, target_rows=1e-3, drafting=0.5e-3, drafter_rows=0.1e-3)
+    assert set(trees(c_saturated.choose([facts(options=options) for _ in range(64)]))) == {NO_TREE}
 
 
 def test_the_drafter_prefill_is_charged_over_the_tokens_left():
     stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: (100, 3.0, 1.0)}
-    c = controller(stats, fixed=10e-3, verify_rows=0.05e-3, drafting=1e-3, drafter_rows=0.2e-3)
+    c = controller(stats, fixed=10e-3, target_rows=0.05e-3, drafting=1e-3, drafter_rows=0.2e-3)
     c.prefill_s_per_token = 1e-4  # a prefill over 2,000 tokens: 0.2 s
-    assert c.choose([facts(context_len=2000, remaining=1000, prefill_tokens=2000)]) == [CHAIN]
-    assert c.choose([facts(context_len=2000, remaining=4, prefill_tokens=2000)]) == [NO_TREE]
-    assert c.choose([facts(context_len=2000, remaining=4, prefill_tokens=0)]) == [CHAIN]  # its state is kept
+    assert trees(c.choose([facts(context_len=2000, remaining=1000, prefill_tokens=2000)])) == [CHAIN]
+    assert trees(c.choose([facts(context_len=2000, remaining=4, prefill_tokens=2000)])) == [NO_TREE]
+    assert trees(c.choose([facts(context_len=2000, remaining=4, prefill_tokens=0)])) == [CHAIN]  # its state is kept
 
 
 def test_rounds_of_one_option_keep_it_and_weigh_on_the_others():
     stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: (100, 2.0, 1.0)}
-    c = controller(stats, fixed=2e-3, verify_rows=0.5e-3, drafting=0.2e-3, drafter_rows=0.1e-3)
+    c = controller(stats, fixed=2e-3, target_rows=0.5e-3, drafting=0.2e-3, drafter_rows=0.1e-3)
     big = TreeConfig((4, 4, 2))  # a client's own tree: 56 rows the step pays whatever the others run
-    picks = c.choose([facts(options=(big,)), facts()])
+    picks = trees(c.choose([facts(options=(big,)), facts()]))
     assert picks[0] == big
-    assert c.choose([facts(options=(NO_TREE,))]) == [NO_TREE]
+    assert trees(c.choose([facts(options=(NO_TREE,))])) == [NO_TREE]
+
+
+def test_an_undrafted_rounds_lookup_proposal_is_priced_as_an_option_of_its_own():
+    """Undrafted with a lookup proposal (its mean rows measured) and without are two options: the proposal's rows
+    pay where rows are cheap, and are left out where they cost more than its tokens bring."""
+    stats = {NO_TREE: (100, 1.5, 0.5), CHAIN: (100, 1.2, 0.5)}  # the lookup proposals gave 0.5 tokens a round
+    cheap = controller(stats, fixed=10e-3, target_rows=0.1e-3, drafting=5e-3)
+    dear = controller(stats, fixed=1e-3, target_rows=1e-3, drafting=5e-3)
+    proposal = facts(plain_lookup_rows=3.0)
+    assert cheap.choose([proposal]) == [Pick(NO_TREE, plain_lookup=True)]
+    assert dear.choose([proposal]) == [Pick(NO_TREE, plain_lookup=False)]
+    assert dear.choose([facts()]) == [Pick(NO_TREE)]  # no lookup allowed (a sampled or a client's round): one option
 
 
 def test_unmeasured_arms_are_tried_by_posterior_draws():
     stats = {NO_TREE: (1000, 1.0, 0.0), CHAIN: (0, 0.0, 0.0)}  # the chain: prior only
-    c = controller(stats, explore=True, fixed=2e-3, verify_rows=0.8e-3, drafting=0.4e-3, drafter_rows=0.1e-3)
-    picks = [c.choose([facts()])[0] for _ in range(200)]
+    c = controller(stats, explore=True, fixed=2e-3, target_rows=0.8e-3, drafting=0.4e-3, drafter_rows=0.1e-3)
+    picks = [trees(c.choose([facts()]))[0] for _ in range(200)]
     assert 0 < picks.count(CHAIN) < 200  # sometimes worth trying, never certain
     measured = controller({NO_TREE: (1000, 1.0, 0.0), CHAIN: (5000, 1.2, 0.5)}, explore=True, fixed=2e-3,
-                          verify_rows=0.8e-3, drafting=0.4e-3, drafter_rows=0.1e-3)  # fmt: skip
-    assert [measured.choose([facts()])[0] for _ in range(200)].count(CHAIN) == 0  # known to lose: never
+                          target_rows=0.8e-3, drafting=0.4e-3, drafter_rows=0.1e-3)  # fmt: skip
+    assert [trees(measured.choose([facts()]))[0] for _ in range(200)].count(CHAIN) == 0  # known to lose: never
 
 
 def test_without_a_warm_cost_model_each_round_keeps_its_first_option():
     c = SpeculationController(StatsPolicy({NO_TREE: (0, 0, 0), CHAIN: (0, 0, 0)}), seed=0)
-    assert c.choose([facts(options=(CHAIN, NO_TREE))]) == [CHAIN]
+    assert trees(c.choose([facts(options=(CHAIN, NO_TREE))])) == [CHAIN]
 
 
 def test_config_rejects_bad_values():
