@@ -37,14 +37,14 @@ class Bounds:
         low = (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
         return low and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt)
 
-    def items(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in _SIGNS if getattr(self, name) is not None}
 
     def __str__(self) -> str:
         low, high = self.ge if self.ge is not None else self.gt, self.le if self.le is not None else self.lt
         if low is not None and high is not None:
             return f"in {'[' if self.ge is not None else '('}{low}, {high}{']' if self.le is not None else ')'}"
-        return " and ".join(f"{_SIGNS[name]} {value}" for name, value in self.items())
+        return " and ".join(f"{_SIGNS[name]} {value}" for name, value in self.as_dict().items())
 
 
 def bounded(default, *, ge=None, gt=None, le=None, lt=None):
@@ -62,7 +62,7 @@ def check_bounds(config) -> None:
 
 def field_bounds(f: dataclasses.Field) -> dict[str, float]:
     bounds = f.metadata.get("bounds")
-    return bounds.items() if bounds is not None else {}
+    return bounds.as_dict() if bounds is not None else {}
 
 
 def field_docs(cls) -> dict[str, str]:

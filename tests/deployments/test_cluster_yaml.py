@@ -288,7 +288,7 @@ def test_builder_wires_the_app(model_dirs):
     placement = (kwargs["tp_size"], kwargs["dtype"], kwargs["device"], kwargs["num_cpus_per_rank"])
     assert placement == (2, "auto", "cpu", 1.0)
     assert [str(t) for t in kwargs["policy"].arms] == ["1,1", "3,2,1"]
-    scheduler = kwargs["scheduler"]
+    scheduler = kwargs["config"].scheduler
     assert (scheduler.kv_budget_tokens, scheduler.max_waiting, kwargs["kv_budget_gib"]) == (4096, 3, None)
     assert kwargs["drafter_prefill_window"] == "auto"
     assert (settings.model_name, settings.tokenizer, settings.retry_s) == ("target", str(target), 5)

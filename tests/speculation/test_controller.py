@@ -179,13 +179,14 @@ def test_in_the_engine_a_drafter_that_never_agrees_ends_in_plain_rounds():
     from ray_specdec.engine.llm import SpeculativeEngine
     from ray_specdec.models.target.model import TargetModel
     from ray_specdec.speculation.bandit import Bandit, BanditConfig
+    from tests.helpers.configs import lookup_off
     from tests.helpers.inputs import random_prompt
     from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
     target = TargetModel(tiny_gpt_neox(torch.float32, vocab=128, seed=1))
     bandit = Bandit(BanditConfig(arms=(NO_TREE, TreeConfig((1, 1, 1)), TreeConfig((2, 2, 1)))), seed=0)
-    engine = SpeculativeEngine(target, tiny_mamba(torch.float32, seed=2), bandit)
-    plain = SpeculativeEngine(target, None)
+    engine = SpeculativeEngine(target, tiny_mamba(torch.float32, seed=2), bandit, config=lookup_off())
+    plain = SpeculativeEngine(target, None, config=lookup_off())
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     late = {}
     for i in range(12):
