@@ -18,6 +18,7 @@ from ray_specdec.engine.target_backend import LocalTarget, StepWork
 from ray_specdec.models.target.kv_cache import CacheFull, GrowableKVCache
 from ray_specdec.models.target.kv_pool import KVPool
 from ray_specdec.models.target.model import Segment, TargetModel
+from tests.helpers.configs import NO_LOOKUP
 from tests.helpers.inputs import random_prompt
 from tests.helpers.kv_grow import decode_pooled, requests, run_within_budget
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
@@ -114,18 +115,20 @@ def test_requests_admitted_on_what_they_hold_finish_with_their_own_tokens(tiny, 
     alone = SpeculativeEngine(target, None)
     expected = {request_id: alone.generate(prompt, params).token_ids for request_id, prompt, params in reqs}
     config = SchedulerConfig(kv_budget_tokens=400, prefill_chunk=32)
-    grown, seen = run_within_budget(Scheduler(LocalTarget(target), drafter, None, tree, config), reqs)
+    grown, seen = run_within_budget(Scheduler(LocalTarget(target), drafter, None, tree, config,
+                                              speculation=NO_LOOKUP), reqs)
     assert grown == expected
     assert seen["running"] == 6 and seen["waits"] > 0
     whole, seen = run_within_budget(Scheduler(LocalTarget(target), drafter, None, tree,
-                                SchedulerConfig(kv_budget_tokens=400, prefill_chunk=32, kv_grow=False)), reqs)
+                                SchedulerConfig(kv_budget_tokens=400, prefill_chunk=32, kv_grow=False),
+                                              speculation=NO_LOOKUP), reqs)
     assert whole == expected and seen["running"] == 2 and seen["waits"] == 0
 
 
 def test_nothing_is_admitted_while_a_running_request_waits_for_kv(tiny):
     target, drafter = tiny
     scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((1,)),
-                          SchedulerConfig(kv_budget_tokens=260, prefill_chunk=32))  # fmt: skip
+                          SchedulerConfig(kv_budget_tokens=260, prefill_chunk=32), speculation=NO_LOOKUP)  # fmt: skip
     reqs = requests(8, 100)
     for request_id, prompt, params in reqs[:4]:
         scheduler.add(request_id, prompt, params)
@@ -152,7 +155,7 @@ def test_a_target_reset_while_a_grant_is_short_of_its_next_round_loses_no_reques
     alone = SpeculativeEngine(target, None)
     expected = {request_id: alone.generate(prompt, params).token_ids for request_id, prompt, params in reqs}
     scheduler = Scheduler(LocalTarget(target), drafter if drafted else None, None, TreeConfig((2, 1)),
-                          SchedulerConfig(kv_budget_tokens=300, prefill_chunk=32))  # fmt: skip
+                          SchedulerConfig(kv_budget_tokens=300, prefill_chunk=32), speculation=NO_LOOKUP)  # fmt: skip
     for request_id, prompt, params in reqs:
         scheduler.add(request_id, prompt, params)
     tokens = {r[0]: [] for r in reqs}

@@ -14,7 +14,7 @@ from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, StepWork
 from ray_specdec.models.target.model import TargetModel
-from tests.helpers.configs import lookup_off
+from tests.helpers.configs import NO_LOOKUP, lookup_off
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 
@@ -204,7 +204,7 @@ def test_the_budget_evicts_cached_chunks_before_requests_wait(tiny):
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     reserved = 70 + 16 + 1 + TreeConfig((2, 1)).num_nodes  # prompt, max_new_tokens, the largest verify
     config = SchedulerConfig(prefill_chunk=CHUNK, step_tokens=96, kv_budget_tokens=2 * reserved + 80, max_running=2)
-    scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((2, 1)), config)
+    scheduler = Scheduler(LocalTarget(target), drafter, None, TreeConfig((2, 1)), config, speculation=NO_LOOKUP)
     assert scheduler.check(70, params) == reserved
     # room for about one prompt's chunks (69 rows) beside two requests: hits, and evictions for new prompts
     prompts = [random_prompt(70, seed=20 + i) for i in (0, 0, 0, 1, 1, 1, 0, 2, 2, 2, 1, 0)]

@@ -11,6 +11,7 @@ from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget
 from ray_specdec.models.target.model import TargetModel
+from tests.helpers.configs import NO_LOOKUP
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox
 
@@ -51,7 +52,7 @@ def decode_pooled(reqs, budget: int, pool=None) -> tuple[TargetModel, dict, dict
         pooled._pool = pool(pooled)
     alone = SpeculativeEngine(TargetModel(model), None)
     expected = {request_id: alone.generate(prompt, params).token_ids for request_id, prompt, params in reqs}
-    scheduler = Scheduler(LocalTarget(pooled), None, None, TreeConfig(()),
-                          SchedulerConfig(kv_budget_tokens=budget, prefill_chunk=32))  # fmt: skip
+    config = SchedulerConfig(kv_budget_tokens=budget, prefill_chunk=32)
+    scheduler = Scheduler(LocalTarget(pooled), None, None, TreeConfig(()), config, speculation=NO_LOOKUP)
     tokens, seen = run_within_budget(scheduler, reqs)
     return pooled, tokens, expected, seen

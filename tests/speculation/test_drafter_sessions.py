@@ -11,6 +11,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.speculation.drafting import DrafterSession
+from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_mamba
 from tests.helpers.policies import PricedPolicy, ScriptedPolicy, fix_costs
@@ -28,7 +29,7 @@ class NoDrafterCalls:
 
 def test_a_request_that_never_drafts_never_runs_the_drafter(target):
     prompt = random_prompt(37, seed=7)
-    engine = SpeculativeEngine(target, NoDrafterCalls(), ScriptedPolicy([()]))
+    engine = SpeculativeEngine(target, NoDrafterCalls(), ScriptedPolicy([()]), config=lookup_off())
     result = engine.generate(prompt, SamplingParams(max_new_tokens=12))
     assert result.token_ids == hf_greedy(target, prompt, 12)
     assert result.stats.trees == {"none": 12}
