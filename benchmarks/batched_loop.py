@@ -36,7 +36,8 @@ not its weights, while a real target's batch-1 forward reads every weight for on
 rejected, so only the `none` variants run.
 
 Run from the repository root: python -m benchmarks.batched_loop [--device cuda] [--dtype float32]
-[--concurrency 1,8,32] [--duration 10] [--synthetic-llama 2048,16] [--temperature 1] [--json results.json]
+[--target target-neox-large] [--concurrency 1,8,32] [--duration 10] [--synthetic-llama 2048,16] [--temperature 1]
+[--json results.json]
 (`--temperature` above 0: sampled requests, each seeded; their tokens are not compared.)
 """
 
@@ -58,6 +59,7 @@ import torch
 from benchmarks.serve_peers import select_prompts
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.factory import resolve_device
 from ray_specdec.models.drafter.mamba import MambaDrafter
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--python-profile", default="", metavar="VARIANT@C",
                    help="after that cell, 200 steps under cProfile: the Python functions taking the host's time")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled requests")
+    p.add_argument("--target", default="target-neox", help="embedded model name or HF directory of the target")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.temperature < 0:
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                                else platform.processor() or platform.machine(), "dtype": args.dtype,
                                "duration_s": args.duration, "temperature": args.temperature,
-                               "target": args.synthetic_llama or "target-neox",
+                               "target": args.synthetic_llama or args.target,
                                "cells": []}  # fmt: skip
     outputs: dict[str, dict[int, list[int]]] = {}
     for name, lean, tree_text in VARIANTS:
@@ -217,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             model, tokenizer = synthetic_llama(args.synthetic_llama, args.dtype, device)
             target = TargetModel(model, tokenizer, **switches)
         else:
-            target = TargetModel.from_pretrained(str(DEFAULT_TARGET), dtype=args.dtype, device=str(device), **switches)
+            target = TargetModel.from_pretrained(str(resolve_model_path(args.target)), dtype=args.dtype,
+                                                 device=str(device), **switches)  # fmt: skip
         if name == "prefills-apart":
             target.one_forward = False
         if name == "torch-layers" and target._lean is not None:

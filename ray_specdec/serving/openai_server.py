@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers.utils import cached_file
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.models.loading import load_tokenizer
+from ray_specdec.models.loading import load_tokenizer, resolve_model_path
 from ray_specdec.serving import api, openai_chat
 from ray_specdec.serving.event_stream import EventStream
 from ray_specdec.serving.config import ServingConfig
@@ -85,8 +85,8 @@ def nth_sample(params: SamplingParams, j: int) -> SamplingParams:
 
 def generation_config(model: str) -> dict:
     """The target's generation_config.json as written (its defaults for sampling), {} where it has none."""
-    try:
-        with open(cached_file(model, "generation_config.json")) as f:
+    try:  # an embedded model's name is its directory (as a hub id it would be looked up online, and not found)
+        with open(cached_file(resolve_model_path(model), "generation_config.json")) as f:
             return json.load(f)
     except Exception:  # none: OpenAI's defaults
         return {}
