@@ -38,6 +38,7 @@ class Request:
     granted: int = 0  # KV rows its cache holds (SchedulerConfig.kv_grow: from its prompt's toward `reserved`)
     stats: GenerationStats = field(default_factory=GenerationStats)
     drafter: LazyDrafter | None = None
+    drafter_state_kept: bool = False  # the drafter's prefix cache held its prompt's state at admission
     lookup_index: LookupIndex | None = None  # undrafted rounds' lookup (plain_lookup), built at the first such round
     prefilled: int = 0
     prefix_key: int = ROOT  # prefix_cache's key of tokens[:prefilled] (of the last chunk planned, during a step)

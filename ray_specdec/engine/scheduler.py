@@ -355,6 +355,7 @@ class Scheduler:
             self.kv.admit(r, self._work)
             if self.drafter is not None:
                 r.drafter = LazyDrafter(self.drafter, self.target.vocab_size, self.drafter_states, self.drafter_slots)
+                r.drafter_state_kept = self._drafter_prefill(r.tokens) == 0  # once: a key of up to 512 tokens
 
     # ----- trees and drafts -----
 
@@ -374,7 +375,8 @@ class Scheduler:
         else:
             options = list(dict.fromkeys(t.truncated(cut) for t in self.policy.arms))
         greedy = r.params.greedy
-        prefill = self._drafter_prefill(r.tokens) if r.drafter is not None and r.drafter.session is None else 0
+        starting = r.drafter is not None and r.drafter.session is None and not r.drafter_state_kept
+        prefill = self._prefilled(len(r.tokens)) if starting else 0
         return RoundFacts(len(r.tokens), r.sampled, r.stop.remaining, options,
                           lookup_rows=self.controller.lookup_rows if greedy and self.speculation.lookup else 0.0,
                           plain_lookup_rows=self.controller.plain_lookup_rows if self._lookup_allowed(r) else None,
