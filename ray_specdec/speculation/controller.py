@@ -170,9 +170,6 @@ class StepCostModel:
             self._w = np.maximum(w, 0.0)
         return self._w
 
-    def predict(self, shape: StepShape) -> float:
-        return float(self.weights() @ shape.features())
-
     def summary(self) -> dict[str, float]:
         """The fitted weights by feature (seconds per unit)."""
         return dict(zip(FEATURES, map(float, self.weights())))
