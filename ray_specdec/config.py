@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -72,7 +73,7 @@ class TreeConfig:
         """The deepest a round of this config can accept: the drafter's depth or the lookup branch's."""
         return max(self.depth, self.lookup)
 
-    @property
+    @functools.cached_property
     def rows_per_depth(self) -> tuple[int, ...]:
         """B_i = N_1 * ... * N_i for i = 1..gamma."""
         rows, b = [], 1
@@ -81,12 +82,14 @@ class TreeConfig:
             rows.append(b)
         return tuple(rows)
 
-    @property
+    @functools.cached_property
     def num_nodes(self) -> int:
         """Draft nodes in the tree, root excluded."""
         return sum(self.rows_per_depth)
 
     def truncated(self, max_depth: int) -> "TreeConfig":
+        if max_depth >= len(self.branching) and max_depth >= self.lookup:
+            return self
         branching = self.branching[: max(0, max_depth)]
         return TreeConfig(branching, min(self.lookup, max(0, max_depth)) if branching else 0)
 

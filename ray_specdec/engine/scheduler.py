@@ -143,6 +143,8 @@ class Scheduler:
         self.controller = SpeculationController(self.policy, speculation)
         self.rounds_unrecorded = 0  # rounds whose tree is none of the policy's arms (cut at the end of a request)
         self.steps = 0
+        self._cuts_of: tuple | None = None
+        self._cuts: dict[int, list[TreeConfig]] = {}
         self.kv_waits = 0  # decoding requests that skipped the last step's round: their KV could not grow
         self.kv_waited = 0  # such skipped rounds since the start
         self.load = 1  # requests decoding in the current step: the policy's load level for its rounds
@@ -373,7 +375,13 @@ class Scheduler:
         elif not self.controller.prices:  # a fixed tree (or a test's script)
             options = [self.policy.select(len(r.tokens), r.sampled, load=self.load).truncated(cut)]
         else:
-            options = list(dict.fromkeys(t.truncated(cut) for t in self.policy.arms))
+            arms = self.policy.arms
+            if self._cuts_of is not arms:  # the arms' cuts by tokens left, computed once per arm set
+                self._cuts_of, self._cuts = arms, {}
+            cut = min(cut, 32)  # no tree is deeper, nor its lookup longer
+            options = self._cuts.get(cut)
+            if options is None:
+                options = self._cuts[cut] = list(dict.fromkeys(t.truncated(cut) for t in arms))
         greedy = r.params.greedy
         starting = r.drafter is not None and r.drafter.session is None and not r.drafter_state_kept
         prefill = self._prefilled(len(r.tokens)) if starting else 0

@@ -34,10 +34,11 @@ tree: `--tree`, the benchmarks' fixed cells) is not second-guessed either.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Literal, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -86,9 +87,24 @@ class SpeculationConfig:
     lookup_rows_weight: float = bounded(0.05, gt=0, le=1)
     # Weight of the newest measurement in the running estimate of the drafter's prefill seconds per token.
     prefill_rate_weight: float = bounded(0.2, gt=0, le=1)
+    # How sampled requests are drawn and verified. "coupled": Gumbel-max under noise keyed by (seed, choice,
+    # position), verified by exact matching (speculation/coupled.py): the same text for the same seed whatever the
+    # tree, batch or load. "rejection": multi-draft rejection sampling, its draws depending on the trees.
+    # "auto": coupled for requests with a seed, rejection for the others.
+    sampling_coupling: Literal["auto", "coupled", "rejection"] = "auto"
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        if self.sampling_coupling not in SAMPLING_COUPLINGS:
+            raise ValueError(f"sampling_coupling must be one of {', '.join(SAMPLING_COUPLINGS)}, "
+                             f"got {self.sampling_coupling!r}")
+
+    def coupled(self, seed: int | None) -> bool:
+        """Whether a sampled request with this seed (None: none given) is drawn in the coupled mode."""
+        return self.sampling_coupling == "coupled" or (self.sampling_coupling == "auto" and seed is not None)
+
+
+SAMPLING_COUPLINGS = ("auto", "coupled", "rejection")
 
 
 # ----- the step's cost -----
@@ -291,6 +307,7 @@ class SpeculationController:
         self.drafted_rounds = 0  # rounds the controller chose a drafted tree for
         self.undrafted_rounds = 0  # rounds it chose none for
         self._rng = np.random.default_rng(seed)
+        self._expanded: dict[tuple, tuple[Pick, ...]] = {}
 
     @property
     def arms(self) -> tuple[TreeConfig, ...]:
@@ -315,31 +332,33 @@ class SpeculationController:
         """Every round's tree for this step, for the rounds' expected tokens per second of the step's decode time (its
         prompt chunks left out). A round of one option keeps it. Where an undrafted round may verify a prompt-lookup
         proposal (`plain_lookup_rows` not None), undrafted with and without one are two options, priced apart."""
-        options = [_expand(facts) for facts in rounds]
+        options = [self._expand(facts) for facts in rounds]
         picks = [opts[0] for opts in options]
-        open_rounds = [i for i, opts in enumerate(options) if len(opts) > 1]
-        if not open_rounds or not self.cost.warm:
+        if all(len(opts) == 1 for opts in options) or not self.cost.warm:
             return self._counted(picks)
-        w = dict(zip(FEATURES, self.cost.weights()))
-        width = max(len(options[i]) for i in open_rounds)
+        w = self.cost.weights()
+        width = max(map(len, options))
+        tokens = np.full((len(rounds), width), -np.inf)
+        seconds = np.zeros((len(rounds), width))
+        draws: dict[tuple[int, bool], dict[TreeConfig, float]] = {}  # one posterior draw per cell per step
+        groups: dict[tuple[Pick, ...], list[int]] = {}  # rounds with the same options are priced together
+        for i, opts in enumerate(options):
+            groups.setdefault(opts, []).append(i)
+        for opts, members in groups.items():
+            group_tokens, group_seconds = self._price(opts, [rounds[i] for i in members], w, draws)
+            tokens[members, :len(opts)] = group_tokens
+            seconds[members, :len(opts)] = group_seconds
         # the step's prompt chunks are left out: their rows are work every request pays once whatever the trees, and
-        # counted here they would make a step that carries a long chunk look like a cheap place for verify rows
-        fixed_s = w["fixed"]
-        draws: dict[tuple[int, bool], dict[TreeConfig, float]] = {}  # one draw per cell per step
-        closed_tokens = 0.0
-        for i, opts in enumerate(options):  # rounds that keep their one option add to the step as they are
-            if len(opts) == 1:
-                tokens, seconds = self._price(rounds[i], opts[0], w, draws)
-                closed_tokens += tokens
-                fixed_s += seconds
-        tokens = np.full((len(open_rounds) + 1, width), -np.inf)
-        seconds = np.zeros((len(open_rounds) + 1, width))
-        tokens[-1, 0] = closed_tokens  # the closed rounds, as one row with one option
-        for row, i in enumerate(open_rounds):
-            for j, pick in enumerate(options[i]):
-                tokens[row, j], seconds[row, j] = self._price(rounds[i], pick, w, draws)
-        choice = choose_options(tokens, seconds, fixed_s)
-        for row, i in enumerate(open_rounds):
+        # counted here they would make a step that carries a long chunk look like a cheap place for verify rows.
+        # Rounds that keep their one option add to the step as they are: one row of one option.
+        closed = np.array([len(opts) == 1 for opts in options])
+        open_rows = np.flatnonzero(~closed)
+        fixed_s = w[0] + seconds[closed, 0].sum()
+        closed_row = np.full((1, width), -np.inf)
+        closed_row[0, 0] = tokens[closed, 0].sum()
+        choice = choose_options(np.vstack([tokens[open_rows], closed_row]),
+                                np.vstack([seconds[open_rows], np.zeros((1, width))]), fixed_s)  # fmt: skip
+        for row, i in enumerate(open_rows):
             picks[i] = options[i][choice[row]]
         return self._counted(picks)
 
@@ -349,32 +368,74 @@ class SpeculationController:
         self.undrafted_rounds += len(picks) - drafted
         return picks
 
-    def _price(self, facts: RoundFacts, pick: Pick, w: dict[str, float],
-               draws: dict[tuple[int, bool], dict[TreeConfig, float]]) -> tuple[float, float]:  # fmt: skip
-        """(expected tokens, seconds it adds to the step) of a round of `pick`."""
-        tree = pick.tree
-        key = (_bucket(facts.context_len), facts.sampled)
-        if key not in draws:
-            draws[key] = self.expected_tokens(facts.context_len, facts.sampled, draw=True)
-        expected = draws[key]
-        kilotokens = facts.context_len / 1024
-        if not tree.depth:
-            if not pick.plain_lookup:
-                return 1.0, w["target_rows"] + w["verify_row_kilotokens"] * kilotokens
-            rows = 1.0 + (facts.plain_lookup_rows or 0.0)
-            tokens = expected.get(NO_TREE, 1.0)  # the undrafted arm learns from rounds with a lookup proposal
-            return tokens, rows * (w["target_rows"] + w["verify_row_kilotokens"] * kilotokens)
-        full = expected.get(tree)
-        if full is None:  # a tree cut short (the request's last tokens): the largest arm it is a cut of
-            full = max((v for arm, v in expected.items() if arm.depth and arm.truncated(tree.depth) == tree),
-                       default=1.0 + self.config.prior_accept_per_depth * tree.max_depth)  # fmt: skip
-        tokens = min(full, 1.0 + tree.max_depth + facts.lookup_rows)
-        rows = 1.0 + tree.num_nodes + (tree.lookup or facts.lookup_rows)
-        seconds = (rows * (w["target_rows"] + w["verify_row_kilotokens"] * kilotokens) + w["drafting"]
-                   + w["drafter_rows"] * drafter_rows(tree))  # fmt: skip
-        if facts.prefill_tokens and self.prefill_s_per_token is not None:  # its share of the drafter's prefill
-            seconds += self.prefill_s_per_token * facts.prefill_tokens * min(1.0, tokens / max(facts.remaining, 1))
+    def _expand(self, facts: RoundFacts) -> tuple[Pick, ...]:
+        """A round's options as picks: the undrafted one twice, with and without a lookup proposal, where it may have
+        one (remembered: the same few option lists come back every step)."""
+        key = (tuple(facts.options), facts.plain_lookup_rows is not None)
+        picks = self._expanded.get(key)
+        if picks is None:
+            picks = []
+            for tree in facts.options:
+                if not tree.depth and facts.plain_lookup_rows is not None:
+                    picks += [Pick(tree, True), Pick(tree, False)]
+                else:
+                    picks.append(Pick(tree))
+            picks = self._expanded[key] = tuple(picks)
+            if len(self._expanded) > 256:  # arms changed under it many times: start again
+                self._expanded = {key: picks}
+        return picks
+
+    def _price(self, picks: tuple[Pick, ...], rounds: Sequence[RoundFacts], w: np.ndarray,
+               draws: dict[tuple[int, bool], dict[TreeConfig, float]]) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """(expected tokens, seconds each adds to the step) of every round in `rounds` (which share their options,
+        `picks`) taking each pick: two [rounds, picks] arrays.
+
+        A drafted pick's tokens are its arm's expected tokens in the round's cell, at most what its tree and lookup
+        can give; its seconds are its verify rows at the round's context, the drafts' cost and its share of the
+        drafter's prefill. An undrafted pick verifies its root (and with `plain_lookup`, the lookup proposal's
+        rows); with a proposal it gives the undrafted arm's expected tokens, without one exactly one."""
+        spec = _pick_spec(picks)
+        full = np.empty((len(rounds), len(picks)))
+        by_cell: dict[tuple[int, bool], np.ndarray] = {}
+        for row, facts in enumerate(rounds):
+            cell = (_bucket(facts.context_len), facts.sampled)
+            if cell not in by_cell:
+                if cell not in draws:
+                    draws[cell] = self.expected_tokens(facts.context_len, facts.sampled, draw=True)
+                by_cell[cell] = self._pick_tokens(picks, draws[cell])
+            full[row] = by_cell[cell]
+        context = np.array([facts.context_len for facts in rounds], dtype=np.float64)
+        lookup_rows = np.array([facts.lookup_rows for facts in rounds])[:, None]
+        plain_rows = np.array([facts.plain_lookup_rows or 0.0 for facts in rounds])[:, None]
+        drafted = spec["drafted"]
+        tokens = np.where(drafted, np.minimum(full, 1.0 + spec["max_depth"] + lookup_rows), full)
+        rows = np.where(drafted, 1.0 + spec["nodes"] + np.where(spec["own_lookup"] > 0, spec["own_lookup"],
+                                                                lookup_rows),
+                        np.where(spec["plain"], 1.0 + plain_rows, 1.0))  # fmt: skip
+        row_s = w[1] + w[2] * context / 1024  # a verify row at the round's context
+        seconds = rows * row_s[:, None] + drafted * (w[3] + w[4] * spec["drafter_rows"])
+        if self.prefill_s_per_token is not None:  # a drafted option's share of the drafter's prefill
+            prefill = np.array([facts.prefill_tokens for facts in rounds], dtype=np.float64)[:, None]
+            if prefill.any():
+                remaining = np.array([max(facts.remaining, 1) for facts in rounds], dtype=np.float64)[:, None]
+                share = np.minimum(1.0, tokens / remaining)
+                seconds = seconds + drafted * self.prefill_s_per_token * prefill * share
         return tokens, seconds
+
+    def _pick_tokens(self, picks: tuple[Pick, ...], expected: dict[TreeConfig, float]) -> np.ndarray:
+        """Each pick's expected tokens per round from its cell's arm values (before capping by the round's lookup)."""
+        values = []
+        for pick in picks:
+            tree = pick.tree
+            if not tree.depth:  # the undrafted arm learns from rounds with a lookup proposal
+                values.append(expected.get(NO_TREE, 1.0) if pick.plain_lookup else 1.0)
+                continue
+            full = expected.get(tree)
+            if full is None:  # a tree cut short (the request's last tokens): the largest arm it is a cut of
+                full = max((v for arm, v in expected.items() if arm.depth and arm.truncated(tree.depth) == tree),
+                           default=1.0 + self.config.prior_accept_per_depth * tree.max_depth)  # fmt: skip
+            values.append(full)
+        return np.array(values)
 
     # ----- learning -----
 
@@ -414,16 +475,17 @@ class SpeculationController:
                 "drafted_share": self.drafted_rounds / total if total else None}  # fmt: skip
 
 
-def _expand(facts: RoundFacts) -> list[Pick]:
-    """A round's options as picks: the undrafted one twice, with and without a lookup proposal, where it may have
-    one."""
-    picks = []
-    for tree in facts.options:
-        if not tree.depth and facts.plain_lookup_rows is not None:
-            picks += [Pick(tree, True), Pick(tree, False)]
-        else:
-            picks.append(Pick(tree))
-    return picks
+@functools.lru_cache(maxsize=256)
+def _pick_spec(picks: tuple[Pick, ...]) -> dict[str, np.ndarray]:
+    """The per-pick constants of pricing, as rows of arrays: drafted or not, with a lookup proposal or not, the deepest
+    it can accept, its draft nodes, its own lookup tokens and the drafter rows it steps."""
+    trees = [pick.tree for pick in picks]
+    return {"drafted": np.array([tree.depth > 0 for tree in trees]),
+            "plain": np.array([pick.plain_lookup for pick in picks]),
+            "max_depth": np.array([tree.max_depth for tree in trees], dtype=np.float64),
+            "nodes": np.array([tree.num_nodes for tree in trees], dtype=np.float64),
+            "own_lookup": np.array([tree.lookup for tree in trees], dtype=np.float64),
+            "drafter_rows": np.array([drafter_rows(tree) if tree.depth else 0 for tree in trees], dtype=np.float64)}
 
 
 def _bucket(context_len: int) -> int:

@@ -69,6 +69,58 @@ def test_choose_options_is_the_exact_optimum(seed):
     assert rate(choice) == pytest.approx(rate(best), rel=1e-9)
 
 
+def reference_price(c: SpeculationController, f: RoundFacts, pick: Pick, expected: dict) -> tuple[float, float]:
+    """One round's (expected tokens, seconds) of one pick, written out term by term."""
+    w = dict(zip(FEATURES, c.cost.weights()))
+    row_s = w["target_rows"] + w["verify_row_kilotokens"] * f.context_len / 1024
+    tree = pick.tree
+    if not tree.depth:
+        if not pick.plain_lookup:
+            return 1.0, row_s
+        return expected[NO_TREE], (1 + (f.plain_lookup_rows or 0.0)) * row_s
+    full = expected.get(tree)
+    if full is None:
+        full = max(v for arm, v in expected.items() if arm.depth and arm.truncated(tree.depth) == tree)
+    tokens = min(full, 1 + tree.max_depth + f.lookup_rows)
+    rows = 1 + tree.num_nodes + (tree.lookup or f.lookup_rows)
+    seconds = rows * row_s + w["drafting"] + w["drafter_rows"] * sum(tree.rows_per_depth[:-1])
+    if f.prefill_tokens:
+        seconds += c.prefill_s_per_token * f.prefill_tokens * min(1.0, tokens / max(f.remaining, 1))
+    return tokens, seconds
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_batched_prices_are_each_options_own(seed):
+    """The controller prices every round's options in arrays, per group of rounds with the same options: each entry
+    is the one written out for that round and option, cut trees and lookup proposals included."""
+    rng = np.random.default_rng(seed)
+    arms = (NO_TREE, CHAIN, WIDE, TreeConfig((2, 1), 3))
+    stats = {arm: (int(rng.integers(0, 50)), float(rng.uniform(1, 3)), 0.5) for arm in arms}
+    c = controller(stats, fixed=2e-3, target_rows=float(rng.uniform(0.1, 1)) * 1e-3, verify_row_kilotokens=2e-5,
+                   drafting=0.3e-3, drafter_rows=0.05e-3)  # fmt: skip
+    c.prefill_s_per_token = 2e-5
+    rounds = []
+    for _ in range(6):
+        cut = int(rng.integers(1, 5))
+        options = tuple(dict.fromkeys(arm.truncated(cut) for arm in arms))
+        rounds.append(RoundFacts(int(rng.integers(10, 3000)), False, int(rng.integers(1, 100)), options,
+                                 lookup_rows=float(rng.uniform(0, 3)),
+                                 plain_lookup_rows=float(rng.uniform(0, 4)) if rng.random() < 0.5 else None,
+                                 prefill_tokens=int(rng.integers(0, 2000)) if rng.random() < 0.5 else 0))
+    expected = c.expected_tokens(100, False)
+    draws = {(max(f.context_len, 1).bit_length(), False): expected for f in rounds}  # every cell: the means
+    for f in rounds:
+        picks = c._expand(f)
+        tokens, seconds = c._price(picks, [f], c.cost.weights(), draws)
+        for j, pick in enumerate(picks):
+            want_tokens, want_seconds = reference_price(c, f, pick, expected)
+            assert tokens[0, j] == pytest.approx(want_tokens, rel=1e-12)
+            assert seconds[0, j] == pytest.approx(want_seconds, rel=1e-12)
+    many = c._price(c._expand(rounds[0]), [rounds[0]] * 3, c.cost.weights(), draws)
+    one = c._price(c._expand(rounds[0]), [rounds[0]], c.cost.weights(), draws)
+    np.testing.assert_array_equal(many[0], np.repeat(one[0], 3, axis=0))
+
+
 def test_posterior_is_the_prior_without_rounds_and_the_rounds_mean_with_many():
     config = SpeculationConfig()
     arms = (NO_TREE, CHAIN)
