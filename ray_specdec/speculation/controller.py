@@ -307,7 +307,7 @@ class SpeculationController:
         self.drafted_rounds = 0  # rounds the controller chose a drafted tree for
         self.undrafted_rounds = 0  # rounds it chose none for
         self._rng = np.random.default_rng(seed)
-        self._expanded: dict[tuple, tuple[Pick, ...]] = {}
+        self._expanded: dict[tuple[int, bool], tuple[Sequence[TreeConfig], tuple[Pick, ...]]] = {}
 
     @property
     def arms(self) -> tuple[TreeConfig, ...]:
@@ -341,10 +341,10 @@ class SpeculationController:
         tokens = np.full((len(rounds), width), -np.inf)
         seconds = np.zeros((len(rounds), width))
         draws: dict[tuple[int, bool], dict[TreeConfig, float]] = {}  # one posterior draw per cell per step
-        groups: dict[tuple[Pick, ...], list[int]] = {}  # rounds with the same options are priced together
+        groups: dict[int, tuple[tuple[Pick, ...], list[int]]] = {}  # rounds of the same options, priced together
         for i, opts in enumerate(options):
-            groups.setdefault(opts, []).append(i)
-        for opts, members in groups.items():
+            groups.setdefault(id(opts), (opts, []))[1].append(i)
+        for opts, members in groups.values():
             group_tokens, group_seconds = self._price(opts, [rounds[i] for i in members], w, draws)
             tokens[members, :len(opts)] = group_tokens
             seconds[members, :len(opts)] = group_seconds
@@ -370,20 +370,21 @@ class SpeculationController:
 
     def _expand(self, facts: RoundFacts) -> tuple[Pick, ...]:
         """A round's options as picks: the undrafted one twice, with and without a lookup proposal, where it may have
-        one (remembered: the same few option lists come back every step)."""
-        key = (tuple(facts.options), facts.plain_lookup_rows is not None)
-        picks = self._expanded.get(key)
-        if picks is None:
-            picks = []
-            for tree in facts.options:
-                if not tree.depth and facts.plain_lookup_rows is not None:
-                    picks += [Pick(tree, True), Pick(tree, False)]
-                else:
-                    picks.append(Pick(tree))
-            picks = self._expanded[key] = tuple(picks)
-            if len(self._expanded) > 256:  # arms changed under it many times: start again
-                self._expanded = {key: picks}
-        return picks
+        one. Remembered by the options' identity: the scheduler hands the same few option lists every step."""
+        lookup = facts.plain_lookup_rows is not None
+        known = self._expanded.get((id(facts.options), lookup))
+        if known is not None and known[0] is facts.options:
+            return known[1]
+        picks = []
+        for tree in facts.options:
+            if not tree.depth and lookup:
+                picks += [Pick(tree, True), Pick(tree, False)]
+            else:
+                picks.append(Pick(tree))
+        if len(self._expanded) > 256:  # (the list is held, so its id is not reused while it is remembered)
+            self._expanded.clear()
+        self._expanded[(id(facts.options), lookup)] = (facts.options, tuple(picks))
+        return tuple(picks)
 
     def _price(self, picks: tuple[Pick, ...], rounds: Sequence[RoundFacts], w: np.ndarray,
                draws: dict[tuple[int, bool], dict[TreeConfig, float]]) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
