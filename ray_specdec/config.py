@@ -151,6 +151,8 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    # which of n samples of one prompt this is: its random streams come from (seed, choice), so that the n differ
+    choice: int = 0
     max_new_tokens: int = 64
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -176,6 +178,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (isinstance(self.choice, int) and self.choice >= 0):
+            raise ValueError(f"choice must be an integer >= 0, got {self.choice!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.draft_sampling not in ("iid", "without_replacement"):

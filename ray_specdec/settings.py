@@ -19,6 +19,7 @@ import io
 import math
 import textwrap
 import tokenize
+import typing
 from typing import Any, get_type_hints
 
 _SIGNS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
@@ -112,6 +113,9 @@ def add_arguments(group, cls, defaults, notes: dict[str, str] | None = None, ski
         if types[f.name] is bool:
             target.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=default,
                                 help=_help(docs.get(f.name), "on" if default else "off"))
+        elif typing.get_origin(types[f.name]) is typing.Literal:
+            target.add_argument(flag(f.name), choices=typing.get_args(types[f.name]), default=default,
+                                help=_help(docs.get(f.name), default))
         else:
             target.add_argument(flag(f.name), type=_checked(f.name, types[f.name], defaults), default=default,
                                 metavar="N" if types[f.name] is int else "X", help=_help(docs.get(f.name), default))

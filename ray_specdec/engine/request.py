@@ -11,6 +11,7 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.outputs import StreamChunk
 from ray_specdec.engine.prefix_cache import ROOT
 from ray_specdec.engine.stats import GenerationStats
+from ray_specdec.speculation.coupled import KeyedGumbel
 from ray_specdec.speculation.drafter_sessions import LazyDrafter
 from ray_specdec.speculation.prompt_lookup import LookupIndex
 from ray_specdec.speculation.stopping import StopChecker
@@ -35,6 +36,7 @@ class Request:
     draft_gen: torch.Generator
     target_gen: torch.Generator
     reserved: int  # KV rows it can ever need (prompt + max_new_tokens + its largest verify)
+    noise: KeyedGumbel | None = None  # a coupled sampled request's keyed noise (speculation/coupled.py)
     granted: int = 0  # KV rows its cache holds (SchedulerConfig.kv_grow: from its prompt's toward `reserved`)
     stats: GenerationStats = field(default_factory=GenerationStats)
     drafter: LazyDrafter | None = None
@@ -55,6 +57,11 @@ class Request:
     @property
     def sampled(self) -> bool:
         return not self.params.greedy
+
+    @property
+    def rejection_sampled(self) -> bool:
+        """Sampled and verified by rejection sampling (not coupled): its rounds draw from its random streams."""
+        return self.sampled and self.noise is None
 
 
 @dataclass

@@ -41,6 +41,7 @@ and prefills only the rest: the same bits, since chunks are cut at the same fixe
 from __future__ import annotations
 
 import contextlib
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -61,6 +62,7 @@ from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.speculation.controller import (RoundFacts, SpeculationConfig, SpeculationController, StepShape,
                                                 drafter_rows)
 from ray_specdec.speculation.counterfactuals import what_if
+from ray_specdec.speculation.coupled import KeyedGumbel
 from ray_specdec.speculation.drafter_cache import DrafterStates
 from ray_specdec.speculation.drafter_sessions import LazyDrafter, ready_many
 from ray_specdec.speculation.drafting import Draft, DraftRequest, draft_many, empty_draft, lookup_draft, prefill_key
@@ -188,8 +190,10 @@ class Scheduler:
         stop.feed(tokens[prompt_len:])  # (the text the client has: the deltas of these tokens were streamed)
         if stop.finished:
             raise ValueError(f"the {resumed} resumed tokens already end the request ({stop.finish_reason})")
-        draft_gen, target_gen = make_generators(params.seed)
+        draft_gen, target_gen = make_generators(params.seed, params.choice)
         r = Request(request_id, tokens, prompt_len, params, tree, stop, draft_gen, target_gen, reserved)
+        if r.sampled and self.speculation.coupled(params.seed):
+            r.noise = KeyedGumbel(secrets.randbits(62) if params.seed is None else params.seed, params.choice)
         self._admit()  # the queue's length is then what really waits
         r.granted = self.kv.first_grants(r)[-1]
         admissible = (not self.waiting and not self.kv_waits and len(self.running) < self.config.max_running
@@ -308,7 +312,8 @@ class Scheduler:
             r.prefilled = r.chunk_end
         rounds, logits = plan.rounds, result.logits
         # plain sampled rounds draw together; the others are judged one by one
-        plain = [i for i, rd in enumerate(rounds) if plain_sampled(rd.draft, rd.request.params)]
+        plain = [i for i, rd in enumerate(rounds)
+                 if rd.request.rejection_sampled and plain_sampled(rd.draft, rd.request.params)]
         verdicts = dict(zip(plain, judge_plain_sampled([logits[i] for i in plain],
                                                        [rounds[i].request.params for i in plain],
                                                        [rounds[i].request.target_gen for i in plain])
@@ -408,7 +413,7 @@ class Scheduler:
                 r.stats.prefill_s += prefill_s
                 prefills += prefill_s
                 self.controller.observe_prefill(prefill_s, self._prefilled(len(r.tokens)))
-        batch = [DraftRequest(r.drafter.session, c, r.params, r.draft_gen) for r, c in zip(requests, configs)]
+        batch = [DraftRequest(r.drafter.session, c, r.params, r.draft_gen, r.noise) for r, c in zip(requests, configs)]
         for rd, draft in zip(owners, draft_many(batch, self.speculation.min_path_prob)):
             rd.draft = draft
         return sum(drafter_rows(rd.draft.config) for rd in owners), prefills
@@ -437,7 +442,7 @@ class Scheduler:
         r, draft = rd.request, rd.draft
         if verdict is None:
             history = TokenHistory(r.tokens, r.prompt_len, r.stop.stop_ids)
-            verdict = judge(logits, draft, r.params, r.target_gen, history)
+            verdict = judge(logits, draft, r.params, r.target_gen, history, r.noise)
         rd.verdict = verdict
         self._work.commits.append((r.request_id, verdict.keep_rows))
         if r.drafter is not None:
@@ -483,7 +488,7 @@ class Scheduler:
         accepted = len(verdict.accepted_rows)
         arms = self.policy.arms
         # what smaller drafted trees would have accepted (not for a lookup-only round: no drafter drafted it)
-        what = (what_if(draft, verdict, arms, rd.lookup, r.sampled)
+        what = (what_if(draft, verdict, arms, rd.lookup, r.rejection_sampled)
                 if self.speculation.min_path_prob == 0 and draft.config.depth else None)  # fmt: skip
         arm = rd.tree if draft.arm == rd.tree.with_lookup(rd.lookup) else draft.arm
         if not arm.depth and not rd.plain_lookup and self._lookup_allowed(r):

@@ -79,8 +79,8 @@ class ServerSettings(ServingConfig):
 
 
 def nth_sample(params: SamplingParams, j: int) -> SamplingParams:
-    """The j-th of n independent samples of one prompt: its own seed when the request gave one."""
-    return params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
+    """The j-th of n independent samples of one prompt: its own random streams (`SamplingParams.choice`)."""
+    return params if j == 0 else replace(params, choice=j)
 
 
 def generation_config(model: str) -> dict:

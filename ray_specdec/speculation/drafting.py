@@ -6,12 +6,16 @@ picked per row; and so on. The leaves are never stepped. The states of every dep
 reuses the state of the last accepted node instead of re-running tokens; tokens past it (a leaf, lookup tokens, the
 bonus) go through the drafter in one sequence pass (`MambaDrafter.extend`).
 
+Coupled sampled requests (speculation/coupled.py) pick children by perturbed score under the keyed noise of the
+position they are drafted for: the first child is the drafter's keyed argmax, the rest its next candidates.
+
 With `TreeConfig.lookup` > 0, rounds add a prompt-lookup branch (speculation/prompt_lookup.py): the tokens that followed
-the latest earlier occurrence of the context's suffix. Greedy rounds merge it into the drafter's tree where prefixes
-agree. Sampled rounds hang it from the root as a chain of its own whose nodes are deterministic drafts (q = one-hot):
-acceptance tries such a child first, with probability p(x), and on rejection removes x from p before the drafter's
-children are tried against what is left, so the emitted token still has exactly the distribution p
-(`accept_sampled`). The draft then carries its own index paths (`Draft.paths`): rows are the tree's BFS order.
+the latest earlier occurrence of the context's suffix. Greedy and coupled rounds (verified by exact matching) merge it
+into the drafter's tree where prefixes agree. Rejection-sampled rounds hang it from the root as a chain of its own
+whose nodes are deterministic drafts (q = one-hot): acceptance tries such a child first, with probability p(x), and on
+rejection removes x from p before the drafter's children are tried against what is left, so the emitted token still
+has exactly the distribution p (`accept_sampled`). The draft then carries its own index paths (`Draft.paths`): rows
+are the tree's BFS order.
 
 A scheduler step drafts all its requests in one batch (`draft_many`): at each depth the rows of every request that
 reaches it are copied from their parents' rows (by request and parent) and stepped together, which gives each
@@ -33,6 +37,7 @@ from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.models.drafter.mamba import MambaDrafter, MambaState
 from ray_specdec.models.drafter.mamba_state import StateSlots
 from ray_specdec.speculation.acceptance import Verdict
+from ray_specdec.speculation.coupled import KeyedGumbel, keyed_top_k
 from ray_specdec.speculation.drafter_cache import DrafterStates
 from ray_specdec.speculation.logits_processing import apply_logit_bias
 from ray_specdec.speculation.prompt_lookup import LookupIndex
@@ -105,8 +110,10 @@ def pick_children(
     k: int,
     params: SamplingParams,
     generator: torch.Generator | None,
+    noise: torch.Tensor | None = None,  # [V] float64: a coupled request's keyed noise at the rows' position
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> (children [rows, k], q [rows, V] or None). Greedy: top-k distinct tokens; sampled: i.i.d. or Gumbel-top-k.
+    """-> (children [rows, k], q [rows, V] or None). Greedy: top-k distinct tokens; coupled: the top-k by perturbed
+    score (verification needs no q); sampled: i.i.d. or Gumbel-top-k.
 
     logit_bias applies here as on the target (speculation/logits_processing.py); q is what the children were drawn
     from."""
@@ -114,6 +121,8 @@ def pick_children(
     if params.greedy:
         return torch.topk(logits, k, dim=-1).indices, None
     q = logits_to_probs(logits.float(), params)
+    if noise is not None:
+        return keyed_top_k(q, noise.expand(q.shape[0], -1), k), None
     if params.draft_sampling == "iid":
         children = sample(q.unsqueeze(1).expand(-1, k, -1), generator)
     else:
@@ -226,7 +235,7 @@ class DrafterSession:
         proposal = self._lookup_index().propose(requested.lookup) if requested.lookup else []
         if proposal:
             config = TreeConfig(config.branching, len(proposal))
-            if params.greedy:
+            if params.greedy or grown.request.noise is not None:
                 merged = _merge_lookup(paths, draft_tokens.tolist(), proposal)
             else:
                 merged = _append_lookup(paths, draft_tokens.tolist(), proposal)
@@ -334,6 +343,7 @@ class DraftRequest:
     config: TreeConfig
     params: SamplingParams
     generator: torch.Generator | None  # the request's draft random stream (None: torch's global one)
+    noise: KeyedGumbel | None = None  # a coupled request's keyed noise (its picks then draw from no stream)
 
 
 def draft_many(requests: Sequence[DraftRequest], min_path_prob: float = 0.0) -> list[Draft]:
@@ -366,7 +376,7 @@ def _batches(requests: Sequence[DraftRequest]) -> list[list[DraftRequest]]:
     rows = 0  # the last run's stepped rows, at each request's widest depth
     for r in requests:
         drafter, width = r.session.drafter, _stepped_rows(r.config)
-        stream = None if r.params.greedy else id(r.generator)  # greedy picks draw nothing
+        stream = None if r.params.greedy or r.noise is not None else id(r.generator)  # greedy, coupled: no draws
         last = batches[-1] if batches else None
         if (last is None or last[0].session.drafter is not drafter or not drafter.steps_row_invariant
                 or stream in streams or rows + width > MAX_BATCH_ROWS):  # fmt: skip
@@ -407,7 +417,8 @@ class _Growth:
             if depth > 1 and float((self.path_prob * dist.max(dim=-1).values).max()) < min_path_prob:
                 self.drafted = depth - 1
                 return False
-        children, q = pick_children(self.logits, config.branching[depth - 1], params, self.request.generator)
+        noise = self._noise(depth)
+        children, q = pick_children(self.logits, config.branching[depth - 1], params, self.request.generator, noise)
         self.tokens.append(children.reshape(-1))
         if q is not None:
             self.probs.append(q)
@@ -419,6 +430,16 @@ class _Growth:
                 self.drafted = depth  # depth's nodes stay, as leaves (never stepped)
                 return False
         return True
+
+
+    def _noise(self, depth: int) -> torch.Tensor | None:
+        """[V]: a coupled request's noise at the position depth's nodes are drafted for (the root's logits predict
+        position len(history), the context's length)."""
+        noise = self.request.noise
+        if noise is None:
+            return None
+        position = len(self.request.session.history) + depth - 1
+        return noise.at([position], self.logits.shape[-1], self.logits.device)[0]
 
 
 def _grow(trees: Sequence[_Growth], min_path_prob: float) -> None:

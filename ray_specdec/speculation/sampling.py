@@ -86,9 +86,10 @@ def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator | None)
     return torch.topk(keys, k, dim=-1).indices
 
 
-def make_generators(seed: int | None) -> tuple[torch.Generator, torch.Generator]:
-    """Independent (draft, target) random streams; the same seed gives the same output."""
-    seed = secrets.randbits(62) if seed is None else seed
+def make_generators(seed: int | None, choice: int = 0) -> tuple[torch.Generator, torch.Generator]:
+    """Independent (draft, target) random streams; the same seed and choice (which of n samples) give the same
+    output."""
+    seed = secrets.randbits(62) if seed is None else (seed + choice) % 2**63
     draft_gen = torch.Generator(device="cpu").manual_seed(seed)
     target_gen = torch.Generator(device="cpu").manual_seed(seed ^ 0x5DEECE66D)
     return draft_gen, target_gen

@@ -1,8 +1,10 @@
 """Judging a round: the target's logits for the verify rows against the draft, for one request's sampling settings.
 
-Greedy rounds walk the tree on the target's argmaxes; sampled rounds run multi-draft rejection sampling on processed
-distributions (acceptance.py holds the pure tensor functions and defines accepted, bonus and residual). Undrafted
-sampled rounds of a step are judged together (`judge_plain_sampled`), each with its own random stream.
+Greedy rounds walk the tree on the target's argmaxes; coupled sampled rounds walk it on the target's keyed argmaxes
+(speculation/coupled.py: each row's Gumbel-max draw under its position's noise); other sampled rounds run multi-draft
+rejection sampling on processed distributions (acceptance.py holds the pure tensor functions and defines accepted,
+bonus and residual). Undrafted rejection-sampled rounds of a step are judged together (`judge_plain_sampled`), each
+with its own random stream.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import torch
 
 from ray_specdec.config import SamplingParams
 from ray_specdec.speculation.acceptance import Verdict, accept_greedy, accept_sampled
+from ray_specdec.speculation.coupled import KeyedGumbel, keyed_argmax
 from ray_specdec.speculation.drafting import Draft
 from ray_specdec.speculation.logits_processing import TokenHistory, TokenLogprob, process_logits, token_logprobs
 from ray_specdec.speculation.sampling import logits_to_probs, sample_rows
+from ray_specdec.speculation.tree import TreeTensors
 
 
 def judge(
@@ -24,12 +28,14 @@ def judge(
     params: SamplingParams,
     generator: torch.Generator | None,
     history: TokenHistory | None = None,
+    noise: KeyedGumbel | None = None,
 ) -> Verdict:
-    """Acceptance for one round: greedy walk, or multi-draft rejection sampling on processed distributions.
+    """Acceptance for one round: greedy walk, greedy walk on keyed argmaxes (a sampled request with `noise`), or
+    multi-draft rejection sampling on processed distributions.
 
     target_logits may be the rows' argmaxes alone (`SegmentSpec.argmax_only`) for a greedy request without logit
     processing. history: the request's tokens so far, needed when params process the target's logits
-    (speculation/logits_processing.py)."""
+    (speculation/logits_processing.py) and in coupled rounds (the rows' positions)."""
     tokens = draft.tokens.to(target_logits.device)
     if target_logits.dim() == 1:
         if not params.greedy or params.processes_logits:
@@ -42,9 +48,26 @@ def judge(
     if params.greedy:
         return accept_greedy(target_logits, draft.tree, tokens)
     p = logits_to_probs(target_logits, params)
+    if noise is not None:
+        if history is None:
+            raise ValueError("coupled rounds need the request's token history (their positions)")
+        return accept_greedy(coupled_tokens(p, draft.tree, len(history.tokens), noise), draft.tree, tokens)
     q = draft.probs.to(p.device) if draft.probs is not None else p[:0]
     return accept_sampled(p, q, draft.tree, tokens, params.draft_sampling == "without_replacement", generator,
                           draft.deterministic, draft.q_rows)
+
+
+def coupled_tokens(
+    probs: torch.Tensor,  # [1 + n, V] processed target distributions at [root, *tree nodes]
+    tree: TreeTensors,
+    root_position: int,  # the absolute position the root row predicts: the request's tokens so far
+    noise: KeyedGumbel,
+) -> torch.Tensor:
+    """-> [1 + n]: each row's keyed argmax, the noise of a row at depth d being that of position root_position + d
+    (rows of one depth share it: the token a position gets depends on its prefix and the key alone)."""
+    depths = tree.depths.tolist()
+    rows_noise = noise.at(range(root_position, root_position + max(depths) + 1), probs.shape[-1], probs.device)
+    return keyed_argmax(probs, rows_noise[tree.depths.to(rows_noise.device)])
 
 
 def plain_sampled(draft: Draft, params: SamplingParams) -> bool:

@@ -1,0 +1,128 @@
+"""Coupled sampling: every sampled token is a Gumbel-max draw under noise keyed by (seed, choice, position).
+
+The token at absolute position t of a sequence (prompt + generated, 0-based) is
+
+    x_t = argmax_x ( log p_t(x) + G_t(x) ),   G_t(x) = -log(-log(u(seed, choice, t, x)))
+
+where p_t is the target's processed distribution there (penalties, logit_bias, min_tokens, temperature, top-k,
+top-p: exactly what target-only sampling draws from) and u is a uniform in (0, 1) made of 52 bits of Philox-4x32-10
+(Salmon et al., 2011), a counter-based generator computed here in torch integer arithmetic, so a CPU and a GPU give the
+same bits. G_t(x) are i.i.d. standard Gumbel, so x_t is an exact draw from p_t; the noise of position t is independent
+of the noise that chose the prefix, so a sequence is an exact draw from the target's sequence distribution. And x_t is
+a deterministic function of (prefix, seed, choice): whatever the drafter, the tree, the batch or a replica change.
+
+Speculation under this coupling is exact matching, as in greedy decoding: the target's token at a tree node is its
+keyed argmax at the node's absolute position, and the greedy walk (acceptance.py `accept_greedy`) accepts a child
+that equals it. The drafter proposes with the same noise on its own distribution q: the first child is its keyed
+argmax, further children the next tokens by perturbed score (Gumbel-top-k of q). The first child equals the target's
+token with probability at least (1 - TV(p, q)) / (1 + TV(p, q)) (Daliri, Musco and Suresh, 2024).
+
+Positions only grow within a request, and the drafter and the verify of a round ask for the same few, so a request's
+noise is kept per position (`KeyedGumbel`) until its sequence moves past it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+# Philox-4x32 multipliers and Weyl key increments (Random123).
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
+_MASK32 = 0xFFFFFFFF
+PHILOX_ROUNDS = 10
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a (a 32-bit constant) * b (int64 tensor of 32-bit values) -> (high, low) 32-bit words of the 64-bit product,
+    in 16-bit halves of `a` so that no intermediate leaves int64's range."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    t = b * a_lo  # < 2^48
+    s = b * a_hi + (t >> 16)  # < 2^49: the product is s * 2^16 + (t & 0xFFFF)
+    return s >> 16, ((s & 0xFFFF) << 16) | (t & 0xFFFF)
+
+
+def philox4x32(
+    counter: Sequence[torch.Tensor], key: tuple[int, int], rounds: int = PHILOX_ROUNDS
+) -> list[torch.Tensor]:
+    """Philox-4x32-`rounds` of the counters `counter` (4 int64 tensors of one shape, each word in [0, 2^32)) under
+    the 2-word `key` -> 4 int64 tensors of 32-bit words. Random123's known answers hold (tests/speculation)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+        hi0, lo0 = _mulhilo(_M0, c0)
+        hi1, lo1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return [c0, c1, c2, c3]
+
+
+def keyed_uniforms(seed: int, choice: int, positions: Sequence[int], vocab: int,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """-> [len(positions), vocab] float64 uniforms in (0, 1): u(seed, choice, position, token). Token x takes 52 bits
+    of words (2, 3) or (0, 1) of Philox's output for counter (x // 2, position, choice low, choice high) under the
+    key (seed low, seed high). A token's value depends on nothing else (not on vocab, nor on the other positions)."""
+    if not 0 <= seed < 2**64 or not 0 <= choice < 2**64:
+        raise ValueError(f"seed and choice must be in [0, 2^64), got {seed}, {choice}")
+    pairs = (vocab + 1) // 2
+    pos = torch.as_tensor(list(positions), dtype=torch.int64, device=device)  # [P]
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) > _MASK32):
+        raise ValueError("positions must be in [0, 2^32)")
+    shape = (pos.numel(), pairs)
+    c0 = torch.arange(pairs, dtype=torch.int64, device=device).expand(shape)
+    c1 = pos[:, None].expand(shape)
+    c2 = torch.full(shape, choice & _MASK32, dtype=torch.int64, device=device)
+    c3 = torch.full(shape, choice >> 32, dtype=torch.int64, device=device)
+    w0, w1, w2, w3 = philox4x32([c0, c1, c2, c3], (seed & _MASK32, seed >> 32))
+    # 52 bits per uniform, 26 of each word: (m + 0.5) / 2^52 is exact in float64, never 0 nor 1
+    bits = torch.stack([((w0 >> 6) << 26) | (w1 >> 6), ((w2 >> 6) << 26) | (w3 >> 6)], dim=-1)  # [P, pairs, 2]
+    u = (bits.to(torch.float64) + 0.5) * 2.0**-52
+    return u.reshape(pos.numel(), 2 * pairs)[:, :vocab]
+
+
+def gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1) -> standard Gumbel noise, -log(-log u)."""
+    return -torch.log(-torch.log(u))
+
+
+class KeyedGumbel:
+    """One request's keyed noise: the Gumbel noise of (seed, choice) at each position, kept per position until an
+    earlier position than any asked for is never asked again (positions only grow within a request)."""
+
+    def __init__(self, seed: int, choice: int = 0):
+        self.seed, self.choice = seed, choice
+        self._noise: dict[int, torch.Tensor] = {}  # position -> [V] float64, on the device last asked for
+
+    def at(self, positions: Sequence[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """-> [len(positions), vocab] float64 Gumbel noise (positions may repeat)."""
+        device = torch.device(device)
+        first = min(positions)
+        for p in [p for p in self._noise if p < first]:
+            del self._noise[p]
+        missing = sorted({p for p in positions
+                          if p not in self._noise or self._noise[p].numel() < vocab or self._noise[p].device != device})
+        if missing:
+            fresh = gumbel(keyed_uniforms(self.seed, self.choice, missing, vocab, device))
+            self._noise.update(zip(missing, fresh))
+        return torch.stack([self._noise[p][:vocab] for p in positions])
+
+
+def perturbed_scores(
+    probs: torch.Tensor,  # [rows, V] processed distribution
+    noise: torch.Tensor,  # [rows, V] float64 Gumbel noise of each row's position
+) -> torch.Tensor:
+    """-> [rows, V] float64 log p + G: tokens without mass score -inf and are never chosen."""
+    return torch.log(probs.to(noise.device, torch.float64)) + noise
+
+
+def keyed_argmax(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs [rows, V], noise [rows, V] -> [rows] tokens: each row's Gumbel-max draw (an exact sample of its row)."""
+    return perturbed_scores(probs, noise).argmax(dim=-1).to(probs.device)
+
+
+def keyed_top_k(probs: torch.Tensor, noise: torch.Tensor, k: int) -> torch.Tensor:
+    """probs [rows, V], noise [rows, V] -> [rows, k]: the k best tokens by perturbed score, best first (the first is
+    `keyed_argmax`; together a draw without replacement, Gumbel-top-k)."""
+    return torch.topk(perturbed_scores(probs, noise), k, dim=-1).indices.to(probs.device)
