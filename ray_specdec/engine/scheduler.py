@@ -86,6 +86,9 @@ class Round:
     tree: TreeConfig = NO_TREE  # the drafter's tree (cut to what the request's KV holds)
     lookup: int = 0  # prompt-lookup tokens added to a drafted tree (greedy requests)
     plain_lookup: bool = False  # undrafted: whether it verifies a prompt-lookup proposal (`plain_lookup`)
+    # a drafted round's view of the proposal an undrafted round would have verified (greedy rounds that may have one):
+    # what it would have accepted teaches the undrafted arm (`_teach`)
+    plain_proposal: tuple[int, ...] = ()
     context_len: int = 0  # the request's tokens before the round
     draft: Draft | None = None
     verdict: Verdict | None = None
@@ -416,6 +419,8 @@ class Scheduler:
         batch = [DraftRequest(r.drafter.session, c, r.params, r.draft_gen, r.noise) for r, c in zip(requests, configs)]
         for rd, draft in zip(owners, draft_many(batch, self.speculation.min_path_prob)):
             rd.draft = draft
+            if self._lookup_allowed(rd.request):
+                rd.plain_proposal = tuple(self._plain_proposal(rd.request))
         return sum(drafter_rows(rd.draft.config) for rd in owners), prefills
 
     def _lookup_allowed(self, r: Request) -> bool:
@@ -426,14 +431,18 @@ class Scheduler:
     def _plain_lookup(self, r: Request) -> Draft:
         """An undrafted round's draft: a prompt-lookup proposal of up to `plain_lookup` tokens as a chain (no drafter
         runs), for a greedy request whose tree the controller chooses; else no draft."""
+        proposal = self._plain_proposal(r)
+        return lookup_draft(proposal) if proposal else empty_draft()
+
+    def _plain_proposal(self, r: Request) -> list[int]:
+        """The prompt-lookup tokens an undrafted round of r verifies (none for a request that may not have them)."""
         room = r.granted - len(r.tokens)  # verify rows past the root that its cache holds
         size = min(self.speculation.plain_lookup, r.stop.remaining - 1, room)
         if size <= 0 or r.tree is not None or not r.params.greedy:
-            return empty_draft()
+            return []
         if r.lookup_index is None:
             r.lookup_index = LookupIndex(r.tokens, min_ngram=PLAIN_LOOKUP_MIN_NGRAM)
-        proposal = r.lookup_index.propose(size)
-        return lookup_draft(proposal) if proposal else empty_draft()
+        return r.lookup_index.propose(size)
 
     # ----- after the forward -----
 
@@ -491,8 +500,16 @@ class Scheduler:
         what = (what_if(draft, verdict, arms, rd.lookup, r.rejection_sampled)
                 if self.speculation.min_path_prob == 0 and draft.config.depth else None)  # fmt: skip
         arm = rd.tree if draft.arm == rd.tree.with_lookup(rd.lookup) else draft.arm
-        if not arm.depth and not rd.plain_lookup and self._lookup_allowed(r):
-            return  # it declined its lookup proposal: the undrafted arm's tokens are those of rounds with one
+        if self.speculation.plain_lookup and r.params.greedy:
+            # a greedy round's undrafted arm is the round with a lookup proposal: taught by those rounds, and by the
+            # drafted rounds of requests that may verify one, by how much of it the target's tokens confirm (a lower
+            # bound: past the round's own new tokens nothing is known)
+            if not arm.depth and not rd.plain_lookup:
+                return  # it declined its proposal, or may not have one
+            if what is not None:
+                what.pop(NO_TREE, None)
+                if self._lookup_allowed(r):
+                    what[NO_TREE] = _matched(rd.plain_proposal, verdict.new_tokens)
         if arm not in arms:
             self.rounds_unrecorded += 1
         self.policy.record(arm, rd.context_len, accepted, max(r.stats.last_round_s, 1e-9), r.sampled, what,
@@ -535,6 +552,14 @@ class Scheduler:
             lookup = max(lookup, self.speculation.plain_lookup)
         return 1 + nodes + lookup
 
+
+
+def _matched(proposal: Sequence[int], tokens: Sequence[int]) -> int:
+    """Leading tokens of `proposal` that `tokens` confirm."""
+    n = 0
+    while n < min(len(proposal), len(tokens)) and proposal[n] == tokens[n]:
+        n += 1
+    return n
 
 
 def fit_tree(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:

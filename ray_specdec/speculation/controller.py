@@ -219,14 +219,15 @@ class _Ridge:
 
 
 def posterior_tokens(arms: Sequence[TreeConfig], sums: np.ndarray, config: SpeculationConfig,
-                     rng: np.random.Generator | None) -> np.ndarray:  # fmt: skip
+                     rng: np.random.Generator | None, undrafted_top: float = 1.0) -> np.ndarray:  # fmt: skip
     """Expected tokens of a round of each arm (accepted + the bonus): the posterior mean, or with `rng` one draw from
     the posterior. sums [arms, 3]: rounds, sum and sum of squares of their tokens (`Bandit.token_sums`).
 
     The posterior is a normal around the mean of the rounds plus `prior_rounds` pseudo-rounds at the optimistic prior
     (1 + prior_accept_per_depth x depth, and 1 for the undrafted arm); its spread is the rounds' own (the prior's sd
     until two rounds say otherwise) over sqrt(rounds + prior_rounds). Draws stay within what a round can give:
-    [1, 1 + max depth] (the undrafted arm: its rounds' largest possible lookup, taken as the mean's)."""
+    [1, 1 + max depth], and for the undrafted arm [1, undrafted_top] (1 + the lookup proposal's size where its rounds
+    verify one)."""
     sums = np.asarray(sums, dtype=np.float64).reshape(len(arms), 3)
     n, total, sq = sums.T
     depth = np.array([arm.max_depth for arm in arms], dtype=np.float64)
@@ -240,7 +241,7 @@ def posterior_tokens(arms: Sequence[TreeConfig], sums: np.ndarray, config: Specu
         return mean
     se = np.sqrt(var / np.maximum(n + k, 1e-9))
     draw = mean + se * rng.standard_normal(len(arms))
-    top = np.where(depth > 0, 1.0 + depth, np.maximum(mean, 1.0))
+    top = np.where(depth > 0, 1.0 + depth, max(undrafted_top, 1.0))
     return np.clip(draw, 1.0, top)
 
 
@@ -325,7 +326,9 @@ class SpeculationController:
         sums = self.policy.token_sums(context_len, sampled) if hasattr(self.policy, "token_sums") else None
         if sums is None:
             sums = np.zeros((len(arms), 3))
-        values = posterior_tokens(arms, sums, self.config, self._rng if draw and self.config.explore else None)
+        undrafted_top = 1.0 + (0 if sampled else self.config.plain_lookup)
+        values = posterior_tokens(arms, sums, self.config, self._rng if draw and self.config.explore else None,
+                                  undrafted_top)  # fmt: skip
         return dict(zip(arms, map(float, values)))
 
     def choose(self, rounds: Sequence[RoundFacts]) -> list[Pick]:

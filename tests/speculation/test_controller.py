@@ -134,6 +134,14 @@ def test_posterior_is_the_prior_without_rounds_and_the_rounds_mean_with_many():
     assert draws[:, 1].std() > 0.3  # unmeasured: wide
     narrow = np.array([posterior_tokens(arms, sums, config, np.random.default_rng(s)) for s in range(500)])
     assert narrow[:, 1].std() < 0.05  # well measured: narrow
+    # the undrafted arm: at most 1 token a round without a lookup proposal, up to 1 + its size with one, so an
+    # undrafted arm measured at one token may still draw more (and be tried with a proposal)
+    few = np.array([[3.0, 4.0, 6.0], [0.0, 0.0, 0.0]])  # rounds of 1, 1 and 2 tokens
+    plain = np.array([posterior_tokens(arms, few, config, np.random.default_rng(s)) for s in range(500)])
+    assert plain[:, 0].max() == 1.0 and plain[:, 0].min() == 1.0
+    proposing = np.array([posterior_tokens(arms, few, config, np.random.default_rng(s), undrafted_top=5.0)
+                          for s in range(500)])  # fmt: skip
+    assert 1.0 < proposing[:, 0].max() <= 5.0 and proposing[:, 0].min() >= 1.0
 
 
 def test_step_cost_model_recovers_the_weights_of_what_steps_run():

@@ -11,14 +11,17 @@ import torch
 
 from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
+from ray_specdec.engine.scheduler import PLAIN_LOOKUP_MIN_NGRAM
 from ray_specdec.speculation.controller import SpeculationConfig
 from ray_specdec.models.target.model import TargetModel
 from ray_specdec.speculation.acceptance import Verdict
 from ray_specdec.speculation.drafting import LOOKUP_ONLY, DrafterSession, lookup_draft
+from ray_specdec.speculation.prompt_lookup import LookupIndex
 from ray_specdec.speculation.tree_policy import FixedTree
 from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
+from tests.helpers.policies import ScriptedPolicy
 
 LOOKUP = 4
 
@@ -142,3 +145,43 @@ def test_bad_settings_are_refused():
         SpeculationConfig(plain_lookup=-1)
     with pytest.raises(ValueError, match="plain_lookup"):
         SpeculationConfig(plain_lookup=33)
+
+
+class TeachingRecorder(ScriptedPolicy):
+    """Drafts a chain every round and keeps what each round taught: (context length, accepted, what-if)."""
+
+    def record(self, tree, context_len, accepted_tokens, round_time_s, sampled=False, what_if=None, *, load=1):
+        self.records.append((context_len, accepted_tokens, dict(what_if or {})))
+
+
+def test_drafted_rounds_teach_the_undrafted_arm_what_its_proposal_would_have_accepted(target):
+    """A greedy round's undrafted arm verifies a lookup proposal, so a drafted round teaches it (as a what-if) the
+    proposal's tokens the target's new tokens confirm: recomputed here from the target's own greedy text."""
+    max_new = 40
+    taught = 0
+    for seed in range(3):
+        prompt = repetitive(20, seed)
+        policy = TeachingRecorder([(1, 1)])
+        engine = SpeculativeEngine(target, tiny_mamba(torch.float32), policy, config=lookup_off(plain_lookup=LOOKUP))
+        engine.scheduler.add("a", prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+        engine.scheduler.add("own", prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True), TreeConfig((1,)))
+        while engine.scheduler.has_work:
+            engine.scheduler.step()
+        text = alone(target, prompt, max_new)
+        records = policy.records
+        assert records
+        own_rounds = 0
+        for context_len, accepted, what in records:
+            done = context_len - len(prompt)
+            index = LookupIndex(prompt + text[:done], min_ngram=PLAIN_LOOKUP_MIN_NGRAM)
+            proposal = index.propose(min(LOOKUP, max_new - done - 1))
+            confirmed = text[done:done + accepted + 1]
+            want = next((i for i, (p, t) in enumerate(zip(proposal, confirmed)) if p != t),
+                        min(len(proposal), len(confirmed)))  # fmt: skip
+            if NO_TREE not in what:  # the client's own tree: its rounds never teach the undrafted arm
+                own_rounds += 1
+                continue
+            assert what[NO_TREE] == want, (context_len, proposal, confirmed)
+            taught += want
+        assert own_rounds > 0
+    assert taught > 0  # the repeated stretches were confirmed somewhere
