@@ -75,6 +75,24 @@ def direct_ingress_env(on: bool, environ: dict | None = None, ray_running: bool 
     return added
 
 
+# Serve's HTTP proxy with serving/proxy_guard.py's middleware: a request whose replica died gets 503 with Retry-After
+# (Serve's proxy: a bare 500), a stream it cut an OpenAI error event, a probe no replica answers 503 within 1.5 s.
+PROXY_GUARD_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "ray_specdec.serving.proxy_guard:middlewares"}
+
+
+def proxy_guard_env(environ: dict | None = None, ray_running: bool | None = None) -> dict[str, str]:
+    """PROXY_GUARD_ENV in `environ` unless Ray runs already (its proxy read its environment when it started: a
+    cluster started beforehand sets it in its own, cluster.yaml) or a callback is set (a user's value stands);
+    -> what was set."""
+    environ = os.environ if environ is None else environ
+    ray_running = ray.is_initialized() if ray_running is None else ray_running
+    if ray_running:
+        return {}
+    added = {k: v for k, v in PROXY_GUARD_ENV.items() if k not in environ}
+    environ.update(added)
+    return added
+
+
 def small_machine_serve_env(environ: dict | None = None, cpus: int | None = None) -> dict[str, str]:
     """SMALL_MACHINE_SERVE_ENV where this machine has at most SMALL_MACHINE_CPUS cores, set in `environ` unless it
     sets them already (a user's values stand); -> what was set. `serve run` builds the app before it starts Ray, so
@@ -251,6 +269,7 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     args = args if isinstance(args, AppArgs) else parse_app_args(args)
     small_machine_serve_env()
     direct_ingress_env(args.direct_ingress)
+    proxy_guard_env()
     target_path = _model_path(args.target, "target")
     drafter_path = None if (args.drafter or "").lower() == "none" else _model_path(args.drafter, "drafter")
     if drafter_path is not None:

@@ -29,6 +29,7 @@ import time
 import uuid
 from dataclasses import replace
 
+import psutil
 import ray
 import torch
 from ray import serve
@@ -57,6 +58,9 @@ logger = logging.getLogger("ray.serve")
 PLACEMENT_TIMEOUT_S = 600.0
 # A step the ranks have not finished by then is a hung rank (a step is at most step_tokens rows: well under this).
 RANK_STEP_TIMEOUT_S = 300.0
+# How often Serve's controller calls an engine replica's check_health: a replica whose process died is found at the
+# next call and replaced (its routers drop it at once, at their first call that fails). The call answers from memory.
+HEALTH_CHECK_PERIOD_S = 2.0
 # Token rows up to which a StepWork travels inline with each rank's call (8 bytes a row: well under Ray's 100 KiB
 # inline bound with the rest of the work), beyond which it is put in the object store once.
 INLINE_STEP_ROWS = 4096
@@ -329,7 +333,9 @@ class EngineReplica:
             yield {"error": 400, "message": str(exc)}
 
     async def stats(self) -> dict:
-        return self.loop.stats() | {"replica": serve.get_replica_context().replica_id.unique_id}
+        """The loop's stats, this replica's id and its process's resident memory (rss_bytes; the soak reads it)."""
+        return self.loop.stats() | {"replica": serve.get_replica_context().replica_id.unique_id,
+                                    "rss_bytes": psutil.Process().memory_info().rss}  # fmt: skip
 
     async def health(self) -> dict:
         """{"healthy": the loop runs and the target is up (False while it restarts), "recovering"}."""
@@ -356,7 +362,8 @@ class EngineReplica:
 
 
 # No access log: each request is one long streaming call.
-@serve.deployment(name="engine", logging_config={"enable_access_log": False}, health_check_period_s=5)
+@serve.deployment(name="engine", logging_config={"enable_access_log": False},
+                  health_check_period_s=HEALTH_CHECK_PERIOD_S)
 class EngineDeployment(EngineReplica):
     def __del__(self) -> None:  # Serve calls it when the replica shuts down
         self.shutdown()

@@ -5,11 +5,15 @@ Router mode (`RouterDeployment`): the routes alone; a request is one streaming c
 on another if its replica is lost (ray_specdec/serving/router.py). Engine mode (`ServerDeployment`): the routes and an
 `EngineReplica` in one process, no hop between them.
 
-Routes added here, which ask Serve and the hubs: GET /health, GET /v1/bandit, GET /v1/stats (replica counts and the
-engines' loop state, read by the load test) and GET /metrics. /metrics, open without the API key (Prometheus scrapes
-it), answers the whole app's metrics in Prometheus' text format from any replica: every replica's numbers as last
-pushed to the metrics hub (deployments/metrics.py; this replica's own, fresh) and the bandit hub's summary; an app of
-one engine replica keeps no hubs (AppArgs.hubs): its own numbers and bandit are the app's. docs/METRICS.md lists them.
+Routes added here, which ask Serve and the hubs: GET /health and GET /ready (readiness: 200 exactly when the app can
+serve a request now, else 503 with Retry-After), GET /live (liveness: this replica runs and should not be replaced),
+GET /v1/bandit, GET /v1/stats (replica counts and the engines' loop state, read by the load test) and GET /metrics.
+/metrics, open without the API key (Prometheus scrapes it), answers the whole app's metrics in Prometheus' text
+format from any replica: every replica's numbers as last pushed to the metrics hub (deployments/metrics.py; this
+replica's own, fresh) and the bandit hub's summary; an app of one engine replica keeps no hubs (AppArgs.hubs): its
+own numbers and bandit are the app's. docs/METRICS.md lists them. Serve's HTTP proxy runs serving/proxy_guard.py's
+middleware in front: a request whose replica died gets 503, a stream it cut an error event, a probe that no replica
+answers (none runs) 503 within 1.5 s.
 """
 
 
@@ -25,7 +29,7 @@ from ray import serve
 from ray.serve.config import HTTPOptions
 from ray.serve.exceptions import BackPressureError
 
-from deployments.engine import EngineReplica
+from deployments.engine import HEALTH_CHECK_PERIOD_S, EngineReplica
 from deployments.ingress import direct_ingress_on, target_urls
 from deployments.metrics import MetricsPush, replica_name
 from ray_specdec.config import SamplingParams, TreeConfig
@@ -35,8 +39,10 @@ from ray_specdec.serving.router import ServiceUnavailable
 
 logger = logging.getLogger("ray.serve")  # Serve shows this logger's records in `serve run` output
 
-# /health's wait for an engine replica's answer.
-HEALTH_TIMEOUT_S = 5.0
+# /health's wait for an engine replica's answers (router mode), below the HTTP proxy's deadline for a probe
+# (serving/proxy_guard.py), and how many engine replicas it asks at most.
+HEALTH_TIMEOUT_S = 1.0
+HEALTH_ASKS = 3
 
 
 async def _result(response):
@@ -120,25 +126,63 @@ class ServeServer(OpenAIServer):
 
     @app.get("/health")
     async def health(self):
-        """200 while an engine replica runs with its target up; 503 otherwise (no replica, or the replica asked has
-        its target down or restarting: where new requests get 503 too)."""
-        status = await asyncio.to_thread(serve.status)
-        engine = status.applications[self.app_name].deployments["engine"]
-        running = engine.replica_states.get("RUNNING", 0)
-        target = {"healthy": False, "recovering": False}
+        """Readiness (module docstring): 200 exactly when the app can serve a request now, else 503 with
+        Retry-After."""
+        return await self._probe()
+
+    @app.get("/ready")
+    async def ready(self):
+        """/health under the name Kubernetes' readiness probes use."""
+        return await self._probe()
+
+    @app.get("/live")
+    async def live(self):
+        """Liveness: 200 while this replica runs (engine mode: its loop too, and its target is up or being
+        restarted: what Serve's own health check asks); 503 when it should be replaced."""
+        try:
+            await self.check_health()
+        except RuntimeError as exc:
+            return self._unavailable({"status": "dead", "reason": str(exc)})
+        return {"status": "alive"}
+
+    async def _probe(self):
+        """Engine mode: this replica's target is up (the proxy routes a probe only to a running replica, and one
+        with no replica running gets 503 from the proxy: serving/proxy_guard.py). Router mode: an engine replica
+        asked says its target is up; Serve routes around a dead one, and one with its target down is asked again."""
+        replicas = asyncio.create_task(self._running_engines())
         if self.replica is not None:
             target = await self.replica.health()
-        elif running:
+        else:
+            target = await self._engine_health()
+        body = {"status": "ok" if target["healthy"] else "unavailable", "in_flight": self.core.in_flight,
+                "engine_replicas": await replicas, "target_recovering": target["recovering"]}  # fmt: skip
+        return body if target["healthy"] else self._unavailable(body)
+
+    async def _engine_health(self) -> dict:
+        """Router mode: an engine replica's health(), asked up to HEALTH_ASKS times within HEALTH_TIMEOUT_S until
+        one says healthy (Serve picks the replica: two of them, one recovering its target, answer differently)."""
+        target = {"healthy": False, "recovering": False}
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        for _ in range(HEALTH_ASKS):
             with contextlib.suppress(Exception):  # no answer in time is not healthy either
-                target = await asyncio.wait_for(_result(self.engine.health.remote()), HEALTH_TIMEOUT_S)
-        healthy = running and target["healthy"] and not str(engine.status).endswith("UNHEALTHY")
-        body = {"status": "ok" if healthy else "unavailable", "in_flight": self.core.in_flight,
-                "engine_replicas": running, "engine_status": str(engine.status),
-                "target_recovering": target["recovering"]}  # fmt: skip
-        if not healthy:
-            return JSONResponse(body | {"status": "unavailable"}, status_code=503,
-                                headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
-        return body
+                target = await asyncio.wait_for(_result(self.engine.health.remote()),
+                                                max(0.0, deadline - time.monotonic()))  # fmt: skip
+            if target["healthy"] or time.monotonic() >= deadline:
+                break
+        return target
+
+    async def _running_engines(self) -> int | None:
+        """Running engine replicas as the Serve controller counts them (information: a replica's death reaches it
+        seconds later), None when it does not answer within HEALTH_TIMEOUT_S."""
+        try:
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), HEALTH_TIMEOUT_S)
+        except Exception:  # a busy controller: /health does not wait for it
+            return None
+        return status.applications[self.app_name].deployments["engine"].replica_states.get("RUNNING", 0)
+
+    @staticmethod
+    def _unavailable(body: dict) -> JSONResponse:
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.get("/v1/bandit")
     async def bandit(self) -> dict:
@@ -238,4 +282,4 @@ RouterDeployment = serve.deployment(name="router", ray_actor_options={"num_cpus"
 # Engine mode: the routes and an engine replica in one process; the HTTP proxy hands each request to one of them.
 # No access log: each request is one long streaming call.
 ServerDeployment = serve.deployment(name="engine", logging_config={"enable_access_log": False},
-                                    health_check_period_s=5)(ServeServer)  # fmt: skip
+                                    health_check_period_s=HEALTH_CHECK_PERIOD_S)(ServeServer)  # fmt: skip

@@ -20,8 +20,9 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from deployments import AppArgs, app
-from deployments.app import (DIRECT_INGRESS_DRAIN_ENV, DIRECT_INGRESS_ENV, SMALL_MACHINE_CPUS, SMALL_MACHINE_SERVE_ENV,
-                             AppError, _engine_options, direct_ingress_env, parse_app_args, small_machine_serve_env)
+from deployments.app import (DIRECT_INGRESS_DRAIN_ENV, DIRECT_INGRESS_ENV, PROXY_GUARD_ENV, SMALL_MACHINE_CPUS,
+                             SMALL_MACHINE_SERVE_ENV, AppError, _engine_options, direct_ingress_env, parse_app_args,
+                             proxy_guard_env, small_machine_serve_env)
 from ray_specdec.models.loading import resolve_model_path
 from tests.helpers.models import tiny_tokenizer
 
@@ -33,7 +34,7 @@ SERVE_CONFIGS = ["serve_config.yaml", "serve_config.gpu.yaml"]
 def _direct_ingress_env_restored():
     """app() outside a running Ray turns Serve's direct ingress on in this process's environment, as it should for
     `serve run`: here that would reach every Ray the later test modules start."""
-    keys = (DIRECT_INGRESS_ENV, *DIRECT_INGRESS_DRAIN_ENV)
+    keys = (DIRECT_INGRESS_ENV, *DIRECT_INGRESS_DRAIN_ENV, *PROXY_GUARD_ENV)
     saved = {k: os.environ.get(k) for k in keys}
     yield
     for k, v in saved.items():
@@ -363,3 +364,22 @@ def test_direct_ingress_is_set_before_ray_starts_and_a_users_own_value_stands(mo
     assert DIRECT_INGRESS_ENV not in off
     with pytest.raises(AppError, match="direct_ingress"):
         parse_app_args({"direct_ingress": "sometimes"})
+
+
+def test_the_proxy_guard_is_set_before_ray_starts_and_a_users_own_value_stands(monkeypatch):
+    """The HTTP proxy's middleware (serving/proxy_guard.py) reaches the proxy of the Ray `serve run` starts; not one
+    running already, not over a user's own callback; every node's proxy of the cluster gets it from cluster.yaml."""
+    env: dict = {}
+    assert proxy_guard_env(env, ray_running=False) == PROXY_GUARD_ENV and env == PROXY_GUARD_ENV
+    for running, given in ((True, {}), (False, {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "mine:callback"})):
+        env = dict(given)
+        assert proxy_guard_env(env, ray_running=running) == {} and env == given
+    environ = {"PATH": os.environ.get("PATH", "")}
+    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    app(AppArgs())
+    assert {k: environ[k] for k in PROXY_GUARD_ENV} == PROXY_GUARD_ENV
+    cluster = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    [(name, value)] = PROXY_GUARD_ENV.items()
+    for commands in (cluster["head_start_ray_commands"], cluster["worker_start_ray_commands"]):
+        assert f"{name}={value} ray start" in commands[-1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -63,15 +64,18 @@ def rank_pids(replica: EngineReplica) -> list[int]:
     return ray.get([rank.__ray_call__.remote(lambda actor: os.getpid()) for rank in replica.backend._ranks])
 
 
-def kill_rank_at(replica: EngineReplica, step: int, rank: int, sig: int = signal.SIGKILL) -> list[int]:
+def kill_rank_at(replica: EngineReplica, step: int, rank: int, sig: int = signal.SIGKILL,
+                 killed: list[float] | None = None) -> list[int]:
     """Signal rank `rank`'s process (SIGKILL: dead; SIGSTOP: hung) after the loop's `step`-th step from now; -> the
-    requests running then (filled in)."""
+    requests running then (filled in). killed: gets the signal's time.monotonic()."""
     pid, running, at = rank_pids(replica)[rank], [], replica.loop.scheduler.steps + step
 
     def on_step(scheduler, seconds: float) -> None:
         if scheduler.steps != at or running:
             return
         running.append(scheduler.num_running)
+        if killed is not None:
+            killed.append(time.monotonic())
         os.kill(pid, sig)
         deadline = time.monotonic() + 30
         while sig == signal.SIGKILL and _alive(pid) and time.monotonic() < deadline:
@@ -87,6 +91,34 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+# /health answers from the replica's health(): it must turn within this of the loss and of the recovery (issue 62).
+HEALTH_FLIP_S = 2.0
+
+
+class HealthWatch:
+    """replica.health()["healthy"] read every 20 ms on a thread while in the `with` block: `seen` holds (time, it)."""
+
+    def __init__(self, replica: EngineReplica):
+        self.replica, self.seen, self._stop = replica, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.seen.append((time.monotonic(), asyncio.run(self.replica.health())["healthy"]))
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> "HealthWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def first(self, healthy: bool, after: float) -> float:
+        return next(t for t, h in self.seen if t >= after and h == healthy)
 
 
 async def generate_all(replica: EngineReplica, engine) -> list[list[int] | dict]:
@@ -120,25 +152,33 @@ def health_check_error(replica: EngineReplica, timeout_s: float) -> str | None:
 
 
 def test_a_killed_rank_is_restarted_and_every_request_finishes_exactly(replica, engine, reference):
-    before = rank_pids(replica)
-    running = kill_rank_at(replica, KILL_AT_STEP, rank=1)
+    """... and the replica's health (its /health) says so: not healthy within HEALTH_FLIP_S of the kill, healthy
+    again within HEALTH_FLIP_S of the ranks' restart."""
+    before, killed, restarted = rank_pids(replica), [], []
+    running = kill_rank_at(replica, KILL_AT_STEP, rank=1, killed=killed)
     seen_while_down = []
     start = replica.backend.start
 
     def watched_start():  # the loop's recovery: what the replica says about itself while its target is down
         seen_while_down.append(asyncio.run(replica.health()))
         asyncio.run(replica.check_health())  # Serve must not kill a replica that is recovering its requests
-        return start()
+        try:
+            return start()
+        finally:
+            restarted.append(time.monotonic())
 
     replica.backend.start = watched_start
     try:
-        outputs = asyncio.run(generate_all(replica, engine))
+        with HealthWatch(replica) as health:
+            outputs = asyncio.run(generate_all(replica, engine))
     finally:
         del replica.backend.start
         replica.loop.on_step = None
     assert running == [len(REQUESTS)]  # the kill hit with every request in flight
     assert outputs == reference
     assert seen_while_down and seen_while_down[0] == {"healthy": False, "recovering": True}
+    assert health.first(False, after=killed[0]) - killed[0] < HEALTH_FLIP_S, health.seen
+    assert health.first(True, after=restarted[-1]) - restarted[-1] < HEALTH_FLIP_S, health.seen
     assert (replica.loop.faults, replica.loop.recoveries) == (1, 1)
     assert asyncio.run(replica.health()) == {"healthy": True, "recovering": False}
     assert set(rank_pids(replica)).isdisjoint(before)  # both ranks are new processes

@@ -18,7 +18,8 @@ import ray
 
 from deployments import AppArgs
 from tests.helpers.bigram import PROMPTS, greedy_reference
-from tests.helpers.serve import post, serve_app
+from deployments.app import PROXY_GUARD_ENV
+from tests.helpers.serve import HealthPoller, post, serve_app
 
 MAX_TOKENS = 150  # long enough that the requests are still running when a replica is killed
 
@@ -28,7 +29,7 @@ def url(model_dirs):
     target, drafter = model_dirs
     args = AppArgs(target=str(target), drafter=str(drafter), ingress="router", replicas=2, num_cpus_per_rank=0.5,
                    stream_interval_s=0, retry_s=60)  # fmt: skip
-    with serve_app(args) as base:
+    with serve_app(args, env=PROXY_GUARD_ENV) as base:
         yield base
 
 
@@ -55,11 +56,14 @@ KILL_TRIES = 3  # a try where no stream was on the killed replica any more prove
 
 def test_a_killed_engine_replica_loses_no_request(url, reference):
     """Eight greedy streams over both engine replicas; one replica is killed once every stream has its first
-    tokens: every stream still ends with exactly the target's tokens, some of them continued on the other replica.
+    tokens: every stream still ends with exactly the target's tokens, some of them continued on the other replica,
+    and /health, polled throughout, says 200 (one replica of two can serve) and nothing else.
     On a loaded machine the victim's streams may all have ended before the kill (or the streams all gone to the
     other replica): then Serve's replacement is awaited and it is tried again, every try's tokens checked."""
     for _ in range(KILL_TRIES):
-        continued = _kill_a_replica_under_eight_streams(url, reference)
+        with HealthPoller(url) as health:
+            continued = _kill_a_replica_under_eight_streams(url, reference)
+        assert set(health.statuses()) == {200}, health.polls
         if continued >= 1:  # the power of two choices spread the eight streams over both replicas
             return
     pytest.fail(f"in {KILL_TRIES} tries no stream was running on the killed replica when it died")
@@ -76,6 +80,7 @@ def _kill_a_replica_under_eight_streams(url, reference) -> int:
     def stream(index: int) -> None:
         body = {"prompt": prompts[index], "max_tokens": MAX_TOKENS, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120, trust_env=False) as response:
+            assert response.status_code == 200
             first = True
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

@@ -79,3 +79,76 @@ def sse_chunks(response: httpx.Response) -> list:
     data = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
     assert data and data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
+
+
+class HealthPoller:
+    """GET {url}{path} every interval_s on a thread of its own while in the `with` block: `polls` holds
+    (monotonic time sent, monotonic time answered, status or None when no answer came within timeout_s)."""
+
+    def __init__(self, url: str, path: str = "/health", interval_s: float = 0.25, timeout_s: float = 10.0):
+        import threading
+
+        self.url, self.path, self.interval_s, self.timeout_s = url, path, interval_s, timeout_s
+        self.polls: list[tuple[float, float, int | None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            try:
+                status = httpx.get(f"{self.url}{self.path}", timeout=self.timeout_s, trust_env=False).status_code
+            except httpx.HTTPError:
+                status = None
+            self.polls.append((sent, time.monotonic(), status))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "HealthPoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def statuses(self, after: float = float("-inf")) -> list[int | None]:
+        return [status for sent, _, status in self.polls if sent >= after]
+
+    def first(self, status: int, after: float) -> float | None:
+        """When the first poll sent after `after` that got `status` was answered, or None."""
+        return next((answered for sent, answered, s in self.polls if sent >= after and s == status), None)
+
+
+def stream_completion(url: str, body: dict, on_first=None, timeout: float = 180.0) -> dict:
+    """POST a streamed completion -> {"status": HTTP status, "tokens": ids streamed, "finish": finish_reason,
+    "error": the error event or None, "done": whether [DONE] closed it, "retry_after": the header or None}.
+    on_first(): called at the first chunk."""
+    out = {"status": None, "tokens": [], "finish": None, "error": None, "done": False, "retry_after": None}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=timeout,
+                      trust_env=False) as response:  # fmt: skip
+        out["status"], out["retry_after"] = response.status_code, response.headers.get("retry-after")
+        if response.status_code != 200:
+            response.read()
+            out["error"] = response.json()
+            return out
+        first = True
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                out["done"] = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                out["error"] = event
+                continue
+            choice = event["choices"][0]
+            out["tokens"] += choice["token_ids"]
+            out["finish"] = choice["finish_reason"] or out["finish"]
+            if first and on_first is not None:
+                first = False
+                on_first()
+    return out

@@ -1,0 +1,105 @@
+"""ReplicaLossGuard (serving/proxy_guard.py) around stand-ins for Serve's proxy app, through Starlette's test client:
+a lost replica's request gets 503 with Retry-After, a cut stream an error event and [DONE], a probe no replica
+answers 503 within the deadline; complete answers pass untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from ray_specdec.serving.proxy_guard import ReplicaLossGuard, middlewares
+
+SSE = [(b"content-type", b"text/event-stream")]
+
+
+def client(app, **kwargs) -> TestClient:
+    return TestClient(ReplicaLossGuard(app, **kwargs), raise_server_exceptions=False)
+
+
+async def dies_before_answering(scope, receive, send):
+    """Serve's proxy when the replica died before its status line: no message, or the error raised."""
+    if scope["path"] == "/raise":
+        raise RuntimeError("ActorDiedError")
+
+
+async def cut_stream(scope, receive, send):
+    """A stream whose replica died after two events: no last body message."""
+    await send({"type": "http.response.start", "status": 200, "headers": SSE})
+    for i in range(2):
+        await send({"type": "http.response.body", "body": f"data: {{\"i\": {i}}}\n\n".encode(), "more_body": True})
+    if scope["path"] == "/raise":
+        raise RuntimeError("ActorDiedError")
+
+
+async def whole_stream(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": SSE})
+    await send({"type": "http.response.body", "body": b"data: {\"i\": 0}\n\n", "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def never_answers(scope, receive, send):
+    await asyncio.sleep(30)
+
+
+async def back_pressure(scope, receive, send):
+    await send({"type": "http.response.start", "status": 503, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+
+def events(text: str) -> list:
+    data = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/raise"])
+def test_a_request_without_an_answer_gets_503_with_retry_after(path):
+    response = client(dies_before_answering).post(path, json={})
+    assert response.status_code == 503 and response.headers["retry-after"] == "2"
+    assert response.json()["error"]["code"] == "replica_lost"
+    assert response.json()["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/raise"])
+def test_a_cut_stream_ends_with_an_error_event_and_done(path):
+    response = client(cut_stream).post(path, json={})
+    assert response.status_code == 200
+    got = events(response.text)
+    assert got[:2] == [{"i": 0}, {"i": 1}] and got[-1] == "[DONE]" and len(got) == 4
+    assert got[2]["status"] == 503 and got[2]["error"]["code"] == "replica_lost"
+
+
+def test_a_whole_stream_passes_untouched():
+    response = client(whole_stream).post("/v1/completions", json={})
+    assert events(response.text) == [{"i": 0}, "[DONE]"]
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/live", "/single/health"])
+def test_a_probe_nobody_answers_gets_503_within_the_deadline(path):
+    start = time.monotonic()
+    response = client(never_answers, health_deadline_s=0.3).get(path)
+    assert response.status_code == 503 and response.headers["retry-after"] == "2"
+    assert time.monotonic() - start < 5
+
+
+def test_only_probes_have_a_deadline():
+    async def slow(scope, receive, send):
+        await asyncio.sleep(0.5)
+        await back_pressure(scope, receive, send)
+
+    response = client(slow, health_deadline_s=0.1).get("/v1/models")
+    assert response.status_code == 503 and response.content == b"{}"  # the app's own answer, late
+
+
+def test_a_503_without_retry_after_gets_one():
+    response = client(back_pressure).get("/v1/models")
+    assert response.status_code == 503 and response.headers["retry-after"] == "2" and response.content == b"{}"
+
+
+def test_serve_takes_the_callback():
+    from ray.serve._private.http_util import validate_http_proxy_callback_return
+
+    assert [m.cls for m in validate_http_proxy_callback_return(middlewares())] == [ReplicaLossGuard]
