@@ -5,6 +5,13 @@ kind, the mean accepted length reported in each response's "speculative" block, 
 `ReplicaReader` sampled every second (default: `GET {url}/v1/stats`, read as {"replicas": {name: count}}; failures
 are skipped). Writes `loadtest.json`, `latency.png` and `timeline.png`.
 
+Soak (`--soak`): 8 clients for 30 minutes (each unless given), streaming a mix: greedy and sampled requests
+(temperature 0.7, top_p 0.95) alternately, prompts of 1, 4 and 16 copies of a base prompt, each behind a number of
+its own (no prompt twice: the prefix cache fills as it would in service). The engine replica's resident memory is
+read from `GET {url}/v1/stats` ("engine": {"rss_bytes", "replica"}) every 30 s; `soak.csv` and `soak.png` hold it
+with the completion tokens/s of each interval, and the report's "memory" block says how much it grew in each half of
+the run (once the KV budget and the prefix cache are full, the second half's growth should be ~0).
+
 Only loopback URLs are accepted (localhost, 127.0.0.0/8, ::1), and proxies from the environment are ignored: this
 tool must not be pointed at someone else's server.
 """
@@ -68,6 +75,8 @@ class LoadTestConfig:
     timeout_s: float = 120.0  # per request, whole response included
     sample_interval_s: float = 1.0
     temperature: float = 0.0  # sent with every request: 0 greedy, > 0 sampled (the server picks a seed per request)
+    mix: bool = False  # the soak's requests instead (module docstring): temperature ignored
+    memory_interval_s: float | None = None  # read the engine's resident memory from /v1/stats this often (None: never)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", check_loopback(self.url))
@@ -81,6 +90,27 @@ class LoadTestConfig:
             raise ValueError("need at least one prompt and max_tokens >= 1")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if self.memory_interval_s is not None and not self.memory_interval_s > 0:
+            raise ValueError(f"memory interval must be > 0, got {self.memory_interval_s}")
+
+
+# The soak's mix (module docstring): sampled requests' settings, and prompt lengths in copies of a base prompt.
+SOAK_TEMPERATURE, SOAK_TOP_P = 0.7, 0.95
+SOAK_COPIES = (1, 4, 16)
+
+
+def request_body(config: LoadTestConfig, i: int) -> dict[str, Any]:
+    """The body of the run's i-th request."""
+    prompt = config.prompts[i % len(config.prompts)]
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": config.max_tokens, "stream": config.stream,
+                            "temperature": config.temperature}  # fmt: skip
+    if config.mix:  # greedy and sampled alternately; 1, 4, 16 copies in turn over each pair
+        copies = SOAK_COPIES[(i // 2) % len(SOAK_COPIES)]
+        body["prompt"] = f"{i}. " + " ".join([prompt] * copies)
+        body |= {"temperature": SOAK_TEMPERATURE, "top_p": SOAK_TOP_P} if i % 2 else {"temperature": 0.0}
+    if config.tree is not None:
+        body["tree"] = config.tree
+    return body
 
 
 @dataclass
@@ -123,12 +153,8 @@ def _finish(result: RequestResult, body: dict[str, Any], tokens: int) -> Request
 
 
 async def _send(
-    client: httpx.AsyncClient, config: LoadTestConfig, prompt: str, t0: float, start: float
+    client: httpx.AsyncClient, config: LoadTestConfig, body: dict[str, Any], t0: float, start: float
 ) -> RequestResult:
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": config.max_tokens, "stream": config.stream,
-                            "temperature": config.temperature}
-    if config.tree is not None:
-        body["tree"] = config.tree
     result = RequestResult(start - t0, 0.0)
     url = f"{config.url}/v1/completions"
     if not config.stream:
@@ -158,11 +184,11 @@ async def _send(
 
 
 async def _one_request(
-    client: httpx.AsyncClient, config: LoadTestConfig, prompt: str, t0: float, start: float
+    client: httpx.AsyncClient, config: LoadTestConfig, body: dict[str, Any], t0: float, start: float
 ) -> RequestResult:
     """start: when the caller decided to send it (the time it checked against the run's deadline)."""
     try:
-        result = await asyncio.wait_for(_send(client, config, prompt, t0, start), config.timeout_s)
+        result = await asyncio.wait_for(_send(client, config, body, t0, start), config.timeout_s)
     except (asyncio.TimeoutError, httpx.TimeoutException):
         result = RequestResult(start - t0, 0.0, error="timeout")
     except httpx.ConnectError:
@@ -204,6 +230,27 @@ async def _sample_replicas(reader: ReplicaReader, config: LoadTestConfig, t0: fl
             pass
 
 
+async def _sample_memory(client: httpx.AsyncClient, config: LoadTestConfig, t0: float, stop: asyncio.Event,
+                         out: list) -> None:
+    """The engine replica's resident memory from GET /v1/stats every memory_interval_s, from the start (failures
+    skipped: a busy server answers the next)."""
+    while not stop.is_set():
+        await _sample_memory_once(client, config, t0, out)
+        try:
+            await asyncio.wait_for(stop.wait(), config.memory_interval_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _sample_memory_once(client: httpx.AsyncClient, config: LoadTestConfig, t0: float, out: list) -> None:
+    t = time.perf_counter() - t0
+    try:
+        engine = (await client.get(f"{config.url}/v1/stats")).json()["engine"]
+        out.append({"t": t, "replica": str(engine.get("replica")), "rss_bytes": int(engine["rss_bytes"])})
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        pass
+
+
 async def run_loadtest(config: LoadTestConfig, replica_reader: ReplicaReader | None = None) -> dict[str, Any]:
     """Run the load; returns the report (see `summarize`)."""
     limits = httpx.Limits(max_connections=config.concurrency + 1, max_keepalive_connections=config.concurrency + 1)
@@ -212,6 +259,7 @@ async def run_loadtest(config: LoadTestConfig, replica_reader: ReplicaReader | N
         reader = replica_reader or stats_reader(client, config.url)
         results: list[RequestResult] = []
         samples: list[dict[str, Any]] = []
+        memory: list[dict[str, Any]] = []
         issued = 0
         t0 = time.perf_counter()
         deadline = t0 + config.duration_s
@@ -221,19 +269,23 @@ async def run_loadtest(config: LoadTestConfig, replica_reader: ReplicaReader | N
             while (config.max_requests is None or issued < config.max_requests) and (
                 start := time.perf_counter()
             ) < deadline:  # a request's recorded start is the time checked here, so none starts after the deadline
-                prompt = config.prompts[issued % len(config.prompts)]
+                body = request_body(config, issued)
                 issued += 1
-                results.append(await _one_request(client, config, prompt, t0, start))
+                results.append(await _one_request(client, config, body, t0, start))
 
         stop = asyncio.Event()
-        sampler = asyncio.create_task(_sample_replicas(reader, config, t0, stop, samples))
+        samplers = [asyncio.create_task(_sample_replicas(reader, config, t0, stop, samples))]
+        if config.memory_interval_s is not None:
+            samplers.append(asyncio.create_task(_sample_memory(client, config, t0, stop, memory)))
         try:
             await asyncio.gather(*(worker() for _ in range(config.concurrency)))
         finally:
             wall_s = time.perf_counter() - t0
+            if config.memory_interval_s is not None and not stop.is_set():  # the state the run ended in
+                await _sample_memory_once(client, config, t0, memory)
             stop.set()
-            await sampler
-    return summarize(results, wall_s, samples, config)
+            await asyncio.gather(*samplers)
+    return summarize(results, wall_s, samples, config, memory)
 
 
 def percentiles(values: list[float]) -> dict[str, float] | None:
@@ -256,8 +308,22 @@ def _timeline(results: list[RequestResult], wall_s: float) -> list[dict[str, flo
     return bins
 
 
+def memory_summary(memory: list[dict[str, Any]], wall_s: float) -> dict[str, Any] | None:
+    """The engine's resident memory over the run (of the replica sampled most): first, last and largest sample in
+    MiB, and the growth over each half of the run (the last sample at or before the half, to the end)."""
+    if not memory:
+        return None
+    replica = Counter(m["replica"] for m in memory).most_common(1)[0][0]
+    points = [(m["t"], m["rss_bytes"] / 2**20) for m in memory if m["replica"] == replica]
+    half = [mib for t, mib in points if t <= wall_s / 2][-1]
+    return {"replica": replica, "samples": len(points), "first_mib": points[0][1], "last_mib": points[-1][1],
+            "max_mib": max(mib for _, mib in points), "growth_first_half_mib": half - points[0][1],
+            "growth_second_half_mib": points[-1][1] - half}  # fmt: skip
+
+
 def summarize(
-    results: list[RequestResult], wall_s: float, samples: list[dict[str, Any]], config: LoadTestConfig
+    results: list[RequestResult], wall_s: float, samples: list[dict[str, Any]], config: LoadTestConfig,
+    memory: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
@@ -275,6 +341,8 @@ def summarize(
         "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "mean_accepted_length": accepted,
         "replicas": samples,
+        "memory": memory_summary(memory or [], wall_s),
+        "memory_samples": memory or [],
         "timeline": _timeline(results, wall_s),
         "requests_log": [asdict(r) for r in results],
     }
@@ -330,13 +398,59 @@ def plot_timeline(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def soak_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per memory sample: its time, replica and resident MiB, and the completed requests, errors and
+    completion tokens/s since the previous sample (the first: since the start)."""
+    rows, last = [], 0.0
+    for m in report["memory_samples"]:
+        window = [r for r in report["requests_log"] if last < r["start_s"] + r["latency_s"] <= m["t"]]
+        ok = [r for r in window if r["error"] is None]
+        seconds = max(m["t"] - last, 1e-9)
+        rows.append({"t_s": round(m["t"], 3), "replica": m["replica"], "rss_mib": round(m["rss_bytes"] / 2**20, 1),
+                     "requests_ok": len(ok), "errors": len(window) - len(ok),
+                     "tokens_per_s": round(sum(r["completion_tokens"] for r in ok) / seconds, 1) if m["t"] else None})
+        last = m["t"]
+    return rows
+
+
+def write_soak_csv(report: dict[str, Any], path: Path) -> Path:
+    rows = soak_rows(report)
+    fields = ["t_s", "replica", "rss_mib", "requests_ok", "errors", "tokens_per_s"]
+    lines = [",".join(fields)] + [",".join("" if row[f] is None else str(row[f]) for f in fields) for row in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def plot_soak(report: dict[str, Any], path: Path) -> Path:
+    """The engine's resident memory and the completion tokens/s of each sampling interval over the run."""
+    from matplotlib.figure import Figure
+
+    rows = soak_rows(report)
+    fig = Figure(figsize=(10, 6))
+    memory_ax, tokens_ax = fig.subplots(2, 1, sharex=True)
+    for replica in sorted({row["replica"] for row in rows}):
+        mine = [row for row in rows if row["replica"] == replica]
+        memory_ax.plot([r["t_s"] / 60 for r in mine], [r["rss_mib"] for r in mine], marker="o", label=replica)
+    memory_ax.set(ylabel="resident memory (MiB)", title="Engine replica memory")
+    memory_ax.legend(title="replica", fontsize="small")
+    timed = [row for row in rows if row["tokens_per_s"] is not None]
+    tokens_ax.plot([r["t_s"] / 60 for r in timed], [r["tokens_per_s"] for r in timed], marker="o")
+    tokens_ax.set(xlabel="time (min)", ylabel="completion tokens/s", title="Throughput per sampling interval")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
 def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """loadtest.json plus the plots; returns the paths written."""
+    """loadtest.json plus the plots (and soak.csv, soak.png where memory was sampled); returns the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "loadtest.json").write_text(json.dumps(report, indent=1))
-    plots = [plot_latency(report, out / "latency.png"), plot_timeline(report, out / "timeline.png")]
-    return [out / "loadtest.json", *plots]
+    paths = [out / "loadtest.json", plot_latency(report, out / "latency.png"),
+             plot_timeline(report, out / "timeline.png")]  # fmt: skip
+    if report["memory_samples"]:
+        paths += [write_soak_csv(report, out / "soak.csv"), plot_soak(report, out / "soak.png")]
+    return paths
 
 
 def describe(report: dict[str, Any]) -> str:
@@ -345,12 +459,22 @@ def describe(report: dict[str, Any]) -> str:
 
     req, thr, lat, ttft = report["requests"], report["throughput"], report["latency_s"], report["ttft_s"]
     accepted = report["mean_accepted_length"]
-    return (
+    text = (
         f"{req['ok']}/{req['total']} ok in {report['wall_s']:.1f}s, errors {report['errors'] or 0}; "
         f"{thr['requests_per_s']:.2f} req/s, {thr['tokens_per_s']:.1f} tok/s; latency p50 {ms(lat, 'p50')} "
         f"p95 {ms(lat, 'p95')} p99 {ms(lat, 'p99')}; ttft p50 {ms(ttft, 'p50')}; "
         f"mean accepted length {'n/a' if accepted is None else f'{accepted:.2f}'}"
     )
+    if (memory := report.get("memory")) is not None:
+        text += (f"; engine memory {memory['first_mib']:.0f} -> {memory['last_mib']:.0f} MiB (max "
+                 f"{memory['max_mib']:.0f}; +{memory['growth_first_half_mib']:.0f} in the first half, "
+                 f"+{memory['growth_second_half_mib']:.0f} in the second)")  # fmt: skip
+    return text
+
+
+# The CLI's defaults, plain and with --soak (a flag given on the command line wins over either).
+PLAIN_DEFAULTS: dict[str, Any] = {"concurrency": 1, "duration": 30.0, "memory_interval": None}
+SOAK_DEFAULTS: dict[str, Any] = {"concurrency": 8, "duration": 1800.0, "memory_interval": 30.0}
 
 
 class _UsageError(Exception):
@@ -377,8 +501,13 @@ def read_prompts(path: str | Path) -> tuple[str, ...]:
 def main(argv: list[str] | None = None, *, replica_reader: ReplicaReader | None = None) -> int:
     parser = _Parser(prog="ray_specdec loadtest", description="Load test a local ray_specdec server.")
     parser.add_argument("--url", required=True, help="base URL, loopback only, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--concurrency", type=int, default=1)
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds during which requests start")
+    parser.add_argument("--soak", action="store_true",
+                        help=f"soak: the mixed requests, streamed, with the engine's memory sampled (defaults: "
+                             f"concurrency {SOAK_DEFAULTS['concurrency']}, duration {SOAK_DEFAULTS['duration']:.0f} s, "
+                             f"memory interval {SOAK_DEFAULTS['memory_interval']:.0f} s)")  # fmt: skip
+    parser.add_argument("--concurrency", type=int, help="concurrent clients (default 1)")
+    parser.add_argument("--duration", type=float, help="seconds during which requests start (default 30)")
+    parser.add_argument("--memory-interval", type=float, help="seconds between reads of the engine's memory")
     parser.add_argument("--requests", type=int, help="stop after this many requests")
     parser.add_argument("--prompts", help="JSONL file with a 'prompt' field per line (default: a few built-in)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -390,9 +519,13 @@ def main(argv: list[str] | None = None, *, replica_reader: ReplicaReader | None 
     try:
         args = parser.parse_args(argv)
         prompts = read_prompts(args.prompts) if args.prompts else DEFAULT_PROMPTS
+        defaults = SOAK_DEFAULTS if args.soak else PLAIN_DEFAULTS
+        given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
+        picked = defaults | given
         config = LoadTestConfig(
-            args.url, args.concurrency, args.duration, args.requests, prompts, args.max_tokens, args.stream,
-            args.tree, args.timeout, temperature=args.temperature,
+            args.url, picked["concurrency"], picked["duration"], args.requests, prompts, args.max_tokens,
+            args.stream or args.soak, args.tree, args.timeout, temperature=args.temperature, mix=args.soak,
+            memory_interval_s=picked["memory_interval"],
         )  # fmt: skip
     except (_UsageError, ValueError) as exc:
         print(f"loadtest: error: {exc}", file=sys.stderr)

@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from ray_specdec.tools.loadtest import LoadTestConfig, check_loopback, main, percentiles, run_loadtest
+from ray_specdec.tools.loadtest import (SOAK_COPIES, SOAK_TEMPERATURE, SOAK_TOP_P, LoadTestConfig, check_loopback, main,
+                                        percentiles, request_body, run_loadtest)
 
 TOKEN_DELAY_S = 0.002
 
@@ -34,6 +35,8 @@ def _speculative(d: dict[str, str]) -> dict:
 
 
 TEMPERATURES_SEEN: list[float] = []
+BODIES_SEEN: list[dict] = []
+STATS_READS: list[int] = []
 
 
 def fake_app() -> Starlette:
@@ -42,6 +45,7 @@ def fake_app() -> Starlette:
     async def completions(request: Request):
         body = await request.json()
         TEMPERATURES_SEEN.append(body.get("temperature"))
+        BODIES_SEEN.append(body)
         d, n = _directives(body["prompt"]), body["max_tokens"]
         if "status" in d:
             return JSONResponse({"error": "busy"}, status_code=int(d["status"]))
@@ -68,7 +72,9 @@ def fake_app() -> Starlette:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def stats(request: Request):
-        return JSONResponse({"replicas": {"drafter": 2 if in_flight[0] > 1 else 1, "target": 1}})
+        STATS_READS.append(1)  # the engine's memory grows by 1 MiB a read
+        engine = {"replica": "r1", "rss_bytes": (100 + len(STATS_READS)) * 2**20}
+        return JSONResponse({"replicas": {"drafter": 2 if in_flight[0] > 1 else 1, "target": 1}, "engine": engine})
 
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/stats", stats)])
 
@@ -224,3 +230,42 @@ def test_cli_rejects_bad_input(argv, message, capsys):
     assert main(["--url", "http://127.0.0.1:1", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_the_soak_mixes_greedy_and_sampled_requests_of_three_lengths_and_never_repeats_a_prompt(server_url):
+    config = LoadTestConfig(server_url, prompts=("a b",), mix=True)
+    bodies = [request_body(config, i) for i in range(12)]
+    assert [b["temperature"] for b in bodies] == [0.0, SOAK_TEMPERATURE] * 6
+    assert all(b["top_p"] == SOAK_TOP_P for b in bodies[1::2]) and all("top_p" not in b for b in bodies[::2])
+    words = [len(b["prompt"].split()) - 1 for b in bodies]  # behind the request's number
+    assert words == [2 * c for c in SOAK_COPIES for _ in range(2)] * 2
+    assert len({b["prompt"] for b in bodies}) == len(bodies)
+
+
+def test_cli_soak_samples_the_engines_memory_and_writes_csv_and_plot(server_url, tmp_path, capsys):
+    out = tmp_path / "soak"
+    BODIES_SEEN.clear()
+    argv = ["--url", server_url, "--soak", "--duration", "1.2", "--memory-interval", "0.25", "--prompts",
+            str(_prompts(tmp_path)), "--max-tokens", "3", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((out / "loadtest.json").read_text())
+    assert report["config"]["concurrency"] == 8 and report["config"]["stream"] and report["errors"] == {}
+    assert {b["temperature"] for b in BODIES_SEEN} == {0.0, SOAK_TEMPERATURE}
+    samples = report["memory_samples"]
+    assert len(samples) >= 4 and np.all(np.diff([m["rss_bytes"] for m in samples]) > 0)
+    memory, mib = report["memory"], [m["rss_bytes"] / 2**20 for m in samples]
+    assert (memory["first_mib"], memory["last_mib"], memory["max_mib"]) == (mib[0], mib[-1], mib[-1])
+    assert memory["growth_first_half_mib"] + memory["growth_second_half_mib"] == mib[-1] - mib[0]
+    assert memory["growth_first_half_mib"] > 0 and memory["growth_second_half_mib"] > 0
+    rows = (out / "soak.csv").read_text().splitlines()
+    assert rows[0] == "t_s,replica,rss_mib,requests_ok,errors,tokens_per_s" and len(rows) == len(samples) + 1
+    assert sum(int(r.split(",")[3]) for r in rows[1:]) == report["requests"]["ok"]  # every request in one interval
+    data = (out / "soak.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert "engine memory" in capsys.readouterr().out
+
+
+def _prompts(tmp_path):
+    path = tmp_path / "soak_prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "sleep=0.02"}) + "\n")
+    return path
