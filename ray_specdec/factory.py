@@ -43,11 +43,12 @@ def _first_line(e: Exception) -> str:
 
 
 def load_target(name: str | None, dtype="auto", device="cpu"):
-    from ray_specdec.models.target.model import TargetModel
+    """The target adapter its config calls for (models/target/kinds.py): attention or Mamba."""
+    from ray_specdec.models.target.kinds import load_target_model
 
     name = name or _default("target")
     try:
-        return TargetModel.from_pretrained(name, dtype=dtype, device=device)
+        return load_target_model(name, dtype=dtype, device=device)
     except Exception as e:  # any failure to load is the user's input problem here
         raise LoadError(f"cannot load target {name!r}: {_first_line(e)}") from None
 

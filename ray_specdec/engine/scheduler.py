@@ -136,6 +136,8 @@ class Scheduler:
         self.config = config
         self.speculation = speculation
         self.max_context = min(target.max_context, max_context or target.max_context)
+        # an SSM target's fixed per-request state, in KV rows: part of every request's reservation and grant
+        self.state_rows: int = getattr(target, "state_rows", 0)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         # KV reservations, the prefix cache (cached prompt chunks) and each step's prefill chunks
@@ -166,11 +168,12 @@ class Scheduler:
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the target's "
                 f"context length of {self.max_context} tokens"
             )
-        rows = prompt_len + params.max_new_tokens + self._max_verify_rows(params, tree)
+        rows = prompt_len + params.max_new_tokens + self._max_verify_rows(params, tree) + self.state_rows
         if rows > self.config.kv_budget_tokens:
+            state = f" + its state {self.state_rows}" if self.state_rows else ""
             raise RequestTooLarge(
                 f"the request needs {rows} KV rows (prompt {prompt_len} + max_new_tokens {params.max_new_tokens} + "
-                f"one verify) but the KV budget is {self.config.kv_budget_tokens} rows"
+                f"one verify{state}) but the KV budget is {self.config.kv_budget_tokens} rows"
             )
         return rows
 

@@ -94,12 +94,13 @@ def on_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class TargetCaches:
-    """A `TargetModel` and the KV caches of the requests it serves, driven by `StepWork` (one rank's side too)."""
+    """A `TargetModel` (or `SSMTargetModel`: the same calls) and the caches of the requests it serves, driven by
+    `StepWork` (one rank's side too)."""
 
     def __init__(self, target: TargetModel):
         self.target = target
         self.caches: dict[str, TargetCache] = {}
-        self.chunks: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # cached prompt chunks' rows by block
+        self.chunks: dict[int, object] = {}  # cached prompt chunks by block: K/V rows, or an SSM's state after them
 
     def run(self, work: StepWork) -> list[torch.Tensor | None]:
         self.target.commit_many([(self._cache(request_id), keep) for request_id, keep in work.commits])
@@ -116,7 +117,7 @@ class TargetCaches:
         for request_id, blocks in work.loads:
             cache = self._cache(request_id)
             for block in blocks:
-                cache.kv.append_rows(self._chunk(block))
+                self.target.load_chunk(cache, self._chunk(block))
         for block in work.drops:
             self.chunks.pop(block, None)
         logits = []
@@ -127,10 +128,10 @@ class TargetCaches:
             ]
             logits = row_argmaxes(work.segments, self.target.forward_batch(segments))
         for request_id, start, end, block in work.saves:
-            self.chunks[block] = self._cache(request_id).kv.copy_rows(start, end)
+            self.chunks[block] = self.target.save_chunk(self._cache(request_id), start, end)
         return logits
 
-    def _chunk(self, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _chunk(self, block: int):
         rows = self.chunks.get(block)
         if rows is None:
             raise KeyError(f"the target holds no cached chunk {block}")
@@ -163,6 +164,11 @@ class LocalTarget(TargetCaches):
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.target.eos_token_ids
+
+    @property
+    def state_rows(self) -> int:
+        """KV rows each request's fixed state is charged (an SSM target's; 0 for attention targets)."""
+        return getattr(self.target, "state_rows", 0)
 
     @property
     def kv_pool(self) -> dict[str, int] | None:

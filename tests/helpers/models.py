@@ -144,3 +144,13 @@ def perturbed_mamba(config: MambaConfig, seed: int = 0) -> MambaForCausalLM:
             for p in model.parameters():
                 p.add_(0.2 * torch.randn_like(p))
     return model.eval()
+
+
+def tiny_mamba_lm(dtype: torch.dtype = torch.float64, *, vocab: int = 128, hidden: int = 32, layers: int = 2,
+                  state: int = 8, conv_kernel: int = 4, eos: int = 0, seed: int = 0) -> MambaForCausalLM:
+    """A Mamba causal LM (an SSM target), every weight perturbed so that its greedy continuations do not collapse
+    into one repeated token; eos = `eos`."""
+    config = MambaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, state_size=state, expand=2,
+                         conv_kernel=conv_kernel, initializer_range=0.1, eos_token_id=eos, bos_token_id=eos,
+                         pad_token_id=eos)
+    return perturbed_mamba(config, seed).to(dtype)

@@ -272,6 +272,14 @@ class TargetModel:
         if self._pool is not None:
             self._pool.free(cache.kv)
 
+    def save_chunk(self, cache: TargetCache, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the cache's rows [start, end) per layer (a prompt chunk the prefix cache keeps)."""
+        return cache.kv.copy_rows(start, end)
+
+    def load_chunk(self, cache: TargetCache, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append a kept chunk's rows (of `save_chunk`) to the cache."""
+        cache.kv.append_rows(rows)
+
     @torch.inference_mode()
     def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
         """One forward for all segments (of distinct caches, except that a prefill chunk may precede a verify of its

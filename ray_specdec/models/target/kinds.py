@@ -1,0 +1,48 @@
+"""Which target adapter serves a model: `TargetModel` for attention causal LMs, `SSMTargetModel` for Mamba; a clear
+error for every other recurrent or hybrid class, read from the model's config before any weights load."""
+
+from __future__ import annotations
+
+import torch
+
+from ray_specdec.models.loading import resolve_model_path
+
+# HF classes served by models/target/ssm.py
+SSM_ARCHITECTURES = ("MambaForCausalLM",)
+# Layer kinds of a config's `layer_types` that the attention adapter verifies trees through
+ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention")
+SUPPORTED = ("Transformer causal LMs whose attention runs through sdpa (GPTNeoX, Llama, Mistral, Qwen2, ...) and "
+             + ", ".join(SSM_ARCHITECTURES))
+
+
+class UnsupportedTarget(ValueError):
+    """The model's class cannot be a target here; the message names what can."""
+
+
+def target_kind(config) -> str:
+    """'ssm' or 'attention' for a model config; UnsupportedTarget for recurrent or hybrid classes served by neither."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if any(a in SSM_ARCHITECTURES for a in architectures) or getattr(config, "model_type", None) == "mamba":
+        return "ssm"
+    kinds = set(getattr(config, "layer_types", None) or [])
+    recurrent = sorted(kinds - set(ATTENTION_LAYER_KINDS))
+    if recurrent:
+        name = architectures[0] if architectures else getattr(config, "model_type", "this model")
+        raise UnsupportedTarget(f"{name} (layer kinds {recurrent}) is not supported as a target; supported: "
+                                f"{SUPPORTED}")  # fmt: skip
+    return "attention"
+
+
+def load_target_model(name_or_path: str, *, dtype: str | torch.dtype | None = None, device: str = "cpu"):
+    """The target adapter for a hub id, local directory or embedded name: `SSMTargetModel` for Mamba, else
+    `TargetModel`."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name_or_path)
+    if target_kind(AutoConfig.from_pretrained(path)) == "ssm":
+        from ray_specdec.models.target.ssm import SSMTargetModel
+
+        return SSMTargetModel.from_pretrained(path, dtype=dtype, device=device)
+    from ray_specdec.models.target.model import TargetModel
+
+    return TargetModel.from_pretrained(path, dtype=dtype, device=device)

@@ -1,0 +1,315 @@
+"""The Mamba target: scores a whole token tree in one forward pass through its SSM layers, one fixed-size state per
+request.
+
+The same interface as `TargetModel` (forward_batch over prefill chunks and verify segments, commit of the accepted
+path, caches with a capacity), so the scheduler and `engine/target_backend.py` drive both alike. What differs is the
+cache: an SSM layer has no rows to mask or compact, only a state. A request's state (per layer the last `d_conv - 1`
+conv inputs and the SSM state) lives in a slot of `SSMStatePool`; it is the same size at any context.
+
+A forward's rows are each request's prefill chunk (a chain) and/or its verify rows (`[root, *tree nodes]`, the root's
+parent being the state after the chunk, or the request's state). Every layer runs its products over all rows of all
+requests at once; its conv and scan follow each row's parent (models/target/ssm_scan.py): a node's conv window is its
+ancestors' inputs and its SSM state is its parent's, advanced by its token. Only the verify rows get logits.
+
+After acceptance the request's state must be the accepted node's, never a rejected branch's. The verify keeps every
+row's state (`PendingStates`: per layer a conv window and an SSM state per row), and `commit` copies the kept path's
+last row into the slot: no recomputation. (The alternative, replaying the accepted tokens from the state before the
+verify, costs a forward of up to depth + 1 tokens per request per step; docs/DESIGN.md compares the two.)
+
+Numerics follow HF's Mamba: RMSNorm normalizes in float32, a layer's skip connection is rounded to float32 where
+`residual_in_fp32`, the SSM runs in float32 for half-precision models (the model's dtype otherwise), logits are float32
+(float64 for a float64 model). The products
+are torch's over the step's rows: a row's results can depend on the others in the last bits (float64 tests of greedy
+output check that no mismatch sits off a near-tie).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, MambaForCausalLM
+
+from ray_specdec.models.drafter.mamba_state import MixerWeights
+from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path
+from ray_specdec.models.target.forward_layout import Segment
+from ray_specdec.models.target.ssm_scan import RowTrees, tree_conv, tree_scan
+from ray_specdec.models.target.ssm_state import PendingStates, SSMCache, SSMStatePool, StateSnapshot
+from ray_specdec.speculation.tree import TreeTensors
+
+# An SSM has no position limit; prompt + max_tokens is capped here where the config names none (a chat request
+# without max_tokens reserves up to it against the KV budget).
+SSM_MAX_CONTEXT = 1 << 14
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's MambaRMSNorm: normalized in float32 whatever the dtype, scaled in the weight's."""
+    x = x.to(weight.dtype)
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class SSMTargetModel:
+    """Adapter around an HF `MambaForCausalLM`: tree verification through its SSM layers."""
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype | None = None,
+                        device: str = "cpu") -> "SSMTargetModel":
+        """Load from a hub id or a local directory; float32 on CPU unless `dtype` says otherwise."""
+        path = resolve_model_path(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
+        return cls(model.to(device).eval(), load_tokenizer(path))
+
+    def __init__(self, model: MambaForCausalLM, tokenizer=None, *, slots: int = 8):
+        """slots: states the pool preallocates (it doubles when every one is taken)."""
+        if not isinstance(model, MambaForCausalLM):
+            raise TypeError(f"SSMTargetModel takes a MambaForCausalLM, not {type(model).__name__}")
+        config = model.config
+        if config.hidden_act != "silu":
+            raise ValueError(f"only silu Mamba models are supported, got hidden_act={config.hidden_act!r}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        backbone = model.backbone
+        self.device: torch.device = backbone.embeddings.weight.device
+        self.dtype: torch.dtype = backbone.embeddings.weight.dtype
+        self.vocab_size: int = int(model.lm_head.out_features)
+        self.max_context: int = int(getattr(config, "max_position_embeddings", None) or SSM_MAX_CONTEXT)
+        self.eos_token_ids: frozenset[int] = eos_token_ids(model)
+        self.n_layers: int = config.num_hidden_layers
+        self.d_inner: int = config.intermediate_size
+        self.d_conv: int = config.conv_kernel
+        self.d_state: int = config.state_size
+        self.dt_rank: int = int(config.time_step_rank)
+        self.eps: float = config.layer_norm_epsilon
+        self.ssm_dtype = torch.promote_types(self.dtype, torch.float32)
+        self.residual_in_fp32 = bool(config.residual_in_fp32)
+        self._logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self._layers = [MixerWeights.from_block(block, self.ssm_dtype) for block in backbone.layers]
+        self._embed = backbone.embeddings.weight.detach()
+        self._norm_f = backbone.norm_f.weight.detach()
+        self._lm_head = model.lm_head.weight.detach()
+        self._pool = SSMStatePool(self.n_layers, self.d_inner, self.d_conv, self.d_state, self.dtype,
+                                  self.ssm_dtype, self.device, slots)  # fmt: skip
+
+    # ----- what the engine reads -----
+
+    batch_invariant = False
+    batch_invariant_why = "the SSM target's products run over the step's rows (torch's GEMMs)"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The bytes one row of the KV budget stands for. An SSM keeps nothing per token, so its rows are a nominal
+        unit: the K and V one attention layer of the model's width would keep per token. A request is charged its
+        tokens at a row each (conservative) and its state at `state_rows`."""
+        return 2 * self.model.config.hidden_size * self.dtype.itemsize
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one request's state (all layers' conv and SSM states): the same at any context."""
+        return self._pool.bytes_per_slot
+
+    @property
+    def state_rows(self) -> int:
+        """The request's fixed state in rows of the KV budget (`kv_bytes_per_token`)."""
+        return -(-self.state_bytes // self.kv_bytes_per_token)
+
+    @property
+    def kv_pool_stats(self) -> dict[str, int]:
+        """The state pool's slots and slots in use."""
+        return {"slots": self._pool.slots, "used": self._pool.used, "state_bytes": self.state_bytes}
+
+    # ----- caches -----
+
+    def new_cache(self, capacity: int | None = None) -> SSMCache:
+        """A request's state, in a zeroed slot. capacity: the rows the scheduler granted (checked like a KV cache's,
+        so that the budget's accounting is the same for every target; the state's size does not depend on it)."""
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"a cache needs a capacity of at least one row, got {capacity}")
+        return SSMCache(self._pool.acquire(), capacity)
+
+    def resize(self, cache: SSMCache, capacity: int) -> None:
+        cache.capacity = capacity
+
+    def release(self, cache: SSMCache) -> None:
+        if cache.slot >= 0:
+            self._pool.release(cache.slot)
+            cache.slot = -1
+
+    def save_chunk(self, cache: SSMCache, start: int, end: int) -> StateSnapshot:
+        """The state after the prompt chunk [start, end) that this step's forward ran (the prefix cache keeps it)."""
+        if end != cache.committed:
+            raise ValueError(f"the state holds {cache.committed} tokens, not the chunk's end {end}")
+        return StateSnapshot(self._pool.conv[cache.slot].clone(), self._pool.ssm[cache.slot].clone(), start, end)
+
+    def load_chunk(self, cache: SSMCache, snapshot: StateSnapshot) -> None:
+        """Continue the cache from a kept chunk's state: the chunk must start where the cache ends."""
+        self._check_committed(cache)
+        if snapshot.start != cache.committed:
+            raise ValueError(f"a cached chunk from token {snapshot.start} cannot continue a state of "
+                             f"{cache.committed} tokens")  # fmt: skip
+        self._pool.conv[cache.slot].copy_(snapshot.conv)
+        self._pool.ssm[cache.slot].copy_(snapshot.ssm)
+        cache.committed = snapshot.end
+
+    # ----- the forward -----
+
+    @torch.inference_mode()
+    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
+        """One forward for all segments (of distinct caches, except that a prefill chunk may precede a verify of its
+        cache). A verify segment -> its logits [S, V], its rows' states pending until `commit`; a prefill segment ->
+        None, the state advances over its tokens. Every segment is checked before anything runs."""
+        groups: dict[int, dict] = {}  # cache -> its chunk and verify in this forward
+        for i, segment in enumerate(segments):
+            group = groups.setdefault(id(segment.cache), {"cache": segment.cache, "chunk": None, "verify": None})
+            kind = "chunk" if segment.tree is None else "verify"
+            if group[kind] is not None or (kind == "chunk" and group["verify"] is not None):
+                raise ValueError("two segments of one forward share a cache (only a prefill chunk, then a verify, may)")
+            tokens = segment.tokens.reshape(-1).to(dtype=torch.long)
+            if segment.tree is not None and tokens.numel() != 1 + segment.tree.num_nodes:
+                raise ValueError(f"tree has {segment.tree.num_nodes} nodes but {tokens.numel() - 1} tokens were given")
+            group[kind] = (i, tokens, segment.tree)
+        work = [g for g in groups.values() if self._check(g)]
+        out: list[torch.Tensor | None] = [None] * len(segments)
+        if work:
+            self._forward(work, out)
+        return out
+
+    def prefill(self, cache: SSMCache, input_ids: torch.Tensor) -> None:
+        """Advance the state over input_ids [S] (S >= 0)."""
+        self.forward_batch([Segment(cache, input_ids)])
+
+    def verify(self, cache: SSMCache, root_token: int, tree: TreeTensors, tree_tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [1 + n, V] at the root and every tree node; their states wait for `commit`."""
+        root = torch.tensor([root_token], dtype=torch.long)
+        tokens = torch.cat([root, tree_tokens.reshape(-1).to(torch.long).cpu()])
+        return self.forward_batch([Segment(cache, tokens, tree)])[0]
+
+    @torch.inference_mode()
+    def commit(self, cache: SSMCache, keep_rows: Sequence[int]) -> None:
+        """Keep rows `keep_rows` (the root and the accepted path, ascending) of the last verify: the state becomes
+        that of its last row."""
+        self.commit_many([(cache, keep_rows)])
+
+    @torch.inference_mode()
+    def commit_many(self, commits: Sequence[tuple[SSMCache, Sequence[int]]]) -> None:
+        """`commit` for several caches: every one is checked first."""
+        checked = []
+        for cache, keep_rows in commits:
+            pending = cache.pending
+            if pending is None:
+                raise ValueError("commit without a verify to commit")
+            keep = [int(r) for r in keep_rows]
+            parents = pending.parents.tolist()
+            if keep and (keep[0] != 0 or any(parents[b] != a for a, b in zip(keep, keep[1:]))
+                         or keep[-1] >= len(parents)):
+                raise ValueError(f"an SSM state keeps a path from the root of the verify (rows 0, a child of 0, ...), "
+                                 f"got {keep}")  # fmt: skip
+            checked.append((cache, keep))
+        for cache, keep in checked:
+            if keep:
+                self._pool.conv[cache.slot].copy_(cache.pending.conv[:, keep[-1]])
+                self._pool.ssm[cache.slot].copy_(cache.pending.ssm[:, keep[-1]])
+                cache.committed += len(keep)
+            cache.pending = None
+
+    def _check(self, group: dict) -> bool:
+        """Checks a cache's part of a forward (committed, within its context and capacity) -> whether it has rows."""
+        cache: SSMCache = group["cache"]
+        self._check_committed(cache)
+        if cache.slot < 0:
+            raise ValueError("the cache was released")
+        rows = sum(part[1].numel() for part in (group["chunk"], group["verify"]) if part is not None)
+        needed = cache.committed + rows
+        if group["verify"] is not None:
+            tree = group["verify"][2]
+            what = f"verify of a depth-{tree.depth} tree"
+            needed_positions = needed - tree.num_nodes + tree.depth
+        else:
+            what, needed_positions = f"prefill of {rows} tokens", needed
+        if needed_positions > self.max_context:
+            raise ValueError(f"{what} needs {needed_positions} positions but the target's context is "
+                             f"{self.max_context}; shorten the prompt or max_tokens")  # fmt: skip
+        if cache.capacity is not None and needed > cache.capacity:
+            raise ValueError(f"{what} needs {needed} cache rows but the cache holds {cache.capacity} "
+                             "(new_cache(capacity=...))")  # fmt: skip
+        return rows > 0
+
+    def _forward(self, groups: list[dict], out: list[torch.Tensor | None]) -> None:
+        """Every group's rows through the model in one forward: chunk rows as a chain, then verify rows as the tree
+        (its root a child of the chunk's last row); slots advance over the chunks, verifies' states wait."""
+        tokens, parents, kept, verify_rows = [], [], [], []
+        row = 0
+        for g in groups:
+            chunk, verify = g["chunk"], g["verify"]
+            n_chunk = 0 if chunk is None else chunk[1].numel()
+            p = [torch.arange(-1, n_chunk - 1)]
+            tokens.append(torch.empty(0, dtype=torch.long) if chunk is None else chunk[1].cpu())
+            if n_chunk:
+                kept.append(row + n_chunk - 1)
+            if verify is not None:
+                tree_parents = verify[2].parents.clone()
+                p.append(torch.where(tree_parents >= 0, tree_parents + n_chunk, n_chunk - 1))
+                tokens.append(verify[1].cpu())
+                n_verify = verify[1].numel()
+                verify_rows.append((row + n_chunk, n_verify))
+                kept.extend(range(row + n_chunk, row + n_chunk + n_verify))
+            parents.append(torch.cat(p))
+            row += parents[-1].numel()
+        layout = RowTrees.build(parents, self.d_conv, self.device)
+        slots = torch.tensor([g["cache"].slot for g in groups], device=self.device)
+        kept_index = torch.tensor(kept, dtype=torch.long)
+        conv_start = self._pool.conv.index_select(0, slots)  # [G, L, d_conv - 1, d_inner]
+        ssm_start = self._pool.ssm.index_select(0, slots)  # [G, L, d_inner, d_state]
+        ids = torch.cat(tokens).to(self.device)
+        residual = F.embedding(ids, self._embed)  # [R, d_model]
+        kept_conv, kept_ssm = [], []
+        history_index = layout.windows[kept_index.to(self.device), 1:]  # each kept row's last d_conv - 1 inputs
+        for layer, w in enumerate(self._layers):
+            h = rms_norm(residual, w.norm, self.eps)
+            mixed, inputs, states = self._mix(h, w, conv_start[:, layer], ssm_start[:, layer], layout)
+            residual = (residual.to(torch.float32) if self.residual_in_fp32 else residual) + mixed
+            kept_conv.append(inputs[history_index])  # [K, d_conv - 1, d_inner]
+            kept_ssm.append(states.index_select(0, kept_index.to(self.device)))  # [K, d_inner, d_state]
+        conv = torch.stack(kept_conv)  # [L, K, d_conv - 1, d_inner]
+        ssm = torch.stack(kept_ssm)  # [L, K, d_inner, d_state]
+        logit_rows = torch.cat([torch.arange(start, start + n) for start, n in verify_rows]) if verify_rows else None
+        logits = (self._logits(residual[logit_rows.to(self.device)]).split([n for _, n in verify_rows])
+                  if verify_rows else [])  # fmt: skip
+        k, v = 0, 0
+        for g in groups:
+            cache: SSMCache = g["cache"]
+            chunk, verify = g["chunk"], g["verify"]
+            if chunk is not None and chunk[1].numel():
+                self._pool.conv[cache.slot].copy_(conv[:, k])
+                self._pool.ssm[cache.slot].copy_(ssm[:, k])
+                cache.committed += chunk[1].numel()
+                k += 1
+            if verify is not None:
+                n = verify[1].numel()
+                cache.pending = PendingStates(conv[:, k:k + n], ssm[:, k:k + n], verify[2].parents.clone())
+                out[verify[0]] = logits[v].to(self._logits_dtype)
+                k, v = k + n, v + 1
+
+    def _mix(self, h: torch.Tensor, w: MixerWeights, conv_start: torch.Tensor, ssm_start: torch.Tensor,
+             layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One mixer over every row: h [R, d_model], conv_start [G, d_conv - 1, d_inner], ssm_start [G, d_inner,
+        d_state] -> (its output [R, d_model], the conv inputs `layout.windows` index, every row's SSM state)."""
+        x, z = F.linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
+        x, inputs = tree_conv(x, conv_start, layout, w.conv, w.conv_bias)
+        x = F.silu(x)
+        sd = self.ssm_dtype
+        dt, B, C = F.linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.softplus(F.linear(dt, w.dt_proj, w.dt_bias).to(sd))  # [R, d_inner]
+        x = x.to(sd)
+        y, states = tree_scan(dt, x, B.to(sd), C.to(sd), w.A, ssm_start, layout)
+        y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
+        return F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
+
+    def _logits(self, residual: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(residual, self._norm_f, self.eps), self._lm_head)
+
+    def _check_committed(self, cache: SSMCache) -> None:
+        if cache.pending is not None:
+            raise ValueError(f"the cache holds {cache.pending_rows} uncommitted verify rows; call commit first")

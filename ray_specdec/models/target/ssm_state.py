@@ -1,0 +1,90 @@
+"""An SSM target's per-request state: a slot of a preallocated pool, and the cache object the engine holds for it.
+
+A request's state is, per layer, the last `d_conv - 1` conv inputs and the SSM state after its committed tokens: the
+same size at any context. The pool holds `slots` of them in two tensors (slot-major, so one slot is contiguous) and
+doubles when every slot is taken; a released slot is reused as it is, since a cache's first forward starts from a
+zeroed slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class SSMStatePool:
+    """Preallocated per-request states: `conv` [slots, L, d_conv - 1, d_inner], `ssm` [slots, L, d_inner, d_state]."""
+
+    def __init__(self, layers: int, d_inner: int, d_conv: int, d_state: int, conv_dtype: torch.dtype,
+                 ssm_dtype: torch.dtype, device: torch.device, slots: int = 8):
+        self.conv = torch.zeros(slots, layers, d_conv - 1, d_inner, dtype=conv_dtype, device=device)
+        self.ssm = torch.zeros(slots, layers, d_inner, d_state, dtype=ssm_dtype, device=device)
+        self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
+
+    @property
+    def slots(self) -> int:
+        return self.conv.shape[0]
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.conv[0].numel() * self.conv.dtype.itemsize + self.ssm[0].numel() * self.ssm.dtype.itemsize
+
+    def acquire(self) -> int:
+        """A free slot, zeroed (the state before any token); the pool doubles where none is free."""
+        if not self._free:
+            grown = self.slots
+            self.conv = torch.cat([self.conv, torch.zeros_like(self.conv)])
+            self.ssm = torch.cat([self.ssm, torch.zeros_like(self.ssm)])
+            self._free = list(range(2 * grown - 1, grown - 1, -1))
+        slot = self._free.pop()
+        self.conv[slot].zero_()
+        self.ssm[slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot not in self._free:
+            self._free.append(slot)
+
+    @property
+    def used(self) -> int:
+        return self.slots - len(self._free)
+
+
+@dataclass
+class PendingStates:
+    """The states a verify left for its rows, until `commit` keeps one path's: per layer, each row's conv state and
+    SSM state after its token, and the rows' parents (to check that what is kept is a path)."""
+
+    conv: torch.Tensor  # [L, rows, d_conv - 1, d_inner]
+    ssm: torch.Tensor  # [L, rows, d_inner, d_state]
+    parents: torch.Tensor  # [rows] long, within the verify (-1 for its root)
+
+
+@dataclass
+class SSMCache:
+    """A request's target state: its pool slot, the tokens it holds, and a verify's uncommitted rows."""
+
+    slot: int
+    capacity: int | None  # the rows the scheduler granted (None: unbounded); an SSM state holds any number
+    committed: int = 0  # tokens whose effect the slot's state holds
+    pending: PendingStates | None = None
+
+    @property
+    def pending_rows(self) -> int:
+        return 0 if self.pending is None else self.pending.parents.numel()
+
+    @property
+    def length(self) -> int:
+        """Tokens held, uncommitted verify rows included (as a KV cache counts them)."""
+        return self.committed + self.pending_rows
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """A request's state after the prompt chunk [start, end), kept by the prefix cache: it holds tokens [0, end)."""
+
+    conv: torch.Tensor  # [L, d_conv - 1, d_inner]
+    ssm: torch.Tensor  # [L, d_inner, d_state]
+    start: int
+    end: int

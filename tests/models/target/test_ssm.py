@@ -1,0 +1,204 @@
+"""The Mamba target (models/target/ssm.py): tree verification through its SSM layers against HF's forward along every
+path, the committed state against a prefill of the accepted tokens, batched and chunked forwards against single ones,
+the prefix cache's states, and loading (unsupported classes refused with what is supported)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import JambaConfig, Mamba2Config, Mamba2ForCausalLM
+
+from ray_specdec.factory import LoadError, load_target
+from ray_specdec.models.target.forward_layout import Segment
+from ray_specdec.models.target.kinds import UnsupportedTarget, load_target_model
+from ray_specdec.models.target.ssm import SSMTargetModel
+from ray_specdec.speculation.tree import build_tree
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_mamba_lm, tiny_tokenizer
+
+TREES = [[], [(0,), (0, 0), (0, 0, 0)], [(0,), (1,), (2,), (3,)],
+         [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)]]
+
+
+@pytest.fixture(scope="module")
+def target() -> SSMTargetModel:
+    return SSMTargetModel(tiny_mamba_lm())
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].double()
+
+
+def state_of(target: SSMTargetModel, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    pool = target._pool
+    return pool.conv[cache.slot].clone(), pool.ssm[cache.slot].clone()
+
+
+@pytest.mark.parametrize("paths", TREES, ids=["root", "chain", "wide", "deep"])
+def test_verify_logits_are_hf_logits_along_every_path(target, paths):
+    tree = build_tree(paths)
+    prompt = random_prompt(13, seed=2)
+    nodes = torch.tensor(random_prompt(tree.num_nodes, seed=3)) if tree.num_nodes else torch.empty(0, dtype=torch.long)
+    cache = target.new_cache()
+    target.prefill(cache, torch.tensor(prompt[:-1]))
+    logits = target.verify(cache, prompt[-1], tree, nodes)
+    rows = torch.cat([torch.tensor(prompt[-1:]), nodes])
+    for leaf in tree.leaf_paths:
+        expected = hf_logits(target.model, prompt[:-1] + rows[list(leaf)].tolist())[len(prompt) - 1:]
+        # HF's float64 Mamba rounds its skip connections, norms and parts of its scan to float32
+        torch.testing.assert_close(logits[list(leaf)], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("paths", TREES[1:], ids=["chain", "wide", "deep"])
+def test_committed_state_is_the_state_after_the_accepted_tokens(target, paths):
+    """Every root-to-node path committed: the state equals a prefill of the context plus the path's tokens (the
+    replay of the accepted tokens), so no rejected branch's state is left behind."""
+    tree = build_tree(paths)
+    prompt = random_prompt(9, seed=4)
+    nodes = torch.tensor(random_prompt(tree.num_nodes, seed=5))
+    rows = torch.cat([torch.tensor(prompt[-1:]), nodes])
+    for node in range(tree.num_nodes + 1):
+        path, a = [], node
+        while a != -1:
+            path.append(a)
+            a = int(tree.parents[a])
+        path.reverse()
+        cache = target.new_cache()
+        target.prefill(cache, torch.tensor(prompt[:-1]))
+        target.verify(cache, prompt[-1], tree, nodes)
+        target.commit(cache, path)
+        replay = target.new_cache()
+        target.prefill(replay, torch.tensor(prompt[:-1] + rows[path].tolist()))
+        assert cache.length == replay.length == len(prompt) - 1 + len(path)
+        for got, want in zip(state_of(target, cache), state_of(target, replay)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        target.release(cache)
+        target.release(replay)
+
+
+def test_commit_refuses_what_is_not_a_path(target):
+    tree = build_tree([(0,), (1,), (0, 0)])
+    cache = target.new_cache()
+    target.prefill(cache, torch.tensor([5, 6, 7]))
+    target.verify(cache, 8, tree, torch.tensor([9, 10, 11]))
+    with pytest.raises(ValueError, match="path"):
+        target.commit(cache, [0, 2, 3])  # row 3's parent is row 1
+    with pytest.raises(ValueError, match="commit first"):
+        target.prefill(cache, torch.tensor([1]))
+    target.commit(cache, [0, 1, 3])
+    assert cache.length == 6 and cache.pending_rows == 0
+
+
+def test_chunked_prefill_carries_the_state_across_chunks(target):
+    prompt = torch.tensor(random_prompt(41, seed=6))
+    whole = target.new_cache()
+    target.prefill(whole, prompt)
+    for size in (1, 3, 16):
+        cache = target.new_cache()
+        for start in range(0, 41, size):
+            target.prefill(cache, prompt[start:start + size])
+        for got, want in zip(state_of(target, cache), state_of(target, whole)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_one_forward_of_many_requests_equals_each_alone(target):
+    """Prefill chunks, verifies and a chunk followed by its request's first verify in one forward: each request's
+    logits and states are those of its own forward."""
+    trees = [build_tree(TREES[3]), build_tree(TREES[2]), build_tree([])]
+    prompts = [random_prompt(n, seed=n) for n in (7, 12, 20, 5)]
+
+    def setup():
+        caches = [target.new_cache() for _ in prompts]
+        for cache, prompt in zip(caches[:3], prompts):
+            target.prefill(cache, torch.tensor(prompt[:-1]))
+        segments = [Segment(caches[i], torch.tensor([prompts[i][-1]] + random_prompt(trees[i].num_nodes, seed=i)),
+                            trees[i]) for i in range(3)]  # fmt: skip
+        chunk = Segment(caches[3], torch.tensor(prompts[3][:-1]))
+        first = Segment(caches[3], torch.tensor([prompts[3][-1]] + random_prompt(3, seed=9)), build_tree(TREES[1]))
+        return caches, [segments[0], chunk, segments[1], first, segments[2]]
+
+    caches, segments = setup()
+    together = target.forward_batch(segments)
+    alone_caches, alone_segments = setup()
+    alone = [target.forward_batch([s])[0] for s in alone_segments]
+    assert together[1] is None and alone[1] is None
+    for got, want in zip(together, alone):
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(caches, alone_caches):
+        for cache in (a, b):
+            if cache.pending_rows:
+                target.commit(cache, [0])
+        for got, want in zip(state_of(target, a), state_of(target, b)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_prefix_cache_chunks_hold_the_state_at_their_end(target):
+    prompt = torch.tensor(random_prompt(24, seed=8))
+    first = target.new_cache()
+    target.prefill(first, prompt[:16])
+    saved = target.save_chunk(first, 0, 16)
+    target.prefill(first, prompt[16:])
+    second = target.new_cache()
+    target.load_chunk(second, saved)
+    assert second.length == 16
+    target.prefill(second, prompt[16:])
+    for got, want in zip(state_of(target, second), state_of(target, first)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="continue"):
+        target.load_chunk(second, saved)
+
+
+def test_states_live_in_a_pool_of_fixed_size_slots(target):
+    """A request's state is the same size at any context; released slots are reused, and the pool doubles when
+    every slot is taken."""
+    pool = target._pool
+    caches = [target.new_cache() for _ in range(pool.slots + 1)]
+    assert pool.slots >= len(caches) and len({c.slot for c in caches}) == len(caches)
+    size = pool.conv.numel() + pool.ssm.numel()
+    target.prefill(caches[0], torch.tensor(random_prompt(300, seed=1)))
+    assert pool.conv.numel() + pool.ssm.numel() == size
+    slot = caches[1].slot
+    target.release(caches[1])
+    reused = target.new_cache()
+    assert reused.slot == slot and not pool.ssm[slot].any()
+    for cache in caches + [reused]:
+        target.release(cache)
+    assert target.state_bytes == (2 * (4 - 1) * 64 + 2 * 64 * 8) * 8  # [L, d_conv - 1, d_inner] + [L, d_inner, N]
+
+
+# ---- loading ----------------------------------------------------------------------------------------------------
+
+
+def test_a_mamba_directory_loads_as_an_ssm_target(tmp_path):
+    model = tiny_mamba_lm()
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    target = load_target(str(tmp_path), dtype="float64", device="cpu")
+    assert isinstance(target, SSMTargetModel) and target.vocab_size == 128
+    prompt = random_prompt(6, seed=1)
+    cache = target.new_cache()
+    logits = target.verify(cache, prompt[0], build_tree([]), torch.empty(0, dtype=torch.long))
+    torch.testing.assert_close(logits[0], hf_logits(model, prompt[:1])[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [
+    Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=4, head_dim=16, state_size=8,
+                 n_groups=1, expand=2),
+    JambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=32, mamba_d_state=4, mamba_expand=2, attn_layer_period=2, attn_layer_offset=1,
+                expert_layer_period=4, num_experts=1),
+], ids=["mamba2", "jamba"])
+def test_other_recurrent_classes_are_refused_naming_what_is_supported(tmp_path, config):
+    config.save_pretrained(tmp_path)  # the class is read from the config before any weights load
+    with pytest.raises(UnsupportedTarget, match="supported: .*MambaForCausalLM"):
+        load_target_model(str(tmp_path))
+    with pytest.raises(LoadError, match="is not supported as a target; supported: .*sdpa.*MambaForCausalLM"):
+        load_target(str(tmp_path))
+
+
+def test_ssm_target_refuses_other_models():
+    with pytest.raises(TypeError, match="MambaForCausalLM"):
+        SSMTargetModel(Mamba2ForCausalLM(Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=4,
+                                                      head_dim=16, state_size=8, n_groups=1, expand=2)))
