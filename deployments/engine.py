@@ -47,7 +47,7 @@ from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.target_backend import LocalTarget, StepWork
 from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.loading import failure, load_tokenizer
-from ray_specdec.models.target.model import TargetModel
+from ray_specdec.models.target.kinds import load_target_model
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
 from ray_specdec.serving.target_worker import TargetWorker, free_port, widened
 from ray_specdec.speculation.bandit import Bandit, BanditConfig
@@ -268,7 +268,7 @@ class EngineReplica:
                 # the CPUs the replica reserved are its threads (Ray sets OMP_NUM_THREADS from them only when
                 # unset, and a runtime environment may have set it to 1)
                 torch.set_num_threads(max(1, round(num_cpus_per_rank)))
-                self.backend = LocalTarget(TargetModel.from_pretrained(target, dtype=dtype, device=device))
+                self.backend = LocalTarget(load_target_model(target, dtype=dtype, device=device))
                 kv_bytes = self.backend.target.kv_bytes_per_token
             else:
                 self.backend = RankGroup(target, tp_size=tp_size, dtype=dtype, device=device,

@@ -21,12 +21,13 @@ import socket
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ray_specdec.engine.kv_sizing import device_room
 from ray_specdec.engine.target_backend import StepWork, TargetCaches
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path
 from ray_specdec.models.target import shm_collective
+from ray_specdec.models.target.kinds import UnsupportedTarget, target_kind
 from ray_specdec.models.target.model import ATTN_IMPLEMENTATION, TargetModel
 
 
@@ -50,6 +51,9 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 def load_target(model: str, *, dtype: str | torch.dtype | None, device: torch.device, tp_size: int) -> TargetModel:
     """The target on `device`; with tp_size > 1, this rank's AutoTP shard (the process group must exist)."""
     path = resolve_model_path(model)
+    if target_kind(AutoConfig.from_pretrained(path)) != "attention":
+        raise UnsupportedTarget(f"tensor parallelism (tp_size {tp_size}) serves attention targets only; serve "
+                                f"{model!r} with tp_size=1")  # fmt: skip
     torch_dtype = resolve_dtype(dtype, device)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION)
     hf_model.eval()

@@ -8,10 +8,12 @@ import pytest
 import torch
 from transformers import JambaConfig, Mamba2Config, Mamba2ForCausalLM
 
-from ray_specdec.factory import LoadError, load_target
+from ray_specdec.config import SamplingParams
+from ray_specdec.factory import LoadError, load_engine, load_target
 from ray_specdec.models.target.forward_layout import Segment
 from ray_specdec.models.target.kinds import UnsupportedTarget, load_target_model
 from ray_specdec.models.target.ssm import SSMTargetModel
+from ray_specdec.serving import target_worker
 from ray_specdec.speculation.tree import build_tree
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import tiny_mamba_lm, tiny_tokenizer
@@ -181,6 +183,13 @@ def test_a_mamba_directory_loads_as_an_ssm_target(tmp_path):
     cache = target.new_cache()
     logits = target.verify(cache, prompt[0], build_tree([]), torch.empty(0, dtype=torch.long))
     torch.testing.assert_close(logits[0], hf_logits(model, prompt[:1])[0], rtol=0, atol=1e-5)
+    engine = load_engine(str(tmp_path), "none", dtype="float64", device="cpu")
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, attention_mask=torch.ones(1, 6, dtype=torch.long))[0, 6:].tolist()
+    assert engine.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True)).token_ids == expected
+    # tensor parallelism shards attention targets only: a clear error before any weights load
+    with pytest.raises(UnsupportedTarget, match="tp_size=1"):
+        target_worker.load_target(str(tmp_path), dtype="float32", device=torch.device("cpu"), tp_size=2)
 
 
 @pytest.mark.parametrize("config", [
