@@ -320,19 +320,26 @@ class Scheduler:
         # plain sampled rounds draw together; the others are judged one by one
         plain = [i for i, rd in enumerate(rounds)
                  if rd.request.rejection_sampled and plain_sampled(rd.draft, rd.request.params)]
+        t = time.perf_counter()
         verdicts = dict(zip(plain, judge_plain_sampled([logits[i] for i in plain],
                                                        [rounds[i].request.params for i in plain],
                                                        [rounds[i].request.target_gen for i in plain])
                             if plain else []))  # fmt: skip
+        # each round's own host time after the forward (judging, committing, stops), for the controller's prices
+        finish_s = [0.0] * len(rounds)
+        for i in plain:
+            finish_s[i] = (time.perf_counter() - t) / len(plain)
         outputs = []
         try:
             for i, rd in enumerate(rounds):
+                t = time.perf_counter()
                 outputs.append(self._finish_round(rd, logits[i], verdicts.get(i)))
+                finish_s[i] += time.perf_counter() - t
         except Exception as exc:  # rounds taken are in their requests (a finished one has left): the caller hands
             with contextlib.suppress(AttributeError):  # their chunks out (EngineLoop), then recovers or fails the rest
                 exc.step_outputs = outputs
             raise
-        self._account(plan, result, time.perf_counter())
+        self._account(plan, result, time.perf_counter(), finish_s)
         self.steps += 1
         if not self.has_work:  # nothing will step again soon: free the caches of the requests that just ended
             self._send_pending()
@@ -473,11 +480,14 @@ class Scheduler:
         logprobs = round_logprobs(logits, verdict, r.params, len(kept))
         return StepOutput(r.request_id, StreamChunk(kept, delta, r.stop.finish_reason, r.stats, logprobs))
 
-    def _account(self, plan: StepPlan, result: StepResult, t3: float) -> None:
-        """Split the step's time among its requests (by rows), teach the policy and the controller."""
+    def _account(self, plan: StepPlan, result: StepResult, t3: float, finish_s: Sequence[float]) -> None:
+        """Split the step's time among its requests (by rows), teach the policy and the controller (the rounds'
+        finishing times apart: measured per round, not fitted)."""
         t0, t1, t2 = result.times
         shape = result.shape
-        self.controller.observe_step(shape, t3 - t0, draft_seconds=t1 - t0)
+        for rd, seconds in zip(plan.rounds, finish_s):
+            self.controller.observe_finish(rd.request.sampled, rd.draft.config.depth > 0, seconds)
+        self.controller.observe_step(shape, t3 - t0 - sum(finish_s), draft_seconds=t1 - t0)
         rows = shape.verify_rows + shape.prefill_rows
         for r in plan.prefilling:
             r.stats.prefill_s += (t3 - t0) * r.chunk_rows / max(rows, 1)

@@ -16,6 +16,13 @@ This is the one place that decides how much to draft. Its parts:
   not depend on load), fed by the what-if counterfactuals (`counterfactuals.py`: one round teaches every arm its
   tree contains). The undrafted arm's tokens are those of its prompt-lookup proposal (`SpeculationConfig.plain_lookup`),
   so prompt lookup is priced in undrafted rounds as in drafted ones (there as extra verify rows, `lookup_rows`).
+- **A round's finishing time**: judging it, committing it and checking its stops, on the host after the forward.
+  It depends on the round's kind more than on its rows (a sampled round with a draft runs rejection sampling over
+  its tree's distributions; an undrafted greedy one reads an argmax), and a step has one per round, so a fit would
+  confuse it with the step's fixed cost wherever every round is of one kind (one request in flight, always
+  drafting). It is measured instead, each round timed (`observe_finish`), per kind (greedy or sampled, drafted or
+  not): the median of the kind's latest rounds, robust to a round the machine delayed; while a kind has fewer than
+  three, their least, so that a kind rarely run is not priced out by one slow round.
 - **The drafter's prefill**: a request whose drafter holds no state yet pays one prefill over its context before its
   first drafted round. That is a per-request cost, not a per-round one: a drafted option is charged its share, the
   prefill's seconds times the option's expected tokens over the tokens the request has left to generate.
@@ -34,8 +41,10 @@ tree: `--tree`, the benchmarks' fixed cells) is not second-guessed either.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Sequence
@@ -87,6 +96,8 @@ class SpeculationConfig:
     lookup_rows_weight: float = bounded(0.05, gt=0, le=1)
     # Weight of the newest measurement in the running estimate of the drafter's prefill seconds per token.
     prefill_rate_weight: float = bounded(0.2, gt=0, le=1)
+    # Rounds of each kind whose finishing seconds (judge, commit, stops) the median is taken over.
+    finish_window: int = bounded(15, ge=1, le=1000)
     # How sampled requests are drawn and verified. "coupled": Gumbel-max under noise keyed by (seed, choice,
     # position), verified by exact matching (speculation/coupled.py): the same text for the same seed whatever the
     # tree, batch or load. "rejection": multi-draft rejection sampling, its draws depending on the trees.
@@ -305,6 +316,10 @@ class SpeculationController:
         self.prefill_s_per_token: float | None = None
         self.lookup_rows = 0.0  # mean verify rows a drafted tree's lookup branch added (running)
         self.plain_lookup_rows = 0.0  # mean verify rows an undrafted round's lookup proposal added (running)
+        # seconds of a round's finishing, by (sampled, drafted); 0 until a round of the kind is measured
+        kinds = [(sampled, drafted) for sampled in (False, True) for drafted in (False, True)]
+        self.finish_s = dict.fromkeys(kinds, 0.0)
+        self._finishes = {kind: collections.deque(maxlen=config.finish_window) for kind in kinds}
         self.drafted_rounds = 0  # rounds the controller chose a drafted tree for
         self.undrafted_rounds = 0  # rounds it chose none for
         self._rng = np.random.default_rng(seed)
@@ -418,6 +433,9 @@ class SpeculationController:
                         np.where(spec["plain"], 1.0 + plain_rows, 1.0))  # fmt: skip
         row_s = w[1] + w[2] * context / 1024  # a verify row at the round's context
         seconds = rows * row_s[:, None] + drafted * (w[3] + w[4] * spec["drafter_rows"])
+        finish = np.array([(self.finish_s[facts.sampled, False], self.finish_s[facts.sampled, True])
+                           for facts in rounds])  # fmt: skip
+        seconds = seconds + np.where(drafted, finish[:, 1:], finish[:, :1])
         if self.prefill_s_per_token is not None:  # a drafted option's share of the drafter's prefill
             prefill = np.array([facts.prefill_tokens for facts in rounds], dtype=np.float64)[:, None]
             if prefill.any():
@@ -447,6 +465,12 @@ class SpeculationController:
         """A step of `shape` took `seconds`, `draft_seconds` of them drafting."""
         self.cost.observe(shape, seconds, draft_seconds)
 
+    def observe_finish(self, sampled: bool, drafted: bool, seconds: float) -> None:
+        """A round of this kind took `seconds` to finish after the forward (judge, commit, stops)."""
+        latest = self._finishes[sampled, drafted]
+        latest.append(seconds)
+        self.finish_s[sampled, drafted] = min(latest) if len(latest) < 3 else statistics.median(latest)
+
     def observe_prefill(self, seconds: float, tokens: int) -> None:
         """A drafter prefill over `tokens` took `seconds`."""
         rate = seconds / max(tokens, 1)
@@ -475,6 +499,8 @@ class SpeculationController:
         return {"cost_weights": self.cost.summary(), "cost_steps": self.cost.steps,
                 "drafter_prefill_s_per_token": self.prefill_s_per_token, "lookup_rows": self.lookup_rows,
                 "plain_lookup_rows": self.plain_lookup_rows, "drafted_rounds": self.drafted_rounds,
+                "finish_s": {f"{'sampled' if sampled else 'greedy'} {'drafted' if drafted else 'undrafted'}": value
+                             for (sampled, drafted), value in self.finish_s.items()},
                 "undrafted_rounds": self.undrafted_rounds,
                 "drafted_share": self.drafted_rounds / total if total else None}  # fmt: skip
 

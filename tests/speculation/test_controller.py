@@ -74,16 +74,17 @@ def reference_price(c: SpeculationController, f: RoundFacts, pick: Pick, expecte
     w = dict(zip(FEATURES, c.cost.weights()))
     row_s = w["target_rows"] + w["verify_row_kilotokens"] * f.context_len / 1024
     tree = pick.tree
+    finish = c.finish_s[f.sampled, tree.depth > 0]
     if not tree.depth:
         if not pick.plain_lookup:
-            return 1.0, row_s
-        return expected[NO_TREE], (1 + (f.plain_lookup_rows or 0.0)) * row_s
+            return 1.0, row_s + finish
+        return expected[NO_TREE], (1 + (f.plain_lookup_rows or 0.0)) * row_s + finish
     full = expected.get(tree)
     if full is None:
         full = max(v for arm, v in expected.items() if arm.depth and arm.truncated(tree.depth) == tree)
     tokens = min(full, 1 + tree.max_depth + f.lookup_rows)
     rows = 1 + tree.num_nodes + (tree.lookup or f.lookup_rows)
-    seconds = rows * row_s + w["drafting"] + w["drafter_rows"] * sum(tree.rows_per_depth[:-1])
+    seconds = rows * row_s + w["drafting"] + w["drafter_rows"] * sum(tree.rows_per_depth[:-1]) + finish
     if f.prefill_tokens:
         seconds += c.prefill_s_per_token * f.prefill_tokens * min(1.0, tokens / max(f.remaining, 1))
     return tokens, seconds
@@ -99,16 +100,20 @@ def test_the_batched_prices_are_each_options_own(seed):
     c = controller(stats, fixed=2e-3, target_rows=float(rng.uniform(0.1, 1)) * 1e-3, verify_row_kilotokens=2e-5,
                    drafting=0.3e-3, drafter_rows=0.05e-3)  # fmt: skip
     c.prefill_s_per_token = 2e-5
+    for sampled, drafted in itertools.product((False, True), repeat=2):
+        c.observe_finish(sampled, drafted, float(rng.uniform(0.05, 2)) * 1e-3)
     rounds = []
     for _ in range(6):
         cut = int(rng.integers(1, 5))
         options = tuple(dict.fromkeys(arm.truncated(cut) for arm in arms))
-        rounds.append(RoundFacts(int(rng.integers(10, 3000)), False, int(rng.integers(1, 100)), options,
+        rounds.append(RoundFacts(int(rng.integers(10, 3000)), bool(rng.random() < 0.3), int(rng.integers(1, 100)),
+                                 options,
                                  lookup_rows=float(rng.uniform(0, 3)),
                                  plain_lookup_rows=float(rng.uniform(0, 4)) if rng.random() < 0.5 else None,
                                  prefill_tokens=int(rng.integers(0, 2000)) if rng.random() < 0.5 else 0))
     expected = c.expected_tokens(100, False)
-    draws = {(max(f.context_len, 1).bit_length(), False): expected for f in rounds}  # every cell: the means
+    draws = {(max(f.context_len, 1).bit_length(), sampled): expected for f in rounds
+             for sampled in (False, True)}  # every cell: the means (greedy's, for the test)
     for f in rounds:
         picks = c._expand(f)
         tokens, seconds = c._price(picks, [f], c.cost.weights(), draws)
@@ -205,6 +210,27 @@ def test_an_undrafted_rounds_lookup_proposal_is_priced_as_an_option_of_its_own()
     assert cheap.choose([proposal]) == [Pick(NO_TREE, plain_lookup=True)]
     assert dear.choose([proposal]) == [Pick(NO_TREE, plain_lookup=False)]
     assert dear.choose([facts()]) == [Pick(NO_TREE)]  # no lookup allowed (a sampled or a client's round): one option
+
+
+def test_a_rounds_finishing_time_is_measured_per_kind_and_priced():
+    """Judging a sampled round's tree costs the host a fixed time per round, whatever its rows: measured per kind, it
+    keeps one sampled request from drafting where that time eats the tokens (and not a greedy one)."""
+    stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: (100, 2.0, 0.5)}
+    c = controller(stats, fixed=2e-3, target_rows=0.1e-3, drafting=0.5e-3, drafter_rows=0.1e-3)
+    sampled = RoundFacts(100, True, 100, (CHAIN, NO_TREE))
+    assert trees(c.choose([sampled])) == [CHAIN] and trees(c.choose([facts()])) == [CHAIN]
+    for _ in range(3):
+        c.observe_finish(True, True, 4e-3)  # rejection sampling over the chain's distributions
+        c.observe_finish(True, False, 0.2e-3)
+    assert c.finish_s[True, True] == pytest.approx(4e-3) and c.finish_s[False, True] == 0.0
+    assert trees(c.choose([sampled])) == [NO_TREE]
+    assert trees(c.choose([facts()])) == [CHAIN]  # greedy rounds: not measured dear
+    c.observe_finish(True, True, 1.0)  # a round the machine delayed: the median holds
+    assert c.finish_s[True, True] == pytest.approx(4e-3)
+    fresh = controller(stats)
+    fresh.observe_finish(False, False, 0.5)  # one slow first round of a kind...
+    fresh.observe_finish(False, False, 1e-3)
+    assert fresh.finish_s[False, False] == pytest.approx(1e-3)  # ...does not price it out while it is rarely run
 
 
 def test_unmeasured_arms_are_tried_by_posterior_draws():
