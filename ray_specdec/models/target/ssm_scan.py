@@ -33,6 +33,7 @@ class RowTrees:
     parents: torch.Tensor  # [R] long
     windows: torch.Tensor  # [R, d_conv] long: each row's conv inputs, oldest first, as indices into `conv_inputs`
     levels: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per depth: (rows [n], their parents' state rows [n])
+    single_rows: tuple[tuple[int, int] | None, ...]  # per depth: (row, its parent's state row) where n == 1
 
     @property
     def rows(self) -> int:
@@ -57,9 +58,10 @@ class RowTrees:
             n = p.numel()
             if n and (p[0] != -1 or (p[1:] < 0).any() or (p[1:] >= torch.arange(1, n)).any()):
                 raise ValueError("a segment's first row must be its root (-1) and every parent must precede its row")
-            depth = torch.zeros(n, dtype=torch.long)
+            plist, dlist = p.tolist(), [0] * n
             for i in range(1, n):  # (parents precede children: one pass)
-                depth[i] = depth[p[i]] + 1
+                dlist[i] = dlist[plist[i]] + 1
+            depth = torch.tensor(dlist, dtype=torch.long)
             # ancestors at lags 0 .. d_conv-1 (-1 past the root), vectorised over the segment's rows
             lagged = torch.empty(n, d_conv, dtype=torch.long)
             lagged[:, 0] = torch.arange(n)
@@ -79,12 +81,14 @@ class RowTrees:
         segment_of = torch.repeat_interleave(torch.arange(len(parents)), torch.tensor([p.numel() for p in parents]))
         # state rows of a level's parents: a segment's starting state is row s, row r is row segments + r
         state_row = torch.where(parents_all >= 0, parents_all + len(parents), segment_of)
-        levels = []
-        for d in range(int(depth_all.max()) + 1 if rows else 0):
-            at = torch.nonzero(depth_all == d).flatten()
+        levels, single = [], []
+        by_depth = torch.argsort(depth_all, stable=True)
+        counts = torch.bincount(depth_all).tolist() if rows else []
+        for at in by_depth.split(counts):
             levels.append((at.to(device), state_row[at].to(device)))
+            single.append((int(at[0]), int(state_row[at[0]])) if at.numel() == 1 else None)
         windows_all = torch.cat(windows) if windows else torch.empty(0, d_conv, dtype=torch.long)
-        return cls(tuple(starts), parents_all, windows_all.to(device), tuple(levels))
+        return cls(tuple(starts), parents_all, windows_all.to(device), tuple(levels), tuple(single))
 
 
 def tree_conv(
@@ -119,8 +123,12 @@ def tree_scan(
     inject = (dt * x).unsqueeze(-1) * B.unsqueeze(1)
     states = torch.cat([ssm_states.to(decay.dtype), torch.empty_like(decay)])  # segments' starts, then the rows
     base = layout.segments
-    for rows, parents in layout.levels:
-        states[base + rows] = torch.addcmul(inject[rows], decay[rows], states[parents])
+    for (rows, parents), single in zip(layout.levels, layout.single_rows):
+        if single is not None:  # one row (a lone prefill chunk): views, no gathers
+            r, p = single
+            torch.addcmul(inject[r], decay[r], states[p], out=states[base + r])
+        else:
+            states[base + rows] = torch.addcmul(inject[rows], decay[rows], states[parents])
     states = states[base:]
     return contract_state(states, C), states
 
