@@ -1,6 +1,6 @@
-"""End to end on a Mamba target (models/target/ssm.py): greedy output is HF generate's for every tree shape, batch
-composition and prefill chunking; the prefix cache, a target reset and the KV budget's state charge keep it so; and
-sampled output has the target's distribution."""
+"""End to end on Mamba and Mamba2 targets (models/target/ssm.py): greedy output is HF generate's for every tree shape,
+batch composition and prefill chunking; the prefix cache, a target reset and the KV budget's state charge keep it so;
+and sampled output has the target's distribution."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ray_specdec.models.target.ssm import SSMTargetModel
 from tests.helpers.configs import NO_LOOKUP, lookup_off
 from tests.helpers.drafters import TargetEchoDrafter
 from tests.helpers.inputs import random_prompt
-from tests.helpers.models import tiny_mamba, tiny_mamba_lm
+from tests.helpers.models import SSM_TARGETS, tiny_mamba
 from tests.helpers.reference import (ENUMERATED_VOCAB, assert_emitted_distribution, enumerate_target, greedy_margin,
                                      hf_greedy)
 
@@ -24,9 +24,9 @@ TREES = [(), (1, 1, 1), (1,) * 6, (4,), (3, 2, 1), (2, 2, 2, 1)]
 N = 17  # odd, so that rounds end mid-tree
 
 
-@pytest.fixture(scope="module")
-def target() -> SSMTargetModel:
-    return SSMTargetModel(tiny_mamba_lm())
+@pytest.fixture(scope="module", params=sorted(SSM_TARGETS))
+def target(request) -> SSMTargetModel:
+    return SSMTargetModel(SSM_TARGETS[request.param]())
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +139,10 @@ def test_the_kv_budget_counts_each_requests_state(target):
     assert tokens == {i: hf_greedy(target, p, 8) for i, p in enumerate(prompts)}
 
 
-@pytest.mark.parametrize("branching, draft_sampling", [((2, 1), "iid"), ((3, 2), "without_replacement")])
-def test_sampled_generation_has_the_targets_distribution(branching, draft_sampling):
-    target = SSMTargetModel(tiny_mamba_lm(vocab=ENUMERATED_VOCAB, seed=5))
+@pytest.mark.parametrize("kind, branching, draft_sampling", [("mamba", (2, 1), "iid"),
+                                                             ("mamba2", (3, 2), "without_replacement")])
+def test_sampled_generation_has_the_targets_distribution(kind, branching, draft_sampling):
+    target = SSMTargetModel(SSM_TARGETS[kind](vocab=ENUMERATED_VOCAB, seed=5))
     target.eos_token_ids = frozenset()
     drafter = tiny_mamba(vocab=ENUMERATED_VOCAB, seed=6)
     prompt, n_tokens, n_samples = [1, 4, 2], 2, 2000

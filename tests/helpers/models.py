@@ -12,6 +12,8 @@ from transformers import (
     AutoModelForCausalLM,
     GPTNeoXConfig,
     LlamaConfig,
+    Mamba2Config,
+    Mamba2ForCausalLM,
     MambaConfig,
     MambaForCausalLM,
     MistralConfig,
@@ -154,3 +156,23 @@ def tiny_mamba_lm(dtype: torch.dtype = torch.float64, *, vocab: int = 128, hidde
                          conv_kernel=conv_kernel, initializer_range=0.1, eos_token_id=eos, bos_token_id=eos,
                          pad_token_id=eos)
     return perturbed_mamba(config, seed).to(dtype)
+
+
+def tiny_mamba2_lm(dtype: torch.dtype = torch.float64, *, vocab: int = 128, hidden: int = 32, layers: int = 2,
+                   heads: int = 8, head_dim: int = 8, groups: int = 2, state: int = 8, eos: int = 0,
+                   seed: int = 0) -> Mamba2ForCausalLM:
+    """A Mamba2 causal LM (an SSM target) with two groups of heads, every weight perturbed as `tiny_mamba_lm`'s."""
+    config = Mamba2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_heads=heads,
+                          head_dim=head_dim, n_groups=groups, state_size=state, expand=heads * head_dim // hidden,
+                          conv_kernel=4, chunk_size=16, initializer_range=0.1, eos_token_id=eos, bos_token_id=eos,
+                          pad_token_id=eos)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Mamba2ForCausalLM(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+    return model.to(dtype).eval()
+
+
+SSM_TARGETS = {"mamba": tiny_mamba_lm, "mamba2": tiny_mamba2_lm}  # the SSM target classes' tiny builders

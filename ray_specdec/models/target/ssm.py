@@ -1,5 +1,5 @@
-"""The Mamba target: scores a whole token tree in one forward pass through its SSM layers, one fixed-size state per
-request.
+"""The Mamba and Mamba2 target: scores a whole token tree in one forward pass through its SSM layers, one fixed-size
+state per request.
 
 The same interface as `TargetModel` (forward_batch over prefill chunks and verify segments, commit of the accepted
 path, caches with a capacity), so the scheduler and `engine/target_backend.py` drive both alike. What differs is the
@@ -16,20 +16,24 @@ row's state (`PendingStates`: per layer a conv window and an SSM state per row),
 last row into the slot: no recomputation. (The alternative, replaying the accepted tokens from the state before the
 verify, costs a forward of up to depth + 1 tokens per request per step; docs/DESIGN.md compares the two.)
 
-Numerics follow HF's Mamba: RMSNorm normalizes in float32, a layer's skip connection is rounded to float32 where
+Mamba2 differs inside the mixer only: x, B and C are convolved together, A is one scalar per head, B and C are
+shared by a group of heads, and a gated RMSNorm precedes the output projection; its heads' states are channels of the
+same scan (`Mamba2Weights`).
+
+Numerics follow HF's: RMSNorm normalizes in float32, a layer's skip connection is rounded to float32 where
 `residual_in_fp32`, the SSM runs in float32 for half-precision models (the model's dtype otherwise), logits are float32
-(float64 for a float64 model). The products
-are torch's over the step's rows: a row's results can depend on the others in the last bits (float64 tests of greedy
-output check that no mismatch sits off a near-tie).
+(float64 for a float64 model). The products are torch's over the step's rows: a row's results can depend on the others
+in the last bits (float64 tests of greedy output check that no mismatch sits off a near-tie).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, MambaForCausalLM
+from transformers import AutoModelForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
 
 from ray_specdec.models.drafter.mamba_state import MixerWeights
 from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path
@@ -51,8 +55,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class Mamba2Weights:
+    """One Mamba2 layer's weights, detached from the HF module (heads' A, D and dt bias repeated over their channels
+    where the scan takes them per channel)."""
+
+    norm: torch.Tensor  # [d_model]
+    in_proj: torch.Tensor  # [d_inner + conv_dim + heads, d_model]: z, then x B C, then dt
+    in_proj_bias: torch.Tensor | None
+    conv: torch.Tensor  # [conv_dim, d_conv]
+    conv_bias: torch.Tensor | None  # [conv_dim]
+    dt_bias: torch.Tensor  # [heads]
+    A: torch.Tensor  # [d_inner, d_state], ssm dtype: -exp(A_log) of each channel's head
+    D: torch.Tensor  # [d_inner], ssm dtype
+    gate_norm: torch.Tensor  # [d_inner]
+    gate_group: int  # channels per group of the gated norm
+    gate_eps: float
+    out_proj: torch.Tensor  # [d_model, d_inner]
+    out_proj_bias: torch.Tensor | None
+
+    @classmethod
+    def from_block(cls, block, ssm_dtype: torch.dtype) -> "Mamba2Weights":
+        mixer = block.mixer
+        head_dim, state = mixer.head_dim, mixer.ssm_state_size
+
+        def param(p):
+            return None if p is None else p.detach().contiguous()
+
+        A = -torch.exp(mixer.A_log.detach().to(ssm_dtype)).repeat_interleave(head_dim)
+        return cls(norm=param(block.norm.weight), in_proj=param(mixer.in_proj.weight),
+                   in_proj_bias=param(mixer.in_proj.bias), conv=param(mixer.conv1d.weight[:, 0, :]),
+                   conv_bias=param(mixer.conv1d.bias), dt_bias=param(mixer.dt_bias),
+                   A=A[:, None].expand(-1, state).contiguous(),
+                   D=mixer.D.detach().to(ssm_dtype).repeat_interleave(head_dim), gate_norm=param(mixer.norm.weight),
+                   gate_group=mixer.norm.group_size, gate_eps=mixer.norm.variance_epsilon,
+                   out_proj=param(mixer.out_proj.weight), out_proj_bias=param(mixer.out_proj.bias))  # fmt: skip
+
+    def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """HF's MambaRMSNormGated: y * silu(z), normalized per group in float32, scaled in y's dtype."""
+        g = (y.to(torch.float32) * F.silu(z.to(torch.float32))).unflatten(-1, (-1, self.gate_group))
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.gate_eps)
+        return self.gate_norm * g.flatten(-2).to(y.dtype)
+
+
 class SSMTargetModel:
-    """Adapter around an HF `MambaForCausalLM`: tree verification through its SSM layers."""
+    """Adapter around an HF `MambaForCausalLM` or `Mamba2ForCausalLM`: tree verification through its SSM layers."""
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype | None = None,
@@ -62,10 +109,10 @@ class SSMTargetModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
         return cls(model.to(device).eval(), load_tokenizer(path))
 
-    def __init__(self, model: MambaForCausalLM, tokenizer=None, *, slots: int = 8):
+    def __init__(self, model: MambaForCausalLM | Mamba2ForCausalLM, tokenizer=None, *, slots: int = 8):
         """slots: states the pool preallocates (it doubles when every one is taken)."""
-        if not isinstance(model, MambaForCausalLM):
-            raise TypeError(f"SSMTargetModel takes a MambaForCausalLM, not {type(model).__name__}")
+        if not isinstance(model, (MambaForCausalLM, Mamba2ForCausalLM)):
+            raise TypeError(f"SSMTargetModel takes a MambaForCausalLM or Mamba2ForCausalLM, not {type(model).__name__}")
         config = model.config
         if config.hidden_act != "silu":
             raise ValueError(f"only silu Mamba models are supported, got hidden_act={config.hidden_act!r}")
@@ -78,20 +125,30 @@ class SSMTargetModel:
         self.max_context: int = int(getattr(config, "max_position_embeddings", None) or SSM_MAX_CONTEXT)
         self.eos_token_ids: frozenset[int] = eos_token_ids(model)
         self.n_layers: int = config.num_hidden_layers
-        self.d_inner: int = config.intermediate_size
         self.d_conv: int = config.conv_kernel
         self.d_state: int = config.state_size
-        self.dt_rank: int = int(config.time_step_rank)
         self.eps: float = config.layer_norm_epsilon
         self.ssm_dtype = torch.promote_types(self.dtype, torch.float32)
         self.residual_in_fp32 = bool(config.residual_in_fp32)
         self._logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        self._layers = [MixerWeights.from_block(block, self.ssm_dtype) for block in backbone.layers]
+        if isinstance(model, MambaForCausalLM):
+            self.d_inner: int = config.intermediate_size
+            self.dt_rank: int = int(config.time_step_rank)
+            self._layers = [MixerWeights.from_block(block, self.ssm_dtype) for block in backbone.layers]
+            self._mix, conv_channels = self._mix_mamba, self.d_inner
+        else:
+            mixer = backbone.layers[0].mixer
+            self.d_inner = mixer.intermediate_size
+            self.heads, self.head_dim, self.groups = mixer.num_heads, mixer.head_dim, mixer.n_groups
+            self.dt_limit: tuple[float, float] = tuple(config.time_step_limit)
+            self._layers = [Mamba2Weights.from_block(block, self.ssm_dtype) for block in backbone.layers]
+            self._mix, conv_channels = self._mix_mamba2, mixer.conv_dim
         self._embed = backbone.embeddings.weight.detach()
         self._norm_f = backbone.norm_f.weight.detach()
         self._lm_head = model.lm_head.weight.detach()
-        self._pool = SSMStatePool(self.n_layers, self.d_inner, self.d_conv, self.d_state, self.dtype,
-                                  self.ssm_dtype, self.device, slots)  # fmt: skip
+        self._pool = SSMStatePool((self.n_layers, self.d_conv - 1, conv_channels),
+                                  (self.n_layers, self.d_inner, self.d_state), self.dtype, self.ssm_dtype, self.device,
+                                  slots)  # fmt: skip
 
     # ----- what the engine reads -----
 
@@ -292,9 +349,9 @@ class SSMTargetModel:
                 out[verify[0]] = logits[v].to(self._logits_dtype)
                 k, v = k + n, v + 1
 
-    def _mix(self, h: torch.Tensor, w: MixerWeights, conv_start: torch.Tensor, ssm_start: torch.Tensor,
-             layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One mixer over every row: h [R, d_model], conv_start [G, d_conv - 1, d_inner], ssm_start [G, d_inner,
+    def _mix_mamba(self, h: torch.Tensor, w: MixerWeights, conv_start: torch.Tensor, ssm_start: torch.Tensor,
+                   layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One Mamba mixer over every row: h [R, d_model], conv_start [G, d_conv - 1, d_inner], ssm_start [G, d_inner,
         d_state] -> (its output [R, d_model], the conv inputs `layout.windows` index, every row's SSM state)."""
         x, z = F.linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
         x, inputs = tree_conv(x, conv_start, layout, w.conv, w.conv_bias)
@@ -306,6 +363,22 @@ class SSMTargetModel:
         y, states = tree_scan(dt, x, B.to(sd), C.to(sd), w.A, ssm_start, layout)
         y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
         return F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
+
+    def _mix_mamba2(self, h: torch.Tensor, w: "Mamba2Weights", conv_start: torch.Tensor, ssm_start: torch.Tensor,
+                    layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One Mamba2 mixer over every row, as `_mix_mamba` (conv_start [G, d_conv - 1, conv_dim]: x, B and C are
+        convolved together); a head's state is its head_dim channels of [d_inner, d_state]."""
+        rows, sd, n = h.shape[0], self.ssm_dtype, self.d_state
+        z, xbc, dt = F.linear(h, w.in_proj, w.in_proj_bias).split(
+            [self.d_inner, w.conv.shape[0], self.heads], dim=-1)
+        xbc, inputs = tree_conv(xbc, conv_start, layout, w.conv, w.conv_bias)
+        x, B, C = F.silu(xbc).split([self.d_inner, self.groups * n, self.groups * n], dim=-1)
+        dt = F.softplus((dt + w.dt_bias).to(sd)).clamp(*self.dt_limit)  # [R, heads]
+        x = x.to(sd)
+        y, states = tree_scan(dt.repeat_interleave(self.head_dim, dim=1), x, B.view(rows, self.groups, n).to(sd),
+                              C.view(rows, self.groups, n).to(sd), w.A, ssm_start, layout)  # fmt: skip
+        y = torch.addcmul(y, x, w.D)
+        return F.linear(w.gated_norm(y, z).to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
 
     def _logits(self, residual: torch.Tensor) -> torch.Tensor:
         return F.linear(rms_norm(residual, self._norm_f, self.eps), self._lm_head)

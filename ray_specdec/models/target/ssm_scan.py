@@ -111,16 +111,21 @@ def tree_conv(
 def tree_scan(
     dt: torch.Tensor,  # [R, d_inner] (after softplus)
     x: torch.Tensor,  # [R, d_inner]
-    B: torch.Tensor,  # [R, d_state]
-    C: torch.Tensor,  # [R, d_state]
+    B: torch.Tensor,  # [R, d_state], or [R, groups, d_state]: each of `groups` runs of channels has its own
+    C: torch.Tensor,  # like B
     A: torch.Tensor,  # [d_inner, d_state]
     ssm_states: torch.Tensor,  # [segments, d_inner, d_state]: each segment's starting state
     layout: RowTrees,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # y [R, d_inner] (C . state, before the D skip and the gate); states
     """Every row's SSM state from its parent's, one depth level of every segment at a time -> (y, states [R, d_inner,
-    d_state]: row r's state after its token)."""
+    d_state]: row r's state after its token). Mamba2's heads are channels here: a head's dt and A repeated over its
+    head_dim channels, its group's B and C over the group's channels."""
+    rows_n, d_inner = x.shape
     decay = torch.exp(dt.unsqueeze(-1) * A)  # [R, d_inner, d_state]
-    inject = (dt * x).unsqueeze(-1) * B.unsqueeze(1)
+    if B.dim() == 2:
+        inject = (dt * x).unsqueeze(-1) * B.unsqueeze(1)
+    else:
+        inject = ((dt * x).view(rows_n, B.shape[1], -1, 1) * B.unsqueeze(2)).view(decay.shape)
     states = torch.cat([ssm_states.to(decay.dtype), torch.empty_like(decay)])  # segments' starts, then the rows
     base = layout.segments
     for (rows, parents), single in zip(layout.levels, layout.single_rows):
@@ -130,13 +135,22 @@ def tree_scan(
         else:
             states[base + rows] = torch.addcmul(inject[rows], decay[rows], states[parents])
     states = states[base:]
-    return contract_state(states, C), states
+    if C.dim() == 2:
+        return contract_state(states, C), states
+    y = states.view(rows_n, C.shape[1], -1, states.shape[-1]) @ C.unsqueeze(-1)  # [R, groups, d_inner / groups, 1]
+    return y.view(rows_n, d_inner), states
 
 
 def tree_scan_ref(dt, x, B, C, A, ssm_states, layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor]:
     """`tree_scan` by definition: each row's state is a sequential scan from its segment's starting state along its
     root-to-row path."""
-    R = dt.shape[0]
+    R, d_inner = x.shape
+
+    def per_channel(t):  # [R, d_inner, d_state]
+        return t[:, None, :].expand(R, d_inner, t.shape[-1]) if t.dim() == 2 else t.repeat_interleave(
+            d_inner // t.shape[1], dim=1)
+
+    B, C = per_channel(B), per_channel(C)
     states = torch.empty(R, *A.shape, dtype=torch.promote_types(dt.dtype, A.dtype))
     for s in range(layout.segments):
         for r in range(layout.starts[s], layout.starts[s + 1]):
@@ -146,6 +160,6 @@ def tree_scan_ref(dt, x, B, C, A, ssm_states, layout: RowTrees) -> tuple[torch.T
                 a = int(layout.parents[a])
             h = ssm_states[s].clone()
             for a in reversed(path):
-                h = torch.exp(dt[a, :, None] * A) * h + (dt[a] * x[a])[:, None] * B[a][None, :]
+                h = torch.exp(dt[a, :, None] * A) * h + (dt[a] * x[a])[:, None] * B[a]
             states[r] = h
-    return (states * C[:, None, :]).sum(-1), states
+    return (states * C).sum(-1), states

@@ -14,12 +14,13 @@ import torch
 
 
 class SSMStatePool:
-    """Preallocated per-request states: `conv` [slots, L, d_conv - 1, d_inner], `ssm` [slots, L, d_inner, d_state]."""
+    """Preallocated per-request states: `conv` [slots, L, d_conv - 1, conv channels], `ssm` [slots, L, d_inner,
+    d_state]."""
 
-    def __init__(self, layers: int, d_inner: int, d_conv: int, d_state: int, conv_dtype: torch.dtype,
+    def __init__(self, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...], conv_dtype: torch.dtype,
                  ssm_dtype: torch.dtype, device: torch.device, slots: int = 8):
-        self.conv = torch.zeros(slots, layers, d_conv - 1, d_inner, dtype=conv_dtype, device=device)
-        self.ssm = torch.zeros(slots, layers, d_inner, d_state, dtype=ssm_dtype, device=device)
+        self.conv = torch.zeros(slots, *conv_shape, dtype=conv_dtype, device=device)
+        self.ssm = torch.zeros(slots, *ssm_shape, dtype=ssm_dtype, device=device)
         self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
 
     @property

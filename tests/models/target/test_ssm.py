@@ -1,12 +1,14 @@
-"""The Mamba target (models/target/ssm.py): tree verification through its SSM layers against HF's forward along every
-path, the committed state against a prefill of the accepted tokens, batched and chunked forwards against single ones,
-the prefix cache's states, and loading (unsupported classes refused with what is supported)."""
+"""The Mamba and Mamba2 target (models/target/ssm.py): tree verification through its SSM layers against HF's forward
+along every path, the committed state against a prefill of the accepted tokens, batched and chunked forwards against
+single ones, the prefix cache's states, and loading (unsupported classes refused with what is supported)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import JambaConfig, Mamba2Config, Mamba2ForCausalLM
+from transformers import BambaConfig, JambaConfig
+
+from transformers import MambaForCausalLM
 
 from ray_specdec.config import SamplingParams
 from ray_specdec.factory import LoadError, load_engine, load_target
@@ -16,15 +18,15 @@ from ray_specdec.models.target.ssm import SSMTargetModel
 from ray_specdec.serving import target_worker
 from ray_specdec.speculation.tree import build_tree
 from tests.helpers.inputs import random_prompt
-from tests.helpers.models import tiny_mamba_lm, tiny_tokenizer
+from tests.helpers.models import SSM_TARGETS, tiny_llama, tiny_tokenizer
 
 TREES = [[], [(0,), (0, 0), (0, 0, 0)], [(0,), (1,), (2,), (3,)],
          [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)]]
 
 
-@pytest.fixture(scope="module")
-def target() -> SSMTargetModel:
-    return SSMTargetModel(tiny_mamba_lm())
+@pytest.fixture(scope="module", params=sorted(SSM_TARGETS))
+def target(request) -> SSMTargetModel:
+    return SSMTargetModel(SSM_TARGETS[request.param]())
 
 
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
@@ -167,14 +169,17 @@ def test_states_live_in_a_pool_of_fixed_size_slots(target):
     assert reused.slot == slot and not pool.ssm[slot].any()
     for cache in caches + [reused]:
         target.release(cache)
-    assert target.state_bytes == (2 * (4 - 1) * 64 + 2 * 64 * 8) * 8  # [L, d_conv - 1, d_inner] + [L, d_inner, N]
+    # [L, d_conv - 1, conv channels] + [L, d_inner, N] in float64; Mamba2 convolves x, B and C (2 groups of 8)
+    conv_channels = 64 if isinstance(target.model, MambaForCausalLM) else 64 + 2 * 2 * 8
+    assert target.state_bytes == (2 * (4 - 1) * conv_channels + 2 * 64 * 8) * 8
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
 
 
-def test_a_mamba_directory_loads_as_an_ssm_target(tmp_path):
-    model = tiny_mamba_lm()
+@pytest.mark.parametrize("kind", sorted(SSM_TARGETS))
+def test_a_directory_of_an_ssm_class_loads_as_an_ssm_target(tmp_path, kind):
+    model = SSM_TARGETS[kind]()
     model.save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     target = load_target(str(tmp_path), dtype="float64", device="cpu")
@@ -193,12 +198,12 @@ def test_a_mamba_directory_loads_as_an_ssm_target(tmp_path):
 
 
 @pytest.mark.parametrize("config", [
-    Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=4, head_dim=16, state_size=8,
-                 n_groups=1, expand=2),
     JambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                 intermediate_size=32, mamba_d_state=4, mamba_expand=2, attn_layer_period=2, attn_layer_offset=1,
                 expert_layer_period=4, num_experts=1),
-], ids=["mamba2", "jamba"])
+    BambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=32, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=4),
+], ids=["jamba", "bamba"])
 def test_other_recurrent_classes_are_refused_naming_what_is_supported(tmp_path, config):
     config.save_pretrained(tmp_path)  # the class is read from the config before any weights load
     with pytest.raises(UnsupportedTarget, match="supported: .*MambaForCausalLM"):
@@ -208,6 +213,5 @@ def test_other_recurrent_classes_are_refused_naming_what_is_supported(tmp_path, 
 
 
 def test_ssm_target_refuses_other_models():
-    with pytest.raises(TypeError, match="MambaForCausalLM"):
-        SSMTargetModel(Mamba2ForCausalLM(Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=4,
-                                                      head_dim=16, state_size=8, n_groups=1, expand=2)))
+    with pytest.raises(TypeError, match="MambaForCausalLM or Mamba2ForCausalLM"):
+        SSMTargetModel(tiny_llama())

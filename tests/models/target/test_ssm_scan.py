@@ -31,18 +31,24 @@ def random_inputs(rows: int, segments: int, g: torch.Generator, dtype=torch.floa
     return dt, r(rows, D_INNER), r(rows, D_STATE), r(rows, D_STATE), A, r(segments, D_INNER, D_STATE)
 
 
-def test_tree_scan_states_are_sequential_scans_along_each_path():
+@pytest.mark.parametrize("groups", [None, 1, 3], ids=["mamba", "mamba2-1-group", "mamba2-3-groups"])
+def test_tree_scan_states_are_sequential_scans_along_each_path(groups):
+    """Mamba's B and C are shared by every channel; Mamba2's by each group's channels (its heads' channels)."""
     parents = segments_parents()
     layout = RowTrees.build(parents, d_conv=4)
-    dt, x, B, C, A, start = random_inputs(layout.rows, layout.segments, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    dt, x, B, C, A, start = random_inputs(layout.rows, layout.segments, g)
+    if groups is not None:
+        B, C = (torch.randn(layout.rows, groups, D_STATE, generator=g, dtype=torch.float64) for _ in range(2))
     y, states = tree_scan(dt, x, B, C, A, start, layout)
     y_ref, states_ref = tree_scan_ref(dt, x, B, C, A, start, layout)
     torch.testing.assert_close(states, states_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
-    # a chain segment is the drafter's sequential scan: row i's state after tokens 0..i
+    # a chain segment is a sequential scan: row i's state after tokens 0..i
     h = start[0].clone()
     for i in range(6):
-        h = torch.exp(dt[i, :, None] * A) * h + (dt[i] * x[i])[:, None] * B[i][None, :]
+        b = B[i][None, :] if groups is None else B[i].repeat_interleave(D_INNER // groups, dim=0)
+        h = torch.exp(dt[i, :, None] * A) * h + (dt[i] * x[i])[:, None] * b
         torch.testing.assert_close(states[i], h, rtol=1e-12, atol=1e-12)
 
 
