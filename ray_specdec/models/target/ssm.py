@@ -172,9 +172,11 @@ class SSMTargetModel:
         """The request's fixed state in rows of the KV budget (`kv_bytes_per_token`)."""
         return -(-self.state_bytes // self.kv_bytes_per_token)
 
+    kv_pool_stats = None  # no KV pool (the engine's /v1/stats and metrics read this of every target)
+
     @property
-    def kv_pool_stats(self) -> dict[str, int]:
-        """The state pool's slots and slots in use."""
+    def state_pool_stats(self) -> dict[str, int]:
+        """The state pool's slots, slots in use and bytes per slot."""
         return {"slots": self._pool.slots, "used": self._pool.used, "state_bytes": self.state_bytes}
 
     # ----- caches -----

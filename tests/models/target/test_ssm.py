@@ -11,6 +11,7 @@ from transformers import BambaConfig, JambaConfig
 from transformers import MambaForCausalLM
 
 from ray_specdec.config import SamplingParams
+from ray_specdec.engine.target_backend import LocalTarget
 from ray_specdec.factory import LoadError, load_engine, load_target
 from ray_specdec.models.target.forward_layout import Segment
 from ray_specdec.models.target.kinds import UnsupportedTarget, load_target_model
@@ -163,6 +164,8 @@ def test_states_live_in_a_pool_of_fixed_size_slots(target):
     size = pool.conv.numel() + pool.ssm.numel()
     target.prefill(caches[0], torch.tensor(random_prompt(300, seed=1)))
     assert pool.conv.numel() + pool.ssm.numel() == size
+    assert target.state_pool_stats["used"] == len(caches)
+    assert LocalTarget(target).kv_pool is None  # what the engine's metrics read as a KV pool's: there is none
     slot = caches[1].slot
     target.release(caches[1])
     reused = target.new_cache()
