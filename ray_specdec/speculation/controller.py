@@ -86,6 +86,9 @@ class SpeculationConfig:
     # Prior tokens an arm's round accepts per draft depth, before any round of it was measured: optimistic, so that
     # an arm is tried where it could pay.
     prior_accept_per_depth: float = bounded(0.6, ge=0)
+    # Rounds an arm needs in a cell before its acceptance informs the prior of the cell's unmeasured arms (below the
+    # optimistic per-depth prior where it is lower; 0: never).
+    prior_from_rounds: float = bounded(4.0, ge=0)
     # Pseudo-rounds the prior counts as in an arm's posterior; a handful of real rounds outweigh it.
     prior_rounds: float = bounded(2.0, ge=0)
     # Standard deviation of one round's tokens assumed where an arm's own rounds do not say yet.
@@ -234,15 +237,23 @@ def posterior_tokens(arms: Sequence[TreeConfig], sums: np.ndarray, config: Specu
     """Expected tokens of a round of each arm (accepted + the bonus): the posterior mean, or with `rng` one draw from
     the posterior. sums [arms, 3]: rounds, sum and sum of squares of their tokens (`Bandit.token_sums`).
 
-    The posterior is a normal around the mean of the rounds plus `prior_rounds` pseudo-rounds at the optimistic prior
-    (1 + prior_accept_per_depth x depth, and 1 for the undrafted arm); its spread is the rounds' own (the prior's sd
-    until two rounds say otherwise) over sqrt(rounds + prior_rounds). Draws stay within what a round can give:
-    [1, 1 + max depth], and for the undrafted arm [1, undrafted_top] (1 + the lookup proposal's size where its rounds
-    verify one)."""
+    The posterior is a normal around the mean of the rounds plus `prior_rounds` pseudo-rounds at the prior: the
+    optimistic 1 + prior_accept_per_depth x depth (1 for the undrafted arm), or lower where the cell's best-measured
+    drafted arm says so (`prior_from_rounds` rounds or more): the tokens the arm's tree would give at the per-node
+    acceptance that arm's mean implies (`tree_tokens`, `implied_acceptance`). Its spread is the rounds' own (the
+    prior's sd until two rounds say otherwise) over sqrt(rounds + prior_rounds). Draws stay within what a round can
+    give: [1, 1 + max depth], and for the undrafted arm [1, undrafted_top] (1 + the lookup proposal's size where its
+    rounds verify one)."""
     sums = np.asarray(sums, dtype=np.float64).reshape(len(arms), 3)
     n, total, sq = sums.T
     depth = np.array([arm.max_depth for arm in arms], dtype=np.float64)
     prior = 1.0 + config.prior_accept_per_depth * depth
+    drafted = depth > 0
+    if config.prior_from_rounds > 0 and (n[drafted] >= config.prior_from_rounds).any():
+        best = int(np.flatnonzero(drafted)[np.argmax(n[drafted])])  # the drafted arm with the most rounds
+        alpha = implied_acceptance(arms[best], round(float(total[best] / n[best]), 2))
+        informed = np.array([tree_tokens(arm, alpha) if arm.depth else 1.0 for arm in arms])
+        prior = np.minimum(prior, informed)
     k = config.prior_rounds
     mean = np.divide(total + k * prior, n + k, out=prior.copy(), where=(n + k) > 0)
     own_var = np.divide(sq, n, out=np.zeros_like(sq), where=n > 0) - np.divide(total, n, out=np.zeros_like(sq),
@@ -254,6 +265,29 @@ def posterior_tokens(arms: Sequence[TreeConfig], sums: np.ndarray, config: Specu
     draw = mean + se * rng.standard_normal(len(arms))
     top = np.where(depth > 0, 1.0 + depth, max(undrafted_top, 1.0))
     return np.clip(draw, 1.0, top)
+
+
+@functools.lru_cache(maxsize=4096)
+def tree_tokens(tree: TreeConfig, acceptance: float) -> float:
+    """Expected tokens of a round of `tree` (accepted + the bonus) where each drafted child is accepted with
+    probability `acceptance`, independently: 1 + the sum over depths of the chance that the walk reaches it, which at
+    depth d is the product over depths i <= d of 1 - (1 - acceptance)^N_i."""
+    reach, total = 1.0, 1.0
+    for children in tree.branching:
+        reach *= 1.0 - (1.0 - acceptance) ** children
+        total += reach
+    return total
+
+
+@functools.lru_cache(maxsize=4096)
+def implied_acceptance(tree: TreeConfig, tokens: float) -> float:
+    """The per-child acceptance at which `tree_tokens(tree, .)` gives `tokens` (bisection to 1e-4; clipped to
+    [0, 1])."""
+    lo, hi = 0.0, 1.0
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tree_tokens(tree, mid) < tokens else (lo, mid)
+    return (lo + hi) / 2
 
 
 # ----- the choice -----

@@ -8,7 +8,7 @@ import pytest
 from ray_specdec.config import TreeConfig
 from ray_specdec.speculation.controller import (FEATURES, NO_TREE, Pick, RoundFacts, SpeculationConfig,
                                                 SpeculationController, StepCostModel, StepShape, choose_options,
-                                                posterior_tokens)
+                                                implied_acceptance, posterior_tokens, tree_tokens)
 
 CHAIN = TreeConfig((1, 1, 1))
 WIDE = TreeConfig((4, 2, 1))
@@ -147,6 +147,37 @@ def test_posterior_is_the_prior_without_rounds_and_the_rounds_mean_with_many():
     proposing = np.array([posterior_tokens(arms, few, config, np.random.default_rng(s), undrafted_top=5.0)
                           for s in range(500)])  # fmt: skip
     assert 1.0 < proposing[:, 0].max() <= 5.0 and proposing[:, 0].min() >= 1.0
+
+
+def test_tree_tokens_and_the_acceptance_they_imply():
+    assert tree_tokens(TreeConfig((1, 1, 1)), 0.5) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert tree_tokens(TreeConfig((2, 1)), 0.5) == pytest.approx(1 + 0.75 + 0.75 * 0.5)
+    assert tree_tokens(NO_TREE, 0.9) == 1.0
+    for tree in (CHAIN, WIDE, TreeConfig((3, 2, 2, 1, 1))):
+        for alpha in (0.05, 0.3, 0.7, 0.95):
+            assert implied_acceptance(tree, tree_tokens(tree, alpha)) == pytest.approx(alpha, abs=1e-3)
+    assert implied_acceptance(CHAIN, 0.5) == pytest.approx(0.0, abs=1e-3)  # below what any acceptance gives
+    assert implied_acceptance(CHAIN, 9.0) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_measured_arm_informs_the_prior_of_the_cells_unmeasured_arms():
+    """An arm with rounds says what acceptance the cell has; an unmeasured arm starts from what its tree would give at
+    it where that is below the optimistic per-depth prior, and never above it."""
+    config = SpeculationConfig()
+    big = TreeConfig((3, 2, 2, 1, 1))
+    arms = (NO_TREE, CHAIN, big)
+    optimistic = 1 + config.prior_accept_per_depth * big.depth
+    low = np.array([[0, 0, 0], [50, 50 * 1.3, 50 * 1.3**2], [0, 0, 0]], dtype=float)  # the chain: 1.3 tokens a round
+    informed = posterior_tokens(arms, low, config, None)[2]
+    assert informed == pytest.approx(tree_tokens(big, implied_acceptance(CHAIN, 1.3)), rel=1e-3)
+    assert informed < optimistic - 1
+    high = np.array([[0, 0, 0], [50, 50 * 3.9, 50 * 3.9**2], [0, 0, 0]], dtype=float)  # nearly every token accepted
+    assert posterior_tokens(arms, high, config, None)[2] == pytest.approx(optimistic)
+    few = low.copy()
+    few[1] = [3, 3 * 1.3, 3 * 1.3**2]  # too few rounds to inform
+    assert posterior_tokens(arms, few, config, None)[2] == pytest.approx(optimistic)
+    off = SpeculationConfig(prior_from_rounds=0)
+    assert posterior_tokens(arms, low, off, None)[2] == pytest.approx(optimistic)
 
 
 def test_step_cost_model_recovers_the_weights_of_what_steps_run():
