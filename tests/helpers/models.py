@@ -11,6 +11,8 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     GPTNeoXConfig,
+    JambaConfig,
+    JambaForCausalLM,
     LlamaConfig,
     Mamba2Config,
     Mamba2ForCausalLM,
@@ -175,4 +177,25 @@ def tiny_mamba2_lm(dtype: torch.dtype = torch.float64, *, vocab: int = 128, hidd
     return model.to(dtype).eval()
 
 
-SSM_TARGETS = {"mamba": tiny_mamba_lm, "mamba2": tiny_mamba2_lm}  # the SSM target classes' tiny builders
+def tiny_jamba_lm(dtype: torch.dtype = torch.float64, *, vocab: int = 128, hidden: int = 32, eos: int = 0,
+                  seed: int = 0) -> JambaForCausalLM:
+    """A Jamba causal LM (a hybrid target): Mamba, attention (GQA), Mamba, attention; an MLP after the Mamba layers
+    and a mixture of 4 experts (2 per token) after the attention ones; every weight perturbed as `tiny_mamba_lm`'s."""
+    config = JambaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=2 * hidden, mamba_d_state=8, mamba_d_conv=4,
+                         mamba_expand=2, mamba_dt_rank=4, attn_layer_period=2, attn_layer_offset=1,
+                         expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+                         initializer_range=0.1, use_mamba_kernels=False, eos_token_id=eos, bos_token_id=eos,
+                         pad_token_id=eos)
+    config._experts_implementation = "eager"  # HF's grouped expert products take no float64
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = JambaForCausalLM(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+    return model.to(dtype).eval()
+
+
+# the SSM and hybrid target classes' tiny builders
+SSM_TARGETS = {"mamba": tiny_mamba_lm, "mamba2": tiny_mamba2_lm, "jamba": tiny_jamba_lm}

@@ -1,5 +1,5 @@
-"""The Mamba and Mamba2 target: scores a whole token tree in one forward pass through its SSM layers, one fixed-size
-state per request.
+"""The Mamba, Mamba2 and Jamba target: scores a whole token tree in one forward pass through its SSM layers (and a
+hybrid's attention layers), one fixed-size state per request.
 
 The same interface as `TargetModel` (forward_batch over prefill chunks and verify segments, commit of the accepted
 path, caches with a capacity), so the scheduler and `engine/target_backend.py` drive both alike. What differs is the
@@ -20,6 +20,11 @@ Mamba2 differs inside the mixer only: x, B and C are convolved together, A is on
 shared by a group of heads, and a gated RMSNorm precedes the output projection; its heads' states are channels of the
 same scan (`Mamba2Weights`).
 
+Jamba (a hybrid) interleaves Mamba layers (with RMSNorms on dt, B and C) and attention layers, each followed by an MLP
+or a mixture of experts (HF's modules, run as they are). An attention layer keeps K and V per token in the request's
+cache: a group's rows attend over the cached ones and over their own ancestors and themselves (a chunk causally, a
+tree by its mask: the same parent structure the scan follows), and the commit appends the kept path's rows.
+
 Numerics follow HF's: RMSNorm normalizes in float32, a layer's skip connection is rounded to float32 where
 `residual_in_fp32`, the SSM runs in float32 for half-precision models (the model's dtype otherwise), logits are float32
 (float64 for a float64 model). The products are torch's over the step's rows: a row's results can depend on the others
@@ -29,11 +34,12 @@ in the last bits (float64 tests of greedy output check that no mismatch sits off
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
+from transformers import AutoModelForCausalLM, JambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
 
 from ray_specdec.models.drafter.mamba_state import MixerWeights
 from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path
@@ -98,8 +104,39 @@ class Mamba2Weights:
         return self.gate_norm * g.flatten(-2).to(y.dtype)
 
 
+@dataclass(frozen=True)
+class AttentionWeights:
+    """A hybrid's attention layer (Jamba's: grouped-query, no position encoding, no biases)."""
+
+    q_proj: torch.Tensor  # [heads * head_dim, d_model]
+    k_proj: torch.Tensor  # [kv_heads * head_dim, d_model]
+    v_proj: torch.Tensor
+    o_proj: torch.Tensor  # [d_model, heads * head_dim]
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer as the forward runs it: a norm, a mixer (an SSM's or attention), and for a hybrid a feed-
+    forward block after a norm of its own."""
+
+    norm: torch.Tensor  # [d_model]
+    weights: MixerWeights | Mamba2Weights | AttentionWeights
+    index: int  # its state's layer in the pool (SSM), or its K/V's in a cache (attention)
+    ffn_norm: torch.Tensor | None = None
+    ffn: torch.nn.Module | None = None  # HF's MLP or mixture of experts, run as it is
+    bcdt_norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # Jamba's RMSNorms of dt, B and C
+
+    @property
+    def attention(self) -> bool:
+        return isinstance(self.weights, AttentionWeights)
+
+
 class SSMTargetModel:
-    """Adapter around an HF `MambaForCausalLM` or `Mamba2ForCausalLM`: tree verification through its SSM layers."""
+    """Adapter around an HF `MambaForCausalLM`, `Mamba2ForCausalLM` or `JambaForCausalLM`: tree verification through
+    its SSM layers (and a hybrid's attention layers)."""
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype | None = None,
@@ -109,46 +146,79 @@ class SSMTargetModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
         return cls(model.to(device).eval(), load_tokenizer(path))
 
-    def __init__(self, model: MambaForCausalLM | Mamba2ForCausalLM, tokenizer=None, *, slots: int = 8):
+    def __init__(self, model: MambaForCausalLM | Mamba2ForCausalLM | JambaForCausalLM, tokenizer=None, *,
+                 slots: int = 8):
         """slots: states the pool preallocates (it doubles when every one is taken)."""
-        if not isinstance(model, (MambaForCausalLM, Mamba2ForCausalLM)):
-            raise TypeError(f"SSMTargetModel takes a MambaForCausalLM or Mamba2ForCausalLM, not {type(model).__name__}")
+        if not isinstance(model, (MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM)):
+            raise TypeError(f"SSMTargetModel takes a MambaForCausalLM, Mamba2ForCausalLM or JambaForCausalLM, not "
+                            f"{type(model).__name__}")  # fmt: skip
         config = model.config
         if config.hidden_act != "silu":
             raise ValueError(f"only silu Mamba models are supported, got hidden_act={config.hidden_act!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
-        backbone = model.backbone
-        self.device: torch.device = backbone.embeddings.weight.device
-        self.dtype: torch.dtype = backbone.embeddings.weight.dtype
+        hybrid = isinstance(model, JambaForCausalLM)
+        core = model.model if hybrid else model.backbone
+        embed = core.embed_tokens if hybrid else core.embeddings
+        self.device: torch.device = embed.weight.device
+        self.dtype: torch.dtype = embed.weight.dtype
         self.vocab_size: int = int(model.lm_head.out_features)
         self.max_context: int = int(getattr(config, "max_position_embeddings", None) or SSM_MAX_CONTEXT)
         self.eos_token_ids: frozenset[int] = eos_token_ids(model)
-        self.n_layers: int = config.num_hidden_layers
-        self.d_conv: int = config.conv_kernel
-        self.d_state: int = config.state_size
-        self.eps: float = config.layer_norm_epsilon
         self.ssm_dtype = torch.promote_types(self.dtype, torch.float32)
-        self.residual_in_fp32 = bool(config.residual_in_fp32)
+        self.residual_in_fp32 = bool(getattr(config, "residual_in_fp32", False))
         self._logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         if isinstance(model, MambaForCausalLM):
-            self.d_inner: int = config.intermediate_size
-            self.dt_rank: int = int(config.time_step_rank)
-            self._layers = [MixerWeights.from_block(block, self.ssm_dtype) for block in backbone.layers]
+            self.d_conv, self.d_state, self.eps = config.conv_kernel, config.state_size, config.layer_norm_epsilon
+            self.d_inner, self.dt_rank = config.intermediate_size, int(config.time_step_rank)
+            self._layers = [Layer(block.norm.weight.detach(), MixerWeights.from_block(block, self.ssm_dtype), i)
+                            for i, block in enumerate(core.layers)]  # fmt: skip
             self._mix, conv_channels = self._mix_mamba, self.d_inner
-        else:
-            mixer = backbone.layers[0].mixer
+        elif isinstance(model, Mamba2ForCausalLM):
+            self.d_conv, self.d_state, self.eps = config.conv_kernel, config.state_size, config.layer_norm_epsilon
+            mixer = core.layers[0].mixer
             self.d_inner = mixer.intermediate_size
             self.heads, self.head_dim, self.groups = mixer.num_heads, mixer.head_dim, mixer.n_groups
             self.dt_limit: tuple[float, float] = tuple(config.time_step_limit)
-            self._layers = [Mamba2Weights.from_block(block, self.ssm_dtype) for block in backbone.layers]
+            self._layers = [Layer(block.norm.weight.detach(), Mamba2Weights.from_block(block, self.ssm_dtype), i)
+                            for i, block in enumerate(core.layers)]  # fmt: skip
             self._mix, conv_channels = self._mix_mamba2, mixer.conv_dim
-        self._embed = backbone.embeddings.weight.detach()
-        self._norm_f = backbone.norm_f.weight.detach()
+        else:
+            if getattr(config, "sliding_window", None):
+                raise ValueError("Jamba targets with a sliding attention window are not supported")
+            if self.dtype == torch.float64:  # HF's grouped expert products take no float64
+                config._experts_implementation = "eager"
+            self.d_conv, self.d_state, self.eps = config.mamba_d_conv, config.mamba_d_state, config.rms_norm_eps
+            self.d_inner, self.dt_rank = config.mamba_expand * config.hidden_size, int(config.mamba_dt_rank)
+            kinds = [hasattr(layer, "self_attn") for layer in core.layers]
+            self._layers = [self._jamba_layer(layer, config, sum(k == kind for k in kinds[:i]))
+                            for i, (layer, kind) in enumerate(zip(core.layers, kinds))]  # fmt: skip
+            self._mix, conv_channels = self._mix_mamba, self.d_inner
+        self._attention_layers = sum(layer.attention for layer in self._layers)
+        ssm_layers = len(self._layers) - self._attention_layers
+        self._embed = embed.weight.detach()
+        self._norm_f = (core.final_layernorm if hybrid else core.norm_f).weight.detach()
         self._lm_head = model.lm_head.weight.detach()
-        self._pool = SSMStatePool((self.n_layers, self.d_conv - 1, conv_channels),
-                                  (self.n_layers, self.d_inner, self.d_state), self.dtype, self.ssm_dtype, self.device,
+        self._pool = SSMStatePool((ssm_layers, self.d_conv - 1, conv_channels),
+                                  (ssm_layers, self.d_inner, self.d_state), self.dtype, self.ssm_dtype, self.device,
                                   slots)  # fmt: skip
+
+    def _jamba_layer(self, layer, config, index: int) -> Layer:
+        """A Jamba decoder layer (the index-th of its kind): its attention or Mamba mixer (with the RMSNorms of dt, B
+        and C), then its feed-forward block (an MLP or a mixture of experts)."""
+        if hasattr(layer, "self_attn"):
+            attn = layer.self_attn
+            weights = AttentionWeights(attn.q_proj.weight.detach(), attn.k_proj.weight.detach(),
+                                       attn.v_proj.weight.detach(), attn.o_proj.weight.detach(),
+                                       config.num_attention_heads, config.num_key_value_heads, attn.head_dim)
+            norms = None
+        else:
+            mamba = layer.mamba
+            weights = MixerWeights.from_block(SimpleNamespace(norm=layer.input_layernorm, mixer=mamba), self.ssm_dtype)
+            norms = (mamba.dt_layernorm.weight.detach(), mamba.b_layernorm.weight.detach(),
+                     mamba.c_layernorm.weight.detach())
+        return Layer(layer.input_layernorm.weight.detach(), weights, index, layer.pre_ff_layernorm.weight.detach(),
+                     layer.feed_forward, norms)  # fmt: skip
 
     # ----- what the engine reads -----
 
@@ -157,9 +227,13 @@ class SSMTargetModel:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """The bytes one row of the KV budget stands for. An SSM keeps nothing per token, so its rows are a nominal
-        unit: the K and V one attention layer of the model's width would keep per token. A request is charged its
-        tokens at a row each (conservative) and its state at `state_rows`."""
+        """The bytes one row of the KV budget stands for: a hybrid's attention layers' K and V of one token. A pure
+        SSM keeps nothing per token, so its rows are a nominal unit: the K and V one attention layer of the model's
+        width would keep per token. A request is charged its tokens at a row each (conservative for a pure SSM) and
+        its state at `state_rows`."""
+        attention = [layer.weights for layer in self._layers if layer.attention]
+        if attention:
+            return sum(2 * w.kv_heads * w.head_dim for w in attention) * self.dtype.itemsize
         return 2 * self.model.config.hidden_size * self.dtype.itemsize
 
     @property
@@ -200,7 +274,8 @@ class SSMTargetModel:
         """The state after the prompt chunk [start, end) that this step's forward ran (the prefix cache keeps it)."""
         if end != cache.committed:
             raise ValueError(f"the state holds {cache.committed} tokens, not the chunk's end {end}")
-        return StateSnapshot(self._pool.conv[cache.slot].clone(), self._pool.ssm[cache.slot].clone(), start, end)
+        kv = tuple((k[start:end].clone(), v[start:end].clone()) for k, v in cache.kv)
+        return StateSnapshot(self._pool.conv[cache.slot].clone(), self._pool.ssm[cache.slot].clone(), start, end, kv)
 
     def load_chunk(self, cache: SSMCache, snapshot: StateSnapshot) -> None:
         """Continue the cache from a kept chunk's state: the chunk must start where the cache ends."""
@@ -210,6 +285,7 @@ class SSMTargetModel:
                              f"{cache.committed} tokens")  # fmt: skip
         self._pool.conv[cache.slot].copy_(snapshot.conv)
         self._pool.ssm[cache.slot].copy_(snapshot.ssm)
+        cache.kv = [(torch.cat([k, sk]), torch.cat([v, sv])) for (k, v), (sk, sv) in zip(self._kv(cache), snapshot.kv)]
         cache.committed = snapshot.end
 
     # ----- the forward -----
@@ -270,6 +346,9 @@ class SSMTargetModel:
             if keep:
                 self._pool.conv[cache.slot].copy_(cache.pending.conv[:, keep[-1]])
                 self._pool.ssm[cache.slot].copy_(cache.pending.ssm[:, keep[-1]])
+                rows = torch.tensor(keep, device=self.device)
+                cache.kv = [(torch.cat([k, pk.index_select(0, rows)]), torch.cat([v, pv.index_select(0, rows)]))
+                            for (k, v), (pk, pv) in zip(cache.kv, cache.pending.kv)]  # fmt: skip
                 cache.committed += len(keep)
             cache.pending = None
 
@@ -323,53 +402,110 @@ class SSMTargetModel:
         ssm_start = self._pool.ssm.index_select(0, slots)  # [G, L, d_inner, d_state]
         ids = torch.cat(tokens).to(self.device)
         residual = F.embedding(ids, self._embed)  # [R, d_model]
-        kept_conv, kept_ssm = [], []
+        kept_conv, kept_ssm, new_kv = [], [], []
         history_index = layout.windows[kept_index.to(self.device), 1:]  # each kept row's last d_conv - 1 inputs
-        for layer, w in enumerate(self._layers):
-            h = rms_norm(residual, w.norm, self.eps)
-            mixed, inputs, states = self._mix(h, w, conv_start[:, layer], ssm_start[:, layer], layout)
+        attending = self._attending(groups, layout) if self._attention_layers else None
+        for layer in self._layers:
+            h = rms_norm(residual, layer.norm, self.eps)
+            if layer.attention:
+                mixed, k, v = self._attend(h, layer, attending)
+                new_kv.append((k, v))  # [R, kv heads, head_dim] each
+            else:
+                mixed, inputs, states = self._mix(h, layer, conv_start[:, layer.index], ssm_start[:, layer.index],
+                                                  layout)  # fmt: skip
+                kept_conv.append(inputs[history_index])  # [K, d_conv - 1, d_inner]
+                kept_ssm.append(states.index_select(0, kept_index.to(self.device)))  # [K, d_inner, d_state]
             residual = (residual.to(torch.float32) if self.residual_in_fp32 else residual) + mixed
-            kept_conv.append(inputs[history_index])  # [K, d_conv - 1, d_inner]
-            kept_ssm.append(states.index_select(0, kept_index.to(self.device)))  # [K, d_inner, d_state]
+            if layer.ffn is not None:
+                residual = residual + layer.ffn(rms_norm(residual, layer.ffn_norm, self.eps)[None])[0]
         conv = torch.stack(kept_conv)  # [L, K, d_conv - 1, d_inner]
         ssm = torch.stack(kept_ssm)  # [L, K, d_inner, d_state]
         logit_rows = torch.cat([torch.arange(start, start + n) for start, n in verify_rows]) if verify_rows else None
         logits = (self._logits(residual[logit_rows.to(self.device)]).split([n for _, n in verify_rows])
                   if verify_rows else [])  # fmt: skip
         k, v = 0, 0
-        for g in groups:
+        for g, start in zip(groups, layout.starts):
             cache: SSMCache = g["cache"]
             chunk, verify = g["chunk"], g["verify"]
-            if chunk is not None and chunk[1].numel():
+            n_chunk = 0 if chunk is None else chunk[1].numel()
+            if n_chunk:
                 self._pool.conv[cache.slot].copy_(conv[:, k])
                 self._pool.ssm[cache.slot].copy_(ssm[:, k])
-                cache.committed += chunk[1].numel()
+                cache.kv = [(torch.cat([ck, nk[start:start + n_chunk]]), torch.cat([cv, nv[start:start + n_chunk]]))
+                            for (ck, cv), (nk, nv) in zip(self._kv(cache), new_kv)]  # fmt: skip
+                cache.committed += n_chunk
                 k += 1
             if verify is not None:
-                n = verify[1].numel()
-                cache.pending = PendingStates(conv[:, k:k + n], ssm[:, k:k + n], verify[2].parents.clone())
+                n, first = verify[1].numel(), start + n_chunk
+                cache.pending = PendingStates(conv[:, k:k + n], ssm[:, k:k + n], verify[2].parents.clone(),
+                                              [(nk[first:first + n], nv[first:first + n]) for nk, nv in new_kv])
                 out[verify[0]] = logits[v].to(self._logits_dtype)
                 k, v = k + n, v + 1
 
-    def _mix_mamba(self, h: torch.Tensor, w: MixerWeights, conv_start: torch.Tensor, ssm_start: torch.Tensor,
+    def _kv(self, cache: SSMCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The cache's attention K/V per attention layer (empty tensors before its first rows)."""
+        if len(cache.kv) < self._attention_layers:
+            cache.kv = [(torch.empty(0, w.kv_heads, w.head_dim, dtype=self.dtype, device=self.device),) * 2
+                        for w in (layer.weights for layer in self._layers if layer.attention)]  # fmt: skip
+        return cache.kv
+
+    def _attending(self, groups: list[dict], layout: RowTrees) -> list[tuple[SSMCache, int, int, torch.Tensor]]:
+        """Per group: its cache, its rows [start, end) in the forward, and which of the cached tokens and its own rows
+        each row sees ([n, committed + n] bool: every cached token, and its ancestors and itself among its rows)."""
+        out = []
+        for g, start, end in zip(groups, layout.starts, layout.starts[1:]):
+            cache, n = g["cache"], end - start
+            parents = (layout.parents[start:end] - start).tolist()
+            own = torch.zeros(n, n, dtype=torch.bool)
+            for i, p in enumerate(parents):  # parents precede their rows
+                if p >= 0:
+                    own[i] = own[p]
+                own[i, i] = True
+            seen = torch.cat([torch.ones(n, cache.committed, dtype=torch.bool), own], dim=1)
+            out.append((cache, start, end, seen.to(self.device)))
+        return out
+
+    def _attend(self, h: torch.Tensor, layer: Layer, attending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A hybrid's attention layer over every row: each group's rows attend over its cached K/V and its own rows
+        by their ancestry (a chunk causally, a tree by its mask) -> (output [R, d_model], the rows' K and V)."""
+        w: AttentionWeights = layer.weights
+        rows = h.shape[0]
+        q = F.linear(h, w.q_proj).view(rows, w.heads, w.head_dim)
+        k = F.linear(h, w.k_proj).view(rows, w.kv_heads, w.head_dim)
+        v = F.linear(h, w.v_proj).view(rows, w.kv_heads, w.head_dim)
+        out = torch.empty_like(q)
+        repeat = w.heads // w.kv_heads
+        for cache, start, end, seen in attending:
+            cached_k, cached_v = self._kv(cache)[layer.index]
+            keys = torch.cat([cached_k, k[start:end]]).repeat_interleave(repeat, dim=1).transpose(0, 1)
+            values = torch.cat([cached_v, v[start:end]]).repeat_interleave(repeat, dim=1).transpose(0, 1)
+            out[start:end] = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), keys, values,
+                                                            attn_mask=seen).transpose(0, 1)  # fmt: skip
+        return F.linear(out.reshape(rows, -1), w.o_proj), k, v
+
+    def _mix_mamba(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
                    layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One Mamba mixer over every row: h [R, d_model], conv_start [G, d_conv - 1, d_inner], ssm_start [G, d_inner,
         d_state] -> (its output [R, d_model], the conv inputs `layout.windows` index, every row's SSM state)."""
+        w: MixerWeights = layer.weights
         x, z = F.linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
         x, inputs = tree_conv(x, conv_start, layout, w.conv, w.conv_bias)
         x = F.silu(x)
         sd = self.ssm_dtype
         dt, B, C = F.linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        if layer.bcdt_norms is not None:  # Jamba
+            dt, B, C = (rms_norm(t, norm, self.eps) for t, norm in zip((dt, B, C), layer.bcdt_norms))
         dt = F.softplus(F.linear(dt, w.dt_proj, w.dt_bias).to(sd))  # [R, d_inner]
         x = x.to(sd)
         y, states = tree_scan(dt, x, B.to(sd), C.to(sd), w.A, ssm_start, layout)
         y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
         return F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
 
-    def _mix_mamba2(self, h: torch.Tensor, w: "Mamba2Weights", conv_start: torch.Tensor, ssm_start: torch.Tensor,
+    def _mix_mamba2(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
                     layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One Mamba2 mixer over every row, as `_mix_mamba` (conv_start [G, d_conv - 1, conv_dim]: x, B and C are
         convolved together); a head's state is its head_dim channels of [d_inner, d_state]."""
+        w: Mamba2Weights = layer.weights
         rows, sd, n = h.shape[0], self.ssm_dtype, self.d_state
         z, xbc, dt = F.linear(h, w.in_proj, w.in_proj_bias).split(
             [self.d_inner, w.conv.shape[0], self.heads], dim=-1)

@@ -1,14 +1,14 @@
 """An SSM target's per-request state: a slot of a preallocated pool, and the cache object the engine holds for it.
 
-A request's state is, per layer, the last `d_conv - 1` conv inputs and the SSM state after its committed tokens: the
-same size at any context. The pool holds `slots` of them in two tensors (slot-major, so one slot is contiguous) and
-doubles when every slot is taken; a released slot is reused as it is, since a cache's first forward starts from a
-zeroed slot.
+A request's state is, per SSM layer, the last `d_conv - 1` conv inputs and the SSM state after its committed tokens:
+the same size at any context (a hybrid's attention layers keep K and V per token beside it, in the cache object). The
+pool holds `slots` of them in two tensors (slot-major, so one slot is contiguous) and doubles when every slot is
+taken; a slot is zeroed as a cache takes it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +60,7 @@ class PendingStates:
     conv: torch.Tensor  # [L, rows, d_conv - 1, d_inner]
     ssm: torch.Tensor  # [L, rows, d_inner, d_state]
     parents: torch.Tensor  # [rows] long, within the verify (-1 for its root)
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # a hybrid's attention layers' rows
 
 
 @dataclass
@@ -70,6 +71,8 @@ class SSMCache:
     capacity: int | None  # the rows the scheduler granted (None: unbounded); an SSM state holds any number
     committed: int = 0  # tokens whose effect the slot's state holds
     pending: PendingStates | None = None
+    # a hybrid's attention layers: K and V [committed, kv heads, head_dim] each (grown by concatenation)
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def pending_rows(self) -> int:
@@ -89,3 +92,4 @@ class StateSnapshot:
     ssm: torch.Tensor  # [L, d_inner, d_state]
     start: int
     end: int
+    kv: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # a hybrid's attention rows [start, end) per layer

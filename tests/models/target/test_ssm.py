@@ -1,14 +1,15 @@
-"""The Mamba and Mamba2 target (models/target/ssm.py): tree verification through its SSM layers against HF's forward
-along every path, the committed state against a prefill of the accepted tokens, batched and chunked forwards against
-single ones, the prefix cache's states, and loading (unsupported classes refused with what is supported)."""
+"""The Mamba, Mamba2 and Jamba target (models/target/ssm.py): tree verification through its SSM layers (and a
+hybrid's attention layers) against HF's forward along every path, the committed state against a prefill of the
+accepted tokens, batched and chunked forwards against single ones, the prefix cache's states, and loading
+(unsupported classes refused with what is supported)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import BambaConfig, JambaConfig
+from transformers import BambaConfig, FalconMambaConfig
 
-from transformers import MambaForCausalLM
+from transformers import Mamba2ForCausalLM
 
 from ray_specdec.config import SamplingParams
 from ray_specdec.engine.target_backend import LocalTarget
@@ -35,9 +36,10 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0].double()
 
 
-def state_of(target: SSMTargetModel, cache) -> tuple[torch.Tensor, torch.Tensor]:
+def state_of(target: SSMTargetModel, cache) -> list[torch.Tensor]:
+    """The request's SSM layers' conv and SSM states, and a hybrid's attention layers' K and V."""
     pool = target._pool
-    return pool.conv[cache.slot].clone(), pool.ssm[cache.slot].clone()
+    return [pool.conv[cache.slot].clone(), pool.ssm[cache.slot].clone(), *(t for kv in cache.kv for t in kv)]
 
 
 @pytest.mark.parametrize("paths", TREES, ids=["root", "chain", "wide", "deep"])
@@ -173,8 +175,9 @@ def test_states_live_in_a_pool_of_fixed_size_slots(target):
     assert reused.slot == slot and not pool.ssm[slot].any()
     for cache in caches + [reused]:
         target.release(cache)
-    # [L, d_conv - 1, conv channels] + [L, d_inner, N] in float64; Mamba2 convolves x, B and C (2 groups of 8)
-    conv_channels = 64 if isinstance(target.model, MambaForCausalLM) else 64 + 2 * 2 * 8
+    # [L, d_conv - 1, conv channels] + [L, d_inner, N] in float64 over 2 SSM layers; Mamba2 convolves x, B and C
+    # (2 groups of 8)
+    conv_channels = 64 + 2 * 2 * 8 if isinstance(target.model, Mamba2ForCausalLM) else 64
     assert target.state_bytes == (2 * (4 - 1) * conv_channels + 2 * 64 * 8) * 8
 
 
@@ -202,12 +205,10 @@ def test_a_directory_of_an_ssm_class_loads_as_an_ssm_target(tmp_path, kind):
 
 
 @pytest.mark.parametrize("config", [
-    JambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                intermediate_size=32, mamba_d_state=4, mamba_expand=2, attn_layer_period=2, attn_layer_offset=1,
-                expert_layer_period=4, num_experts=1),
     BambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                 intermediate_size=32, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=4),
-], ids=["jamba", "bamba"])
+    FalconMambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4),
+], ids=["bamba", "falcon-mamba"])
 def test_other_recurrent_classes_are_refused_naming_what_is_supported(tmp_path, config):
     config.save_pretrained(tmp_path)  # the class is read from the config before any weights load
     with pytest.raises(UnsupportedTarget, match="supported: .*MambaForCausalLM"):
@@ -217,5 +218,5 @@ def test_other_recurrent_classes_are_refused_naming_what_is_supported(tmp_path, 
 
 
 def test_ssm_target_refuses_other_models():
-    with pytest.raises(TypeError, match="MambaForCausalLM or Mamba2ForCausalLM"):
+    with pytest.raises(TypeError, match="MambaForCausalLM, Mamba2ForCausalLM or JambaForCausalLM"):
         SSMTargetModel(tiny_llama())
