@@ -35,9 +35,13 @@ part at near-ties, since cuBLAS picks its kernel by the row count; the count is 
 not its weights, while a real target's batch-1 forward reads every weight for one request. Its drafts would be
 rejected, so only the `none` variants run.
 
+`--trees "1,1,1;2,2,1,1"` adds a `batched <tree>` variant per fixed tree; `--coupling rejection,coupled` runs every
+variant once per `sampling_coupling` (speculation/coupled.py; seeded requests are coupled under the default `auto`),
+labelled with it. Each cell reports the mean accepted length of the rounds of its finished requests.
+
 Run from the repository root: python -m benchmarks.batched_loop [--device cuda] [--dtype float32]
 [--target target-neox-large] [--concurrency 1,8,32] [--duration 10] [--synthetic-llama 2048,16] [--temperature 1]
-[--json results.json]
+[--trees "1,1,1;3,2,1"] [--coupling rejection,coupled] [--json results.json]
 (`--temperature` above 0: sampled requests, each seeded; their tokens are not compared.)
 """
 
@@ -59,6 +63,7 @@ import torch
 from benchmarks.serve_peers import select_prompts
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ray_specdec.engine.config import EngineConfig
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.factory import resolve_device
@@ -123,12 +128,14 @@ def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: i
     for _ in range(concurrency):
         add()
     steps, produced, t0 = 0, 0, time.perf_counter()
+    accepted: list[int] = []  # accepted length of every round of the finished requests
     while time.perf_counter() - t0 < duration:
         for out in scheduler.step():
             index, ids = running[out.request_id]
             ids += out.chunk.token_ids
             produced += len(out.chunk.token_ids)
             if out.chunk.finish_reason is not None:
+                accepted += out.chunk.stats.accepted_lengths
                 tokens.setdefault(index, ids)
                 del running[out.request_id]
                 add()
@@ -167,6 +174,7 @@ def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: i
         scheduler.step()
     speculation = scheduler.controller.summary()
     return {"tokens_per_s": produced / elapsed, "steps_per_s": steps / elapsed, "finished": len(tokens),
+            "accepted_length": sum(accepted) / max(len(accepted), 1),
             "sent": next(order) - start, "seconds": elapsed, "speculation": speculation,
             "profile": profile}, tokens  # fmt: skip
 
@@ -191,6 +199,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--python-profile", default="", metavar="VARIANT@C",
                    help="after that cell, 200 steps under cProfile: the Python functions taking the host's time")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled requests")
+    p.add_argument("--trees", default="", metavar="T1;T2",
+                   help="fixed trees, each one more variant 'batched <tree>' (e.g. '1,1,1;2,2,1,1')")
+    p.add_argument("--coupling", default="auto", metavar="C1,C2",
+                   help="sampling_coupling values to run every variant with (auto, coupled, rejection)")
     p.add_argument("--target", default="target-neox", help="embedded model name or HF directory of the target")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -210,9 +222,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "target": args.synthetic_llama or args.target,
                                "cells": []}  # fmt: skip
     outputs: dict[str, dict[int, list[int]]] = {}
-    for name, lean, tree_text in VARIANTS:
-        label = f"{name} {tree_text or 'drafting'}"
-        if label not in chosen:
+    trees = [t.strip() for t in args.trees.split(";") if t.strip()]
+    chosen |= {f"batched {t}" for t in trees}
+    couplings = [c.strip() for c in args.coupling.split(",")]
+    variants = [*VARIANTS, *(("batched", True, t) for t in trees)]
+    for (name, lean, tree_text), coupling in itertools.product(variants, couplings):
+        label = f"{name} {tree_text or 'drafting'}" + ("" if coupling == "auto" else f" {coupling}")
+        if label.removesuffix(f" {coupling}") not in chosen:
             continue
         switches = dict(lean=lean, kv_pool=False if name == "own-caches" else None,
                         cuda_graphs=False if name == "eager" else None)  # fmt: skip
@@ -228,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             target._lean.native_decoder = None
         if name == "pieces" and target._lean is not None and target._lean.graphs is not None:
             target._lean.graphs.fused = False
-        engine = SpeculativeEngine(target, drafter, Bandit())
+        config = EngineConfig().with_fields(sampling_coupling=coupling)
+        engine = SpeculativeEngine(target, drafter, Bandit(), config=config)
         encoded = [engine.encode(t) for t in texts]
         prompts, warm_up = encoded[:args.prompts], encoded[args.prompts:]
         tree = TreeConfig.parse(tree_text) if tree_text else None
@@ -246,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for index, ids in tokens.items():
                 outputs.setdefault(label, {}).setdefault(index, ids)
             print(f"{label:24s} c={c:<3d} {cell['tokens_per_s']:8.1f} tok/s  {cell['steps_per_s']:7.1f} steps/s  "
-                  f"{cell['finished']} finished", flush=True)
+                  f"accepted length {cell['accepted_length']:.2f}  {cell['finished']} finished", flush=True)
             if cell["profile"]:
                 print(cell["profile"], flush=True)
     reference = outputs.get(REFERENCE, {})

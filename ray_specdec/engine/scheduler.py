@@ -71,7 +71,8 @@ from ray_specdec.speculation.prompt_lookup import LookupIndex
 from ray_specdec.speculation.sampling import make_generators
 from ray_specdec.speculation.stopping import StopChecker
 from ray_specdec.speculation.tree_policy import FixedTree
-from ray_specdec.speculation.verify import judge, judge_plain_sampled, plain_sampled, round_logprobs
+from ray_specdec.speculation.verify import (judge, judge_plain_coupled, judge_plain_sampled, plain_sampled,
+                                            prefetch_rounds, round_logprobs)
 
 # The shortest context suffix an undrafted round's lookup matches (plain_lookup): a single token matches often and
 # guesses badly, and every proposed token is a verify row (measured on held-out code, 4 tokens: 1.66 tokens a round
@@ -317,18 +318,29 @@ class Scheduler:
         for r in plan.prefilling:
             r.prefilled = r.chunk_end
         rounds, logits = plan.rounds, result.logits
-        # plain sampled rounds draw together; the others are judged one by one
-        plain = [i for i, rd in enumerate(rounds)
-                 if rd.request.rejection_sampled and plain_sampled(rd.draft, rd.request.params)]
+        # plain sampled rounds draw together (coupled ones: their keyed argmaxes); the others are judged one by one,
+        # the noise of the coupled ones made together first
+        plain = [i for i, rd in enumerate(rounds) if plain_sampled(rd.draft, rd.request.params)]
+        drawn = [i for i in plain if rounds[i].request.noise is None]
+        keyed = [i for i in plain if rounds[i].request.noise is not None]
         t = time.perf_counter()
-        verdicts = dict(zip(plain, judge_plain_sampled([logits[i] for i in plain],
-                                                       [rounds[i].request.params for i in plain],
-                                                       [rounds[i].request.target_gen for i in plain])
-                            if plain else []))  # fmt: skip
+        verdicts = dict(zip(drawn, judge_plain_sampled([logits[i] for i in drawn],
+                                                       [rounds[i].request.params for i in drawn],
+                                                       [rounds[i].request.target_gen for i in drawn])
+                            if drawn else []))  # fmt: skip
+        verdicts |= dict(zip(keyed, judge_plain_coupled([logits[i] for i in keyed],
+                                                        [rounds[i].request.params for i in keyed],
+                                                        [rounds[i].request.noise for i in keyed],
+                                                        [len(rounds[i].request.tokens) for i in keyed])
+                             if keyed else []))  # fmt: skip
+        coupled = [i for i, rd in enumerate(rounds) if rd.request.noise is not None and i not in verdicts]
+        prefetch_rounds([logits[i] for i in coupled], [rounds[i].draft.tree for i in coupled],
+                        [rounds[i].request.noise for i in coupled], [len(rounds[i].request.tokens) for i in coupled])
         # each round's own host time after the forward (judging, committing, stops), for the controller's prices
         finish_s = [0.0] * len(rounds)
-        for i in plain:
-            finish_s[i] = (time.perf_counter() - t) / len(plain)
+        together = plain + coupled
+        for i in together:
+            finish_s[i] = (time.perf_counter() - t) / len(together)
         outputs = []
         try:
             for i, rd in enumerate(rounds):

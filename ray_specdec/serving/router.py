@@ -4,8 +4,10 @@ The round loop runs in the engine replicas (engine/scheduler.py behind serving/e
 encodes and forwards. What it adds is fault tolerance across replicas: when the replica serving a request is lost
 mid-stream (its process died), the request continues on another replica from every token it has streamed so far
 (prompt + generated, with max_new_tokens reduced by what was generated), until `retry_s` has passed; then it fails
-with `ServiceUnavailable` (HTTP 503 with Retry-After). Greedy continuations are exactly the tokens the lost replica
-would have produced; sampled ones keep the target's distribution (a fresh random stream from the cut on). A stop
+with `ServiceUnavailable` (HTTP 503 with Retry-After). Greedy continuations, and those of sampled requests drawn in
+the coupled mode (seeded ones by default: speculation/coupled.py keys each token by its absolute position), are
+exactly the tokens the lost replica would have produced; other sampled ones keep the target's distribution (a fresh
+random stream from the cut on). A stop
 string that spans the cut is not seen (each replica checks the text it generated), nor are the lost replica's
 rounds in the final statistics.
 """

@@ -44,10 +44,11 @@ def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def philox4x32(
-    counter: Sequence[torch.Tensor], key: tuple[int, int], rounds: int = PHILOX_ROUNDS
+    counter: Sequence[torch.Tensor], key: tuple, rounds: int = PHILOX_ROUNDS
 ) -> list[torch.Tensor]:
     """Philox-4x32-`rounds` of the counters `counter` (4 int64 tensors of one shape, each word in [0, 2^32)) under
-    the 2-word `key` -> 4 int64 tensors of 32-bit words. Random123's known answers hold (tests/speculation)."""
+    the 2-word `key` (ints, or int64 tensors that broadcast against the counters) -> 4 int64 tensors of 32-bit
+    words. Random123's known answers hold (tests/speculation)."""
     c0, c1, c2, c3 = counter
     k0, k1 = key
     for r in range(rounds):
@@ -61,25 +62,27 @@ def philox4x32(
 
 def keyed_uniforms(seed: int, choice: int, positions: Sequence[int], vocab: int,
                    device: torch.device | str = "cpu") -> torch.Tensor:
-    """-> [len(positions), vocab] float64 uniforms in (0, 1): u(seed, choice, position, token). Token x takes 52 bits
-    of words (2, 3) or (0, 1) of Philox's output for counter (x // 2, position, choice low, choice high) under the
-    key (seed low, seed high). A token's value depends on nothing else (not on vocab, nor on the other positions)."""
-    if not 0 <= seed < 2**64 or not 0 <= choice < 2**64:
-        raise ValueError(f"seed and choice must be in [0, 2^64), got {seed}, {choice}")
+    """-> [len(positions), vocab] float64 uniforms in (0, 1): u(seed, choice, position, token) (`keyed_rows`)."""
+    return keyed_rows([(seed, choice, p) for p in positions], vocab, device)
+
+
+def keyed_rows(keys: Sequence[tuple[int, int, int]], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """keys: (seed, choice, position) per row -> [rows, vocab] float64 uniforms in (0, 1), all rows in one pass.
+    Token x takes 52 bits of words (0, 1) or (2, 3) of Philox's output for the counter (x // 2, position, choice low,
+    choice high) under the key (seed low, seed high): its value depends on nothing else (not on vocab, nor on the
+    other rows)."""
+    if any(not (0 <= s < 2**63 and 0 <= c < 2**63 and 0 <= p <= _MASK32) for s, c, p in keys):
+        raise ValueError("seeds and choices must be in [0, 2^63), positions in [0, 2^32)")
     pairs = (vocab + 1) // 2
-    pos = torch.as_tensor(list(positions), dtype=torch.int64, device=device)  # [P]
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) > _MASK32):
-        raise ValueError("positions must be in [0, 2^32)")
-    shape = (pos.numel(), pairs)
+    seed, choice, pos = torch.tensor(list(keys), dtype=torch.int64, device=device).reshape(-1, 3).T[:, :, None]
+    shape = (pos.shape[0], pairs)
     c0 = torch.arange(pairs, dtype=torch.int64, device=device).expand(shape)
-    c1 = pos[:, None].expand(shape)
-    c2 = torch.full(shape, choice & _MASK32, dtype=torch.int64, device=device)
-    c3 = torch.full(shape, choice >> 32, dtype=torch.int64, device=device)
-    w0, w1, w2, w3 = philox4x32([c0, c1, c2, c3], (seed & _MASK32, seed >> 32))
+    counter = [c0, pos.expand(shape), (choice & _MASK32).expand(shape), (choice >> 32).expand(shape)]
+    w0, w1, w2, w3 = philox4x32(counter, (seed & _MASK32, seed >> 32))
     # 52 bits per uniform, 26 of each word: (m + 0.5) / 2^52 is exact in float64, never 0 nor 1
-    bits = torch.stack([((w0 >> 6) << 26) | (w1 >> 6), ((w2 >> 6) << 26) | (w3 >> 6)], dim=-1)  # [P, pairs, 2]
+    bits = torch.stack([((w0 >> 6) << 26) | (w1 >> 6), ((w2 >> 6) << 26) | (w3 >> 6)], dim=-1)  # [rows, pairs, 2]
     u = (bits.to(torch.float64) + 0.5) * 2.0**-52
-    return u.reshape(pos.numel(), 2 * pairs)[:, :vocab]
+    return u.reshape(shape[0], 2 * pairs)[:, :vocab]
 
 
 def gumbel(u: torch.Tensor) -> torch.Tensor:
@@ -88,8 +91,8 @@ def gumbel(u: torch.Tensor) -> torch.Tensor:
 
 
 class KeyedGumbel:
-    """One request's keyed noise: the Gumbel noise of (seed, choice) at each position, kept per position until an
-    earlier position than any asked for is never asked again (positions only grow within a request)."""
+    """One request's keyed noise: the Gumbel noise of (seed, choice) at each position, kept per position until
+    `forget_before` says it will not be asked again (a round's verify: positions only grow within a request)."""
 
     def __init__(self, seed: int, choice: int = 0):
         self.seed, self.choice = seed, choice
@@ -97,16 +100,30 @@ class KeyedGumbel:
 
     def at(self, positions: Sequence[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """-> [len(positions), vocab] float64 Gumbel noise (positions may repeat)."""
-        device = torch.device(device)
-        first = min(positions)
-        for p in [p for p in self._noise if p < first]:
-            del self._noise[p]
-        missing = sorted({p for p in positions
-                          if p not in self._noise or self._noise[p].numel() < vocab or self._noise[p].device != device})
-        if missing:
-            fresh = gumbel(keyed_uniforms(self.seed, self.choice, missing, vocab, device))
-            self._noise.update(zip(missing, fresh))
+        prefetch([(self, positions)], vocab, device)
         return torch.stack([self._noise[p][:vocab] for p in positions])
+
+    def missing(self, positions: Sequence[int], vocab: int, device: torch.device) -> list[int]:
+        return sorted({p for p in positions
+                       if p not in self._noise or self._noise[p].numel() < vocab or self._noise[p].device != device})
+
+    def forget_before(self, position: int) -> None:
+        """Positions before `position` will not be asked for again: their noise goes."""
+        for p in [p for p in self._noise if p < position]:
+            del self._noise[p]
+
+
+def prefetch(wants: Sequence[tuple[KeyedGumbel, Sequence[int]]], vocab: int,
+             device: torch.device | str = "cpu") -> None:
+    """The noise of several requests' positions, made in one pass for all those not kept yet (a step's rounds: one
+    Philox pass instead of one per request)."""
+    device = torch.device(device)
+    todo = [(noise, p) for noise, positions in wants for p in noise.missing(positions, vocab, device)]
+    if not todo:
+        return
+    fresh = gumbel(keyed_rows([(noise.seed, noise.choice, p) for noise, p in todo], vocab, device))
+    for (noise, p), row in zip(todo, fresh):
+        noise._noise[p] = row
 
 
 def perturbed_scores(

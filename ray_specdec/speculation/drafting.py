@@ -37,7 +37,7 @@ from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.models.drafter.mamba import MambaDrafter, MambaState
 from ray_specdec.models.drafter.mamba_state import StateSlots
 from ray_specdec.speculation.acceptance import Verdict
-from ray_specdec.speculation.coupled import KeyedGumbel, keyed_top_k
+from ray_specdec.speculation.coupled import KeyedGumbel, keyed_top_k, prefetch
 from ray_specdec.speculation.drafter_cache import DrafterStates
 from ray_specdec.speculation.logits_processing import apply_logit_bias
 from ray_specdec.speculation.prompt_lookup import LookupIndex
@@ -446,6 +446,11 @@ def _grow(trees: Sequence[_Growth], min_path_prob: float) -> None:
     """Grow the trees of one drafter to their depths: at each depth, every tree that goes deeper has its rows copied
     from their parents' (one copy for all trees) and stepped on its new tokens (one step for all trees)."""
     growing = [t for t in trees if t.request.config.depth > 0]
+    coupled = [t for t in growing if t.request.noise is not None]
+    if coupled:  # the noise of every depth's position, for all trees in one pass
+        prefetch([(t.request.noise, range(len(t.request.session.history),
+                                          len(t.request.session.history) + t.request.config.depth)) for t in coupled],
+                 coupled[0].logits.shape[-1], coupled[0].logits.device)  # fmt: skip
     source: MambaState | None = None  # the batch's state at the last stepped depth
     depth = 1
     while growing := [t for t in growing if t.pick(depth, min_path_prob)]:

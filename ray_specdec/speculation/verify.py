@@ -15,7 +15,7 @@ import torch
 
 from ray_specdec.config import SamplingParams
 from ray_specdec.speculation.acceptance import Verdict, accept_greedy, accept_sampled
-from ray_specdec.speculation.coupled import KeyedGumbel, keyed_argmax
+from ray_specdec.speculation.coupled import KeyedGumbel, keyed_argmax, prefetch
 from ray_specdec.speculation.drafting import Draft
 from ray_specdec.speculation.logits_processing import TokenHistory, TokenLogprob, process_logits, token_logprobs
 from ray_specdec.speculation.sampling import logits_to_probs, sample_rows
@@ -66,6 +66,7 @@ def coupled_tokens(
     """-> [1 + n]: each row's keyed argmax, the noise of a row at depth d being that of position root_position + d
     (rows of one depth share it: the token a position gets depends on its prefix and the key alone)."""
     depths = tree.depths.tolist()
+    noise.forget_before(root_position)  # later rounds (and their drafts) start past this one's root
     rows_noise = noise.at(range(root_position, root_position + max(depths) + 1), probs.shape[-1], probs.device)
     return keyed_argmax(probs, rows_noise[tree.depths.to(rows_noise.device)])
 
@@ -96,6 +97,42 @@ def judge_plain_sampled(
         for i, token in zip(members, tokens.tolist()):
             bonus[i] = token
     return [Verdict((), (), token) for token in bonus]
+
+
+def judge_plain_coupled(
+    rows: Sequence[torch.Tensor],  # each [1, V] (or [V]): the root's raw logits of a `plain_sampled` round
+    params: Sequence[SamplingParams],
+    noises: Sequence[KeyedGumbel],  # each round's request's keyed noise
+    positions: Sequence[int],  # the absolute position each root predicts (its request's tokens so far)
+) -> list[Verdict]:
+    """`judge` of many plain coupled rounds: the same verdicts (each bonus token its root's keyed argmax), the noise
+    of all made in one pass and the distributions of the rounds that share a sampling setting computed together."""
+    vocab, device = rows[0].shape[-1], rows[0].device
+    for noise, position in zip(noises, positions):
+        noise.forget_before(position)
+    prefetch([(noise, [position]) for noise, position in zip(noises, positions)], vocab, device)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+    bonus = [0] * len(rows)
+    for members in groups.values():
+        probs = logits_to_probs(torch.cat([rows[i].reshape(1, -1) for i in members]), params[members[0]])
+        noise = torch.cat([noises[i].at([positions[i]], vocab, device) for i in members])
+        for i, token in zip(members, keyed_argmax(probs, noise).tolist()):
+            bonus[i] = token
+    return [Verdict((), (), token) for token in bonus]
+
+
+def prefetch_rounds(
+    rows: Sequence[torch.Tensor],  # each [1 + n, V]: a drafted coupled round's raw target logits
+    trees: Sequence[TreeTensors],
+    noises: Sequence[KeyedGumbel],
+    positions: Sequence[int],  # the absolute position each root predicts
+) -> None:
+    """The noise `judge` of these drafted coupled rounds asks for, made in one pass for all of them."""
+    if rows:
+        prefetch([(noise, range(position, position + tree.depth + 1))
+                  for noise, position, tree in zip(noises, positions, trees)], rows[0].shape[-1], rows[0].device)
 
 
 def round_logprobs(

@@ -93,3 +93,27 @@ def test_sampled_cells_send_seeded_sampled_requests_and_compare_no_tokens(monkey
     assert sampled and all(p.temperature == 1.0 and p.seed is not None for p in sampled)
     with pytest.raises(SystemExit):
         batched_loop.main(["--temperature", "-1"])
+
+
+def test_fixed_trees_and_couplings_are_variants_of_their_own(monkeypatch):
+    """--trees adds a `batched <tree>` variant per tree, --coupling runs each variant per sampling_coupling (seeded
+    sampled requests: coupled under `auto`); every cell reports its rounds' mean accepted length."""
+    from ray_specdec.engine.scheduler import Scheduler
+
+    coupled, real_add = [], Scheduler.add
+
+    def spy(self, rid, ids, params, tree=None):
+        real_add(self, rid, ids, params, tree)
+        r = next((r for r in self.waiting if r.request_id == rid), None) or self.running[rid]
+        coupled.append((self.speculation.sampling_coupling, tree, r.noise is not None))
+
+    monkeypatch.setattr(Scheduler, "add", spy)
+    results = batched_loop.main(["--device", "cpu", "--concurrency", "1", "--duration", "0.3", "--prompts", "4",
+                                 "--variants", "batched none", "--trees", "1,1;2,1", "--coupling", "rejection,coupled",
+                                 "--temperature", "1"])  # fmt: skip
+    labels = [c["variant"] for c in results["cells"]]
+    assert labels == ["batched none rejection", "batched none coupled", "batched 1,1 rejection", "batched 1,1 coupled",
+                      "batched 2,1 rejection", "batched 2,1 coupled"]
+    assert all(c["accepted_length"] >= 1 for c in results["cells"] if c["finished"])
+    seen = {(mode, str(tree), noise) for mode, tree, noise in coupled}
+    assert {("coupled", "2,1", True), ("rejection", "2,1", False)} <= seen and ("rejection", "2,1", True) not in seen

@@ -8,6 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.engine.config import EngineConfig
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.native import library
 from ray_specdec.models.target.model import TargetModel
@@ -138,7 +139,8 @@ def test_sampled_generation_has_target_distribution(branching, draft_sampling, t
     base = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=n_tokens,
                           draft_sampling=draft_sampling)
     exact = enumerate_target(target, prompt, base, n_tokens)
-    engine = SpeculativeEngine(target, drafter, TreeConfig(branching), config=lookup_off(min_path_prob=min_path_prob))
+    engine = SpeculativeEngine(target, drafter, TreeConfig(branching),
+                               config=lookup_off(min_path_prob=min_path_prob, sampling_coupling="rejection"))
     counts = dict.fromkeys(exact, 0)
     accepted = full = 0
     for seed in range(n_samples):
@@ -183,7 +185,8 @@ def test_cut_drafts_keep_the_target_distribution():
     prompt, n_tokens, n_samples = [1, 4, 2], 3, 5000
     params = SamplingParams(temperature=1.0, max_new_tokens=n_tokens, draft_sampling="iid")
     exact = enumerate_target(target, prompt, params, n_tokens)
-    engine = SpeculativeEngine(target, drafter, TreeConfig((1, 1)), config=lookup_off(min_path_prob=0.45))
+    engine = SpeculativeEngine(target, drafter, TreeConfig((1, 1)),
+                               config=lookup_off(min_path_prob=0.45, sampling_coupling="rejection"))
     counts = dict.fromkeys(exact, 0)
     kinds = set()
     for seed in range(n_samples):
@@ -256,7 +259,8 @@ def test_sampled_generation_with_a_lookup_branch_has_target_distribution(draft_s
     prompt, n_tokens, n_samples = [1, 4, 2, 3, 5, 1, 4], 3, 3000
     base = SamplingParams(temperature=1.0, max_new_tokens=n_tokens, draft_sampling=draft_sampling)
     exact = enumerate_target(target, prompt, base, n_tokens)
-    engine = SpeculativeEngine(target, tiny_mamba(vocab=ENUMERATED_VOCAB, seed=6), TreeConfig((2, 1), lookup=2))
+    engine = SpeculativeEngine(target, tiny_mamba(vocab=ENUMERATED_VOCAB, seed=6), TreeConfig((2, 1), lookup=2),
+                               config=EngineConfig().with_fields(sampling_coupling="rejection"))
     counts = dict.fromkeys(exact, 0)
     lookup_rounds = multi = 0
     for seed in range(n_samples):

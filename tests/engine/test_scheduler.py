@@ -13,6 +13,7 @@ from scipy.stats import chisquare
 
 from ray_specdec.config import NO_TREE, SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ray_specdec.engine.config import EngineConfig
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.engine.request import QueueFull, RequestTooLarge
 from ray_specdec.engine.scheduler import Scheduler
@@ -120,12 +121,14 @@ def test_greedy_tokens_do_not_depend_on_the_batch_on_the_shipped_models(shipped)
 
 
 @pytest.mark.parametrize(
-    "tree, draft_sampling",
-    [(TreeConfig((2, 1)), "iid"), (TreeConfig((3, 2)), "without_replacement"), (None, "without_replacement"),
-     (NO_TREE, "iid")],
-    ids=["iid", "rsd", "policy", "plain"],  # plain: every round undrafted, its bonus drawn with the step's others
+    "tree, draft_sampling, coupling",
+    [(TreeConfig((2, 1)), "iid", "rejection"), (TreeConfig((3, 2)), "without_replacement", "rejection"),
+     (None, "without_replacement", "rejection"), (NO_TREE, "iid", "rejection"),
+     (None, "without_replacement", "coupled"), (NO_TREE, "iid", "coupled")],
+    # plain: every round undrafted, its bonus drawn with the step's others (coupled: each its keyed argmax)
+    ids=["iid", "rsd", "policy", "plain", "coupled-policy", "coupled-plain"],
 )
-def test_sampled_requests_in_a_batch_have_the_target_distribution(tree, draft_sampling):
+def test_sampled_requests_in_a_batch_have_the_target_distribution(tree, draft_sampling, coupling):
     """2000 copies of one prompt with different seeds, continuously batched (64 at a time) with their trees: the
     3-token sequences they emit follow the target's enumerated distribution."""
     target = TargetModel(tiny_gpt_neox(torch.float64, vocab=ENUMERATED_VOCAB, seed=5))
@@ -133,7 +136,8 @@ def test_sampled_requests_in_a_batch_have_the_target_distribution(tree, draft_sa
     prompt, n_tokens, n_samples = [1, 4, 2], 3, 2000
     base = SamplingParams(temperature=0.9, max_new_tokens=n_tokens, draft_sampling=draft_sampling)
     exact = enumerate_target(target, prompt, base, n_tokens)
-    engine = SpeculativeEngine(target, tiny_mamba(vocab=ENUMERATED_VOCAB, seed=6), TreeConfig((2, 2, 1)))
+    engine = SpeculativeEngine(target, tiny_mamba(vocab=ENUMERATED_VOCAB, seed=6), TreeConfig((2, 2, 1)),
+                               config=EngineConfig().with_fields(sampling_coupling=coupling))
     params = [SamplingParams(**{**base.__dict__, "seed": seed}) for seed in range(n_samples)]
     results = engine.generate_many([prompt] * n_samples, params, tree)
     counts = dict.fromkeys(exact, 0)

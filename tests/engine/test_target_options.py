@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ray_specdec.engine.config import EngineConfig
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.target.model import TargetModel
@@ -214,16 +215,21 @@ SAMPLED = {
 
 
 @pytest.mark.parametrize(
-    "case, tree, draft_sampling",
+    "case, tree, draft_sampling, coupling",
     [
-        ("penalties", "2,1", "iid"),
-        ("penalties", "3,2", "without_replacement"),
-        ("repetition, top-k", "2,2", "without_replacement"),
-        ("min_tokens", "2,1", "without_replacement"),
-        ("penalties", "2,1+L2", "iid"),  # a deterministic lookup branch tried before the drafter's children
+        ("penalties", "2,1", "iid", "rejection"),
+        ("penalties", "3,2", "without_replacement", "rejection"),
+        ("repetition, top-k", "2,2", "without_replacement", "rejection"),
+        ("min_tokens", "2,1", "without_replacement", "rejection"),
+        # a deterministic lookup branch tried before the drafter's children
+        ("penalties", "2,1+L2", "iid", "rejection"),
+        # coupled: each row's keyed argmax of its processed distribution
+        ("penalties", "3,2", "without_replacement", "coupled"),
+        ("repetition, top-k", "2,1+L2", "without_replacement", "coupled"),
+        ("min_tokens", "2,1", "without_replacement", "coupled"),
     ],
 )
-def test_sampled_generation_with_options_has_the_processed_target_distribution(case, tree, draft_sampling):
+def test_sampled_generation_with_options_has_the_processed_target_distribution(case, tree, draft_sampling, coupling):
     target = TargetModel(tiny_gpt_neox(torch.float64, vocab=VOCAB, seed=5))  # eos = 0
     if case != "min_tokens":
         target.eos_token_ids = frozenset()
@@ -233,7 +239,8 @@ def test_sampled_generation_with_options_has_the_processed_target_distribution(c
                           draft_sampling=draft_sampling)
     exact = enumerate_processed(target, prompt, base, n_tokens)
     assert abs(sum(exact.values()) - 1.0) < 1e-9
-    engine = SpeculativeEngine(target, tiny_mamba(vocab=VOCAB, seed=6), TreeConfig.parse(tree))
+    engine = SpeculativeEngine(target, tiny_mamba(vocab=VOCAB, seed=6), TreeConfig.parse(tree),
+                               config=EngineConfig().with_fields(sampling_coupling=coupling))
     counts, multi = sample_counts(engine, prompt, base, exact, n_samples)
     assert multi > 0, "some generations must take several tokens in one round, or drafting was not tested"
     assert_emitted_distribution(counts, exact, n_samples, VOCAB)

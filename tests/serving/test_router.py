@@ -27,6 +27,7 @@ from tests.helpers.models import tiny_gpt_neox, tiny_mamba, tiny_tokenizer
 
 POLICY = TreeConfig((2, 1))
 PARAMS = SamplingParams(max_new_tokens=30, ignore_eos=True)
+SEEDED = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=1.0, top_p=0.95, seed=11)
 
 
 class ReplicaLost(ConnectionError):
@@ -87,21 +88,25 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=120))
 
 
+@pytest.mark.parametrize("params", [PARAMS, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("lose_after", [[0], [1], [4], [2, 3], [0, 0, 5]])
-def test_a_request_continues_on_another_replica_with_the_same_tokens(models, loop, lose_after):
+def test_a_request_continues_on_another_replica_with_the_same_tokens(models, loop, lose_after, params):
+    """Greedy requests, and seeded sampled ones (coupled sampling: each token keyed by its absolute position), get the
+    tokens of an uninterrupted request, and of the target alone."""
     target, drafter = models
     prompt = random_prompt(40, seed=7)
-    expected = SpeculativeEngine(target, drafter, POLICY).generate(prompt, PARAMS).token_ids
+    expected = SpeculativeEngine(target, drafter, POLICY).generate(prompt, params).token_ids
+    assert expected == SpeculativeEngine(target, None).generate(prompt, params).token_ids
     client = LosingClient(loop, lose_after)
     router = make_router(client)
-    result = run(router.generate(prompt, PARAMS))
+    result = run(router.generate(prompt, params))
     assert result.token_ids == expected and result.finish_reason == "length"
-    assert result.stats.new_tokens == PARAMS.max_new_tokens and result.prompt_tokens == len(prompt)
+    assert result.stats.new_tokens == params.max_new_tokens and result.prompt_tokens == len(prompt)
     assert router.continued == len(lose_after) and router.in_flight == 0
     # each replica after a loss got the prompt and every token streamed so far, marked as the request's own
-    for (ids, params, resumed), _ in zip(client.calls[1:], lose_after):
+    for (ids, sent, resumed), _ in zip(client.calls[1:], lose_after):
         done = len(ids) - len(prompt)
-        assert ids == prompt + expected[:done] and params == PARAMS and resumed == done
+        assert ids == prompt + expected[:done] and sent == params and resumed == done
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ import ray_specdec.speculation.coupled as coupled
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.speculation.acceptance import accept_greedy
 from ray_specdec.speculation.coupled import KeyedGumbel, keyed_argmax, keyed_top_k, keyed_uniforms, philox4x32
-from ray_specdec.speculation.drafting import Draft, pick_children, tree_for
+from ray_specdec.speculation.drafting import Draft, empty_draft, pick_children, tree_for
 from ray_specdec.speculation.logits_processing import TokenHistory
 from ray_specdec.speculation.sampling import logits_to_probs
-from ray_specdec.speculation.verify import coupled_tokens, judge
+from ray_specdec.speculation.verify import coupled_tokens, judge, judge_plain_coupled
 
 # Random123's tests/kat_vectors, the philox4x32 10 lines: counter (4 words), key (2 words) -> output (4 words)
 KNOWN_ANSWERS = [
@@ -75,7 +75,9 @@ def test_keyed_gumbel_keeps_positions_until_the_sequence_passes_them():
     assert torch.equal(a, -torch.log(-torch.log(keyed_uniforms(99, 1, [10, 11, 12], 50))))
     assert torch.equal(noise.at([12, 11], 50), a[[2, 1]])
     assert torch.equal(noise.at([12], 80)[0, :50], a[2])  # a wider vocabulary: the same first tokens
-    assert sorted(noise._noise) == [12]  # positions before the earliest asked are dropped
+    noise.forget_before(12)
+    assert sorted(noise._noise) == [12]
+    assert torch.equal(noise.at([10], 50)[0], a[0])  # asked again after all: the same noise
 
 
 SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6), SamplingParams(temperature=1.7, top_k=3),
@@ -213,3 +215,20 @@ def test_the_same_noise_on_a_gpu():
     on_cpu = keyed_argmax(p, noise.at([5] * 8, 5003))
     on_gpu = keyed_argmax(p.cuda(), KeyedGumbel(7).at([5] * 8, 5003, device="cuda"))
     assert torch.equal(on_cpu, on_gpu.cpu())
+
+
+def test_plain_coupled_rounds_judged_together_get_their_verdicts_alone():
+    """A step's undrafted coupled rounds, judged together (settings grouped, noise made in one pass), get exactly the
+    verdicts `judge` gives each alone."""
+    settings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+                SamplingParams(temperature=1.2, top_p=0.8)]
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randn(1, 300, generator=g) for _ in range(9)]
+    params = [settings[i % 3] for i in range(9)]
+    positions = [5 + 3 * i for i in range(9)]
+    together = judge_plain_coupled(rows, params, [KeyedGumbel(i, i % 2) for i in range(9)], positions)
+    for i in range(9):
+        alone = judge(rows[i], empty_draft(), params[i], None, TokenHistory([1] * positions[i], 1),
+                      KeyedGumbel(i, i % 2))
+        assert together[i] == alone
+    assert len({v.bonus_token for v in together}) > 3
