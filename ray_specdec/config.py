@@ -151,8 +151,6 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    # which of n samples of one prompt this is: its random streams come from (seed, choice), so that the n differ
-    choice: int = 0
     max_new_tokens: int = 64
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -170,6 +168,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # generation stops after emitting one ("stop")
     logprobs: int | None = None  # k: the emitted tokens' log-probabilities and the top-k alternatives; None: off
+    # which of n samples of one prompt this is: its random streams come from (seed, choice), so that the n differ
+    choice: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
