@@ -206,27 +206,37 @@ class StepCostModel:
 
 
 class _Ridge:
-    """One part of the step's time: least squares on some of the features, forgetting the past, around a prior."""
+    """One part of the step's time: least squares on some of the features, forgetting the past, around a prior.
+
+    The prior counts as `steps` steps of the size the observed steps have (each feature's mean square over them; the
+    typical sizes of `FEATURE_SCALE` before any): at one request a step has one drafting request and a few rows, and a
+    prior weighed in steps of eight drafting requests and 64 rows would outweigh every real step."""
 
     def __init__(self, features: np.ndarray):
         self.features = features
-        scale = FEATURE_SCALE[features]
-        self._prior_xtx = np.diag(scale**2) * 1e-6
-        self._prior_xty = np.zeros(len(features))
+        self._prior_w = np.zeros(len(features))
+        self._prior_steps = 1e-6
         self._xtx = np.zeros((len(features), len(features)))
         self._xty = np.zeros(len(features))
+        self._n = 0.0  # the observed steps, forgetting as the sums do
 
     def set_prior(self, weights: np.ndarray, steps: float) -> None:
-        self._prior_xtx = np.diag(FEATURE_SCALE[self.features] ** 2) * max(steps, 1e-6)
-        self._prior_xty = self._prior_xtx @ weights[self.features]
+        self._prior_w = np.asarray(weights, dtype=np.float64)[self.features]
+        self._prior_steps = max(steps, 1e-6)
 
     def observe(self, x: np.ndarray, seconds: float, forget: float) -> None:
         x = x[self.features]
         self._xtx = forget * self._xtx + np.outer(x, x)
         self._xty = forget * self._xty + x * seconds
+        self._n = forget * self._n + 1.0
 
     def solve(self) -> np.ndarray:
-        return np.linalg.solve(self._xtx + self._prior_xtx, self._xty + self._prior_xty)
+        typical = FEATURE_SCALE[self.features] ** 2
+        if self._n > 0:
+            seen = np.diag(self._xtx) / self._n
+            typical = np.where(seen > 0, seen, typical)
+        prior_xtx = np.diag(typical) * self._prior_steps
+        return np.linalg.solve(self._xtx + prior_xtx, self._xty + prior_xtx @ self._prior_w)
 
 
 # ----- expected tokens -----
@@ -392,7 +402,8 @@ class SpeculationController:
         width = max(map(len, options))
         tokens = np.full((len(rounds), width), -np.inf)
         seconds = np.zeros((len(rounds), width))
-        draws: dict[tuple[int, bool], dict[TreeConfig, float]] = {}  # one posterior draw per cell per step
+        # one posterior draw (or the means) per cell per step
+        draws: dict[tuple[int, bool, bool], dict[TreeConfig, float]] = {}
         groups: dict[int, tuple[tuple[Pick, ...], list[int]]] = {}  # rounds of the same options, priced together
         for i, opts in enumerate(options):
             groups.setdefault(id(opts), (opts, []))[1].append(i)
@@ -439,7 +450,7 @@ class SpeculationController:
         return tuple(picks)
 
     def _price(self, picks: tuple[Pick, ...], rounds: Sequence[RoundFacts], w: np.ndarray,
-               draws: dict[tuple[int, bool], dict[TreeConfig, float]]) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+               draws: dict[tuple, dict[TreeConfig, float]]) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """(expected tokens, seconds each adds to the step) of every round in `rounds` (which share their options,
         `picks`) taking each pick: two [rounds, picks] arrays.
 
@@ -449,12 +460,15 @@ class SpeculationController:
         rows); with a proposal it gives the undrafted arm's expected tokens, without one exactly one."""
         spec = _pick_spec(picks)
         full = np.empty((len(rounds), len(picks)))
-        by_cell: dict[tuple[int, bool], np.ndarray] = {}
+        by_cell: dict[tuple[int, bool, bool], np.ndarray] = {}
         for row, facts in enumerate(rounds):
-            cell = (_bucket(facts.context_len), facts.sampled)
+            # a request that would start its drafter is priced on the posterior means, not a draw: exploring must
+            # not buy a drafter prefill that only a request drafting on would repay
+            draw = not facts.prefill_tokens
+            cell = (_bucket(facts.context_len), facts.sampled, draw)
             if cell not in by_cell:
                 if cell not in draws:
-                    draws[cell] = self.expected_tokens(facts.context_len, facts.sampled, draw=True)
+                    draws[cell] = self.expected_tokens(facts.context_len, facts.sampled, draw=draw)
                 by_cell[cell] = self._pick_tokens(picks, draws[cell])
             full[row] = by_cell[cell]
         context = np.array([facts.context_len for facts in rounds], dtype=np.float64)

@@ -112,8 +112,8 @@ def test_the_batched_prices_are_each_options_own(seed):
                                  plain_lookup_rows=float(rng.uniform(0, 4)) if rng.random() < 0.5 else None,
                                  prefill_tokens=int(rng.integers(0, 2000)) if rng.random() < 0.5 else 0))
     expected = c.expected_tokens(100, False)
-    draws = {(max(f.context_len, 1).bit_length(), sampled): expected for f in rounds
-             for sampled in (False, True)}  # every cell: the means (greedy's, for the test)
+    draws = {(max(f.context_len, 1).bit_length(), sampled, draw): expected for f in rounds
+             for sampled in (False, True) for draw in (False, True)}  # every cell: the means (greedy's, for the test)
     for f in rounds:
         picks = c._expand(f)
         tokens, seconds = c._price(picks, [f], c.cost.weights(), draws)
@@ -192,6 +192,22 @@ def test_step_cost_model_recovers_the_weights_of_what_steps_run():
     assert model.weights() == pytest.approx(truth, rel=1e-3, abs=1e-9)
 
 
+def test_the_measured_prior_weighs_as_a_few_steps_of_the_size_observed():
+    """Steps of one request (one drafting request, a few rows) move a wrong prior within a few hundred steps: the
+    prior counts as `cost_prior_steps` steps like them, not as steps of eight drafting requests and 64 rows."""
+    rng = np.random.default_rng(1)
+    truth = np.array([5e-3, 0.3e-3, 0.0, 2e-3, 0.7e-3])
+    model = StepCostModel()
+    model.set_prior([2e-3, 0.1e-3, 0.0, 1e-3, 0.2e-3])  # measured low: the steps' own overheads are not in it
+    for _ in range(300):
+        nodes = int(rng.integers(1, 8))
+        drafted = rng.random() < 0.9
+        shape = StepShape(1 + nodes if drafted else 1, 0.0, int(drafted), nodes if drafted else 0)
+        x = shape.features()
+        model.observe(shape, float(truth @ x), draft_seconds=float(truth[3:5] @ x[3:5]))
+    assert model.weights()[[0, 1, 3, 4]] == pytest.approx(truth[[0, 1, 3, 4]], rel=0.2)
+
+
 def test_one_request_drafts_where_verify_rows_are_cheap_and_not_where_they_cost_a_step():
     stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: (100, 3.0, 1.0)}
     memory_bound = controller(stats, fixed=10e-3, target_rows=0.05e-3, drafting=1e-3, drafter_rows=0.2e-3)
@@ -220,6 +236,18 @@ def test_the_drafter_prefill_is_charged_over_the_tokens_left():
     assert trees(c.choose([facts(context_len=2000, remaining=1000, prefill_tokens=2000)])) == [CHAIN]
     assert trees(c.choose([facts(context_len=2000, remaining=4, prefill_tokens=2000)])) == [NO_TREE]
     assert trees(c.choose([facts(context_len=2000, remaining=4, prefill_tokens=0)])) == [CHAIN]  # its state is kept
+
+
+def test_exploring_never_starts_a_drafter():
+    """An arm that loses on its means but may win on a draw is tried by requests whose drafter already runs, never by
+    one that would pay the drafter's prefill for it."""
+    stats = {NO_TREE: (1000, 1.0, 0.0), CHAIN: (8, 1.2, 1.0)}  # the chain: a few rounds, a poor mean, a wide posterior
+    c = controller(stats, explore=True, fixed=2e-3, target_rows=0.3e-3, drafting=0.4e-3, drafter_rows=0.1e-3)
+    c.prefill_s_per_token = 1e-9  # a prefill that costs nothing: only the draws differ
+    running = [trees(c.choose([facts()]))[0] for _ in range(300)]
+    starting = [trees(c.choose([facts(prefill_tokens=100)]))[0] for _ in range(300)]
+    assert running.count(CHAIN) > 0
+    assert starting.count(CHAIN) == 0
 
 
 def test_rounds_of_one_option_keep_it_and_weigh_on_the_others():
