@@ -63,10 +63,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Mamba2Weights:
-    """One Mamba2 layer's weights, detached from the HF module (heads' A, D and dt bias repeated over their channels
-    where the scan takes them per channel)."""
+    """One Mamba2 mixer's weights, detached from the HF module (each head's A and D repeated over its channels: the
+    scan takes them per channel)."""
 
-    norm: torch.Tensor  # [d_model]
     in_proj: torch.Tensor  # [d_inner + conv_dim + heads, d_model]: z, then x B C, then dt
     in_proj_bias: torch.Tensor | None
     conv: torch.Tensor  # [conv_dim, d_conv]
@@ -89,7 +88,7 @@ class Mamba2Weights:
             return None if p is None else p.detach().contiguous()
 
         A = -torch.exp(mixer.A_log.detach().to(ssm_dtype)).repeat_interleave(head_dim)
-        return cls(norm=param(block.norm.weight), in_proj=param(mixer.in_proj.weight),
+        return cls(in_proj=param(mixer.in_proj.weight),
                    in_proj_bias=param(mixer.in_proj.bias), conv=param(mixer.conv1d.weight[:, 0, :]),
                    conv_bias=param(mixer.conv1d.bias), dt_bias=param(mixer.dt_bias),
                    A=A[:, None].expand(-1, state).contiguous(),
