@@ -1,4 +1,4 @@
-"""End to end on Mamba, Mamba2 and Jamba targets (models/target/ssm.py): greedy output is HF generate's for every
+"""End to end on Mamba, Mamba2, Jamba and Bamba targets (models/target/ssm.py): greedy output is HF generate's for every
 tree shape, batch composition and prefill chunking; the prefix cache, a target reset and the KV budget's state charge
 keep it so; and sampled output has the target's distribution."""
 
@@ -141,7 +141,8 @@ def test_the_kv_budget_counts_each_requests_state(target):
 
 @pytest.mark.parametrize("kind, branching, draft_sampling", [("mamba", (2, 1), "iid"),
                                                              ("mamba2", (3, 2), "without_replacement"),
-                                                             ("jamba", (3, 2), "iid")])
+                                                             ("jamba", (3, 2), "iid"),
+                                                             ("bamba", (2, 1), "without_replacement")])
 def test_sampled_generation_has_the_targets_distribution(kind, branching, draft_sampling):
     target = SSMTargetModel(SSM_TARGETS[kind](vocab=ENUMERATED_VOCAB, seed=5))
     target.eos_token_ids = frozenset()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    BambaConfig,
+    BambaForCausalLM,
     GPTNeoXConfig,
     JambaConfig,
     JambaForCausalLM,
@@ -197,5 +199,23 @@ def tiny_jamba_lm(dtype: torch.dtype = torch.float64, *, vocab: int = 128, hidde
     return model.to(dtype).eval()
 
 
+def tiny_bamba_lm(dtype: torch.dtype = torch.float64, *, vocab: int = 128, hidden: int = 32, eos: int = 0,
+                  seed: int = 0) -> BambaForCausalLM:
+    """A Bamba causal LM (a Mamba2 hybrid): Mamba2, attention (GQA, rotary over half of each head), Mamba2,
+    attention, each with an MLP; two groups of Mamba2 heads; every weight perturbed as `tiny_mamba_lm`'s."""
+    config = BambaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=2 * hidden, attn_layer_indices=[1, 3],
+                         mamba_n_heads=8, mamba_d_head=hidden // 4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                         mamba_expand=2, mamba_chunk_size=16, initializer_range=0.1, eos_token_id=eos,
+                         bos_token_id=eos, pad_token_id=eos)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = BambaForCausalLM(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+    return model.to(dtype).eval()
+
+
 # the SSM and hybrid target classes' tiny builders
-SSM_TARGETS = {"mamba": tiny_mamba_lm, "mamba2": tiny_mamba2_lm, "jamba": tiny_jamba_lm}
+SSM_TARGETS = {"mamba": tiny_mamba_lm, "mamba2": tiny_mamba2_lm, "jamba": tiny_jamba_lm, "bamba": tiny_bamba_lm}

@@ -1,6 +1,6 @@
-"""Which target adapter serves a model: `TargetModel` for attention causal LMs, `SSMTargetModel` for Mamba, Mamba2
-and Jamba; a clear error for every other recurrent or hybrid class, read from the model's config before any weights
-load."""
+"""Which target adapter serves a model: `TargetModel` for attention causal LMs, `SSMTargetModel` for Mamba, Mamba2,
+Jamba and Bamba; a clear error for every other recurrent or hybrid class, read from the model's config before any
+weights load."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from ray_specdec.models.loading import resolve_model_path
 
-# HF classes served by models/target/ssm.py (Jamba: a hybrid of Mamba and attention layers)
-SSM_ARCHITECTURES = ("MambaForCausalLM", "Mamba2ForCausalLM", "JambaForCausalLM")
+# HF classes served by models/target/ssm.py (Jamba and Bamba: hybrids of Mamba or Mamba2 and attention layers)
+SSM_ARCHITECTURES = ("MambaForCausalLM", "Mamba2ForCausalLM", "JambaForCausalLM", "BambaForCausalLM")
 # Layer kinds of a config's `layer_types` that the attention adapter verifies trees through
 ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention")
 SUPPORTED = ("Transformer causal LMs whose attention runs through sdpa (GPTNeoX, Llama, Mistral, Qwen2, ...) and "
@@ -24,7 +24,7 @@ def target_kind(config) -> str:
     """'ssm' or 'attention' for a model config; UnsupportedTarget for recurrent or hybrid classes served by neither."""
     architectures = list(getattr(config, "architectures", None) or [])
     if any(a in SSM_ARCHITECTURES for a in architectures) or getattr(config, "model_type", None) in (
-            "mamba", "mamba2", "jamba"):
+            "mamba", "mamba2", "jamba", "bamba"):
         return "ssm"
     kinds = set(getattr(config, "layer_types", None) or [])
     recurrent = sorted(kinds - set(ATTENTION_LAYER_KINDS))

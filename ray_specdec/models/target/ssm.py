@@ -39,7 +39,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, JambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
+from transformers import (AutoModelForCausalLM, BambaForCausalLM, JambaForCausalLM, Mamba2ForCausalLM,
+                          MambaForCausalLM)
 
 from ray_specdec.models.drafter.mamba_state import MixerWeights
 from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path
@@ -105,7 +106,8 @@ class Mamba2Weights:
 
 @dataclass(frozen=True)
 class AttentionWeights:
-    """A hybrid's attention layer (Jamba's: grouped-query, no position encoding, no biases)."""
+    """A hybrid's attention layer: grouped-query; Jamba's without position encoding, Bamba's with rotary embeddings
+    over part of each head (`rotary`: the model's rotary module)."""
 
     q_proj: torch.Tensor  # [heads * head_dim, d_model]
     k_proj: torch.Tensor  # [kv_heads * head_dim, d_model]
@@ -114,6 +116,26 @@ class AttentionWeights:
     heads: int
     kv_heads: int
     head_dim: int
+    biases: tuple[torch.Tensor | None, ...] = (None, None, None, None)  # q, k, v, o
+    rotary: torch.nn.Module | None = None
+
+    @classmethod
+    def from_module(cls, attn, config, rotary: torch.nn.Module | None = None) -> "AttentionWeights":
+        def param(p):
+            return None if p is None else p.detach()
+
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        return cls(*(param(p.weight) for p in projections), config.num_attention_heads, config.num_key_value_heads,
+                   attn.head_dim, tuple(param(p.bias) for p in projections), rotary)  # fmt: skip
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [R, heads, head_dim] over its first cos.shape[-1] dims (cos, sin [R, rot])."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = x_rot.shape[-1] // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    return torch.cat([x_rot * cos[:, None] + rotated * sin[:, None], x_pass], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -145,18 +167,18 @@ class SSMTargetModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
         return cls(model.to(device).eval(), load_tokenizer(path))
 
-    def __init__(self, model: MambaForCausalLM | Mamba2ForCausalLM | JambaForCausalLM, tokenizer=None, *,
-                 slots: int = 8):
+    def __init__(self, model: MambaForCausalLM | Mamba2ForCausalLM | JambaForCausalLM | BambaForCausalLM,
+                 tokenizer=None, *, slots: int = 8):
         """slots: states the pool preallocates (it doubles when every one is taken)."""
-        if not isinstance(model, (MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM)):
-            raise TypeError(f"SSMTargetModel takes a MambaForCausalLM, Mamba2ForCausalLM or JambaForCausalLM, not "
-                            f"{type(model).__name__}")  # fmt: skip
+        if not isinstance(model, (MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM, BambaForCausalLM)):
+            raise TypeError(f"SSMTargetModel takes a MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM or "
+                            f"BambaForCausalLM, not {type(model).__name__}")  # fmt: skip
         config = model.config
         if config.hidden_act != "silu":
             raise ValueError(f"only silu Mamba models are supported, got hidden_act={config.hidden_act!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
-        hybrid = isinstance(model, JambaForCausalLM)
+        hybrid = isinstance(model, (JambaForCausalLM, BambaForCausalLM))
         core = model.model if hybrid else model.backbone
         embed = core.embed_tokens if hybrid else core.embeddings
         self.device: torch.device = embed.weight.device
@@ -182,6 +204,16 @@ class SSMTargetModel:
             self._layers = [Layer(block.norm.weight.detach(), Mamba2Weights.from_block(block, self.ssm_dtype), i)
                             for i, block in enumerate(core.layers)]  # fmt: skip
             self._mix, conv_channels = self._mix_mamba2, mixer.conv_dim
+        elif isinstance(model, BambaForCausalLM):
+            self.d_conv, self.d_state, self.eps = config.mamba_d_conv, config.mamba_d_state, config.rms_norm_eps
+            mixer = next(layer.mamba for layer in core.layers if hasattr(layer, "mamba"))
+            self.d_inner = mixer.intermediate_size
+            self.heads, self.head_dim, self.groups = mixer.num_heads, mixer.head_dim, mixer.n_groups
+            self.dt_limit = tuple(mixer.time_step_limit)
+            kinds = [hasattr(layer, "self_attn") for layer in core.layers]
+            self._layers = [self._bamba_layer(layer, config, core.rotary_emb, sum(k == kind for k in kinds[:i]))
+                            for i, (layer, kind) in enumerate(zip(core.layers, kinds))]  # fmt: skip
+            self._mix, conv_channels = self._mix_mamba2, mixer.conv_dim
         else:
             if getattr(config, "sliding_window", None):
                 raise ValueError("Jamba targets with a sliding attention window are not supported")
@@ -202,15 +234,20 @@ class SSMTargetModel:
                                   (ssm_layers, self.d_inner, self.d_state), self.dtype, self.ssm_dtype, self.device,
                                   slots)  # fmt: skip
 
+    def _bamba_layer(self, layer, config, rotary: torch.nn.Module, index: int) -> Layer:
+        """A Bamba decoder layer (the index-th of its kind): its attention (rotary) or Mamba2 mixer, then its MLP."""
+        if hasattr(layer, "self_attn"):
+            weights = AttentionWeights.from_module(layer.self_attn, config, rotary)
+        else:
+            weights = Mamba2Weights.from_block(SimpleNamespace(mixer=layer.mamba), self.ssm_dtype)
+        return Layer(layer.input_layernorm.weight.detach(), weights, index, layer.pre_ff_layernorm.weight.detach(),
+                     layer.feed_forward)
+
     def _jamba_layer(self, layer, config, index: int) -> Layer:
         """A Jamba decoder layer (the index-th of its kind): its attention or Mamba mixer (with the RMSNorms of dt, B
         and C), then its feed-forward block (an MLP or a mixture of experts)."""
         if hasattr(layer, "self_attn"):
-            attn = layer.self_attn
-            weights = AttentionWeights(attn.q_proj.weight.detach(), attn.k_proj.weight.detach(),
-                                       attn.v_proj.weight.detach(), attn.o_proj.weight.detach(),
-                                       config.num_attention_heads, config.num_key_value_heads, attn.head_dim)
-            norms = None
+            weights, norms = AttentionWeights.from_module(layer.self_attn, config), None
         else:
             mamba = layer.mamba
             weights = MixerWeights.from_block(SimpleNamespace(norm=layer.input_layernorm, mixer=mamba), self.ssm_dtype)
@@ -404,10 +441,16 @@ class SSMTargetModel:
         kept_conv, kept_ssm, new_kv = [], [], []
         history_index = layout.windows[kept_index.to(self.device), 1:]  # each kept row's last d_conv - 1 inputs
         attending = self._attending(groups, layout) if self._attention_layers else None
+        rotary = next((layer.weights.rotary for layer in self._layers if layer.attention and layer.weights.rotary),
+                      None)  # fmt: skip
+        cos_sin = None
+        if rotary is not None:
+            cos, sin = rotary(residual, self._positions(groups, layout)[None])
+            cos_sin = (cos[0], sin[0])  # [R, rotary dims] each
         for layer in self._layers:
             h = rms_norm(residual, layer.norm, self.eps)
             if layer.attention:
-                mixed, k, v = self._attend(h, layer, attending)
+                mixed, k, v = self._attend(h, layer, attending, cos_sin)
                 new_kv.append((k, v))  # [R, kv heads, head_dim] each
             else:
                 mixed, inputs, states = self._mix(h, layer, conv_start[:, layer.index], ssm_start[:, layer.index],
@@ -464,14 +507,25 @@ class SSMTargetModel:
             out.append((cache, start, end, seen.to(self.device)))
         return out
 
-    def _attend(self, h: torch.Tensor, layer: Layer, attending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _positions(self, groups: list[dict], layout: RowTrees) -> torch.Tensor:
+        """[R] each row's position: its request's committed tokens plus its depth in its group (a verify's root
+        after its chunk sits at the chunk's end)."""
+        committed = torch.tensor([g["cache"].committed for g in groups], dtype=torch.long)
+        counts = torch.tensor([e - s for s, e in zip(layout.starts, layout.starts[1:])], dtype=torch.long)
+        return (committed.repeat_interleave(counts) + layout.depths).to(self.device)
+
+    def _attend(self, h: torch.Tensor, layer: Layer, attending, cos_sin) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
         """A hybrid's attention layer over every row: each group's rows attend over its cached K/V and its own rows
-        by their ancestry (a chunk causally, a tree by its mask) -> (output [R, d_model], the rows' K and V)."""
+        by their ancestry (a chunk causally, a tree by its mask) -> (output [R, d_model], the rows' K and V, rotated
+        where the model rotates them)."""
         w: AttentionWeights = layer.weights
         rows = h.shape[0]
-        q = F.linear(h, w.q_proj).view(rows, w.heads, w.head_dim)
-        k = F.linear(h, w.k_proj).view(rows, w.kv_heads, w.head_dim)
-        v = F.linear(h, w.v_proj).view(rows, w.kv_heads, w.head_dim)
+        q = F.linear(h, w.q_proj, w.biases[0]).view(rows, w.heads, w.head_dim)
+        k = F.linear(h, w.k_proj, w.biases[1]).view(rows, w.kv_heads, w.head_dim)
+        v = F.linear(h, w.v_proj, w.biases[2]).view(rows, w.kv_heads, w.head_dim)
+        if w.rotary is not None:
+            q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)
         out = torch.empty_like(q)
         repeat = w.heads // w.kv_heads
         for cache, start, end, seen in attending:
@@ -480,7 +534,7 @@ class SSMTargetModel:
             values = torch.cat([cached_v, v[start:end]]).repeat_interleave(repeat, dim=1).transpose(0, 1)
             out[start:end] = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), keys, values,
                                                             attn_mask=seen).transpose(0, 1)  # fmt: skip
-        return F.linear(out.reshape(rows, -1), w.o_proj), k, v
+        return F.linear(out.reshape(rows, -1), w.o_proj, w.biases[3]), k, v
 
     def _mix_mamba(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
                    layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ class RowTrees:
     starts: tuple[int, ...]  # [segments + 1]
     parents: torch.Tensor  # [R] long
     windows: torch.Tensor  # [R, d_conv] long: each row's conv inputs, oldest first, as indices into `conv_inputs`
+    depths: torch.Tensor  # [R] long: each row's depth in its segment (a chain's row i: i)
     levels: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per depth: (rows [n], their parents' state rows [n])
     single_rows: tuple[tuple[int, int] | None, ...]  # per depth: (row, its parent's state row) where n == 1
 
@@ -88,7 +89,7 @@ class RowTrees:
             levels.append((at.to(device), state_row[at].to(device)))
             single.append((int(at[0]), int(state_row[at[0]])) if at.numel() == 1 else None)
         windows_all = torch.cat(windows) if windows else torch.empty(0, d_conv, dtype=torch.long)
-        return cls(tuple(starts), parents_all, windows_all.to(device), tuple(levels), tuple(single))
+        return cls(tuple(starts), parents_all, windows_all.to(device), depth_all, tuple(levels), tuple(single))
 
 
 def tree_conv(

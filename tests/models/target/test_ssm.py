@@ -1,4 +1,4 @@
-"""The Mamba, Mamba2 and Jamba target (models/target/ssm.py): tree verification through its SSM layers (and a
+"""The Mamba, Mamba2, Jamba and Bamba target (models/target/ssm.py): tree verification through its SSM layers (and a
 hybrid's attention layers) against HF's forward along every path, the committed state against a prefill of the
 accepted tokens, batched and chunked forwards against single ones, the prefix cache's states, and loading
 (unsupported classes refused with what is supported)."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import BambaConfig, FalconMambaConfig
+from transformers import FalconMambaConfig, NemotronHConfig, Zamba2Config
 
-from transformers import Mamba2ForCausalLM
+from transformers import BambaForCausalLM, Mamba2ForCausalLM
 
 from ray_specdec.config import SamplingParams
 from ray_specdec.engine.target_backend import LocalTarget
@@ -177,7 +177,7 @@ def test_states_live_in_a_pool_of_fixed_size_slots(target):
         target.release(cache)
     # [L, d_conv - 1, conv channels] + [L, d_inner, N] in float64 over 2 SSM layers; Mamba2 convolves x, B and C
     # (2 groups of 8)
-    conv_channels = 64 + 2 * 2 * 8 if isinstance(target.model, Mamba2ForCausalLM) else 64
+    conv_channels = 64 + 2 * 2 * 8 if isinstance(target.model, (Mamba2ForCausalLM, BambaForCausalLM)) else 64
     assert target.state_bytes == (2 * (4 - 1) * conv_channels + 2 * 64 * 8) * 8
 
 
@@ -205,10 +205,13 @@ def test_a_directory_of_an_ssm_class_loads_as_an_ssm_target(tmp_path, kind):
 
 
 @pytest.mark.parametrize("config", [
-    BambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                intermediate_size=32, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=4),
+    NemotronHConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, hybrid_override_pattern="M*",
+                    num_attention_heads=2, num_key_value_heads=1, mamba_num_heads=2, mamba_head_dim=16,
+                    ssm_state_size=4, n_groups=1),
+    Zamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"],
+                 num_attention_heads=2, mamba_d_state=4, n_mamba_heads=2, mamba_headdim=32),
     FalconMambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4),
-], ids=["bamba", "falcon-mamba"])
+], ids=["nemotron-h", "zamba2", "falcon-mamba"])
 def test_other_recurrent_classes_are_refused_naming_what_is_supported(tmp_path, config):
     config.save_pretrained(tmp_path)  # the class is read from the config before any weights load
     with pytest.raises(UnsupportedTarget, match="supported: .*MambaForCausalLM"):
@@ -218,5 +221,5 @@ def test_other_recurrent_classes_are_refused_naming_what_is_supported(tmp_path, 
 
 
 def test_ssm_target_refuses_other_models():
-    with pytest.raises(TypeError, match="MambaForCausalLM, Mamba2ForCausalLM or JambaForCausalLM"):
+    with pytest.raises(TypeError, match="MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM or BambaForCausalLM"):
         SSMTargetModel(tiny_llama())
