@@ -1,5 +1,5 @@
-"""The Mamba, Mamba2 and Jamba target: scores a whole token tree in one forward pass through its SSM layers (and a
-hybrid's attention layers), one fixed-size state per request.
+"""The Mamba, Mamba2, Jamba and Bamba target: scores a whole token tree in one forward pass through its SSM layers
+(and a hybrid's attention layers), one fixed-size state per request.
 
 The same interface as `TargetModel` (forward_batch over prefill chunks and verify segments, commit of the accepted
 path, caches with a capacity), so the scheduler and `engine/target_backend.py` drive both alike. What differs is the
@@ -20,10 +20,12 @@ Mamba2 differs inside the mixer only: x, B and C are convolved together, A is on
 shared by a group of heads, and a gated RMSNorm precedes the output projection; its heads' states are channels of the
 same scan (`Mamba2Weights`).
 
-Jamba (a hybrid) interleaves Mamba layers (with RMSNorms on dt, B and C) and attention layers, each followed by an MLP
-or a mixture of experts (HF's modules, run as they are). An attention layer keeps K and V per token in the request's
-cache: a group's rows attend over the cached ones and over their own ancestors and themselves (a chunk causally, a
-tree by its mask: the same parent structure the scan follows), and the commit appends the kept path's rows.
+The hybrids interleave SSM layers and attention layers, each followed by an MLP or a mixture of experts (HF's modules,
+run as they are): Jamba's Mamba layers (with RMSNorms on dt, B and C) and attention without position encoding,
+Bamba's Mamba2 layers and attention with rotary embeddings. An attention layer keeps K and V per token in the
+request's cache: a group's rows attend over the cached ones and over their own ancestors and themselves (a chunk
+causally, a tree by its mask: the same parent structure the scan follows), at position committed tokens + depth, and
+the commit appends the kept path's rows.
 
 Numerics follow HF's: RMSNorm normalizes in float32, a layer's skip connection is rounded to float32 where
 `residual_in_fp32`, the SSM runs in float32 for half-precision models (the model's dtype otherwise), logits are float32
@@ -156,8 +158,8 @@ class Layer:
 
 
 class SSMTargetModel:
-    """Adapter around an HF `MambaForCausalLM`, `Mamba2ForCausalLM` or `JambaForCausalLM`: tree verification through
-    its SSM layers (and a hybrid's attention layers)."""
+    """Adapter around an HF `MambaForCausalLM`, `Mamba2ForCausalLM`, `JambaForCausalLM` or `BambaForCausalLM`: tree
+    verification through its SSM layers (and a hybrid's attention layers)."""
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype | None = None,
