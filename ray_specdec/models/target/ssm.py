@@ -312,7 +312,7 @@ class SSMTargetModel:
         """The state after the prompt chunk [start, end) that this step's forward ran (the prefix cache keeps it)."""
         if end != cache.committed:
             raise ValueError(f"the state holds {cache.committed} tokens, not the chunk's end {end}")
-        kv = tuple((k[start:end].clone(), v[start:end].clone()) for k, v in cache.kv)
+        kv = tuple((k[start:end].clone(), v[start:end].clone()) for k, v in cache.kv)  # (buffers: rows past end unset)
         return StateSnapshot(self._pool.conv[cache.slot].clone(), self._pool.ssm[cache.slot].clone(), start, end, kv)
 
     def load_chunk(self, cache: SSMCache, snapshot: StateSnapshot) -> None:
@@ -323,7 +323,7 @@ class SSMTargetModel:
                              f"{cache.committed} tokens")  # fmt: skip
         self._pool.conv[cache.slot].copy_(snapshot.conv)
         self._pool.ssm[cache.slot].copy_(snapshot.ssm)
-        cache.kv = [(torch.cat([k, sk]), torch.cat([v, sv])) for (k, v), (sk, sv) in zip(self._kv(cache), snapshot.kv)]
+        self._write_kv(cache, cache.committed, list(snapshot.kv))
         cache.committed = snapshot.end
 
     # ----- the forward -----
@@ -385,8 +385,8 @@ class SSMTargetModel:
                 self._pool.conv[cache.slot].copy_(cache.pending.conv[:, keep[-1]])
                 self._pool.ssm[cache.slot].copy_(cache.pending.ssm[:, keep[-1]])
                 rows = torch.tensor(keep, device=self.device)
-                cache.kv = [(torch.cat([k, pk.index_select(0, rows)]), torch.cat([v, pv.index_select(0, rows)]))
-                            for (k, v), (pk, pv) in zip(cache.kv, cache.pending.kv)]  # fmt: skip
+                self._write_kv(cache, cache.committed,
+                               [(pk.index_select(0, rows), pv.index_select(0, rows)) for pk, pv in cache.pending.kv])
                 cache.committed += len(keep)
             cache.pending = None
 
@@ -475,8 +475,8 @@ class SSMTargetModel:
             if n_chunk:
                 self._pool.conv[cache.slot].copy_(conv[:, k])
                 self._pool.ssm[cache.slot].copy_(ssm[:, k])
-                cache.kv = [(torch.cat([ck, nk[start:start + n_chunk]]), torch.cat([cv, nv[start:start + n_chunk]]))
-                            for (ck, cv), (nk, nv) in zip(self._kv(cache), new_kv)]  # fmt: skip
+                self._write_kv(cache, cache.committed,
+                               [(nk[start:start + n_chunk], nv[start:start + n_chunk]) for nk, nv in new_kv])
                 cache.committed += n_chunk
                 k += 1
             if verify is not None:
@@ -486,12 +486,28 @@ class SSMTargetModel:
                 out[verify[0]] = logits[v].to(self._logits_dtype)
                 k, v = k + n, v + 1
 
-    def _kv(self, cache: SSMCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The cache's attention K/V per attention layer (empty tensors before its first rows)."""
-        if len(cache.kv) < self._attention_layers:
-            cache.kv = [(torch.empty(0, w.kv_heads, w.head_dim, dtype=self.dtype, device=self.device),) * 2
-                        for w in (layer.weights for layer in self._layers if layer.attention)]  # fmt: skip
-        return cache.kv
+    def _write_kv(self, cache: SSMCache, at: int, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write each attention layer's K and V rows [n, kv heads, head_dim] at row `at` of the cache's buffers,
+        which hold its granted capacity (allocated on the first write, again when the grant grows; doubling for a
+        cache without a capacity)."""
+        if not rows or not rows[0][0].shape[0]:
+            return
+        end = at + rows[0][0].shape[0]
+        held = cache.kv[0][0].shape[0] if cache.kv else 0
+        if end > held:
+            size = max(end, cache.capacity) if cache.capacity else max(end, 2 * held)
+            grown = []
+            for i, w in enumerate(layer.weights for layer in self._layers if layer.attention):
+                k, v = (torch.empty(size, w.kv_heads, w.head_dim, dtype=self.dtype, device=self.device)
+                        for _ in range(2))  # fmt: skip
+                if cache.kv:
+                    k[:at].copy_(cache.kv[i][0][:at])
+                    v[:at].copy_(cache.kv[i][1][:at])
+                grown.append((k, v))
+            cache.kv = grown
+        for (k, v), (new_k, new_v) in zip(cache.kv, rows):
+            k[at:end].copy_(new_k)
+            v[at:end].copy_(new_v)
 
     def _attending(self, groups: list[dict], layout: RowTrees) -> list[tuple[SSMCache, int, int, torch.Tensor]]:
         """Per group: its cache, its rows [start, end) in the forward, and which of the cached tokens and its own rows
@@ -531,7 +547,8 @@ class SSMTargetModel:
         out = torch.empty_like(q)
         repeat = w.heads // w.kv_heads
         for cache, start, end, seen in attending:
-            cached_k, cached_v = self._kv(cache)[layer.index]
+            cached_k, cached_v = ((t[:cache.committed] for t in cache.kv[layer.index]) if cache.kv else
+                                  (k[:0], v[:0]))  # fmt: skip
             keys = torch.cat([cached_k, k[start:end]]).repeat_interleave(repeat, dim=1).transpose(0, 1)
             values = torch.cat([cached_v, v[start:end]]).repeat_interleave(repeat, dim=1).transpose(0, 1)
             out[start:end] = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), keys, values,

@@ -71,7 +71,8 @@ class SSMCache:
     capacity: int | None  # the rows the scheduler granted (None: unbounded); an SSM state holds any number
     committed: int = 0  # tokens whose effect the slot's state holds
     pending: PendingStates | None = None
-    # a hybrid's attention layers: K and V [committed, kv heads, head_dim] each (grown by concatenation)
+    # a hybrid's attention layers: K and V buffers [rows, kv heads, head_dim] each, of which [:committed] hold its
+    # tokens' (rows: the granted capacity, allocated on the first write)
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property

@@ -39,7 +39,8 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
 def state_of(target: SSMTargetModel, cache) -> list[torch.Tensor]:
     """The request's SSM layers' conv and SSM states, and a hybrid's attention layers' K and V."""
     pool = target._pool
-    return [pool.conv[cache.slot].clone(), pool.ssm[cache.slot].clone(), *(t for kv in cache.kv for t in kv)]
+    return [pool.conv[cache.slot].clone(), pool.ssm[cache.slot].clone(),
+            *(t[:cache.committed].clone() for kv in cache.kv for t in kv)]
 
 
 @pytest.mark.parametrize("paths", TREES, ids=["root", "chain", "wide", "deep"])
@@ -223,3 +224,23 @@ def test_other_recurrent_classes_are_refused_naming_what_is_supported(tmp_path, 
 def test_ssm_target_refuses_other_models():
     with pytest.raises(TypeError, match="MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM or BambaForCausalLM"):
         SSMTargetModel(tiny_llama())
+
+
+def test_a_hybrids_attention_rows_live_in_buffers_of_its_grant(target):
+    """K and V are written in place into buffers of the cache's capacity (allocated once: no copy of the context per
+    round), and grow past it only when the grant grows."""
+    if not target._attention_layers:
+        pytest.skip("no attention layers")
+    cache = target.new_cache(capacity=40)
+    target.prefill(cache, torch.tensor(random_prompt(20, seed=3)))
+    buffers = [t.data_ptr() for kv in cache.kv for t in kv]
+    assert all(t.shape[0] == 40 for kv in cache.kv for t in kv)
+    tree = build_tree(TREES[2])
+    for round_ in range(3):
+        target.verify(cache, 5, tree, torch.tensor([6, 7, 8, 9]))
+        target.commit(cache, [0, 1 + round_])
+    assert cache.length == 26 and [t.data_ptr() for kv in cache.kv for t in kv] == buffers
+    target.resize(cache, 60)
+    target.prefill(cache, torch.tensor(random_prompt(20, seed=4)))
+    assert all(t.shape[0] == 60 for kv in cache.kv for t in kv)
+    target.release(cache)
