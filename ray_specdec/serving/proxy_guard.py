@@ -11,7 +11,9 @@ these into answers an OpenAI client acts on:
   status line (serving/openai_server.py);
 - a 503 without Retry-After (Serve's own back-pressure): the header added;
 - GET .../health, .../ready or .../live not answered within HEALTH_DEADLINE_S (no replica runs, or none answers in
-  time): 503, where the proxy would otherwise hold the probe until a replica comes back.
+  time): 503, where the proxy would otherwise hold the probe until a replica comes back. The probe carries Serve's
+  per-request timeout header (its proxy then gives up on it cleanly, with a 408 that becomes this 503), and the
+  guard's own deadline stands behind it (a Serve without that header).
 A response that completed, and a non-stream body cut after its status line (its length is sent: nothing can be
 added), pass as they are.
 
@@ -37,6 +39,9 @@ PROBE_PATHS = ("health", "ready", "live")
 # A probe no replica answers by then gets 503: the proxy routes it to a running replica at once, which answers from
 # memory; one that waits this long found none (or none that can answer: a replica that can serve answers in ms).
 HEALTH_DEADLINE_S = 1.5
+# Serve's per-request timeout header (its proxy answers 408 past it), set on a probe this much before the deadline.
+TIMEOUT_HEADER = b"x-request-timeout-seconds"
+HEADER_MARGIN_S = 0.3
 RETRY_AFTER_S = 2  # seconds a client is asked to wait after a 503 (as serving/openai_server.py's)
 LOST_MESSAGE = "the replica serving this request was lost; retry the request"
 
@@ -61,11 +66,15 @@ class ReplicaLossGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = ended = event_stream = answered = False
+        probe = is_probe(scope)
+        started = ended = event_stream = answered = expired = False
 
         async def guarded_send(message: Message) -> None:
-            nonlocal started, ended, event_stream
-            if answered:  # the guard answered already (a probe past its deadline): the app's late answer is dropped
+            nonlocal started, ended, event_stream, expired
+            if answered or expired:  # the guard answers instead: a probe past its deadline, or Serve's 408 for it
+                return
+            if probe and message["type"] == "http.response.start" and message.get("status") == 408:
+                expired = True
                 return
             if message["type"] == "http.response.start":
                 started = True
@@ -81,7 +90,10 @@ class ReplicaLossGuard:
 
         failure: BaseException | None = None
         try:
-            if is_probe(scope):
+            if probe:
+                timeout = str(max(self.health_deadline_s - HEADER_MARGIN_S, 0.1)).encode()
+                headers = [(k, v) for k, v in scope.get("headers") or [] if bytes(k).lower() != TIMEOUT_HEADER]
+                scope = scope | {"headers": headers + [(TIMEOUT_HEADER, timeout)]}
                 await asyncio.wait_for(self.app(scope, receive, guarded_send), self.health_deadline_s)
             else:
                 await self.app(scope, receive, guarded_send)
@@ -91,7 +103,7 @@ class ReplicaLossGuard:
         if ended:
             return
         if not started:
-            timed_out = isinstance(failure, (asyncio.TimeoutError, TimeoutError))
+            timed_out = expired or isinstance(failure, (asyncio.TimeoutError, TimeoutError))
             if timed_out or failure is None:
                 logger.warning("%s %s: no replica answered; 503", scope.get("method"), scope.get("path"))
             else:

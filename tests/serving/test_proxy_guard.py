@@ -103,3 +103,30 @@ def test_serve_takes_the_callback():
     from ray.serve._private.http_util import validate_http_proxy_callback_return
 
     assert [m.cls for m in validate_http_proxy_callback_return(middlewares())] == [ReplicaLossGuard]
+
+
+async def times_out_as_serve_does(scope, receive, send):
+    """Serve's proxy past the request's timeout header: 408 (the header must be there, within the deadline)."""
+    timeout = dict(scope["headers"]).get(b"x-request-timeout-seconds")
+    await send({"type": "http.response.start", "status": 408 if timeout else 200, "headers": []})
+    await send({"type": "http.response.body", "body": timeout or b"no header", "more_body": False})
+
+
+def test_a_probe_carries_serves_timeout_header_and_its_408_becomes_503():
+    response = client(times_out_as_serve_does, health_deadline_s=1.5).get("/health",
+                                                                        headers={"x-request-timeout-seconds": "60"})
+    assert response.status_code == 503 and response.headers["retry-after"] == "2"
+    assert response.json()["error"]["code"] == "unavailable"
+    other = client(times_out_as_serve_does).post("/v1/completions", json={})
+    assert other.status_code == 200 and other.content == b"no header"  # only probes get the header
+
+
+def test_the_header_is_below_the_deadline():
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(float(dict(scope["headers"])[b"x-request-timeout-seconds"]))
+        await back_pressure(scope, receive, send)
+
+    client(app, health_deadline_s=1.5).get("/live")
+    assert 0 < seen[0] < 1.5
