@@ -8,14 +8,17 @@ import json
 import subprocess
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
+from scipy.stats import chisquare
 
 from deployments import AppArgs
-from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.config import NO_TREE, SamplingParams
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.speculation.bandit import BanditState
 from tests.helpers.bigram import PROMPTS
@@ -66,17 +69,66 @@ def test_completions_greedy_and_streamed_equal_the_engine(client, engine):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
-def test_n_samples_with_a_seed_are_the_engines_seeds(client, engine):
-    """A seeded sampled request's tokens depend on the trees its rounds drafted: both sides fix one."""
+def test_n_samples_with_a_seed_are_the_engines_whatever_the_tree(client, engine):
+    """Choice j of a seeded sampled request is the engine's draw under the key (seed, j) (coupled sampling): the same
+    text with the tree the request asks for, none, or the engine's own."""
     done = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=1.0, n=3, seed=5,
                                      extra_body={"tree": "2,1"})  # fmt: skip
     assert [c.index for c in done.choices] == [0, 1, 2]
     assert len({c.text for c in done.choices}) > 1
     for j, choice in enumerate(done.choices):
-        alone = engine.generate(PROMPTS[1], SamplingParams(temperature=1.0, seed=5 + j, max_new_tokens=12),
-                                TreeConfig((2, 1)))  # fmt: skip
-        assert choice.text == alone.text
+        params = SamplingParams(temperature=1.0, seed=5, choice=j, max_new_tokens=12)
+        alone = engine.generate(PROMPTS[1], params, NO_TREE).text
+        assert choice.text == alone == engine.generate(PROMPTS[1], params).text
     assert done.usage.completion_tokens == 3 * 12
+
+
+def test_the_same_seeded_request_gets_the_same_text_under_any_load(client):
+    """One seeded request sent alone, twice, with `tree` none, and among 12 concurrent others: one text."""
+    body = dict(model="tiny", prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=77)
+    first = client.completions.create(**body).choices[0].text
+    assert client.completions.create(**body).choices[0].text == first
+    assert client.completions.create(**body, extra_body={"tree": "none"}).choices[0].text == first
+    others = [dict(body, prompt=PROMPTS[i % len(PROMPTS)], seed=i, temperature=0.8 + 0.1 * (i % 3)) for i in range(12)]
+    with ThreadPoolExecutor(13) as pool:
+        loaded = pool.submit(client.completions.create, **body, extra_body={"tree": "3,2,1"})
+        for other in [pool.submit(client.completions.create, **o) for o in others]:
+            other.result()
+        assert loaded.result().choices[0].text == first
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 5, 1.0), (0.6, 5, 1.0), (1.5, 4, 0.9)])
+def test_seeded_sampling_through_http_has_the_targets_distribution(url, temperature, top_k, top_p):
+    """The first token of 800 seeded choices (50 seeds, n = 16: key (seed, choice) each), drafted with a tree,
+    against the target's distribution there after temperature, top-k and top-p, computed from the raw logprobs the
+    responses return (the top-k of them: all the mass top-k leaves). Chi-square, rare outcomes pooled."""
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": temperature, "top_k": top_k,
+            "top_p": top_p, "logprobs": top_k, "n": 16, "tree": "2,2,1"}
+
+    def send(seed: int) -> list[dict]:
+        response = httpx.post(f"{url}/v1/completions", json={**body, "seed": seed},
+                              headers={"Authorization": f"Bearer {KEY}"}, trust_env=False, timeout=300)
+        assert response.status_code == 200, response.text
+        return [choice["logprobs"] for choice in response.json()["choices"]]
+
+    counts, raw = Counter(), None
+    with ThreadPoolExecutor(8) as pool:
+        for choices in pool.map(send, range(50)):
+            for logprobs in choices:
+                raw = raw or logprobs["top_logprobs"][0]
+                assert logprobs["top_logprobs"][0] == pytest.approx(raw, abs=1e-5)
+                counts[logprobs["tokens"][0]] += 1
+    tokens = sorted(raw, key=raw.get, reverse=True)
+    p = np.exp((np.array([raw[t] for t in tokens]) - raw[tokens[0]]) / temperature)
+    p /= p.sum()
+    keep = np.cumsum(p) - p < top_p  # top-p after top-k: the smallest prefix whose mass reaches top_p
+    p = np.where(keep, p, 0.0) / p[keep].sum()
+    assert set(counts) <= {t for t, kept in zip(tokens, keep) if kept}
+    observed, expected = np.array([counts[t] for t in tokens]), p * 800
+    big = expected >= 5
+    observed = np.append(observed[big], observed[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    assert chisquare(observed[expected > 0], expected[expected > 0]).pvalue > 0.01
 
 
 def test_logprobs_are_the_targets_with_drafting_on_or_off(client, url):
