@@ -312,12 +312,13 @@ def gemm_panel_formats(target) -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from ray_specdec.factory import resolve_device
     from ray_specdec.models.drafter.mamba import MambaDrafter
     from ray_specdec.models.loading import resolve_dtype, resolve_model_path
     from ray_specdec.models.native import attention
+    from ray_specdec.models.target.kinds import UnsupportedTarget, target_kind
     from ray_specdec.models.target.model import ATTN_IMPLEMENTATION, TargetModel
     from ray_specdec.speculation.bandit import Bandit, BanditConfig
     from ray_specdec.tools.bench_report import write_report
@@ -347,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
+        if target_kind(AutoConfig.from_pretrained(resolve_model_path(args.target))) != "attention":
+            raise UnsupportedTarget("bench compares against HF's assisted generation, which takes attention targets "
+                                    "only; measure SSM and hybrid targets with `generate` or benchmarks/")  # fmt: skip
         target = TargetModel.from_pretrained(args.target, dtype=dtype, device=device)
         # HF's methods run the target as transformers loads it (our engine's copy may take planned GEMM paths)
         hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.target), dtype=dtype,

@@ -13,7 +13,7 @@ from ray_specdec.settings import flag
 from ray_specdec.speculation.controller import SpeculationConfig
 from ray_specdec.models.native import library
 from ray_specdec.tools.bench import main, parse_args
-from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba_lm, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +107,14 @@ def test_bench_bad_device_and_dtype_exit_2(capsys):
         assert "CUDA is not available" in capsys.readouterr().err
     assert main(["--device", "tpu"]) == 2
     assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
+def test_bench_refuses_an_ssm_target_in_one_line(tmp_path, capsys):
+    """The benchmark compares against HF's assisted generation, which takes attention targets only."""
+    tiny_mamba_lm().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert main(["--target", str(tmp_path), "--quick"]) == 2
+    assert "attention targets only" in capsys.readouterr().err
 
 
 def test_bench_help_has_every_scheduler_flag(capsys):
