@@ -35,6 +35,7 @@ in the last bits (float64 tests of greedy output check that no mismatch sits off
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Sequence
@@ -44,8 +45,12 @@ import torch.nn.functional as F
 from transformers import (AutoModelForCausalLM, BambaForCausalLM, JambaForCausalLM, Mamba2ForCausalLM,
                           MambaForCausalLM)
 
+from ray_specdec import env
 from ray_specdec.models.drafter.mamba_state import MixerWeights
 from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path
+from ray_specdec.models.native import gemm, library
+from ray_specdec.models.target.batch_invariant import VECTOR_MULTIPLE
+from ray_specdec.models.target.fast_path_switches import switch_why
 from ray_specdec.models.target.forward_layout import Segment
 from ray_specdec.models.target.ssm_scan import RowTrees, tree_conv, tree_scan
 from ray_specdec.models.target.ssm_state import PendingStates, SSMCache, SSMStatePool, StateSnapshot
@@ -54,6 +59,17 @@ from ray_specdec.speculation.tree import TreeTensors
 # An SSM has no position limit; prompt + max_tokens is capped here where the config names none (a chat request
 # without max_tokens reserves up to it against the KV budget).
 SSM_MAX_CONTEXT = 1 << 14
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside the block."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -170,8 +186,11 @@ class SSMTargetModel:
         return cls(model.to(device).eval(), load_tokenizer(path))
 
     def __init__(self, model: MambaForCausalLM | Mamba2ForCausalLM | JambaForCausalLM | BambaForCausalLM,
-                 tokenizer=None, *, slots: int = 8):
-        """slots: states the pool preallocates (it doubles when every one is taken)."""
+                 tokenizer=None, *, slots: int = 8, batch_invariant: bool | None = None):
+        """slots: states the pool preallocates (it doubles when every one is taken). batch_invariant: the products
+        take the native GEMM, so that a request's logits and states are the same bits whatever shares its forward.
+        None: on for a float32 pure SSM on CPU where the native kernels build, unless RAY_SPECDEC_BATCH_INVARIANT=0;
+        True insists; False: torch's products. `batch_invariant_why` says why it is off."""
         if not isinstance(model, (MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM, BambaForCausalLM)):
             raise TypeError(f"SSMTargetModel takes a MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM or "
                             f"BambaForCausalLM, not {type(model).__name__}")  # fmt: skip
@@ -235,6 +254,8 @@ class SSMTargetModel:
         self._pool = SSMStatePool((ssm_layers, self.d_conv - 1, conv_channels),
                                   (ssm_layers, self.d_inner, self.d_state), self.dtype, self.ssm_dtype, self.device,
                                   slots)  # fmt: skip
+        self.batch_invariant_why: str | None = switch_why("batch_invariant", batch_invariant, env.BATCH_INVARIANT,
+                                                          self._invariance_blocker)  # fmt: skip
 
     def _bamba_layer(self, layer, config, rotary: torch.nn.Module, index: int) -> Layer:
         """A Bamba decoder layer (the index-th of its kind): its attention (rotary) or Mamba2 mixer, then its MLP."""
@@ -260,8 +281,33 @@ class SSMTargetModel:
 
     # ----- what the engine reads -----
 
-    batch_invariant = False
-    batch_invariant_why = "the SSM target's products run over the step's rows (torch's GEMMs)"
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a segment's logits and states are the same bits whatever shares its forward."""
+        return self.batch_invariant_why is None
+
+    def _invariance_blocker(self) -> str | None:
+        """Why the products cannot take the native GEMM (every row's sums in one fixed order, whatever the row
+        count), or why that is not enough; None: they can."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return "it takes a float32 model on CPU"
+        if self._attention_layers:
+            return "a hybrid's attention runs sdpa per request (its kernel depends on the rows)"
+        if library.load() is None:
+            return f"native kernels unavailable: {library.why_unavailable()}"
+        widths = {"hidden size": self.model.config.hidden_size, "inner width": self.d_inner}
+        odd = [f"{name} {width}" for name, width in widths.items() if width % VECTOR_MULTIPLE]
+        if odd:
+            return (f"its {', '.join(odd)} is not a multiple of {VECTOR_MULTIPLE} (elementwise ops would take scalar "
+                    "tails)")
+        return None
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, in] @ weight^T (+ bias): the native GEMM where batch-invariant (a row's result does not depend on
+        the other rows), else F.linear."""
+        if self.batch_invariant_why is None:
+            return gemm.PATHS[gemm.NATIVE](x, weight, bias)
+        return F.linear(x, weight, bias)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -375,8 +421,8 @@ class SSMTargetModel:
                 raise ValueError("commit without a verify to commit")
             keep = [int(r) for r in keep_rows]
             parents = pending.parents.tolist()
-            if keep and (keep[0] != 0 or any(parents[b] != a for a, b in zip(keep, keep[1:]))
-                         or keep[-1] >= len(parents)):
+            if keep and (keep[0] != 0 or not all(0 < r < len(parents) for r in keep[1:])
+                         or any(parents[b] != a for a, b in zip(keep, keep[1:]))):
                 raise ValueError(f"an SSM state keeps a path from the root of the verify (rows 0, a child of 0, ...), "
                                  f"got {keep}")  # fmt: skip
             checked.append((cache, keep))
@@ -450,7 +496,8 @@ class SSMTargetModel:
             cos, sin = rotary(residual, self._positions(groups, layout)[None])
             cos_sin = (cos[0], sin[0])  # [R, rotary dims] each
         for layer in self._layers:
-            h = rms_norm(residual, layer.norm, self.eps)
+            with self._elementwise():
+                h = rms_norm(residual, layer.norm, self.eps)
             if layer.attention:
                 mixed, k, v = self._attend(h, layer, attending, cos_sin)
                 new_kv.append((k, v))  # [R, kv heads, head_dim] each
@@ -539,9 +586,9 @@ class SSMTargetModel:
         where the model rotates them)."""
         w: AttentionWeights = layer.weights
         rows = h.shape[0]
-        q = F.linear(h, w.q_proj, w.biases[0]).view(rows, w.heads, w.head_dim)
-        k = F.linear(h, w.k_proj, w.biases[1]).view(rows, w.kv_heads, w.head_dim)
-        v = F.linear(h, w.v_proj, w.biases[2]).view(rows, w.kv_heads, w.head_dim)
+        q = self._linear(h, w.q_proj, w.biases[0]).view(rows, w.heads, w.head_dim)
+        k = self._linear(h, w.k_proj, w.biases[1]).view(rows, w.kv_heads, w.head_dim)
+        v = self._linear(h, w.v_proj, w.biases[2]).view(rows, w.kv_heads, w.head_dim)
         if w.rotary is not None:
             q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)
         out = torch.empty_like(q)
@@ -553,25 +600,28 @@ class SSMTargetModel:
             values = torch.cat([cached_v, v[start:end]]).repeat_interleave(repeat, dim=1).transpose(0, 1)
             out[start:end] = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), keys, values,
                                                             attn_mask=seen).transpose(0, 1)  # fmt: skip
-        return F.linear(out.reshape(rows, -1), w.o_proj, w.biases[3]), k, v
+        return self._linear(out.reshape(rows, -1), w.o_proj, w.biases[3]), k, v
 
     def _mix_mamba(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
                    layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One Mamba mixer over every row: h [R, d_model], conv_start [G, d_conv - 1, d_inner], ssm_start [G, d_inner,
         d_state] -> (its output [R, d_model], the conv inputs `layout.windows` index, every row's SSM state)."""
         w: MixerWeights = layer.weights
-        x, z = F.linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
-        x, inputs = tree_conv(x, conv_start, layout, w.conv, w.conv_bias)
-        x = F.silu(x)
+        x, z = self._linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
+        with self._elementwise():
+            x, inputs = tree_conv(x, conv_start, layout, w.conv, w.conv_bias)
+            x = F.silu(x)
         sd = self.ssm_dtype
-        dt, B, C = F.linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt, B, C = self._linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         if layer.bcdt_norms is not None:  # Jamba
             dt, B, C = (rms_norm(t, norm, self.eps) for t, norm in zip((dt, B, C), layer.bcdt_norms))
-        dt = F.softplus(F.linear(dt, w.dt_proj, w.dt_bias).to(sd))  # [R, d_inner]
-        x = x.to(sd)
-        y, states = tree_scan(dt, x, B.to(sd), C.to(sd), w.A, ssm_start, layout)
-        y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
-        return F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
+        dt = self._linear(dt, w.dt_proj, w.dt_bias)
+        with self._elementwise():
+            dt = F.softplus(dt.to(sd))  # [R, d_inner]
+            x = x.to(sd)
+            y, states = tree_scan(dt, x, B.to(sd), C.to(sd), w.A, ssm_start, layout)
+            y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
+        return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
 
     def _mix_mamba2(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
                     layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -579,19 +629,31 @@ class SSMTargetModel:
         convolved together); a head's state is its head_dim channels of [d_inner, d_state]."""
         w: Mamba2Weights = layer.weights
         rows, sd, n = h.shape[0], self.ssm_dtype, self.d_state
-        z, xbc, dt = F.linear(h, w.in_proj, w.in_proj_bias).split(
+        z, xbc, dt = self._linear(h, w.in_proj, w.in_proj_bias).split(
             [self.d_inner, w.conv.shape[0], self.heads], dim=-1)
-        xbc, inputs = tree_conv(xbc, conv_start, layout, w.conv, w.conv_bias)
-        x, B, C = F.silu(xbc).split([self.d_inner, self.groups * n, self.groups * n], dim=-1)
-        dt = F.softplus((dt + w.dt_bias).to(sd)).clamp(*self.dt_limit)  # [R, heads]
-        x = x.to(sd)
-        y, states = tree_scan(dt.repeat_interleave(self.head_dim, dim=1), x, B.view(rows, self.groups, n).to(sd),
-                              C.view(rows, self.groups, n).to(sd), w.A, ssm_start, layout)  # fmt: skip
-        y = torch.addcmul(y, x, w.D)
-        return F.linear(w.gated_norm(y, z).to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
+        with self._elementwise():
+            xbc, inputs = tree_conv(xbc, conv_start, layout, w.conv, w.conv_bias)
+            x, B, C = F.silu(xbc).split([self.d_inner, self.groups * n, self.groups * n], dim=-1)
+            # per channel before softplus: a row's elements then fill whole vectors (heads alone may not)
+            dt = dt.repeat_interleave(self.head_dim, dim=1) + w.dt_bias.repeat_interleave(self.head_dim)
+            dt = F.softplus(dt.to(sd)).clamp(*self.dt_limit)  # [R, d_inner]
+            x = x.to(sd)
+            y, states = tree_scan(dt, x, B.view(rows, self.groups, n).to(sd), C.view(rows, self.groups, n).to(sd),
+                                  w.A, ssm_start, layout)  # fmt: skip
+            y = w.gated_norm(torch.addcmul(y, x, w.D), z)
+        return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
 
     def _logits(self, residual: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(residual, self._norm_f, self.eps), self._lm_head)
+        with self._elementwise():
+            h = rms_norm(residual, self._norm_f, self.eps)
+        return self._linear(h, self._lm_head)
+
+    def _elementwise(self):
+        """Where batch-invariant: the elementwise and per-row work on one thread. torch splits a large elementwise
+        op's elements over its threads, and the elements at the ends of each thread's range take a scalar path whose
+        transcendentals round otherwise; on one thread every row of a width that fills whole vectors takes the
+        vector path (`_invariance_blocker` checks the widths)."""
+        return one_thread() if self.batch_invariant_why is None else contextlib.nullcontext()
 
     def _check_committed(self, cache: SSMCache) -> None:
         if cache.pending is not None:

@@ -15,12 +15,13 @@ from ray_specdec.config import SamplingParams
 from ray_specdec.engine.target_backend import LocalTarget
 from ray_specdec.factory import LoadError, load_engine, load_target
 from ray_specdec.models.target.forward_layout import Segment
+from ray_specdec.models.native import library
 from ray_specdec.models.target.kinds import UnsupportedTarget, load_target_model
 from ray_specdec.models.target.ssm import SSMTargetModel
 from ray_specdec.serving import target_worker
 from ray_specdec.speculation.tree import build_tree
 from tests.helpers.inputs import random_prompt
-from tests.helpers.models import SSM_TARGETS, tiny_llama, tiny_tokenizer
+from tests.helpers.models import SSM_TARGETS, tiny_llama, tiny_mamba2_lm, tiny_mamba_lm, tiny_tokenizer
 
 TREES = [[], [(0,), (0, 0), (0, 0, 0)], [(0,), (1,), (2,), (3,)],
          [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)]]
@@ -92,6 +93,8 @@ def test_commit_refuses_what_is_not_a_path(target):
     target.verify(cache, 8, tree, torch.tensor([9, 10, 11]))
     with pytest.raises(ValueError, match="path"):
         target.commit(cache, [0, 2, 3])  # row 3's parent is row 1
+    with pytest.raises(ValueError, match="path"):
+        target.commit(cache, [0, 1, 4])  # no row 4
     with pytest.raises(ValueError, match="commit first"):
         target.prefill(cache, torch.tensor([1]))
     target.commit(cache, [0, 1, 3])
@@ -244,3 +247,40 @@ def test_a_hybrids_attention_rows_live_in_buffers_of_its_grant(target):
     target.prefill(cache, torch.tensor(random_prompt(20, seed=4)))
     assert all(t.shape[0] == 60 for kv in cache.kv for t in kv)
     target.release(cache)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_float32_logits_and_states_do_not_depend_on_the_batch(kind):
+    """Batch invariance (float32 on CPU, the native GEMM): a verify's logits and states are the same bits alone or
+    beside other requests' trees and chunks, and a root's logits the same alone or under a tree. Widths of a real
+    model's order, so that the products take the GEMM's blocked paths and the elementwise ops run over many threads'
+    worth of elements."""
+    if library.load() is None:
+        pytest.skip(library.why_unavailable())
+    build = {"mamba": lambda: tiny_mamba_lm(torch.float32, hidden=256, state=16),
+             "mamba2": lambda: tiny_mamba2_lm(torch.float32, hidden=256, heads=16, head_dim=32, state=32)}[kind]
+    target = SSMTargetModel(build())
+    assert target.batch_invariant, target.batch_invariant_why
+    tree = build_tree(TREES[3])
+
+    def run(others: int, paths=TREES[3]):
+        cache = target.new_cache()
+        target.prefill(cache, torch.tensor(random_prompt(40, seed=1)))
+        nodes = random_prompt(len(paths), seed=2)
+        segments = [Segment(cache, torch.tensor([7] + nodes), build_tree(paths))]
+        for i in range(others):
+            other = target.new_cache()
+            target.prefill(other, torch.tensor(random_prompt(5 + 3 * i, seed=10 + i)))
+            tokens = torch.tensor(random_prompt(1 + tree.num_nodes if i % 2 else 30, seed=20 + i))
+            segments.append(Segment(other, tokens, tree if i % 2 else None))
+        logits = target.forward_batch(segments)[0]
+        target.commit(cache, [0, 1] if paths else [0])
+        return logits, state_of(target, cache)
+
+    alone, state = run(0)
+    for others in (1, 5):
+        logits, batched_state = run(others)
+        assert torch.equal(logits, alone)
+        assert all(torch.equal(a, b) for a, b in zip(batched_state, state))
+    root, _ = run(3, [])
+    assert torch.equal(root[0], alone[0])
