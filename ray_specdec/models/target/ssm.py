@@ -29,8 +29,13 @@ the commit appends the kept path's rows.
 
 Numerics follow HF's: RMSNorm normalizes in float32, a layer's skip connection is rounded to float32 where
 `residual_in_fp32`, the SSM runs in float32 for half-precision models (the model's dtype otherwise), logits are float32
-(float64 for a float64 model). The products are torch's over the step's rows: a row's results can depend on the others
-in the last bits (float64 tests of greedy output check that no mismatch sits off a near-tie).
+(float64 for a float64 model).
+
+Batch invariance (float32 pure SSMs on CPU, `batch_invariant`): the products go through the native GEMM, which sums
+every output in one fixed order whatever the row count, and the elementwise work runs on one thread over widths that
+fill whole vectors; the conv, the scan and the norms work per row. So a request's logits and states are the same bits
+whatever shares its forward, and a root's under a tree of any size. Elsewhere (float64, half precision, the hybrids'
+attention) a row's results can depend on the others in the last bits, and greedy output can change only at near-ties.
 """
 
 from __future__ import annotations
