@@ -5,6 +5,7 @@ keep it so; and sampled output has the target's distribution."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
@@ -158,3 +159,27 @@ def test_sampled_generation_has_the_targets_distribution(kind, branching, draft_
         multi += result.stats.rounds < n_tokens
     assert multi > 0, "no round accepted a draft token: drafting was not tested"
     assert_emitted_distribution(counts, exact, n_samples, ENUMERATED_VOCAB)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_float32_greedy_tokens_do_not_depend_on_the_batch_or_the_tree(kind):
+    """Batch invariance end to end (float32 on CPU, the native GEMM): a greedy request gets the same tokens alone and
+    undrafted, drafting trees, and beside other requests with other trees and prompt chunks (no reference model
+    involved: the bits, not HF's float64 path; test_ssm.py checks the logits themselves bit for bit)."""
+    from ray_specdec.models.native import library
+
+    if library.load() is None:
+        pytest.skip(library.why_unavailable())
+    build = {"mamba": lambda: SSM_TARGETS["mamba"](torch.float32, hidden=256, state=16),
+             "mamba2": lambda: SSM_TARGETS["mamba2"](torch.float32, hidden=256, heads=16, head_dim=32, state=32)}[kind]
+    target = SSMTargetModel(build())
+    assert target.batch_invariant
+    prompt, params = random_prompt(20, seed=7), SamplingParams(max_new_tokens=N, ignore_eos=True)
+    alone = SpeculativeEngine(target, None, TreeConfig(()), config=lookup_off()).generate(prompt, params).token_ids
+    engine = SpeculativeEngine(target, tiny_mamba(torch.float32), config=lookup_off(prefill_chunk=8))
+    for tree in ((1, 1, 1), (3, 2, 1)):
+        assert engine.generate(prompt, params, TreeConfig(tree)).token_ids == alone
+    others = [random_prompt(n, seed=n) for n in (5, 33, 12)]
+    trees = [TreeConfig(t) for t in ((2, 2, 1), (), (4,), (1,) * 5)]
+    results = engine.generate_many([prompt] + others, params, trees)
+    assert results[0].token_ids == alone
