@@ -47,4 +47,11 @@ def load_target_model(name_or_path: str, *, dtype: str | torch.dtype | None = No
         return SSMTargetModel.from_pretrained(path, dtype=dtype, device=device)
     from ray_specdec.models.target.model import TargetModel
 
-    return TargetModel.from_pretrained(path, dtype=dtype, device=device)
+    try:
+        return TargetModel.from_pretrained(path, dtype=dtype, device=device)
+    except ValueError as exc:  # HF's refusal of sdpa: a class with no attention (RWKV, ...) or an unusual one
+        if "does not support an attention implementation" not in str(exc):
+            raise
+        name = str(exc).split()[0]
+        raise UnsupportedTarget(f"{name} has no sdpa attention to verify trees through; supported: "
+                                f"{SUPPORTED}") from None

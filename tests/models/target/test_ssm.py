@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import FalconMambaConfig, NemotronHConfig, Zamba2Config
+from transformers import FalconMambaConfig, NemotronHConfig, RwkvConfig, RwkvForCausalLM, Zamba2Config
 
 from transformers import BambaForCausalLM, Mamba2ForCausalLM
 
@@ -221,6 +221,14 @@ def test_other_recurrent_classes_are_refused_naming_what_is_supported(tmp_path, 
     with pytest.raises(UnsupportedTarget, match="supported: .*MambaForCausalLM"):
         load_target_model(str(tmp_path))
     with pytest.raises(LoadError, match="is not supported as a target; supported: .*sdpa.*MambaForCausalLM"):
+        load_target(str(tmp_path))
+
+
+def test_a_class_without_sdpa_attention_is_refused_naming_what_is_supported(tmp_path):
+    config = RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                        intermediate_size=64)
+    RwkvForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(LoadError, match="RwkvForCausalLM has no sdpa attention .*; supported: .*MambaForCausalLM"):
         load_target(str(tmp_path))
 
 
