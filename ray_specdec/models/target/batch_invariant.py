@@ -85,7 +85,8 @@ def product(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _one_thread():
+def one_thread():
+    """torch on one thread inside the block."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -110,7 +111,7 @@ def activate(fn: nn.Module, x: torch.Tensor) -> torch.Tensor:
             width = x.shape[-1]
             lib.gelu_rows(x.numel() // max(width, 1), width, x.data_ptr(), out.data_ptr(), torch.get_num_threads())
             return out
-    with _one_thread():
+    with one_thread():
         return fn(x)
 
 
@@ -133,7 +134,7 @@ def normalize(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     bits are those of any thread count, and a verify step's few rows cost less than a parallel region's wake-up there
     (while another process holds the second core, a 32-row LayerNorm waited milliseconds for it; 512 rows take
     ~35 us longer on one thread than on two)."""
-    with _one_thread():
+    with one_thread():
         return norm(x)
 
 

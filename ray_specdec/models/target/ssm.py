@@ -54,7 +54,7 @@ from ray_specdec import env
 from ray_specdec.models.drafter.mamba_state import MixerWeights
 from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path
 from ray_specdec.models.native import gemm, library
-from ray_specdec.models.target.batch_invariant import VECTOR_MULTIPLE
+from ray_specdec.models.target.batch_invariant import VECTOR_MULTIPLE, one_thread
 from ray_specdec.models.target.fast_path_switches import switch_why
 from ray_specdec.models.target.forward_layout import Segment
 from ray_specdec.models.target.ssm_scan import RowTrees, tree_conv, tree_scan
@@ -64,17 +64,6 @@ from ray_specdec.speculation.tree import TreeTensors
 # An SSM has no position limit; prompt + max_tokens is capped here where the config names none (a chat request
 # without max_tokens reserves up to it against the KV budget).
 SSM_MAX_CONTEXT = 1 << 14
-
-
-@contextlib.contextmanager
-def one_thread():
-    """torch on one thread inside the block."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
