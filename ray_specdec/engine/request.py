@@ -4,6 +4,7 @@ step's round), what a step gives back for it (`StepOutput`), and the two refusal
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from ray_specdec.speculation.coupled import KeyedGumbel
 from ray_specdec.speculation.drafter_sessions import LazyDrafter
 from ray_specdec.speculation.prompt_lookup import LookupIndex
 from ray_specdec.speculation.stopping import StopChecker
+
+if TYPE_CHECKING:
+    from ray_specdec.speculation.drafters import RemoteDrafter
 
 
 class RequestTooLarge(ValueError):
@@ -39,7 +43,7 @@ class Request:
     noise: KeyedGumbel | None = None  # a coupled sampled request's keyed noise (speculation/coupled.py)
     granted: int = 0  # KV rows its cache holds (SchedulerConfig.kv_grow: from its prompt's toward `reserved`)
     stats: GenerationStats = field(default_factory=GenerationStats)
-    drafter: LazyDrafter | None = None
+    drafter: LazyDrafter | RemoteDrafter | None = None  # its drafter here, or on a worker (speculation/drafters.py)
     drafter_state_kept: bool = False  # the drafter's prefix cache held its prompt's state at admission
     lookup_index: LookupIndex | None = None  # undrafted rounds' lookup (plain_lookup), built at the first such round
     prefilled: int = 0

@@ -7,7 +7,8 @@ One `step()`:
    come with the chunk's step (as a plain server samples its first token from the prefill), not a step later;
 2. trees: the speculation controller picks every round's tree, none included, for the batch's expected tokens per
    second of step time (speculation/controller.py);
-3. one batched draft for every request that drafts (`drafting.draft_many`);
+3. one batched draft for every request that drafts (speculation/drafters.py: `draft_many` in this process, or one
+   call per drafter worker with `drafters=remote`; a round whose worker failed runs undrafted);
 4. one target call (`TargetBackend.run`): last step's commits, then one forward over this step's prefill chunks
    and every round's verify rows;
 5. per request: acceptance, commit (sent with the next step's target call), stop checks, one output chunk.
@@ -64,8 +65,8 @@ from ray_specdec.speculation.controller import (RoundFacts, SpeculationConfig, S
 from ray_specdec.speculation.counterfactuals import what_if
 from ray_specdec.speculation.coupled import KeyedGumbel
 from ray_specdec.speculation.drafter_cache import DrafterStates
-from ray_specdec.speculation.drafter_sessions import LazyDrafter, ready_many
-from ray_specdec.speculation.drafting import Draft, DraftRequest, draft_many, empty_draft, lookup_draft, prefill_key
+from ray_specdec.speculation.drafters import Drafters, LocalDrafters
+from ray_specdec.speculation.drafting import Draft, empty_draft, lookup_draft
 from ray_specdec.speculation.logits_processing import TokenHistory
 from ray_specdec.speculation.prompt_lookup import LookupIndex
 from ray_specdec.speculation.sampling import make_generators
@@ -119,19 +120,22 @@ class Scheduler:
     def __init__(
         self,
         target: TargetBackend,
-        drafter: MambaDrafter | None,
+        drafter: MambaDrafter | Drafters | None,
         tokenizer,
         policy,
         config: SchedulerConfig = SchedulerConfig(),
         max_context: int | None = None,
         speculation: SpeculationConfig = SpeculationConfig(),
     ):
-        """policy: a TreeConfig (every request drafts it) or a tree policy (the bandit: its arms and the shared
+        """drafter: a drafter in this process, or a drafting side (speculation/drafters.py: remote workers); policy:
+        a TreeConfig (every request drafts it) or a tree policy (the bandit: its arms and the shared
         statistics the controller prices them with); config and speculation: the scheduler's and the speculation
         parts of the engine's settings (engine/config.py EngineConfig); max_context: a cap on prompt +
         max_new_tokens below the target's own context."""
         self.target = target
-        self.drafter = drafter
+        self.drafters: Drafters | None = drafter if isinstance(drafter, Drafters) or drafter is None else (
+            LocalDrafters(drafter, target.vocab_size, DrafterStates() if config.prefix_cache else None,
+                          StateSlots(drafter, config.max_running)))  # fmt: skip
         self.tokenizer = tokenizer
         self.policy = FixedTree(policy) if isinstance(policy, TreeConfig) else policy
         self.config = config
@@ -143,10 +147,6 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         # KV reservations, the prefix cache (cached prompt chunks) and each step's prefill chunks
         self.kv = PrefillPlan(config.kv_budget_tokens, config.prefill_chunk, config.prefix_cache, config.kv_grow)
-        # the drafter's states after prompts it prefilled (speculation/drafter_cache.py)
-        self.drafter_states = DrafterStates() if config.prefix_cache and drafter is not None else None
-        # the drafting requests' root states, one slot each (mamba_state.StateSlots; allocated on the first draft)
-        self.drafter_slots = StateSlots(drafter, config.max_running)
         # every round's tree, each step (speculation/controller.py)
         self.controller = SpeculationController(self.policy, speculation)
         self.rounds_unrecorded = 0  # rounds whose tree is none of the policy's arms (cut at the end of a request)
@@ -157,6 +157,37 @@ class Scheduler:
         self.kv_waited = 0  # such skipped rounds since the start
         self.load = 1  # requests decoding in the current step: the policy's load level for its rounds
         self._work = StepWork()
+
+    # ----- the drafter in this process (drafters=local) -----
+
+    @property
+    def drafter(self) -> MambaDrafter | None:
+        return self.drafters.drafter if isinstance(self.drafters, LocalDrafters) else None
+
+    @drafter.setter
+    def drafter(self, drafter: MambaDrafter | None) -> None:
+        """Another drafter for the requests admitted from now on (its own slot pool: `drafter_slots`)."""
+        if drafter is None:
+            self.drafters = None
+        elif isinstance(self.drafters, LocalDrafters):
+            self.drafters.drafter = drafter
+        else:
+            self.drafters = LocalDrafters(drafter, self.target.vocab_size, None, None)
+
+    @property
+    def drafter_states(self) -> DrafterStates | None:
+        """The drafter's states after prompts it prefilled (speculation/drafter_cache.py)."""
+        return self.drafters.states if isinstance(self.drafters, LocalDrafters) else None
+
+    @property
+    def drafter_slots(self) -> StateSlots | None:
+        """The drafting requests' root states, one slot each (mamba_state.StateSlots; allocated on the first draft)."""
+        return self.drafters.slots if isinstance(self.drafters, LocalDrafters) else None
+
+    @drafter_slots.setter
+    def drafter_slots(self, slots: StateSlots | None) -> None:
+        if isinstance(self.drafters, LocalDrafters):
+            self.drafters.slots = slots
 
     # ----- requests in and out -----
 
@@ -256,7 +287,7 @@ class Scheduler:
 
     def step(self) -> list[StepOutput]:
         """One step over every running request; -> one output chunk per request that decoded a round."""
-        if self.drafter is not None and self.controller.prices and not self.controller.cost.calibrated:
+        if self.drafters is not None and self.controller.prices and not self.controller.cost.calibrated:
             self.calibrate()
         plan = self.schedule()
         result = self.execute(plan)
@@ -374,7 +405,7 @@ class Scheduler:
 
     def calibrate(self) -> None:
         """The controller's step cost prior and drafter prefill rate, measured on this target and drafter."""
-        self.controller.calibrate(self.target, self.drafter)
+        self.controller.calibrate(self.target, self.drafters)
 
     def _admit(self) -> None:
         """Waiting requests join, oldest first, while their first grant fits; none while a running one waits for KV
@@ -385,8 +416,8 @@ class Scheduler:
             self.running[r.request_id] = r
             r.admitted = True
             self.kv.admit(r, self._work)
-            if self.drafter is not None:
-                r.drafter = LazyDrafter(self.drafter, self.target.vocab_size, self.drafter_states, self.drafter_slots)
+            if self.drafters is not None:
+                r.drafter = self.drafters.open(r)
                 r.drafter_state_kept = self._drafter_prefill(r.tokens) == 0  # once: a key of up to 512 tokens
 
     # ----- trees and drafts -----
@@ -398,7 +429,7 @@ class Scheduler:
         left (the bonus token comes for free: never draft deeper than what is left), and what its drafted and
         undrafted rounds cost beyond their trees' nodes."""
         cut = r.stop.remaining - 1
-        if self.drafter is None:
+        if self.drafters is None:
             options = [NO_TREE]
         elif r.tree is not None:
             options = [r.tree.truncated(cut)]
@@ -413,7 +444,7 @@ class Scheduler:
             if options is None:
                 options = self._cuts[cut] = list(dict.fromkeys(t.truncated(cut) for t in arms))
         greedy = r.params.greedy
-        starting = r.drafter is not None and r.drafter.session is None and not r.drafter_state_kept
+        starting = r.drafter is not None and not r.drafter.started and not r.drafter_state_kept
         prefill = self._prefilled(len(r.tokens)) if starting else 0
         return RoundFacts(len(r.tokens), r.sampled, r.stop.remaining, options,
                           lookup_rows=self.controller.lookup_rows if greedy and self.speculation.lookup else 0.0,
@@ -422,7 +453,8 @@ class Scheduler:
 
     def _draft(self, rounds: list[Round]) -> tuple[int, float]:
         """Drafts for this step's rounds (one batched draft); -> (drafter rows stepped, seconds of drafter prefills:
-        a per-request cost, kept out of the rounds' time)."""
+        a per-request cost, kept out of the rounds' time). A round whose draft did not come (a remote drafter worker
+        failed or lacked its state) runs undrafted."""
         owners, configs, prefills = [], [], 0.0
         for rd in rounds:
             config = rd.tree.with_lookup(rd.lookup)
@@ -431,18 +463,21 @@ class Scheduler:
                 continue
             owners.append(rd)
             configs.append(config)
-        # every drafting request's waiting verdicts through the drafter together, first prefills one by one
-        requests = [rd.request for rd in owners]
-        for r, prefill_s in zip(requests, ready_many([(r.drafter, r.tokens) for r in requests])):
+        drafted = self.drafters.draft([rd.request for rd in owners], configs, self.speculation.min_path_prob) \
+            if owners else []
+        for rd, (draft, prefill_s) in zip(owners, drafted):
+            r = rd.request
             if prefill_s:
                 r.stats.prefill_s += prefill_s
                 prefills += prefill_s
                 self.controller.observe_prefill(prefill_s, self._prefilled(len(r.tokens)))
-        batch = [DraftRequest(r.drafter.session, c, r.params, r.draft_gen, r.noise) for r, c in zip(requests, configs)]
-        for rd, draft in zip(owners, draft_many(batch, self.speculation.min_path_prob)):
+            if draft is None:
+                rd.tree, rd.lookup, rd.plain_lookup = NO_TREE, 0, self._lookup_allowed(r)
+                rd.draft = self._plain_lookup(r) if rd.plain_lookup else empty_draft()
+                continue
             rd.draft = draft
-            if self._lookup_allowed(rd.request):
-                rd.plain_proposal = tuple(self._plain_proposal(rd.request))
+            if self._lookup_allowed(r):
+                rd.plain_proposal = tuple(self._plain_proposal(r))
         return sum(drafter_rows(rd.draft.config) for rd in owners), prefills
 
     def _lookup_allowed(self, r: Request) -> bool:
@@ -556,22 +591,19 @@ class Scheduler:
     # ----- the drafter's prefill -----
 
     def _prefilled(self, context_len: int) -> int:
-        window = self.drafter.prefill_window
+        window = self.drafters.prefill_window
         return min(context_len, window) if window else context_len
 
     def _drafter_prefill(self, tokens: list[int]) -> int:
         """Tokens the drafter's prefill over `tokens` would run: none where its state is kept
         (speculation/drafter_cache.py)."""
-        states = self.drafter_states
-        if states is not None and states.holds(self.drafter, prefill_key(self.drafter, tokens)):
-            return 0
-        return self._prefilled(len(tokens))
+        return self.drafters.prefill_tokens(tokens)
 
     def _max_verify_rows(self, params: SamplingParams, tree: TreeConfig | None) -> int:
-        trees = [tree] if tree is not None else list(self.policy.arms) if self.drafter is not None else []
+        trees = [tree] if tree is not None else list(self.policy.arms) if self.drafters is not None else []
         nodes = max((t.num_nodes for t in trees), default=0)
         lookup = max((t.lookup for t in trees), default=0)
-        if params.greedy and self.drafter is not None:
+        if params.greedy and self.drafters is not None:
             lookup = max(lookup, self.speculation.lookup)
         if params.greedy and tree is None:
             lookup = max(lookup, self.speculation.plain_lookup)

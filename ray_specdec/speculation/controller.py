@@ -533,9 +533,10 @@ class SpeculationController:
         else:
             self.plain_lookup_rows += weight * (rows - self.plain_lookup_rows)
 
-    def calibrate(self, target: TargetBackend, drafter) -> None:
-        """The step cost model's prior and the drafter's prefill rate, measured on this target and drafter."""
-        weights, prefill_s_per_token = measure_prior(target, drafter)
+    def calibrate(self, target: TargetBackend, drafters) -> None:
+        """The step cost model's prior and the drafter's prefill rate, measured on this target and drafting side
+        (speculation/drafters.py `Drafters`; None: no drafter)."""
+        weights, prefill_s_per_token = measure_prior(target, drafters)
         self.cost.set_prior(weights)
         if self.prefill_s_per_token is None:
             self.prefill_s_per_token = prefill_s_per_token
@@ -574,8 +575,9 @@ def _bucket(context_len: int) -> int:
 # ----- the measured prior -----
 
 
-def measure_prior(target: TargetBackend, drafter) -> tuple[list[float], float]:
-    """-> (StepCostModel weights, the drafter's prefill seconds per token), measured on a target side and a drafter:
+def measure_prior(target: TargetBackend, drafters) -> tuple[list[float], float]:
+    """-> (StepCostModel weights, the drafter's prefill seconds per token), measured on a target side and a drafting
+    side (`Drafters.timings`, local or remote; None: no drafter):
     the target's forward at a few batch shapes (requests x rows per request, over 64 tokens of context, and one
     request over up to 512 for the attention's share, through `target.run` like any step), the drafter's step at 1
     and 16 rows, its catch-up over two tokens and its prefill over 64. Each shape is timed three times and the
@@ -617,13 +619,18 @@ def measure_prior(target: TargetBackend, drafter) -> tuple[list[float], float]:
     fixed, per_row = max(fixed, 0.0), max(per_row, 0.0)
     # beyond a 16-row step at 64 tokens: attention over the longer context's extra tokens, per row and kilotoken
     per_row_kilotoken = max(long_s - samples[(1, 16)], 0.0) / (16 * max(long - 64, 1) / 1024) if long > 64 else 0.0
-    if drafter is None:
+    if drafters is None:
         return [fixed, per_row, per_row_kilotoken, 0.0, 0.0], 0.0
-    step_1, step_16, catch_up, prefill_64 = (min(_time_drafter(drafter, kind) for _ in range(3))
-                                             for kind in (1, 16, "extend", "prefill"))  # fmt: skip
+    step_1, step_16, catch_up, prefill_64 = drafters.timings()
     per_drafter_row = max(step_16 - step_1, 0.0) / 15
     drafting = catch_up + max(step_1 - per_drafter_row, 0.0)
     return [fixed, per_row, per_row_kilotoken, drafting, per_drafter_row], prefill_64 / 64
+
+
+def drafter_timings(drafter) -> tuple[float, float, float, float]:
+    """Seconds of the drafter's step at 1 and 16 rows, a catch-up over two tokens and a prefill over 64, each the
+    fastest of three."""
+    return tuple(min(_time_drafter(drafter, kind) for _ in range(3)) for kind in (1, 16, "extend", "prefill"))
 
 
 def _time_drafter(drafter, kind: int | str) -> float:

@@ -28,6 +28,11 @@ class LazyDrafter:
         self.session: DrafterSession | None = None
         self.pending: list[Verdict] = []  # verdicts since the last draft, that draft's own first
 
+    @property
+    def started(self) -> bool:
+        """Whether its session exists (else its next draft pays a prefill)."""
+        return self.session is not None
+
     def ready(self, tokens: Sequence[int]) -> float:
         """Bring the session up to date before a draft: -> seconds spent on a first prefill (0 if none).
 

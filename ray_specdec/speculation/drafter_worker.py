@@ -1,0 +1,156 @@
+"""A drafter worker: the drafting side of a step for the requests of other processes (`drafters=remote`).
+
+It holds a `MambaDrafter`, a slot pool of root states and one `DrafterSession` per request, keyed by request id. An
+engine sends it one `DraftCall` per step with every request it drafts there: per request, the verdicts of the rounds
+since its last draft on this worker (the session catches up on them in one batched commit, as `LazyDrafter` does in
+an engine's own process), the tree, the sampling parameters and the keyed noise's seed; or, where the worker may lack
+the state, every token id, from which the session is rebuilt. The reply is one `Draft` per request, q included for
+rejection-sampled requests, or None where the worker holds no state for a request and was not sent its tokens: the
+engine runs that round undrafted and sends the tokens next time.
+
+A session is trusted only where it is exactly what the engine expects: after its verdicts it must hold as many tokens
+as the request (`DraftItem.context_len`), and the first verdict may move the root into the last draft's states only if
+it judges that draft (`DraftItem.open_round`: a draft whose reply was lost is never the engine's). Anything else drops
+the session. The engine's verification keeps output exact whatever a worker proposes; these checks keep drafts good.
+
+No Ray here: deployments/drafter.py wraps the class as the `drafter` Serve deployment, and tests call it directly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+import torch
+
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.models.device_clock import now
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.drafter.mamba_state import StateSlots
+from ray_specdec.speculation.acceptance import Verdict
+from ray_specdec.speculation.coupled import KeyedGumbel
+from ray_specdec.speculation.drafter_cache import DrafterStates
+from ray_specdec.speculation.drafting import Draft, DrafterSession, DraftRequest, commit_many, draft_many
+
+
+@dataclass(frozen=True)
+class DraftItem:
+    """One request's part of a `DraftCall`."""
+
+    request_id: str
+    context_len: int  # the request's tokens: what its session holds once `verdicts` are in
+    config: TreeConfig  # the tree to draft (with its lookup branch)
+    params: SamplingParams
+    verdicts: tuple[Verdict, ...] = ()  # rounds judged since this worker's last draft for it, oldest first
+    open_round: bool = False  # verdicts[0] judges this worker's last draft for it (its states take the root there)
+    tokens: tuple[int, ...] | None = None  # every token of the request: the session is (re)built from them
+    noise: tuple[int, int] | None = None  # a coupled request's keyed noise, (seed, choice)
+    draft_seed: int = 0  # a rejection-sampled request's draft stream starts from this seed when its session is built
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """One engine's call to one worker in a step: every request it drafts there."""
+
+    items: tuple[DraftItem, ...]
+    vocab_size: int  # the target's: drafts live in its vocabulary
+    min_path_prob: float = 0.0
+    releases: tuple[str, ...] = ()  # requests that ended: their sessions go
+
+
+@dataclass(frozen=True)
+class DraftReply:
+    draft: Draft | None  # None: no state here and no tokens sent (the round goes undrafted; send the tokens)
+    prefill_s: float = 0.0  # seconds of a session built in this call (0: none, or a kept state copied)
+
+
+@dataclass
+class _Held:
+    session: DrafterSession
+    generator: torch.Generator  # the draft stream of a rejection-sampled request
+    noise: KeyedGumbel | None
+
+
+class DrafterWorker:
+    """Sessions of many requests on one drafter; `draft` is a step's call."""
+
+    def __init__(self, drafter: MambaDrafter, max_sessions: int = 256, prefix_cache: bool = True):
+        """max_sessions: slots of the pool, and sessions kept (least recently drafted first out beyond it: a request
+        whose engine stopped calling, or whose release was lost); prefix_cache: keep states after prompts
+        (speculation/drafter_cache.py)."""
+        self.drafter = drafter
+        self.max_sessions = max_sessions
+        self.slots = StateSlots(drafter, max_sessions)
+        self.states = DrafterStates() if prefix_cache else None
+        self.sessions: OrderedDict[str, _Held] = OrderedDict()
+        self.rebuilds = 0  # sessions built from token ids over a state that was already here (a moved shard, a fault)
+
+    def draft(self, call: DraftCall) -> list[DraftReply]:
+        """One step's drafts of `call.items` -> one reply each, in order. Sessions first catch up on their verdicts
+        (one batched commit), then every tree is drafted in one batch (drafting.draft_many)."""
+        for request_id in call.releases:
+            self._drop(request_id)
+        held: list[_Held | None] = []
+        prefill_s: list[float] = []
+        commits = []
+        for item in call.items:
+            h, seconds = self._session(item, call.vocab_size)
+            if h is not None and item.verdicts and item.tokens is None:
+                verdicts = item.verdicts
+                if not (item.open_round and h.session._draft is not None):  # its states are not that round's
+                    verdicts = (_plain(verdicts[0]), *verdicts[1:])
+                commits.append((h.session, verdicts))
+            held.append(h)
+            prefill_s.append(seconds)
+        commit_many(commits)
+        batch, where = [], []
+        for i, (item, h) in enumerate(zip(call.items, held)):
+            if h is None:
+                continue
+            if len(h.session.history) != item.context_len:  # not the request's state: rebuilt when tokens come
+                self._drop(item.request_id)
+                held[i] = None
+                continue
+            if h.noise is not None:
+                h.noise.forget_before(item.context_len)
+            batch.append(DraftRequest(h.session, item.config, item.params, h.generator, h.noise))
+            where.append(i)
+        drafts: list[Draft | None] = [None] * len(call.items)
+        for i, draft in zip(where, draft_many(batch, call.min_path_prob)):
+            drafts[i] = draft
+            self.sessions.move_to_end(call.items[i].request_id)
+        while len(self.sessions) > self.max_sessions:
+            self._drop(next(iter(self.sessions)))
+        return [DraftReply(d, s) for d, s in zip(drafts, prefill_s)]
+
+    def _session(self, item: DraftItem, vocab_size: int) -> tuple[_Held | None, float]:
+        """The item's session, built from its tokens when it has them -> (the session or None, prefill seconds)."""
+        if item.tokens is None:
+            return self.sessions.get(item.request_id), 0.0
+        if self._drop(item.request_id):
+            self.rebuilds += 1
+        device = self.drafter.device
+        t0, hits = now(device), self.states.hits if self.states is not None else 0
+        session = DrafterSession(self.drafter, item.tokens, vocab_size, self.states, self.slots)
+        seconds = 0.0 if self.states is not None and self.states.hits > hits else now(device) - t0
+        generator = torch.Generator(device="cpu").manual_seed(item.draft_seed)
+        noise = KeyedGumbel(*item.noise) if item.noise is not None else None
+        h = self.sessions[item.request_id] = _Held(session, generator, noise)
+        return h, seconds
+
+    def _drop(self, request_id: str) -> bool:
+        h = self.sessions.pop(request_id, None)
+        if h is not None:
+            h.session.close()
+        return h is not None
+
+    def timings(self) -> tuple[float, float, float, float]:
+        """Seconds of the drafter's step at 1 and 16 rows, a catch-up over two tokens and a prefill over 64
+        (controller.measure_prior's drafter part), each the fastest of three."""
+        from ray_specdec.speculation.controller import drafter_timings
+
+        return drafter_timings(self.drafter)
+
+
+def _plain(verdict: Verdict) -> Verdict:
+    """The verdict as tokens only: the session advances its root over all of them (no draft state is reused)."""
+    return replace(verdict, accepted_rows=())

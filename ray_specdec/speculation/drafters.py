@@ -1,0 +1,217 @@
+"""The scheduler's drafting side: where a step's drafts come from (`drafters=local|remote`).
+
+`Drafters` is what the scheduler asks: a drafter handle per admitted request (`open`: `request.drafter`, which takes
+the request's verdicts and its end), the drafts of a step's drafting requests in one batch (`draft`), and what pricing
+needs (`prefill_window`, `prefill_tokens`, `timings`).
+
+- `LocalDrafters`: the drafter in the engine's own process. Each request holds a `LazyDrafter`; a step brings every
+  drafting request's session up to date (`ready_many`: first prefills, then the waiting verdicts in one commit) and
+  drafts them in one batch (`draft_many`).
+- `RemoteDrafters`: drafter workers elsewhere (speculation/drafter_worker.py; the `drafter` Serve deployment). A
+  request hashes into one of `shards`; its state lives on the worker its shard was last sent to. A step sends one
+  `DraftCall` per worker, with every drafting request whose shard lives there (shards not placed yet go one call
+  each, and the reply says which worker took them). Each request's item carries its verdicts since its last draft,
+  or every token id where the worker may lack its state. A failed, timed-out or refused call, and a worker that
+  lacks a request's state, cost that round its draft: it runs undrafted (with its prompt-lookup proposal where it
+  may have one), never fails, and its tokens go with its next draft call, where the state is rebuilt.
+
+Transports (`DrafterTransport`) carry the calls: deployments/drafter.py through Serve handles (each call routed by
+its first shard with Serve's model multiplexing, so that a shard stays on one replica), tests in-process.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from ray_specdec.config import TreeConfig
+from ray_specdec.models.drafter.mamba_state import StateSlots
+from ray_specdec.speculation.acceptance import Verdict
+from ray_specdec.speculation.controller import drafter_timings
+from ray_specdec.speculation.drafter_cache import DrafterStates
+from ray_specdec.speculation.drafter_sessions import LazyDrafter, ready_many
+from ray_specdec.speculation.drafter_worker import DraftCall, DraftItem, DraftReply
+from ray_specdec.speculation.drafting import Draft, DraftRequest, draft_many, prefill_key
+
+
+class Drafters:
+    """The drafting side of a scheduler (see the module docstring); requests are engine/request.py `Request`s."""
+
+    prefill_window: int | None  # a request's drafter state starts from its last this many tokens (None: all)
+
+    def open(self, request) -> Any:
+        """The drafter handle of an admitted request (`request.drafter`): `commit(verdict)`, `close()`, `started`."""
+        raise NotImplementedError
+
+    def draft(self, requests: Sequence, configs: Sequence[TreeConfig],
+              min_path_prob: float) -> list[tuple[Draft | None, float]]:
+        """One step's drafts of `requests` (each drafts `configs[i]`) -> per request (its draft, or None where it
+        runs undrafted this step; seconds of a drafter prefill it paid)."""
+        raise NotImplementedError
+
+    def prefill_tokens(self, tokens: Sequence[int]) -> int:
+        """Tokens a first prefill over `tokens` runs (0 where the state is kept)."""
+        return min(len(tokens), self.prefill_window) if self.prefill_window else len(tokens)
+
+    def timings(self) -> tuple[float, float, float, float]:
+        """Seconds of a drafter step at 1 and 16 rows, a catch-up over two tokens, a prefill over 64."""
+        raise NotImplementedError
+
+
+class LocalDrafters(Drafters):
+    """The drafter in this process: every request's `LazyDrafter`, one `ready_many` and one `draft_many` a step."""
+
+    def __init__(self, drafter, vocab_size: int, states: DrafterStates | None, slots: StateSlots | None):
+        """states: the drafter's prefix cache; slots: the pool the drafting requests' root states live in."""
+        self.drafter, self.vocab_size, self.states, self.slots = drafter, vocab_size, states, slots
+
+    @property
+    def prefill_window(self) -> int | None:
+        return self.drafter.prefill_window
+
+    def open(self, request) -> LazyDrafter:
+        return LazyDrafter(self.drafter, self.vocab_size, self.states, self.slots)
+
+    def draft(self, requests, configs, min_path_prob):
+        # every drafting request's waiting verdicts through the drafter together, first prefills one by one
+        seconds = ready_many([(r.drafter, r.tokens) for r in requests])
+        batch = [DraftRequest(r.drafter.session, c, r.params, r.draft_gen, r.noise) for r, c in zip(requests, configs)]
+        return list(zip(draft_many(batch, min_path_prob), seconds))
+
+    def prefill_tokens(self, tokens):
+        if self.states is not None and self.states.holds(self.drafter, prefill_key(self.drafter, tokens)):
+            return 0
+        return super().prefill_tokens(tokens)
+
+    def timings(self):
+        return drafter_timings(self.drafter)
+
+
+class DrafterTransport(Protocol):
+    """How `RemoteDrafters` reaches its workers."""
+
+    def submit(self, shard: int, call: DraftCall) -> Any:
+        """Start `call` on the worker that holds `shard` -> a pending reply."""
+
+    def collect(self, pending: Sequence[Any], timeout_s: float) -> list[tuple[str, list[DraftReply]] | BaseException]:
+        """Wait for the pending replies, all within `timeout_s` -> per call (the worker's id, its replies), or the
+        exception that ended it (a timeout included)."""
+
+    def timings(self, timeout_s: float) -> tuple[float, float, float, float]:
+        """A worker's `DrafterWorker.timings()`."""
+
+
+@dataclass
+class RemoteDrafter:
+    """A request's drafter on a worker, as its engine knows it (`request.drafter` under `RemoteDrafters`)."""
+
+    request_id: str
+    shard: int
+    owner: RemoteDrafters
+    synced: bool = False  # its worker holds its state, as of `verdicts` (else: send every token next time)
+    open_round: bool = False  # verdicts[0] judges the worker's last draft for it
+    verdicts: list[Verdict] = field(default_factory=list)  # rounds judged since its last draft
+
+    @property
+    def started(self) -> bool:
+        """Whether a state is held for it (else its next draft pays a prefill)."""
+        return self.synced
+
+    def commit(self, verdict: Verdict) -> None:
+        if self.synced:
+            self.verdicts.append(verdict)
+
+    def close(self) -> None:
+        """The request ended: its session goes with the next call to its worker."""
+        if self.synced:
+            self.owner.releases.setdefault(self.shard, []).append(self.request_id)
+
+    def drafted(self) -> None:
+        self.synced, self.open_round, self.verdicts = True, True, []
+
+    def lost(self) -> None:
+        self.synced, self.open_round, self.verdicts = False, False, []
+
+
+class RemoteDrafters(Drafters):
+    """Drafts from drafter workers over a transport: one call per worker per step (see the module docstring)."""
+
+    def __init__(self, transport: DrafterTransport, vocab_size: int, prefill_window: int | None,
+                 shards: int = 16, timeout_s: float = 5.0):
+        """prefill_window: the workers' drafter's (resolved: drafter_prefill_window); shards: requests hash into
+        this many; timeout_s: a step's calls not answered by then leave their rounds undrafted."""
+        self.transport, self.vocab_size, self.prefill_window = transport, vocab_size, prefill_window
+        self.shards, self.timeout_s = shards, timeout_s
+        self.homes: dict[int, str] = {}  # shard -> the worker its states were last sent to
+        self.releases: dict[int, list[str]] = {}  # shard -> ended requests whose sessions its worker still holds
+        self.calls = self.failed_calls = self.missing = 0
+
+    def open(self, request) -> RemoteDrafter:
+        return RemoteDrafter(request.request_id, zlib.crc32(request.request_id.encode()) % self.shards, self)
+
+    def draft(self, requests, configs, min_path_prob):
+        groups: dict[Any, list[int]] = {}  # a worker (or a shard not placed yet) -> its requests, in order
+        for i, r in enumerate(requests):
+            shard = r.drafter.shard
+            groups.setdefault(self.homes.get(shard, ("shard", shard)), []).append(i)
+        calls = []
+        for key, members in groups.items():
+            shards = sorted({requests[i].drafter.shard for i in members})
+            homed = [s for s, home in self.homes.items() if home == key and s in self.releases]
+            releases = tuple(rid for s in sorted(set(shards) | set(homed)) for rid in self.releases.pop(s, ()))
+            items = tuple(_item(requests[i], configs[i]) for i in members)
+            call = DraftCall(items, self.vocab_size, min_path_prob, releases)
+            calls.append((members, shards, self.transport.submit(shards[0], call)))
+        self.calls += len(calls)
+        results = self.transport.collect([pending for *_, pending in calls], self.timeout_s)
+        out: list[tuple[Draft | None, float]] = [(None, 0.0)] * len(requests)
+        for (members, shards, _), result in zip(calls, results):
+            if isinstance(result, BaseException):  # the worker died, hung or refused: its states count as gone
+                self.failed_calls += 1
+                for s in shards:
+                    self.homes.pop(s, None)
+                    self.releases.pop(s, None)
+                for i in members:
+                    requests[i].drafter.lost()
+                continue
+            worker, replies = result
+            for s in shards:
+                self.homes[s] = worker
+            for i, reply in zip(members, replies):
+                drafter = requests[i].drafter
+                if reply.draft is None:
+                    self.missing += 1
+                    drafter.lost()
+                else:
+                    drafter.drafted()
+                out[i] = (reply.draft, reply.prefill_s)
+        return out
+
+    def timings(self):
+        """The workers' drafter's timings, each with a call's round trip added to the catch-up (a drafting step's
+        fixed cost); zeros where no worker answers (the step cost model then learns drafting's cost from steps)."""
+        try:
+            step_1, step_16, catch_up, prefill_64 = self.transport.timings(self.timeout_s)
+            t0 = time.perf_counter()
+            reply = self.transport.collect([self.transport.submit(0, DraftCall((), self.vocab_size))], self.timeout_s)
+            round_trip = 0.0 if isinstance(reply[0], BaseException) else time.perf_counter() - t0
+        except Exception:
+            return 0.0, 0.0, 0.0, 0.0
+        return step_1, step_16, catch_up + round_trip, prefill_64
+
+    def summary(self) -> dict:
+        return {"drafter_calls": self.calls, "drafter_failed_calls": self.failed_calls,
+                "drafter_missing_states": self.missing, "drafter_workers": len(set(self.homes.values()))}
+
+
+def _item(r, config: TreeConfig) -> DraftItem:
+    """Request r's part of a call: its verdicts since its last draft, or every token where its worker may lack it."""
+    drafter: RemoteDrafter = r.drafter
+    noise = (r.noise.seed, r.noise.choice) if r.noise is not None else None
+    if drafter.synced:
+        return DraftItem(r.request_id, len(r.tokens), config, r.params, tuple(drafter.verdicts), drafter.open_round,
+                         noise=noise)  # fmt: skip
+    return DraftItem(r.request_id, len(r.tokens), config, r.params, tokens=tuple(r.tokens), noise=noise,
+                     draft_seed=r.draft_gen.initial_seed())  # fmt: skip

@@ -1,0 +1,118 @@
+"""Remote drafting (`drafters=remote`, speculation/drafters.py `RemoteDrafters` over speculation/drafter_worker.py
+`DrafterWorker`s, here in this process): the same greedy tokens and the same rounds as the drafter in the engine's
+process, one call per worker per step, the target's distribution for sampled requests, and no request lost or changed
+when a worker loses its sessions, fails a call or is replaced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_specdec.config import SamplingParams, TreeConfig
+from ray_specdec.engine.config import EngineConfig
+from ray_specdec.engine.llm import SpeculativeEngine
+from ray_specdec.engine.scheduler_config import SchedulerConfig
+from ray_specdec.models.target.model import TargetModel
+from ray_specdec.speculation.drafter_worker import DrafterWorker
+from ray_specdec.speculation.drafters import RemoteDrafters
+from tests.helpers.bigram import agreeing_pair
+from tests.helpers.configs import lookup_off
+from tests.helpers.drafter_workers import InProcessTransport
+from tests.helpers.inputs import random_prompt
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba
+from tests.helpers.reference import ENUMERATED_VOCAB, assert_emitted_distribution, enumerate_target
+
+SMALL = SchedulerConfig(step_tokens=96, prefill_chunk=32, max_running=8)
+TREE = TreeConfig((2, 1, 1))
+
+
+def remote(drafter, vocab: int, workers: int = 2, shards: int = 4) -> tuple[RemoteDrafters, InProcessTransport]:
+    transport = InProcessTransport({f"w{i}": DrafterWorker(drafter, max_sessions=8) for i in range(workers)})
+    return RemoteDrafters(transport, vocab, drafter.prefill_window, shards=shards), transport
+
+
+def batch(vocab: int, n: int = 12) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = [random_prompt(5 + 23 * i % 90, seed=i, vocab=vocab) for i in range(n)]
+    return prompts, [SamplingParams(max_new_tokens=12 + 5 * i % 17, ignore_eos=True) for i in range(n)]
+
+
+@pytest.mark.parametrize("config", [lookup_off(scheduler=SMALL), EngineConfig(scheduler=SMALL)],
+                         ids=["drafter", "drafter+lookup"])
+def test_remote_greedy_is_local_greedy_round_for_round(config):
+    """12 requests, 8 at a time over 2 workers: every request's tokens and accepted lengths, round by round, are
+    the local drafter's (the same drafts), and once its shard is placed each worker gets one call a step."""
+    target, drafter = agreeing_pair(torch.float32, max_positions=512)
+    prompts, params = batch(target.vocab_size)
+    local = SpeculativeEngine(target, drafter, TREE, config=config).generate_many(prompts, params)
+    drafters, transport = remote(drafter, target.vocab_size)
+    far = SpeculativeEngine(target, drafters, TREE, config=config).generate_many(prompts, params)
+    assert [g.token_ids for g in far] == [g.token_ids for g in local]
+    assert [g.stats.accepted_lengths for g in far] == [g.stats.accepted_lengths for g in local]
+    assert sum(sum(g.stats.accepted_lengths) - g.stats.rounds for g in far) > 0  # drafts were accepted
+    assert drafters.failed_calls == drafters.missing == 0
+    for step in transport.steps:
+        placed = [name for name, was_placed in step if was_placed]
+        assert len(placed) == len(set(placed)), step
+    assert max(len(step) for step in transport.steps) <= 2 + 2  # both workers, plus shards placed that step
+    # sessions of ended requests go with the next call to their worker: the last ones wait for one
+    assert sum(len(w.sessions) for w in transport.workers.values()) == sum(map(len, drafters.releases.values()))
+    assert sum(map(len, drafters.releases.values())) < len(prompts)
+
+
+def test_lost_sessions_failed_calls_and_a_replaced_worker_lose_nothing():
+    """Faults mid-run (a worker clears its sessions, a worker's calls fail for two steps, a worker is replaced by an
+    empty one, a shard moves): every request completes with the local drafter's greedy tokens, its state rebuilt
+    from its token ids, and drafting goes on after the faults."""
+    target, drafter = agreeing_pair(torch.float32, max_positions=512)
+    prompts, params = batch(target.vocab_size)
+    config = lookup_off(scheduler=SMALL)
+    local = SpeculativeEngine(target, drafter, TREE, config=config).generate_many(prompts, params)
+    drafters, transport = remote(drafter, target.vocab_size)
+    rebuilt = []
+
+    def fault(step: int) -> None:
+        if step == 3:
+            transport.workers["w0"].sessions.clear()
+        elif step == 6:
+            transport.fail.add("w1")
+        elif step == 8:
+            transport.fail.discard("w1")
+        elif step == 11:
+            rebuilt.append(transport.workers["w0"])
+            transport.workers["w0"] = DrafterWorker(drafter, max_sessions=8)
+        elif step == 14 and transport.placed:
+            shard = next(iter(transport.placed))
+            transport.placed[shard] = "w1" if transport.placed[shard] == "w0" else "w0"
+
+    transport.before_call = fault
+    far = SpeculativeEngine(target, drafters, TREE, config=config).generate_many(prompts, params)
+    assert [g.token_ids for g in far] == [g.token_ids for g in local]
+    assert drafters.failed_calls > 0 and drafters.missing > 0
+    assert len(transport.steps) > 16
+    assert sum(transport.drafted[16:]) > 0, "no drafting after the faults"
+    assert transport.workers["w0"] is not rebuilt[0] and transport.workers["w0"].slots.free_slots < 8  # rebuilt there
+
+
+@pytest.mark.parametrize("coupling", ["rejection", "coupled"])
+def test_remote_sampled_requests_have_the_target_distribution(coupling):
+    """2000 seeded copies of one prompt, 64 at a time, drafted by 2 workers (one of them failing every fifth call):
+    the 3-token sequences follow the target's enumerated distribution."""
+    target = TargetModel(tiny_gpt_neox(torch.float64, vocab=ENUMERATED_VOCAB, seed=5))
+    target.eos_token_ids = frozenset()
+    prompt, n_tokens, n_samples = [1, 4, 2], 3, 2000
+    base = SamplingParams(temperature=0.9, max_new_tokens=n_tokens)
+    exact = enumerate_target(target, prompt, base, n_tokens)
+    drafter = tiny_mamba(vocab=ENUMERATED_VOCAB, seed=6)
+    drafters, transport = remote(drafter, ENUMERATED_VOCAB, shards=8)
+    transport.workers = {name: DrafterWorker(drafter, max_sessions=64) for name in transport.workers}
+    transport.before_call = lambda step: transport.fail.symmetric_difference_update({"w1"}) if step % 5 == 0 else None
+    engine = SpeculativeEngine(target, drafters, TreeConfig((2, 2, 1)),
+                               config=EngineConfig().with_fields(sampling_coupling=coupling))
+    params = [SamplingParams(**{**base.__dict__, "seed": seed}) for seed in range(n_samples)]
+    results = engine.generate_many([prompt] * n_samples, params, TreeConfig((2, 2, 1)))
+    counts = dict.fromkeys(exact, 0)
+    for result in results:
+        counts[tuple(result.token_ids)] += 1
+    assert sum(r.stats.rounds < n_tokens for r in results) > 0  # rounds that accepted drafted tokens
+    assert drafters.failed_calls > 0
+    assert_emitted_distribution(counts, exact, n_samples, ENUMERATED_VOCAB)
