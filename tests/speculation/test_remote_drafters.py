@@ -71,16 +71,16 @@ def test_lost_sessions_failed_calls_and_a_replaced_worker_lose_nothing():
     rebuilt = []
 
     def fault(step: int) -> None:
-        if step == 3:
+        if step == 2:
             transport.workers["w0"].sessions.clear()
-        elif step == 6:
+        elif step == 4:
             transport.fail.add("w1")
-        elif step == 8:
+        elif step == 6:
             transport.fail.discard("w1")
-        elif step == 11:
+        elif step == 8:
             rebuilt.append(transport.workers["w0"])
             transport.workers["w0"] = DrafterWorker(drafter, max_sessions=8)
-        elif step == 14 and transport.placed:
+        elif step == 9 and transport.placed:
             shard = next(iter(transport.placed))
             transport.placed[shard] = "w1" if transport.placed[shard] == "w0" else "w0"
 
@@ -88,8 +88,8 @@ def test_lost_sessions_failed_calls_and_a_replaced_worker_lose_nothing():
     far = SpeculativeEngine(target, drafters, TREE, config=config).generate_many(prompts, params)
     assert [g.token_ids for g in far] == [g.token_ids for g in local]
     assert drafters.failed_calls > 0 and drafters.missing > 0
-    assert len(transport.steps) > 16
-    assert sum(transport.drafted[16:]) > 0, "no drafting after the faults"
+    assert len(transport.steps) > 10
+    assert sum(transport.drafted[10:]) > 0, "no drafting after the faults"
     assert transport.workers["w0"] is not rebuilt[0] and transport.workers["w0"].slots.free_slots < 8  # rebuilt there
 
 
