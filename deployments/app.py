@@ -3,7 +3,8 @@
 One pydantic model (`AppArgs`, extra="forbid") holds every argument; `app(args)` wires the deployments: engine
 replicas (the OpenAI routes and the round loop beside the target and the drafter, one replica per data-parallel copy
 of the target; each owns tp_size rank actors when tp_size > 1) and, with more than one replica, the shared bandit hub
-and metrics hub (one engine replica keeps both inside: `hubs`). With
+and metrics hub (one engine replica keeps both inside: `hubs`). With drafters=remote the drafter is a `drafter`
+deployment of its own replicas (deployments/drafter.py) that every engine replica drafts through. With
 ingress=router, router replicas (the routes alone) answer HTTP and forward each request to an engine replica, and a
 request whose engine replica dies continues on another.
 Defaults: the embedded default models on CPU, tp_size 1, one engine replica, the bandit over the default tree arms.
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from ray.serve import Application
 
 from deployments.bandit import BanditHubDeployment
+from deployments.drafter import DrafterDeployment
 from deployments.engine import EngineDeployment
 from deployments.metrics import MetricsHubDeployment
 from deployments.router import RouterDeployment, ServerDeployment
@@ -141,6 +143,19 @@ class AppOwnArgs(BaseModel):
     # custom resources of an engine replica; with tp_size > 1 on GPUs, name one that only the ranks' nodes have: the
     # replica's drafter uses a GPU of the node it lands on (cluster.yaml: engine_slot)
     resources: dict[str, float] = Field(default_factory=dict)
+    # where requests are drafted: "local" (the drafter in each engine replica's process, beside the target) or
+    # "remote" (a `drafter` deployment of replicas of their own, on other nodes or devices than the targets: one call
+    # per drafter replica per step, a request's drafter state kept on one replica; docs/DESIGN.md "Drafter modes")
+    drafters: Literal["local", "remote"] = "local"
+    drafter_pool_replicas: int = Field(1, ge=1)  # drafter replicas (drafters=remote) without drafter_pool_autoscaling
+    # Serve's autoscaling_config of the drafter deployment (drafters=remote), e.g. {"min_replicas": 1,
+    # "max_replicas": 4, "target_ongoing_requests": 1}: each engine replica makes one short call a step per replica
+    drafter_pool_autoscaling: dict[str, Any] | None = None
+    # Serve's ray_actor_options of a drafter replica (drafters=remote), e.g. {"num_cpus": 2, "num_gpus": 0.5,
+    # "resources": {"drafter_slot": 1}}; None: 1 CPU (its torch threads), and 1 GPU where device is not cpu
+    drafter_pool_actor_options: dict[str, Any] | None = None
+    drafter_pool_shards: int = Field(16, ge=1, le=256)  # requests hash into this many shards, each on one replica
+    drafter_pool_timeout_s: float = Field(5.0, gt=0)  # a drafter call unanswered by then: its rounds go undrafted
     # a request's drafter state starts from its last this many tokens: "auto" (the window the drafter's config names;
     # the shipped drafter: 512), "all" (or None), or a count >= 1 (see docs/BENCHMARKS.md)
     drafter_prefill_window: Annotated[int, Field(ge=1)] | Literal["auto", "all"] | None = "auto"
@@ -189,6 +204,19 @@ class AppOwnArgs(BaseModel):
             parsed.append(TreeConfig(()))
         return [str(t) for t in parsed]
 
+    @field_validator("drafter_pool_autoscaling")
+    @classmethod
+    def _check_drafter_pool_autoscaling(cls, config: dict[str, Any] | None) -> dict[str, Any] | None:
+        if config is not None:
+            from ray.serve.config import AutoscalingConfig
+
+            try:
+                AutoscalingConfig(**config)
+            except Exception as exc:  # pydantic's (Serve's own model), or a TypeError
+                why = "; ".join(e["msg"] for e in exc.errors()) if hasattr(exc, "errors") else str(exc)
+                raise ValueError(f"not a Serve autoscaling_config: {why}") from None
+        return config
+
     @field_validator("tree")
     @classmethod
     def _parse_tree(cls, tree: str | None) -> str | None:
@@ -209,6 +237,8 @@ class AppOwnArgs(BaseModel):
         if self.kv_budget_tokens is not None and "kv_budget_gib" in self.model_fields_set:
             raise ValueError("give kv_budget_gib or kv_budget_tokens, not both")
         self.engine_config()  # the config's own checks as well
+        if self.drafters == "remote" and (self.drafter or "").lower() == "none":
+            raise ValueError("drafters=remote needs a drafter (drafter=none drafts nothing)")
         if self.hubs == "replica" and not self._one_replica:
             raise ValueError("hubs=replica needs one engine replica answering HTTP itself (ingress=engine, "
                              "replicas=1, no autoscaling): each replica would learn and count alone")  # fmt: skip
@@ -237,8 +267,29 @@ class AppOwnArgs(BaseModel):
         cores = os.cpu_count() or 1
         if ray.is_initialized():  # a Ray started with fewer CPUs than the machine has (tests, shared hosts)
             cores = min(cores, int(ray.cluster_resources().get("CPU", cores)))
+        if self.drafters == "remote":  # the drafter replicas' cores are theirs
+            per_replica = self.drafter_pool_options()["ray_actor_options"].get("num_cpus", 1)
+            cores -= int(per_replica * self.drafter_pool_min_replicas)
         replicas = self.max_replicas if self.autoscaling else self.replicas
         return float(max(1, cores // (replicas * self.tp_size)))
+
+    @property
+    def drafter_pool_min_replicas(self) -> int:
+        if self.drafter_pool_autoscaling is None:
+            return self.drafter_pool_replicas
+        return int(self.drafter_pool_autoscaling.get("min_replicas", 1))
+
+    def drafter_pool_options(self) -> dict[str, Any]:
+        """The `drafter` deployment's Serve options (drafters=remote)."""
+        actor = self.drafter_pool_actor_options
+        if actor is None:
+            actor = {"num_cpus": 1, "num_gpus": 0 if self.device == "cpu" else 1}
+        options: dict[str, Any] = {"ray_actor_options": actor}
+        if self.drafter_pool_autoscaling is None:
+            options["num_replicas"] = self.drafter_pool_replicas
+        else:
+            options["autoscaling_config"] = self.drafter_pool_autoscaling
+        return options
 
     def engine_config(self) -> EngineConfig:
         """The fields named as EngineConfig's, read as the CLI's flags are (kv_budget_tokens None: the default)."""
@@ -294,6 +345,14 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
         recover_timeout_s=args.recover_timeout_s, compute_first=args.compute_first,
         bandit_path=path if local and bandit is not None else None,
     )  # fmt: skip
+    if args.drafters == "remote" and drafter_path is not None:
+        engines = args.max_replicas if args.autoscaling else args.replicas
+        pool = DrafterDeployment.options(**args.drafter_pool_options()).bind(
+            drafter_path, dtype=args.dtype, device=args.device, prefill_window=args.drafter_prefill_window,
+            max_sessions=config.scheduler.max_running * engines,
+            num_threads=max(1, round(args.drafter_pool_options()["ray_actor_options"].get("num_cpus", 1))))
+        replica |= {"drafter_pool": pool, "drafter_pool_shards": args.drafter_pool_shards,
+                    "drafter_pool_timeout_s": args.drafter_pool_timeout_s}
     serving = config.serving
     settings = ServerSettings(
         **dataclasses.asdict(serving) | {"api_key": serving.api_key or env.API_KEY.value()},

@@ -7,8 +7,10 @@ stays on its replica). Inside it, `EngineLoop` steps the `Scheduler` on a thread
   DeepSpeed AutoTP over gloo / nccl (on CPU their sums go through shared memory); a step is one call to every rank
   (`RankGroup.run`; a Ray compiled graph with RAY_SPECDEC_COMPILED_STEPS=1), and rank 0's logits come back (for a
   greedy request without logit processing or logprobs, only its rows' argmaxes: `SegmentSpec.argmax_only`).
-The drafter (a Mamba model of a few million parameters on CPU, ~100M on GPU) runs in this process too: a remote call
-per step would cost far more than its step (docs/BENCHMARKS.md).
+The drafter (a Mamba model of a few million parameters on CPU, ~100M on GPU) runs in this process too by default
+(`drafters=local`): on one small machine a remote call per step costs more than its step. With `drafters=remote`
+the replica holds no drafter: each step makes one call per replica of the `drafter` deployment
+(deployments/drafter.py, speculation/drafters.py `RemoteDrafters`), and a failed call leaves its rounds undrafted.
 
 Faults: a rank that dies fails the step at once (the first failed rank's error, not its peers' collective timeout);
 a rank that hangs fails it after RANK_STEP_TIMEOUT_S. The loop restarts the ranks and prefills every running request
@@ -33,10 +35,12 @@ import psutil
 import ray
 import torch
 from ray import serve
+from transformers import AutoConfig
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.bandit import BanditSaver, BanditSync
+from deployments.drafter import ServeDrafterTransport
 from deployments.metrics import MetricsPush, replica_name
 from ray_specdec import env
 from ray_specdec.config import SamplingParams, TreeConfig, default_tree
@@ -46,11 +50,12 @@ from ray_specdec.engine.request import QueueFull, RequestTooLarge
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.target_backend import LocalTarget, StepWork
 from ray_specdec.models.drafter.mamba import MambaDrafter
-from ray_specdec.models.loading import failure, load_tokenizer
+from ray_specdec.models.loading import failure, load_tokenizer, resolve_model_path, resolve_prefill_window
 from ray_specdec.models.target.kinds import load_target_model
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
 from ray_specdec.serving.target_worker import TargetWorker, free_port, widened
 from ray_specdec.speculation.bandit import Bandit, BanditConfig
+from ray_specdec.speculation.drafters import RemoteDrafters
 
 logger = logging.getLogger("ray.serve")
 
@@ -235,6 +240,9 @@ class EngineReplica:
         bandit_path: str | None = None,
         metrics_hub=None,
         compute_first: bool = False,
+        drafter_pool=None,
+        drafter_pool_shards: int = 16,
+        drafter_pool_timeout_s: float = 5.0,
     ):
         """policy: the bandit's arms, or one tree for every request (None: the device's default tree); config: the
         engine's settings, whose scheduler and speculation parts run here. bandit_hub: the shared bandit this
@@ -242,7 +250,10 @@ class EngineReplica:
         replica) is loaded from and saved to. metrics_hub: where this
         replica pushes its metrics (deployments/metrics.py); None: nowhere (an engine replica inside the HTTP server:
         the server pushes them with its own, or renders them alone). compute_first: on CPU at tp_size 1, the
-        process's other threads below the loop's compute threads (ray_specdec/serving/thread_priority.py)."""
+        process's other threads below the loop's compute threads (ray_specdec/serving/thread_priority.py).
+        drafter_pool: the `drafter` deployment's handle (drafters=remote): requests are drafted there, in
+        drafter_pool_shards shards, a call not answered within drafter_pool_timeout_s leaving its rounds undrafted; the
+        drafter is then only read for its prefill window."""
         self.bandit: Bandit | None = None
         self.bandit_sync: BanditSync | BanditSaver | None = None
         if isinstance(policy, BanditConfig):
@@ -258,7 +269,7 @@ class EngineReplica:
         elif policy is None:
             policy = default_tree(device)
         self.tokenizer = load_tokenizer(target)
-        self.backend = self.drafter = None
+        self.backend = self.drafter = self.remote_drafters = None
 
         def build() -> Scheduler:
             """The models and the scheduler, on the loop's thread: the one thread of this process that runs torch's
@@ -274,16 +285,23 @@ class EngineReplica:
                 self.backend = RankGroup(target, tp_size=tp_size, dtype=dtype, device=device,
                                          num_cpus_per_rank=num_cpus_per_rank)  # fmt: skip
                 kv_bytes, room = self.backend.info["kv_bytes_per_token"], self.backend.info.get("kv_room_bytes")
-            if drafter is not None:
-                self.drafter = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device,
-                                                            prefill_window=drafter_prefill_window)  # fmt: skip
+            drafters = None
+            if drafter is not None and drafter_pool is not None:
+                window = resolve_prefill_window(drafter_prefill_window,
+                                                AutoConfig.from_pretrained(resolve_model_path(drafter)))
+                drafters = self.remote_drafters = RemoteDrafters(ServeDrafterTransport(drafter_pool),
+                                                                 self.backend.vocab_size, window, drafter_pool_shards,
+                                                                 drafter_pool_timeout_s)  # fmt: skip
+            elif drafter is not None:
+                drafters = self.drafter = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device,
+                                                                       prefill_window=drafter_prefill_window)
             if tp_size == 1:  # measured once the drafter (on the same device) holds its weights and graphs too
                 room = device_room(self.backend.target.device)
             # a budget the device cannot hold fails here, with what would fit, not as an OOM mid-step under load
             shards = tp_size if device != "cpu" else 1  # GPU ranks hold their shares apiece; CPU ranks share a host
             scheduler = replace(scheduler, kv_budget_tokens=fitted_kv_budget(scheduler.kv_budget_tokens, kv_budget_gib,
                                                                              kv_bytes, room, shards))  # fmt: skip
-            return Scheduler(self.backend, self.drafter, self.tokenizer, policy, scheduler, max_context,
+            return Scheduler(self.backend, drafters, self.tokenizer, policy, scheduler, max_context,
                              config.speculation)
 
         self.loop = EngineLoop(build, self._restart_ranks if tp_size > 1 else None, recover_timeout_s,
@@ -313,7 +331,7 @@ class EngineReplica:
         s = self.loop.scheduler
         return {"max_context": s.max_context, "vocab_size": self.backend.vocab_size, "tp_size": self.tp_size,
                 "eos_token_ids": sorted(self.backend.eos_token_ids), "kv_budget_tokens": s.config.kv_budget_tokens,
-                "drafter": self.drafter is not None}  # fmt: skip
+                "drafter": self.drafter is not None or self.remote_drafters is not None}  # fmt: skip
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, tree: TreeConfig | None = None,
                        request_id: str | None = None, interval_s: float = 0.0, resumed: int = 0):
@@ -334,8 +352,9 @@ class EngineReplica:
 
     async def stats(self) -> dict:
         """The loop's stats, this replica's id and its process's resident memory (rss_bytes; the soak reads it)."""
-        return self.loop.stats() | {"replica": serve.get_replica_context().replica_id.unique_id,
-                                    "rss_bytes": psutil.Process().memory_info().rss}  # fmt: skip
+        remote = {} if self.remote_drafters is None else {"drafters": self.remote_drafters.summary()}
+        return self.loop.stats() | remote | {"replica": serve.get_replica_context().replica_id.unique_id,
+                                             "rss_bytes": psutil.Process().memory_info().rss}  # fmt: skip
 
     async def health(self) -> dict:
         """{"healthy": the loop runs and the target is up (False while it restarts), "recovering"}."""

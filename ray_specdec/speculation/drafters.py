@@ -146,7 +146,7 @@ class RemoteDrafters(Drafters):
         self.shards, self.timeout_s = shards, timeout_s
         self.homes: dict[int, str] = {}  # shard -> the worker its states were last sent to
         self.releases: dict[int, list[str]] = {}  # shard -> ended requests whose sessions its worker still holds
-        self.calls = self.failed_calls = self.missing = 0
+        self.calls = self.failed_calls = self.missing = self.drafts = 0
 
     def open(self, request) -> RemoteDrafter:
         return RemoteDrafter(request.request_id, zlib.crc32(request.request_id.encode()) % self.shards, self)
@@ -185,6 +185,7 @@ class RemoteDrafters(Drafters):
                     self.missing += 1
                     drafter.lost()
                 else:
+                    self.drafts += 1
                     drafter.drafted()
                 out[i] = (reply.draft, reply.prefill_s)
         return out
@@ -202,7 +203,7 @@ class RemoteDrafters(Drafters):
         return step_1, step_16, catch_up + round_trip, prefill_64
 
     def summary(self) -> dict:
-        return {"drafter_calls": self.calls, "drafter_failed_calls": self.failed_calls,
+        return {"drafter_calls": self.calls, "drafts": self.drafts, "drafter_failed_calls": self.failed_calls,
                 "drafter_missing_states": self.missing, "drafter_workers": len(set(self.homes.values()))}
 
 
