@@ -162,10 +162,16 @@ class RemoteDrafters(Drafters):
             homed = [s for s, home in self.homes.items() if home == key and s in self.releases]
             releases = tuple(rid for s in sorted(set(shards) | set(homed)) for rid in self.releases.pop(s, ()))
             items = tuple(_item(requests[i], configs[i]) for i in members)
-            call = DraftCall(items, self.vocab_size, min_path_prob, releases)
-            calls.append((members, shards, self.transport.submit(shards[0], call)))
+            try:
+                pending = self.transport.submit(shards[0], DraftCall(items, self.vocab_size, min_path_prob, releases))
+            except Exception as exc:  # refused before it left (no replica, a handle gone): as a failed call
+                pending = _Failed(exc)
+            calls.append((members, shards, pending))
         self.calls += len(calls)
-        results = self.transport.collect([pending for *_, pending in calls], self.timeout_s)
+        sent = [(i, pending) for i, (*_, pending) in enumerate(calls) if not isinstance(pending, _Failed)]
+        results: list = [pending.exc if isinstance(pending, _Failed) else None for *_, pending in calls]
+        for (i, _), result in zip(sent, self.transport.collect([p for _, p in sent], self.timeout_s) if sent else []):
+            results[i] = result
         out: list[tuple[Draft | None, float]] = [(None, 0.0)] * len(requests)
         for (members, shards, _), result in zip(calls, results):
             if isinstance(result, BaseException):  # the worker died, hung or refused: its states count as gone
@@ -205,6 +211,13 @@ class RemoteDrafters(Drafters):
     def summary(self) -> dict:
         return {"drafter_calls": self.calls, "drafts": self.drafts, "drafter_failed_calls": self.failed_calls,
                 "drafter_missing_states": self.missing, "drafter_workers": len(set(self.homes.values()))}
+
+
+@dataclass
+class _Failed:
+    """A call that could not be sent."""
+
+    exc: Exception
 
 
 def _item(r, config: TreeConfig) -> DraftItem:

@@ -15,7 +15,8 @@ class InProcessTransport:
     def __init__(self, workers: dict[str, DrafterWorker]):
         self.workers = workers
         self.placed: dict[int, str] = {}
-        self.fail: set[str] = set()  # workers whose calls raise (until removed)
+        self.fail: set[str] = set()  # workers whose calls fail (until removed)
+        self.refuse: set[str] = set()  # workers to which a call cannot be sent: submit raises
         self.steps: list[list[tuple[str, bool]]] = []  # per collect: (worker, whether its shard was placed before)
         self._submitted: list[tuple[str, bool]] = []
         self.drafted: list[int] = []  # per collect: requests that got a draft
@@ -30,6 +31,8 @@ class InProcessTransport:
             self.placed[shard] = list(self.workers)[len(self.placed) % len(self.workers)]
         name = self.placed[shard]
         self._submitted.append((name, placed))
+        if name in self.refuse:
+            raise RuntimeError(f"no route to drafter worker {name}")
         if name in self.fail:
             return ConnectionError(f"drafter worker {name} is gone")
         replies = self.workers[name].draft(pickle.loads(pickle.dumps(call)))

@@ -60,9 +60,9 @@ def test_remote_greedy_is_local_greedy_round_for_round(config):
 
 
 def test_lost_sessions_failed_calls_and_a_replaced_worker_lose_nothing():
-    """Faults mid-run (a worker clears its sessions, a worker's calls fail for two steps, a worker is replaced by an
-    empty one, a shard moves): every request completes with the local drafter's greedy tokens, its state rebuilt
-    from its token ids, and drafting goes on after the faults."""
+    """Faults mid-run (a worker clears its sessions, a worker's calls fail for two steps, a call cannot be sent, a
+    worker is replaced by an empty one, a shard moves): every request completes with the local drafter's greedy
+    tokens, its state rebuilt from its token ids, and drafting goes on after the faults."""
     target, drafter = agreeing_pair(torch.float32, max_positions=512)
     prompts, params = batch(target.vocab_size)
     config = lookup_off(scheduler=SMALL)
@@ -75,8 +75,11 @@ def test_lost_sessions_failed_calls_and_a_replaced_worker_lose_nothing():
             transport.workers["w0"].sessions.clear()
         elif step == 4:
             transport.fail.add("w1")
+        elif step == 5:
+            transport.refuse.add("w0")
         elif step == 6:
             transport.fail.discard("w1")
+            transport.refuse.discard("w0")
         elif step == 8:
             rebuilt.append(transport.workers["w0"])
             transport.workers["w0"] = DrafterWorker(drafter, max_sessions=8)
