@@ -156,6 +156,9 @@ class AppOwnArgs(BaseModel):
     drafter_pool_actor_options: dict[str, Any] | None = None
     drafter_pool_shards: int = Field(16, ge=1, le=256)  # requests hash into this many shards, each on one replica
     drafter_pool_timeout_s: float = Field(5.0, gt=0)  # a drafter call unanswered by then: its rounds go undrafted
+    # drafters=remote: while the target verifies a round, the drafter replicas draft the next one from the path they
+    # rate likeliest (assumed accepted whole, with their own pick of the bonus token); used where the verdict agrees
+    drafter_pool_overlap: bool = False
     # a request's drafter state starts from its last this many tokens: "auto" (the window the drafter's config names;
     # the shipped drafter: 512), "all" (or None), or a count >= 1 (see docs/BENCHMARKS.md)
     drafter_prefill_window: Annotated[int, Field(ge=1)] | Literal["auto", "all"] | None = "auto"
@@ -352,7 +355,8 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
             max_sessions=config.scheduler.max_running * engines,
             num_threads=max(1, round(args.drafter_pool_options()["ray_actor_options"].get("num_cpus", 1))))
         replica |= {"drafter_pool": pool, "drafter_pool_shards": args.drafter_pool_shards,
-                    "drafter_pool_timeout_s": args.drafter_pool_timeout_s}
+                    "drafter_pool_timeout_s": args.drafter_pool_timeout_s,
+                    "drafter_pool_overlap": args.drafter_pool_overlap}
     serving = config.serving
     settings = ServerSettings(
         **dataclasses.asdict(serving) | {"api_key": serving.api_key or env.API_KEY.value()},

@@ -243,6 +243,7 @@ class EngineReplica:
         drafter_pool=None,
         drafter_pool_shards: int = 16,
         drafter_pool_timeout_s: float = 5.0,
+        drafter_pool_overlap: bool = False,
     ):
         """policy: the bandit's arms, or one tree for every request (None: the device's default tree); config: the
         engine's settings, whose scheduler and speculation parts run here. bandit_hub: the shared bandit this
@@ -252,8 +253,9 @@ class EngineReplica:
         the server pushes them with its own, or renders them alone). compute_first: on CPU at tp_size 1, the
         process's other threads below the loop's compute threads (ray_specdec/serving/thread_priority.py).
         drafter_pool: the `drafter` deployment's handle (drafters=remote): requests are drafted there, in
-        drafter_pool_shards shards, a call not answered within drafter_pool_timeout_s leaving its rounds undrafted; the
-        drafter is then only read for its prefill window."""
+        drafter_pool_shards shards, a call not answered within drafter_pool_timeout_s leaving its rounds undrafted,
+        the next rounds drafted ahead while the target verifies with drafter_pool_overlap; the drafter is then only
+        read for its prefill window."""
         self.bandit: Bandit | None = None
         self.bandit_sync: BanditSync | BanditSaver | None = None
         if isinstance(policy, BanditConfig):
@@ -289,9 +291,9 @@ class EngineReplica:
             if drafter is not None and drafter_pool is not None:
                 window = resolve_prefill_window(drafter_prefill_window,
                                                 AutoConfig.from_pretrained(resolve_model_path(drafter)))
-                drafters = self.remote_drafters = RemoteDrafters(ServeDrafterTransport(drafter_pool),
-                                                                 self.backend.vocab_size, window, drafter_pool_shards,
-                                                                 drafter_pool_timeout_s)  # fmt: skip
+                drafters = self.remote_drafters = RemoteDrafters(
+                    ServeDrafterTransport(drafter_pool), self.backend.vocab_size, window, drafter_pool_shards,
+                    drafter_pool_timeout_s, drafter_pool_overlap)
             elif drafter is not None:
                 drafters = self.drafter = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device,
                                                                        prefill_window=drafter_prefill_window)

@@ -338,6 +338,9 @@ class Scheduler:
             work.segments.append(SegmentSpec(r.request_id, tokens, tuple(rd.draft.tree.paths), r.params.argmax_only))
             verify_rows += tokens.numel()
             kilotokens += tokens.numel() * rd.context_len / 1024
+        if self.drafters is not None:  # the next rounds' drafts ahead, while the target verifies these (remote)
+            ahead = [rd for rd in plan.rounds if rd.draft.config.depth and rd.request.drafter is not None]
+            self.drafters.ahead([rd.request for rd in ahead], [rd.tree.with_lookup(rd.lookup) for rd in ahead])
         logits = self._run(work)
         drafting = sum(rd.draft.config.depth > 0 for rd in plan.rounds)  # lookup-only rounds run no drafter
         shape = StepShape(verify_rows, kilotokens, drafting, draft_rows, plan.prefill_rows)

@@ -13,6 +13,13 @@ as the request (`DraftItem.context_len`), and the first verdict may move the roo
 it judges that draft (`DraftItem.open_round`: a draft whose reply was lost is never the engine's). Anything else drops
 the session. The engine's verification keeps output exact whatever a worker proposes; these checks keep drafts good.
 
+Drafting ahead (`DraftCall.ahead`, sent while the target verifies): the worker assumes its last draft's likeliest path
+(the first child at every depth) is accepted whole and that the bonus token is its own pick after the leaf, forks the
+session there (the kept state of the path's deepest stepped node, advanced over the rest: no prefill) and drafts the
+next round from the fork. The reply carries the assumed tokens; where the verdict brings exactly them the engine uses
+that draft and says so with the request's next item (`DraftItem.adopt`: the fork becomes the session), else the fork
+is dropped.
+
 No Ray here: deployments/drafter.py wraps the class as the `drafter` Serve deployment, and tests call it directly.
 """
 
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from typing import Sequence
 import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
@@ -27,9 +35,10 @@ from ray_specdec.models.device_clock import now
 from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.drafter.mamba_state import StateSlots
 from ray_specdec.speculation.acceptance import Verdict
-from ray_specdec.speculation.coupled import KeyedGumbel
+from ray_specdec.speculation.coupled import KeyedGumbel, prefetch
 from ray_specdec.speculation.drafter_cache import DrafterStates
-from ray_specdec.speculation.drafting import Draft, DrafterSession, DraftRequest, commit_many, draft_many
+from ray_specdec.speculation.drafting import (Draft, DrafterSession, DraftRequest, align_vocab, commit_many,
+                                              draft_many, drafter_ids, pick_children)
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class DraftItem:
     tokens: tuple[int, ...] | None = None  # every token of the request: the session is (re)built from them
     noise: tuple[int, int] | None = None  # a coupled request's keyed noise, (seed, choice)
     draft_seed: int = 0  # a rejection-sampled request's draft stream starts from this seed when its session is built
+    adopt: bool = False  # the engine used this worker's draft ahead for the request: its fork is the session now
 
 
 @dataclass(frozen=True)
@@ -55,12 +65,14 @@ class DraftCall:
     vocab_size: int  # the target's: drafts live in its vocabulary
     min_path_prob: float = 0.0
     releases: tuple[str, ...] = ()  # requests that ended: their sessions go
+    ahead: bool = False  # draft each item's next round ahead, from a fork at its last draft's likeliest path
 
 
 @dataclass(frozen=True)
 class DraftReply:
     draft: Draft | None  # None: no state here and no tokens sent (the round goes undrafted; send the tokens)
     prefill_s: float = 0.0  # seconds of a session built in this call (0: none, or a kept state copied)
+    assumed: tuple[int, ...] = ()  # a draft ahead's: the tokens the round before must bring for it to hold
 
 
 @dataclass
@@ -68,6 +80,7 @@ class _Held:
     session: DrafterSession
     generator: torch.Generator  # the draft stream of a rejection-sampled request
     noise: KeyedGumbel | None
+    fork: tuple[tuple[int, ...], DrafterSession] | None = None  # a draft ahead's assumed tokens and session
 
 
 class DrafterWorker:
@@ -89,6 +102,8 @@ class DrafterWorker:
         (one batched commit), then every tree is drafted in one batch (drafting.draft_many)."""
         for request_id in call.releases:
             self._drop(request_id)
+        if call.ahead:
+            return self._ahead(call)
         held: list[_Held | None] = []
         prefill_s: list[float] = []
         commits = []
@@ -125,7 +140,11 @@ class DrafterWorker:
     def _session(self, item: DraftItem, vocab_size: int) -> tuple[_Held | None, float]:
         """The item's session, built from its tokens when it has them -> (the session or None, prefill seconds)."""
         if item.tokens is None:
-            return self.sessions.get(item.request_id), 0.0
+            h = self.sessions.get(item.request_id)
+            if h is not None and not self._settle_fork(h, item.adopt):
+                self._drop(item.request_id)
+                h = None
+            return h, 0.0
         if self._drop(item.request_id):
             self.rebuilds += 1
         device = self.drafter.device
@@ -140,8 +159,98 @@ class DrafterWorker:
     def _drop(self, request_id: str) -> bool:
         h = self.sessions.pop(request_id, None)
         if h is not None:
+            self._settle_fork(h, adopt=False)
             h.session.close()
         return h is not None
+
+    @staticmethod
+    def _settle_fork(h: _Held, adopt: bool) -> bool:
+        """The fork becomes the session (adopt) or goes -> False where adopt finds none (the session is stale)."""
+        fork, h.fork = h.fork, None
+        if adopt:
+            if fork is None:
+                return False
+            h.session.close()
+            h.session = fork[1]
+        elif fork is not None:
+            fork[1].close()
+        return True
+
+    def _ahead(self, call: DraftCall) -> list[DraftReply]:
+        """Each item's next round, drafted from a fork at its last draft's likeliest path (module docstring)."""
+        replies = [DraftReply(None)] * len(call.items)
+        held = []
+        for i, item in enumerate(call.items):
+            h = self.sessions.get(item.request_id)
+            if h is None:
+                continue
+            if not self._settle_fork(h, item.adopt) or len(h.session.history) != item.context_len:
+                self._drop(item.request_id)
+                continue
+            held.append((i, h))
+        forks = [(i, h, *fork) for (i, h), fork in zip(held, self._forks([h for _, h in held],
+                                                                          [call.items[i].params for i, _ in held]))
+                 if fork is not None]  # fmt: skip
+        batch = [DraftRequest(fork, call.items[i].config, call.items[i].params, h.generator, h.noise)
+                 for i, h, _, fork in forks]  # fmt: skip
+        for (i, h, assumed, fork), draft in zip(forks, draft_many(batch, call.min_path_prob)):
+            h.fork = (assumed, fork)
+            replies[i] = DraftReply(draft, 0.0, assumed)
+        return replies
+
+    def _forks(self, held: Sequence[_Held],
+               params: Sequence[SamplingParams]) -> list[tuple[tuple[int, ...], DrafterSession] | None]:
+        """Per session, a session after its last draft's first-child path and the drafter's own pick after its leaf
+        -> (those tokens, the session), or None without such a draft. Every fork's catch-ups run together."""
+        starts = []  # (index, session, path tokens, state at the path's deepest stepped node, tokens still to run)
+        for j, h in enumerate(held):
+            session, draft = h.session, h.session._draft
+            if draft is None or not draft.config.depth:
+                continue
+            rows = {p: row for row, p in enumerate(draft.tree.paths, 1)}
+            chain = [(0,) * k for k in range(1, draft.config.depth + 1)]
+            if any(p not in rows for p in chain):
+                continue
+            tokens = [int(draft.tokens[rows[p] - 1]) for p in chain]
+            state, done = None, 0
+            for k in range(len(chain) - 1, 0, -1):  # the deepest stepped node on the path (leaves are never stepped)
+                where = session._stepped.get(chain[k - 1])
+                if where is not None:
+                    depth, row = where
+                    state, done = self.drafter.copy_rows(session._depth_states[depth], torch.tensor([row])), k
+                    break
+            if state is None:
+                state = self.drafter.copy_rows(session.root_state, torch.zeros(1, dtype=torch.long))
+            starts.append((j, session, tokens, state, tokens[done:]))
+        if not starts:
+            return [None] * len(held)
+        states = [state for *_, state, _ in starts]
+        logits = self._extend(states, [rest for *_, rest in starts])
+        coupled = [(held[j].noise, [len(session.history) + len(tokens)]) for j, session, tokens, *_ in starts
+                   if held[j].noise is not None]  # fmt: skip
+        if coupled:  # the bonus tokens' positions: the context, then the path; all in one pass
+            prefetch(coupled, starts[0][1].vocab_size, logits[0].device)
+        bonus = []
+        for (j, session, tokens, *_), row in zip(starts, logits):
+            h, vocab = held[j], session.vocab_size
+            noise = None if h.noise is None else h.noise.at([len(session.history) + len(tokens)], vocab, row.device)[0]
+            picked, _ = pick_children(align_vocab(row.unsqueeze(0), vocab), 1, params[j], h.generator, noise)
+            bonus.append(int(picked[0, 0]))
+        logits = self._extend(states, [[b] for b in bonus])
+        out: list[tuple[tuple[int, ...], DrafterSession] | None] = [None] * len(held)
+        for (j, session, tokens, state, _), b, row in zip(starts, bonus, logits):
+            assumed = (*tokens, b)
+            out[j] = assumed, DrafterSession(self.drafter, [*session.history, *assumed], session.vocab_size,
+                                             slots=self.slots, start=(state, row))  # fmt: skip
+        return out
+
+    def _extend(self, states, tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Each one-row state advanced over its tokens (in place) -> the logits [V_d] after each: one batched
+        catch-up where the drafter has it."""
+        ids = [drafter_ids(self.drafter, t) for t in tokens]
+        if len(states) > 1 and hasattr(self.drafter, "extend_rows"):
+            return list(self.drafter.extend_rows(states, ids))
+        return [self.drafter.extend(state, i) for state, i in zip(states, ids)]
 
     def timings(self) -> tuple[float, float, float, float]:
         """Seconds of the drafter's step at 1 and 16 rows, a catch-up over two tokens and a prefill over 64

@@ -15,6 +15,12 @@ needs (`prefill_window`, `prefill_tokens`, `timings`).
   lacks a request's state, cost that round its draft: it runs undrafted (with its prompt-lookup proposal where it
   may have one), never fails, and its tokens go with its next draft call, where the state is rebuilt.
 
+With `overlap`, right after a step's drafts a second call per worker asks it to draft each request's next round
+ahead, while the target verifies this one (speculation/drafter_worker.py: from the likeliest path of the draft just
+sent, assumed accepted whole, and the drafter's own pick of the bonus token). Where a verdict brings exactly the
+assumed tokens and the controller picks the same tree, the next round's draft is that one and costs no call; else it
+is dropped and the round drafts as usual. Only what the target verifies is ever emitted either way.
+
 Transports (`DrafterTransport`) carry the calls: deployments/drafter.py through Serve handles (each call routed by
 its first shard with Serve's model multiplexing, so that a shard stays on one replica), tests in-process.
 """
@@ -58,6 +64,10 @@ class Drafters:
     def timings(self) -> tuple[float, float, float, float]:
         """Seconds of a drafter step at 1 and 16 rows, a catch-up over two tokens, a prefill over 64."""
         raise NotImplementedError
+
+    def ahead(self, requests: Sequence, configs: Sequence[TreeConfig]) -> None:
+        """The step's drafts are out and the target verifies them now: draft each request's next round (`configs`)
+        ahead where that can overlap. Nothing here: in one process the target's forward takes the cores."""
 
 
 class LocalDrafters(Drafters):
@@ -113,6 +123,8 @@ class RemoteDrafter:
     synced: bool = False  # its worker holds its state, as of `verdicts` (else: send every token next time)
     open_round: bool = False  # verdicts[0] judges the worker's last draft for it
     verdicts: list[Verdict] = field(default_factory=list)  # rounds judged since its last draft
+    adopt: bool = False  # its last round used the worker's draft ahead: say so with the next item
+    early: tuple[Draft, tuple[int, ...], TreeConfig] | None = None  # a draft ahead: it, its assumed tokens, its tree
 
     @property
     def started(self) -> bool:
@@ -128,33 +140,48 @@ class RemoteDrafter:
         if self.synced:
             self.owner.releases.setdefault(self.shard, []).append(self.request_id)
 
-    def drafted(self) -> None:
-        self.synced, self.open_round, self.verdicts = True, True, []
+    def drafted(self, adopted: bool = False) -> None:
+        self.synced, self.open_round, self.verdicts, self.adopt = True, True, [], adopted
 
     def lost(self) -> None:
-        self.synced, self.open_round, self.verdicts = False, False, []
+        self.synced, self.open_round, self.verdicts, self.adopt = False, False, [], False
 
 
 class RemoteDrafters(Drafters):
     """Drafts from drafter workers over a transport: one call per worker per step (see the module docstring)."""
 
     def __init__(self, transport: DrafterTransport, vocab_size: int, prefill_window: int | None,
-                 shards: int = 16, timeout_s: float = 5.0):
+                 shards: int = 16, timeout_s: float = 5.0, overlap: bool = False):
         """prefill_window: the workers' drafter's (resolved: drafter_prefill_window); shards: requests hash into
-        this many; timeout_s: a step's calls not answered by then leave their rounds undrafted."""
+        this many; timeout_s: a step's calls not answered by then leave their rounds undrafted; overlap: draft the
+        next rounds ahead while the target verifies (the module docstring)."""
         self.transport, self.vocab_size, self.prefill_window = transport, vocab_size, prefill_window
         self.shards, self.timeout_s = shards, timeout_s
         self.homes: dict[int, str] = {}  # shard -> the worker its states were last sent to
         self.releases: dict[int, list[str]] = {}  # shard -> ended requests whose sessions its worker still holds
+        self.overlap = overlap
         self.calls = self.failed_calls = self.missing = self.drafts = 0
+        self.ahead_hits = self.ahead_misses = 0  # rounds that used a draft ahead, and drafts ahead dropped
+        self._pending_ahead: list[tuple[list[RemoteDrafter], list[TreeConfig], Any]] = []
+        self._min_path_prob = 0.0
 
     def open(self, request) -> RemoteDrafter:
         return RemoteDrafter(request.request_id, zlib.crc32(request.request_id.encode()) % self.shards, self)
 
     def draft(self, requests, configs, min_path_prob):
+        self._min_path_prob = min_path_prob
+        early = self._collect_ahead()
+        out: list[tuple[Draft | None, float]] = [(None, 0.0)] * len(requests)
         groups: dict[Any, list[int]] = {}  # a worker (or a shard not placed yet) -> its requests, in order
         for i, r in enumerate(requests):
-            shard = r.drafter.shard
+            drafter = r.drafter
+            draft = _early_draft(drafter, configs[i]) if drafter.early is not None else None
+            if draft is not None:
+                out[i] = (draft, 0.0)
+                drafter.drafted(adopted=True)
+                self.ahead_hits += 1
+                continue
+            shard = drafter.shard
             groups.setdefault(self.homes.get(shard, ("shard", shard)), []).append(i)
         calls = []
         for key, members in groups.items():
@@ -168,12 +195,10 @@ class RemoteDrafters(Drafters):
                 pending = _Failed(exc)
             calls.append((members, shards, pending))
         self.calls += len(calls)
-        sent = [(i, pending) for i, (*_, pending) in enumerate(calls) if not isinstance(pending, _Failed)]
-        results: list = [pending.exc if isinstance(pending, _Failed) else None for *_, pending in calls]
-        for (i, _), result in zip(sent, self.transport.collect([p for _, p in sent], self.timeout_s) if sent else []):
-            results[i] = result
-        out: list[tuple[Draft | None, float]] = [(None, 0.0)] * len(requests)
-        for (members, shards, _), result in zip(calls, results):
+        for drafter in early:
+            self.ahead_misses += drafter.early is not None and not drafter.adopt
+            drafter.early = None
+        for (members, shards, _), result in zip(calls, self._collect(calls)):
             if isinstance(result, BaseException):  # the worker died, hung or refused: its states count as gone
                 self.failed_calls += 1
                 for s in shards:
@@ -196,6 +221,50 @@ class RemoteDrafters(Drafters):
                 out[i] = (reply.draft, reply.prefill_s)
         return out
 
+    def _collect(self, calls) -> list:
+        """Each call's (worker, replies) or exception (a call that could not be sent: its exception)."""
+        sent = [(i, pending) for i, (*_, pending) in enumerate(calls) if not isinstance(pending, _Failed)]
+        results: list = [pending.exc if isinstance(pending, _Failed) else None for *_, pending in calls]
+        for (i, _), result in zip(sent, self.transport.collect([p for _, p in sent], self.timeout_s) if sent else []):
+            results[i] = result
+        return results
+
+    def ahead(self, requests, configs):
+        if not self.overlap:
+            return
+        groups: dict[Any, list[int]] = {}
+        for i, r in enumerate(requests):
+            if r.drafter.synced and r.drafter.open_round:
+                groups.setdefault(self.homes.get(r.drafter.shard, ("shard", r.drafter.shard)), []).append(i)
+        for members in groups.values():
+            drafters = [requests[i].drafter for i in members]
+            items = tuple(_item(requests[i], configs[i]) for i in members)
+            call = DraftCall(items, self.vocab_size, self._min_path_prob, ahead=True)
+            try:
+                pending = self.transport.submit(drafters[0].shard, call)
+            except Exception as exc:
+                pending = _Failed(exc)
+            for drafter in drafters:
+                drafter.adopt = False  # said with this call
+            self._pending_ahead.append((drafters, [configs[i] for i in members], pending))
+
+    def _collect_ahead(self) -> list[RemoteDrafter]:
+        """The drafts ahead sent last step, into their requests' `early` -> those requests. A failed call leaves
+        its requests' states unknown: rebuilt with their next call."""
+        calls, self._pending_ahead = self._pending_ahead, []
+        touched = []
+        for (drafters, configs, _), result in zip(calls, self._collect(calls)):
+            touched += drafters
+            if isinstance(result, BaseException):
+                self.failed_calls += 1
+                for drafter in drafters:
+                    drafter.lost()
+                continue
+            for drafter, config, reply in zip(drafters, configs, result[1]):
+                if reply.draft is not None:
+                    drafter.early = (reply.draft, reply.assumed, config)
+        return touched
+
     def timings(self):
         """The workers' drafter's timings, each with a call's round trip added to the catch-up (a drafting step's
         fixed cost); zeros where no worker answers (the step cost model then learns drafting's cost from steps)."""
@@ -210,7 +279,25 @@ class RemoteDrafters(Drafters):
 
     def summary(self) -> dict:
         return {"drafter_calls": self.calls, "drafts": self.drafts, "drafter_failed_calls": self.failed_calls,
-                "drafter_missing_states": self.missing, "drafter_workers": len(set(self.homes.values()))}
+                "drafter_missing_states": self.missing, "drafter_workers": len(set(self.homes.values())),
+                "ahead_hits": self.ahead_hits, "ahead_misses": self.ahead_misses}
+
+
+def _early_draft(drafter: RemoteDrafter, config: TreeConfig) -> Draft | None:
+    """Its draft ahead as this round's draft of `config`, where it is one: the one verdict since brought exactly the
+    assumed tokens, and `config` is the tree drafted ahead or its first depths (a request near its end: its rows are
+    the first rows of the tree drafted, in BFS order, so the worker's commit reads them alike); else None."""
+    draft, assumed, drafted = drafter.early
+    if not (drafter.synced and len(drafter.verdicts) == 1 and tuple(drafter.verdicts[0].new_tokens) == assumed):
+        return None
+    if config == drafted and draft.config == drafted:
+        return draft
+    plain = draft.paths is None and draft.q_rows is None and draft.requested is None and not draft.config.lookup
+    if not (plain and config.depth and not config.lookup and config.branching == draft.config.branching[:config.depth]):
+        return None
+    parents = 1 + TreeConfig(config.branching[:-1]).num_nodes  # rows with children: the root and all but the leaves
+    probs = None if draft.probs is None else draft.probs[:parents]
+    return Draft(config, draft.tokens[: config.num_nodes], probs)
 
 
 @dataclass
@@ -226,6 +313,6 @@ def _item(r, config: TreeConfig) -> DraftItem:
     noise = (r.noise.seed, r.noise.choice) if r.noise is not None else None
     if drafter.synced:
         return DraftItem(r.request_id, len(r.tokens), config, r.params, tuple(drafter.verdicts), drafter.open_round,
-                         noise=noise)  # fmt: skip
+                         noise=noise, adopt=drafter.adopt)  # fmt: skip
     return DraftItem(r.request_id, len(r.tokens), config, r.params, tokens=tuple(r.tokens), noise=noise,
                      draft_seed=r.draft_gen.initial_seed())  # fmt: skip

@@ -137,7 +137,7 @@ def _draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.T
     return logits_to_probs(logits.float(), params).double()
 
 
-def _align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Drafter logits [rows, V_d] -> [rows, vocab_size]: extra drafter tokens are impossible, missing ones too."""
     v = logits.shape[-1]
     if v == vocab_size:
@@ -150,7 +150,7 @@ def _align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def drafter_ids(drafter: MambaDrafter, token_ids: Sequence[int]) -> torch.Tensor:
     """Target token ids as drafter inputs: ids the drafter's vocabulary lacks (a target with a larger or padded
-    vocabulary) become id 0. The drafter never proposes them (`_align_vocab`); its guesses after one get worse."""
+    vocabulary) become id 0. The drafter never proposes them (`align_vocab`); its guesses after one get worse."""
     ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=drafter.device)
     return ids.masked_fill(ids >= drafter.vocab_size, 0)
 
@@ -180,21 +180,26 @@ class DrafterSession:
     """One request's drafter state: the root state, its logits, and the per-depth states of the open round."""
 
     def __init__(self, drafter: MambaDrafter, token_ids: Sequence[int], vocab_size: int,
-                 states: DrafterStates | None = None, slots: StateSlots | None = None):
+                 states: DrafterStates | None = None, slots: StateSlots | None = None,
+                 start: tuple[MambaState, torch.Tensor] | None = None):
         """states: the drafter's prefix cache (speculation/drafter_cache.py), where a prompt prefilled before is copied.
         slots: a slot pool of this drafter's states: the root state lives in a slot until `close` (or until the session
-        is collected); a state of its own where every slot is taken (or the pool is another drafter's)."""
+        is collected); a state of its own where every slot is taken (or the pool is another drafter's). start: the
+        state after token_ids and its logits [V_d], instead of a prefill (a session forked from another's round)."""
         self.drafter = drafter
         self.vocab_size = vocab_size  # the target's: draft distributions live in its vocabulary
         self.history = [int(t) for t in token_ids]  # every token so far: the lookup branch searches it
-        ids = prefill_input(drafter, self.history)
-        self.root_state, logits = drafter.prefill(ids) if states is None else states.prefill(drafter, ids)
+        if start is not None:
+            self.root_state, logits = start
+        else:
+            ids = prefill_input(drafter, self.history)
+            self.root_state, logits = drafter.prefill(ids) if states is None else states.prefill(drafter, ids)
         self.slots = slots if slots is not None and slots.drafter is drafter else None
         self.slot = None if self.slots is None else self.slots.acquire()
         if self.slot is not None:
             self.root_state = drafter.copy_rows(self.root_state, [0], out=slots.state(self.slot))
             self._release = weakref.finalize(self, slots.release, self.slot)
-        self.root_logits = _align_vocab(logits.unsqueeze(0), vocab_size)  # [1, V]
+        self.root_logits = align_vocab(logits.unsqueeze(0), vocab_size)  # [1, V]
         self._lookup: LookupIndex | None = None  # built on the first lookup, then kept up to date
         self._depth_states: list[MambaState] = []
         self._stepped: dict[tuple[int, ...], tuple[int, int]] = {}  # path -> (depth, row) in _depth_states
@@ -297,7 +302,7 @@ class DrafterSession:
         self.history += new_tokens
         if self._lookup is not None:
             self._lookup.extend(new_tokens)
-        self.root_state, self.root_logits = state, _align_vocab(logits.unsqueeze(0), self.vocab_size)
+        self.root_state, self.root_logits = state, align_vocab(logits.unsqueeze(0), self.vocab_size)
         self._depth_states, self._stepped, self._draft = [], {}, None
 
     def _lookup_index(self) -> LookupIndex:
@@ -474,7 +479,7 @@ def _grow(trees: Sequence[_Growth], min_path_prob: float) -> None:
             stop = start + t.tokens[-1].shape[0]
             t.first_row = start
             t.states.append(source.row_slice(start, stop))  # a view: the commit copies the one row it keeps
-            t.logits = _align_vocab(logits[start:stop], t.request.session.vocab_size)
+            t.logits = align_vocab(logits[start:stop], t.request.session.vocab_size)
             start = stop
         depth += 1
 

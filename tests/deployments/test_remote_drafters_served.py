@@ -1,6 +1,6 @@
-"""The app with drafters=remote: a `drafter` deployment of two replicas beside the engine. Requests served at once
-give the target's own greedy tokens, drafted through the pool (one call per drafter replica per step), and a drafter
-replica killed under load costs no request and changes no token."""
+"""The app with drafters=remote: a `drafter` deployment of two replicas beside the engine, drafting each next round
+ahead while the target verifies (drafter_pool_overlap). Requests served at once give the target's own greedy tokens,
+drafted through the pool, and a drafter replica killed under load costs no request and changes no token."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def url(model_dirs):
     target, drafter = model_dirs
     args = AppArgs(target=str(target), drafter=str(drafter), num_cpus_per_rank=1, stream_interval_s=0, tree="2,1,1",
                    drafters="remote", drafter_pool_replicas=2, drafter_pool_actor_options={"num_cpus": 0},
-                   drafter_pool_shards=8)
+                   drafter_pool_shards=8, drafter_pool_overlap=True)
     with serve_app(args) as base:
         yield base
 
@@ -68,7 +68,7 @@ def test_requests_drafted_by_the_pool_give_the_target_greedy_tokens(url, referen
     after = stats(url)
     assert after["replicas"]["drafter"] == 2
     drafters = after["engine"]["drafters"]
-    assert drafters["drafts"] > before["drafts"], drafters
+    assert drafters["drafts"] > before["drafts"] and drafters["ahead_hits"] > before["ahead_hits"], drafters
 
 
 def test_a_drafter_replica_killed_under_load_costs_no_request(url, reference, long_reference):

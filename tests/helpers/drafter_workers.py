@@ -20,6 +20,7 @@ class InProcessTransport:
         self.steps: list[list[tuple[str, bool]]] = []  # per collect: (worker, whether its shard was placed before)
         self._submitted: list[tuple[str, bool]] = []
         self.drafted: list[int] = []  # per collect: requests that got a draft
+        self.served: dict[int, int] = {}  # id of a worker -> drafts it gave
         self._drafted = 0
         self.before_call = None  # called with the number of collects so far, before each submit (fault injection)
 
@@ -36,7 +37,9 @@ class InProcessTransport:
         if name in self.fail:
             return ConnectionError(f"drafter worker {name} is gone")
         replies = self.workers[name].draft(pickle.loads(pickle.dumps(call)))
-        self._drafted += sum(reply.draft is not None for reply in replies)
+        drafts = sum(reply.draft is not None for reply in replies)
+        self._drafted += drafts
+        self.served[id(self.workers[name])] = self.served.get(id(self.workers[name]), 0) + drafts
         return name, pickle.loads(pickle.dumps(replies))
 
     def collect(self, pending, timeout_s: float):
