@@ -48,9 +48,6 @@ class DrafterDeployment:
     async def timings(self) -> tuple[float, float, float, float]:
         return await asyncio.to_thread(self._locked, self.worker.timings)
 
-    async def stats(self) -> dict:
-        return {"replica": self.name, "sessions": len(self.worker.sessions), "rebuilds": self.worker.rebuilds}
-
     def _locked(self, method, *args):
         with self.lock:
             return method(*args)

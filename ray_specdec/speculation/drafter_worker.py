@@ -95,7 +95,6 @@ class DrafterWorker:
         self.slots = StateSlots(drafter, max_sessions)
         self.states = DrafterStates() if prefix_cache else None
         self.sessions: OrderedDict[str, _Held] = OrderedDict()
-        self.rebuilds = 0  # sessions built from token ids over a state that was already here (a moved shard, a fault)
 
     def draft(self, call: DraftCall) -> list[DraftReply]:
         """One step's drafts of `call.items` -> one reply each, in order. Sessions first catch up on their verdicts
@@ -145,8 +144,7 @@ class DrafterWorker:
                 self._drop(item.request_id)
                 h = None
             return h, 0.0
-        if self._drop(item.request_id):
-            self.rebuilds += 1
+        self._drop(item.request_id)
         device = self.drafter.device
         t0, hits = now(device), self.states.hits if self.states is not None else 0
         session = DrafterSession(self.drafter, item.tokens, vocab_size, self.states, self.slots)

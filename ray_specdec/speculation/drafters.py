@@ -290,7 +290,7 @@ def _early_draft(drafter: RemoteDrafter, config: TreeConfig) -> Draft | None:
     draft, assumed, drafted = drafter.early
     if not (drafter.synced and len(drafter.verdicts) == 1 and tuple(drafter.verdicts[0].new_tokens) == assumed):
         return None
-    if config == drafted and draft.config == drafted:
+    if config == drafted:
         return draft
     plain = draft.paths is None and draft.q_rows is None and draft.requested is None and not draft.config.lookup
     if not (plain and config.depth and not config.lookup and config.branching == draft.config.branching[:config.depth]):

@@ -72,12 +72,13 @@ def test_remote_greedy_is_local_greedy_round_for_round(config):
     assert sum(map(len, drafters.releases.values())) < len(prompts)
 
 
-def test_drafting_ahead_keeps_the_greedy_tokens_and_saves_calls():
+@pytest.mark.parametrize("config", [lookup_off(scheduler=SMALL), EngineConfig(scheduler=SMALL)],
+                         ids=["drafter", "drafter+lookup"])
+def test_drafting_ahead_keeps_the_greedy_tokens_and_saves_calls(config):
     """overlap on: the next round is drafted from the likeliest path while the target verifies; where the verdict
     agrees that draft is used (no call in the step), else the round drafts as usual: the local drafter's tokens."""
     target, drafter = agreeing_pair(torch.float32, max_positions=512)
     prompts, params = batch(target.vocab_size)
-    config = lookup_off(scheduler=SMALL)
     local = SpeculativeEngine(target, drafter, TREE, config=config).generate_many(prompts, params)
     drafters, transport = remote(drafter, target.vocab_size, overlap=True)
     far = SpeculativeEngine(target, drafters, TREE, config=config).generate_many(prompts, params)
