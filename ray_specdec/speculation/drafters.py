@@ -279,7 +279,7 @@ class RemoteDrafters(Drafters):
 
     def summary(self) -> dict:
         return {"drafter_calls": self.calls, "drafts": self.drafts, "drafter_failed_calls": self.failed_calls,
-                "drafter_missing_states": self.missing, "drafter_workers": len(set(self.homes.values())),
+                "drafter_missing_states": self.missing, "drafter_workers": sorted(set(self.homes.values())),
                 "ahead_hits": self.ahead_hits, "ahead_misses": self.ahead_misses}
 
 

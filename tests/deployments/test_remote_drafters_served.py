@@ -74,12 +74,14 @@ def test_requests_drafted_by_the_pool_give_the_target_greedy_tokens(url, referen
 def test_a_drafter_replica_killed_under_load_costs_no_request(url, reference, long_reference):
     before = stats(url)["engine"]["drafters"]
 
-    def kill() -> None:
+    def kill() -> None:  # a drafter replica that holds shards of the requests in flight
         time.sleep(0.5)
         names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                        if a["name"].startswith("SERVE_REPLICA::specdec#drafter#"))  # fmt: skip
         assert len(names) == 2
-        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+        holding = stats(url)["engine"]["drafters"]["drafter_workers"]
+        name = next(n for n in names if n.rsplit("#", 1)[-1] in holding)
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
     prompts = PROMPTS * 2
     for prompt, answer in zip(prompts, all_at_once(url, prompts, during=kill, max_tokens=LONG_TOKENS)):
