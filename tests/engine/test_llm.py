@@ -19,7 +19,7 @@ from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import TREES, random_prompt
 from tests.helpers.models import tiny_gpt_neox, tiny_mamba
 from tests.helpers.reference import (ENUMERATED_VOCAB, assert_emitted_distribution, enumerate_target, hf_greedy,
-                                     hf_greedy_ignore_eos)
+                                     hf_greedy_ignore_eos, seeded_generations)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 37, 300])
@@ -143,8 +143,7 @@ def test_sampled_generation_has_target_distribution(branching, draft_sampling, t
                                config=lookup_off(min_path_prob=min_path_prob, sampling_coupling="rejection"))
     counts = dict.fromkeys(exact, 0)
     accepted = full = 0
-    for seed in range(n_samples):
-        result = engine.generate(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
+    for result in seeded_generations(engine, prompt, base, n_samples):
         counts[tuple(result.token_ids)] += 1
         accepted += result.stats.rounds < n_tokens
         full += str(TreeConfig(branching)) in result.stats.trees  # only a first round can draft the whole tree
@@ -160,6 +159,7 @@ class PeakedDrafter:
     def __init__(self, probs: list[float]):
         self.logits = torch.tensor(probs, dtype=torch.float64).log()
         self.device, self.prefill_window = torch.device("cpu"), None
+        self.steps_row_invariant = False  # its states cannot be stacked: each request drafts alone
         self.vocab_size = len(probs)
 
     def prefill(self, ids):
@@ -189,8 +189,7 @@ def test_cut_drafts_keep_the_target_distribution():
                                config=lookup_off(min_path_prob=0.45, sampling_coupling="rejection"))
     counts = dict.fromkeys(exact, 0)
     kinds = set()
-    for seed in range(n_samples):
-        result = engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed}))
+    for result in seeded_generations(engine, prompt, params, n_samples):
         counts[tuple(result.token_ids)] += 1
         kinds.add("1,1" in result.stats.trees)
     assert kinds == {True, False}  # whole drafts and drafts cut after depth 1 both happened
@@ -263,8 +262,7 @@ def test_sampled_generation_with_a_lookup_branch_has_target_distribution(draft_s
                                config=EngineConfig().with_fields(sampling_coupling="rejection"))
     counts = dict.fromkeys(exact, 0)
     lookup_rounds = multi = 0
-    for seed in range(n_samples):
-        result = engine.generate(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
+    for result in seeded_generations(engine, prompt, base, n_samples):
         counts[tuple(result.token_ids)] += 1
         lookup_rounds += sum(n for name, n in result.stats.trees.items() if "+L" in name)
         multi += result.stats.rounds < n_tokens

@@ -19,7 +19,7 @@ from tests.helpers.drafters import TargetEchoDrafter
 from tests.helpers.inputs import random_prompt
 from tests.helpers.models import SSM_TARGETS, tiny_mamba
 from tests.helpers.reference import (ENUMERATED_VOCAB, assert_emitted_distribution, enumerate_target, greedy_margin,
-                                     hf_greedy)
+                                     hf_greedy, seeded_generations)
 
 TREES = [(), (1, 1, 1), (1,) * 6, (4,), (3, 2, 1), (2, 2, 2, 1)]
 N = 17  # odd, so that rounds end mid-tree
@@ -153,8 +153,7 @@ def test_sampled_generation_has_the_targets_distribution(kind, branching, draft_
     exact = enumerate_target(target, prompt, base, n_tokens)
     engine = SpeculativeEngine(target, drafter, TreeConfig(branching), config=lookup_off())
     counts, multi = dict.fromkeys(exact, 0), 0
-    for seed in range(n_samples):
-        result = engine.generate(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
+    for result in seeded_generations(engine, prompt, base, n_samples):
         counts[tuple(result.token_ids)] += 1
         multi += result.stats.rounds < n_tokens
     assert multi > 0, "no round accepted a draft token: drafting was not tested"

@@ -46,12 +46,18 @@ def enumerate_target(target: TargetModel, prompt: list[int], params: SamplingPar
 
 
 
+def seeded_generations(engine, prompt, base: SamplingParams, n_samples: int) -> list:
+    """`base` generated with seeds 0..n_samples-1 as one continuously batched workload. Each generation draws from
+    its own seed, so the samples are independent whatever the batch they share a step with."""
+    params = [SamplingParams(**{**base.__dict__, "seed": seed}) for seed in range(n_samples)]
+    return engine.generate_many([prompt] * n_samples, params)
+
+
 def sample_counts(engine, prompt, base: SamplingParams, outcomes, n_samples: int) -> tuple[dict, int]:
-    """Generate with seeds 0..n_samples-1 -> (times each of `outcomes` was emitted, generations that took several
-    tokens in some round)."""
+    """Generate with seeds 0..n_samples-1 (`seeded_generations`) -> (times each of `outcomes` was emitted,
+    generations that took several tokens in some round)."""
     counts, multi = dict.fromkeys(outcomes, 0), 0
-    for seed in range(n_samples):
-        result = engine.generate(prompt, SamplingParams(**{**base.__dict__, "seed": seed}))
+    for result in seeded_generations(engine, prompt, base, n_samples):
         counts[tuple(result.token_ids)] += 1
         multi += result.stats.rounds < base.max_new_tokens
     return counts, multi
