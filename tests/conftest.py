@@ -17,7 +17,13 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
-os.environ["RAY_SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="ray_specdec_test_cache_")
+# one cache for the whole run, shared by pytest-xdist's workers (they build the native kernels once between them)
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _RUN:
+    os.environ["RAY_SPECDEC_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"ray_specdec_test_cache_{_RUN}")
+    os.makedirs(os.environ["RAY_SPECDEC_CACHE_DIR"], exist_ok=True)
+else:
+    os.environ["RAY_SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="ray_specdec_test_cache_")
 
 # after the settings above: the package reads them as it loads
 from ray_specdec import factory  # noqa: E402
@@ -25,6 +31,20 @@ from ray_specdec.models.target.model import TargetModel  # noqa: E402
 from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba, tiny_tokenizer  # noqa: E402
 
 _exit_status: list[int] = []
+
+# Tests that start other processes (Ray, Serve, servers, tensor-parallel ranks) or time threads run one after another
+# on one pytest-xdist worker (`--dist loadgroup`): two Rays at once would share the two cores with each other's
+# replicas, and their health and recovery deadlines are real seconds.
+PROCESS_TESTS = ("tests/deployments/", "tests/benchmarks/", "tests/serving/test_proxy_guard.py",
+                 "tests/serving/test_thread_priority.py", "tests/models/target/test_shm_collective.py",
+                 "tests/tools/test_loadtest.py", "tests/test_cli.py", "tests/test_settings_table.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(PROCESS_TESTS):
+            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 def pytest_sessionfinish(session, exitstatus):
