@@ -83,7 +83,7 @@ def test_cluster_yaml_shape(cluster):
     head = types[cluster["head_node_type"]]
     workers = {name: t for name, t in types.items() if name != cluster["head_node_type"]}
     assert head["resources"]["GPU"] == 0
-    assert set(workers) == {"target_gpu"}  # drafters run inside the engine replicas: no node type of their own
+    assert set(workers) == {"target_gpu", "drafter_gpu"}  # the targets' ranks, and the drafter pool
     for worker in workers.values():
         assert worker["resources"]["GPU"] >= 1 and worker["node_config"]["InstanceType"].startswith(("g", "p"))
         assert 1 <= worker["min_workers"] <= worker["max_workers"] <= cluster["max_workers"]
@@ -156,6 +156,19 @@ def test_gpu_serve_config_fits_the_cluster(cluster):
     assert per_node * args.tp_size * args.cpus_per_rank <= node["CPU"]
     assert args.autoscaling and args.max_replicas <= per_node * types["target_gpu"]["max_workers"]
     assert args.min_replicas <= per_node * types["target_gpu"]["min_workers"]  # what `ray up` starts serves at once
+    # the drafter pool: only on drafter_gpu nodes (off the targets' GPUs), its most replicas fit their nodes
+    pool = args.drafter_pool_options()
+    actor, scaling = pool["ray_actor_options"], pool["autoscaling_config"]
+    (slot, per_drafter), = actor["resources"].items()
+    assert args.drafters == "remote"
+    assert [name for name, t in types.items() if slot in t["resources"]] == ["drafter_gpu"]
+    drafter_node, most = types["drafter_gpu"], types["drafter_gpu"]["max_workers"]
+    per_drafter_node = int(drafter_node["resources"][slot] // per_drafter)
+    assert per_drafter_node * actor["num_gpus"] <= drafter_node["resources"]["GPU"]
+    assert per_drafter_node * actor["num_cpus"] <= drafter_node["resources"]["CPU"]
+    assert 1 <= scaling["min_replicas"] <= per_drafter_node * drafter_node["min_workers"]
+    assert scaling["max_replicas"] <= per_drafter_node * most
+    assert types["target_gpu"]["max_workers"] + most <= cluster["max_workers"]
     options = _engine_options(args)
     assert options["ray_actor_options"]["resources"] == args.resources
     assert options["ray_actor_options"]["num_gpus"] == 0  # the ranks hold the GPUs
