@@ -5,6 +5,13 @@ kind, the mean accepted length reported in each response's "speculative" block, 
 `ReplicaReader` sampled every second (default: `GET {url}/v1/stats`, read as {"replicas": {name: count}}; failures
 are skipped). Writes `loadtest.json`, `latency.png` and `timeline.png`.
 
+Ramp (`--ramp 1,8,32,8,1 --phase-seconds 40`): phases of closed-loop clients, one after another, at each count in
+turn. At a phase boundary clients are added or told to stop; a stopping client's request in flight finishes, and
+every request counts in the phase it started in. The report's "phases" give per phase its clients, requests, errors,
+completion tokens/s (tokens of the phase's successful requests over the phase's length), latency percentiles and the
+replica counts sampled during it (min and max per deployment); a Markdown table of them is printed and written to
+`ramp.md`, and `ramp.png` plots tokens/s, clients and replicas over time.
+
 Soak (`--soak`): 8 clients for 30 minutes (each unless given), streaming a mix: greedy and sampled requests
 (temperature 0.7, top_p 0.95) alternately, prompts of 1, 4 and 16 copies of a base prompt, each behind a number of
 its own (no prompt twice: the prefix cache fills as it would in service). The engine replica's resident memory is
@@ -23,6 +30,7 @@ import asyncio
 import inspect
 import ipaddress
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -77,9 +85,24 @@ class LoadTestConfig:
     temperature: float = 0.0  # sent with every request: 0 greedy, > 0 sampled (the server picks a seed per request)
     mix: bool = False  # the soak's requests instead (module docstring): temperature ignored
     memory_interval_s: float | None = None  # read the engine's resident memory from /v1/stats this often (None: never)
+    # clients per phase, one phase after another (module docstring); set, it fixes concurrency (the largest count)
+    # and duration_s (phases x phase_s)
+    ramp: tuple[int, ...] | None = None
+    phase_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", check_loopback(self.url))
+        if self.ramp is not None:
+            ramp = tuple(self.ramp)
+            if not ramp:
+                raise ValueError("ramp needs at least one phase")
+            if not all(isinstance(c, int) and 1 <= c <= MAX_CONCURRENCY for c in ramp):
+                raise ValueError(f"ramp client counts must be integers in [1, {MAX_CONCURRENCY}], got {list(ramp)}")
+            if not self.phase_s > 0:
+                raise ValueError(f"phase seconds must be > 0, got {self.phase_s}")
+            object.__setattr__(self, "ramp", ramp)
+            object.__setattr__(self, "concurrency", max(ramp))
+            object.__setattr__(self, "duration_s", len(ramp) * self.phase_s)
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise ValueError(f"concurrency must be in [1, {MAX_CONCURRENCY}], got {self.concurrency}")
         if not self.duration_s > 0 or not self.timeout_s > 0 or not self.sample_interval_s > 0:
@@ -122,6 +145,8 @@ class RequestResult:
     completion_tokens: int = 0
     accepted_length: float | None = None  # the response's speculative.mean_accepted_length
     rounds: int | None = None
+    client: int | None = None  # which closed-loop client sent it (0 ..)
+    phase: int | None = None  # ramp only: the phase it started in
 
     @property
     def ok(self) -> bool:
@@ -261,31 +286,60 @@ async def run_loadtest(config: LoadTestConfig, replica_reader: ReplicaReader | N
         samples: list[dict[str, Any]] = []
         memory: list[dict[str, Any]] = []
         issued = 0
+        current: list[int | None] = [0]  # ramp: the phase now (None once the last one ended)
+        phase_bounds: list[float] = []  # ramp: when each phase began, then when the last one ended
         t0 = time.perf_counter()
         deadline = t0 + config.duration_s
 
-        async def worker() -> None:
+        async def worker(k: int) -> None:
             nonlocal issued
             while (config.max_requests is None or issued < config.max_requests) and (
                 start := time.perf_counter()
             ) < deadline:  # a request's recorded start is the time checked here, so none starts after the deadline
+                phase = current[0]
+                if config.ramp is not None and (phase is None or k >= config.ramp[phase]):
+                    break  # this client is not part of the phase now
                 body = request_body(config, issued)
                 issued += 1
-                results.append(await _one_request(client, config, body, t0, start))
+                result = await _one_request(client, config, body, t0, start)
+                result.client, result.phase = k, phase if config.ramp is not None else None
+                results.append(result)
+
+        async def ramp_clients(ramp: tuple[int, ...]) -> None:
+            """Each phase in turn: the clients it lacks are started (a stopping one still finishing its request
+            goes on if the new phase keeps it), those beyond its count stop after their request in flight."""
+            tasks: dict[int, asyncio.Task] = {}
+            for phase, count in enumerate(ramp):
+                current[0] = phase
+                phase_bounds.append(_ms_floor(time.perf_counter() - t0))  # to the ms, as the samples' times
+                for k in range(count):
+                    if k not in tasks or tasks[k].done():
+                        tasks[k] = asyncio.create_task(worker(k))
+                await asyncio.sleep(max(0.0, t0 + (phase + 1) * config.phase_s - time.perf_counter()))
+            current[0] = None
+            phase_bounds.append(_ms_floor(time.perf_counter() - t0))
+            await asyncio.gather(*tasks.values())
 
         stop = asyncio.Event()
         samplers = [asyncio.create_task(_sample_replicas(reader, config, t0, stop, samples))]
         if config.memory_interval_s is not None:
             samplers.append(asyncio.create_task(_sample_memory(client, config, t0, stop, memory)))
         try:
-            await asyncio.gather(*(worker() for _ in range(config.concurrency)))
+            if config.ramp is not None:
+                await ramp_clients(config.ramp)
+            else:
+                await asyncio.gather(*(worker(k) for k in range(config.concurrency)))
         finally:
             wall_s = time.perf_counter() - t0
             if config.memory_interval_s is not None and not stop.is_set():  # the state the run ended in
                 await _sample_memory_once(client, config, t0, memory)
             stop.set()
             await asyncio.gather(*samplers)
-    return summarize(results, wall_s, samples, config, memory)
+    return summarize(results, wall_s, samples, config, memory, phase_bounds)
+
+
+def _ms_floor(t: float) -> float:
+    return math.floor(t * 1000) / 1000
 
 
 def percentiles(values: list[float]) -> dict[str, float] | None:
@@ -321,9 +375,39 @@ def memory_summary(memory: list[dict[str, Any]], wall_s: float) -> dict[str, Any
             "growth_second_half_mib": points[-1][1] - half}  # fmt: skip
 
 
+def phase_summary(
+    results: list[RequestResult], samples: list[dict[str, Any]], ramp: tuple[int, ...], bounds: list[float]
+) -> list[dict[str, Any]]:
+    """Per ramp phase: its clients and time span, the requests that started in it (errors by kind; completion
+    tokens/s of the successful ones over the phase's length; latency percentiles) and the replica counts sampled
+    within its span (the first phase's from the run's start, the last one's on while its requests finish):
+    {deployment: {"min", "max"}}."""
+    phases = []
+    for phase, clients in enumerate(ramp):
+        start, end = bounds[phase], bounds[phase + 1]
+        mine = [r for r in results if r.phase == phase]
+        ok = [r for r in mine if r.ok]
+        tokens = sum(r.completion_tokens for r in ok)
+        last = phase == len(ramp) - 1
+        counts: dict[str, list[int]] = {}
+        for s in samples:
+            if (phase == 0 or start <= s["t"]) and (last or s["t"] < end):
+                for name, n in s["replicas"].items():
+                    counts.setdefault(name, []).append(n)
+        phases.append({
+            "phase": phase, "clients": clients, "start_s": start, "end_s": end,
+            "requests": len(mine), "ok": len(ok), "errors": len(mine) - len(ok),
+            "errors_by_kind": dict(Counter(r.error for r in mine if not r.ok)),
+            "completion_tokens": tokens, "tokens_per_s": tokens / max(end - start, 1e-9),
+            "latency_s": percentiles([r.latency_s for r in ok]),
+            "replicas": {name: {"min": min(v), "max": max(v)} for name, v in sorted(counts.items())},
+        })  # fmt: skip
+    return phases
+
+
 def summarize(
     results: list[RequestResult], wall_s: float, samples: list[dict[str, Any]], config: LoadTestConfig,
-    memory: list[dict[str, Any]] | None = None,
+    memory: list[dict[str, Any]] | None = None, phase_bounds: list[float] | None = None,
 ) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
@@ -343,6 +427,7 @@ def summarize(
         "replicas": samples,
         "memory": memory_summary(memory or [], wall_s),
         "memory_samples": memory or [],
+        "phases": phase_summary(results, samples, config.ramp, phase_bounds or []) if config.ramp else None,
         "timeline": _timeline(results, wall_s),
         "requests_log": [asdict(r) for r in results],
     }
@@ -441,8 +526,64 @@ def plot_soak(report: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def ramp_table(report: dict[str, Any]) -> str:
+    """The ramp's phases as a Markdown table: a replicas column per deployment sampled ("1-3": min to max)."""
+    phases = report["phases"]
+    names = sorted({name for p in phases for name in p["replicas"]})
+
+    def replicas(p: dict[str, Any], name: str) -> str:
+        r = p["replicas"].get(name)
+        return "n/a" if r is None else str(r["min"]) if r["min"] == r["max"] else f"{r['min']}-{r['max']}"
+
+    def ms(p: dict[str, Any], key: str) -> str:
+        return "n/a" if p["latency_s"] is None else f"{1000 * p['latency_s'][key]:.0f}"
+
+    header = ["phase", "clients", "requests", "errors", "tokens/s", "p50 latency (ms)", "p95 latency (ms)",
+              *(f"{name} replicas" for name in names)]  # fmt: skip
+    rows = [[str(p["phase"]), str(p["clients"]), str(p["requests"]), str(p["errors"]), f"{p['tokens_per_s']:.1f}",
+             ms(p, "p50"), ms(p, "p95"), *(replicas(p, name) for name in names)] for p in phases]  # fmt: skip
+    return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
+
+
+def plot_ramp(report: dict[str, Any], path: Path) -> Path:
+    """Completion tokens/s per second of the run with the ramp's clients, and replicas per deployment over time;
+    phase boundaries dotted."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(10, 6))
+    tokens_ax, replicas_ax = fig.subplots(2, 1, sharex=True)
+    bins, phases, wall_s = report["timeline"], report["phases"], report["wall_s"]
+    edges = [b["t"] for b in bins] + [bins[-1]["t"] + bins[-1]["seconds"]]
+    tokens_ax.stairs([b["tokens"] / b["seconds"] for b in bins], edges, fill=True, alpha=0.4)
+    clients_ax = tokens_ax.twinx()
+    clients_ax.stairs([p["clients"] for p in phases], [p["start_s"] for p in phases] + [phases[-1]["end_s"]],
+                      color="tab:orange", linestyle="--", baseline=None)  # fmt: skip
+    clients_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    clients_ax.set_ylabel("clients (dashed)", color="tab:orange")
+    tokens_ax.set(ylabel="completion tokens/s", title="Throughput and clients")
+    names = sorted({name for s in report["replicas"] for name in s["replicas"]})
+    for name in names:
+        points = [(s["t"], s["replicas"][name]) for s in report["replicas"] if name in s["replicas"]]
+        points.append((max(wall_s, points[-1][0]), points[-1][1]))  # hold the last value to the end of the run
+        replicas_ax.step(*zip(*points), where="post", label=name)
+    replicas_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if names:
+        replicas_ax.legend(title="deployment")
+    else:
+        replicas_ax.text(0.5, 0.5, "no replica samples", ha="center", transform=replicas_ax.transAxes)
+    for ax in (tokens_ax, replicas_ax):
+        for p in phases[1:]:
+            ax.axvline(p["start_s"], linestyle=":", color="gray")
+    replicas_ax.set(xlabel="time (s)", ylabel="replicas (running)", title="Replicas per deployment")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
 def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """loadtest.json plus the plots (and soak.csv, soak.png where memory was sampled); returns the paths written."""
+    """loadtest.json plus the plots (and soak.csv, soak.png where memory was sampled; ramp.md, ramp.png for a
+    ramp); returns the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "loadtest.json").write_text(json.dumps(report, indent=1))
@@ -450,6 +591,9 @@ def write_report(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
              plot_timeline(report, out / "timeline.png")]  # fmt: skip
     if report["memory_samples"]:
         paths += [write_soak_csv(report, out / "soak.csv"), plot_soak(report, out / "soak.png")]
+    if report.get("phases"):
+        (out / "ramp.md").write_text(ramp_table(report) + "\n")
+        paths += [out / "ramp.md", plot_ramp(report, out / "ramp.png")]
     return paths
 
 
@@ -498,6 +642,30 @@ def read_prompts(path: str | Path) -> tuple[str, ...]:
     return prompts
 
 
+RAMP_PHASE_S = 30.0  # --phase-seconds' default
+
+
+def parse_ramp(text: str | None, phase_s: float | None, *, soak: bool, concurrency: int | None,
+               duration: float | None) -> tuple[int, ...] | None:
+    """--ramp's client counts (None without it); _UsageError for a list that is not positive integers or a ramp
+    combined with the flags it replaces."""
+    if text is None:
+        if phase_s is not None:
+            raise _UsageError("--phase-seconds needs --ramp")
+        return None
+    clashes = [flag for flag, given in (("--soak", soak), ("--concurrency", concurrency is not None),
+                                        ("--duration", duration is not None)) if given]  # fmt: skip
+    if clashes:
+        raise _UsageError(f"--ramp sets the clients and the duration itself: drop {', '.join(clashes)}")
+    try:
+        ramp = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise _UsageError(f"--ramp must be client counts separated by commas, e.g. 1,8,32,8,1, got {text!r}") from None
+    if not all(1 <= c <= MAX_CONCURRENCY for c in ramp):
+        raise _UsageError(f"--ramp client counts must be in [1, {MAX_CONCURRENCY}], got {text!r}")
+    return ramp
+
+
 def main(argv: list[str] | None = None, *, replica_reader: ReplicaReader | None = None) -> int:
     parser = _Parser(prog="ray_specdec loadtest", description="Load test a local ray_specdec server.")
     parser.add_argument("--url", required=True, help="base URL, loopback only, e.g. http://127.0.0.1:8000")
@@ -508,6 +676,10 @@ def main(argv: list[str] | None = None, *, replica_reader: ReplicaReader | None 
     parser.add_argument("--concurrency", type=int, help="concurrent clients (default 1)")
     parser.add_argument("--duration", type=float, help="seconds during which requests start (default 30)")
     parser.add_argument("--memory-interval", type=float, help="seconds between reads of the engine's memory")
+    parser.add_argument("--ramp", help="clients per phase, one phase after another, e.g. 1,8,32,8,1 (instead of "
+                                       "--concurrency and --duration)")  # fmt: skip
+    parser.add_argument("--phase-seconds", type=float, help="length of each ramp phase (default 30)")
+    parser.add_argument("--sample-interval", type=float, default=1.0, help="seconds between replica count samples")
     parser.add_argument("--requests", type=int, help="stop after this many requests")
     parser.add_argument("--prompts", help="JSONL file with a 'prompt' field per line (default: a few built-in)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -522,10 +694,13 @@ def main(argv: list[str] | None = None, *, replica_reader: ReplicaReader | None 
         defaults = SOAK_DEFAULTS if args.soak else PLAIN_DEFAULTS
         given = {k: getattr(args, k) for k in defaults if getattr(args, k) is not None}
         picked = defaults | given
+        ramp = parse_ramp(args.ramp, args.phase_seconds, soak=args.soak, concurrency=args.concurrency,
+                          duration=args.duration)  # fmt: skip
         config = LoadTestConfig(
             args.url, picked["concurrency"], picked["duration"], args.requests, prompts, args.max_tokens,
             args.stream or args.soak, args.tree, args.timeout, temperature=args.temperature, mix=args.soak,
-            memory_interval_s=picked["memory_interval"],
+            sample_interval_s=args.sample_interval, memory_interval_s=picked["memory_interval"], ramp=ramp,
+            phase_s=RAMP_PHASE_S if args.phase_seconds is None else args.phase_seconds,
         )  # fmt: skip
     except (_UsageError, ValueError) as exc:
         print(f"loadtest: error: {exc}", file=sys.stderr)
@@ -533,5 +708,7 @@ def main(argv: list[str] | None = None, *, replica_reader: ReplicaReader | None 
     report = asyncio.run(run_loadtest(config, replica_reader))
     paths = write_report(report, args.out)
     print(describe(report))
+    if report["phases"]:
+        print(ramp_table(report))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

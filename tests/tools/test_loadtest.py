@@ -1,7 +1,8 @@
 """The load test client against a small fake completion server on 127.0.0.1 (ephemeral port, in a thread).
 
 The fake server reads directives from the prompt: "sleep=S" (seconds before the first token), "status=C" (answer with
-HTTP status C), "mal=A" (reported mean accepted length), "rounds=R", "garbage" (a non-JSON body).
+HTTP status C), "mal=A" (reported mean accepted length), "rounds=R", "garbage" (a non-JSON body). Its /v1/stats
+reports replica counts as the app's does: "target" 1, "drafter" 2 while more than one request is in flight, else 1.
 """
 
 from __future__ import annotations
@@ -269,3 +270,81 @@ def _prompts(tmp_path):
     path = tmp_path / "soak_prompts.jsonl"
     path.write_text(json.dumps({"prompt": "sleep=0.02"}) + "\n")
     return path
+
+
+def _max_overlap(requests: list[dict]) -> int:
+    """The most of these requests in flight at once."""
+    events = sorted([(r["start_s"], 1) for r in requests] + [(r["start_s"] + r["latency_s"], -1) for r in requests])
+    return int(max(np.cumsum([e for _, e in events]), default=0))
+
+
+def test_ramp_runs_its_phases_in_order_and_reports_each(server_url, tmp_path, capsys):
+    out = tmp_path / "ramp"
+    argv = ["--url", server_url, "--ramp", "1,4,2", "--phase-seconds", "0.5", "--sample-interval", "0.1",
+            "--max-tokens", "3", "--prompts", str(_prompts(tmp_path)), "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((out / "loadtest.json").read_text())
+    phases, log = report["phases"], report["requests_log"]
+    assert [p["clients"] for p in phases] == [1, 4, 2] and report["config"]["concurrency"] == 4
+    for p in phases:
+        mine = [r for r in log if r["phase"] == p["phase"]]
+        assert all(p["start_s"] <= r["start_s"] < p["end_s"] for r in mine)  # started within the phase
+        assert {r["client"] for r in mine} == set(range(p["clients"])) and _max_overlap(mine) == p["clients"]
+        assert p["end_s"] - p["start_s"] == pytest.approx(0.5, abs=0.1)
+        assert p["requests"] == len(mine) and p["ok"] == len(mine) and p["errors"] == 0
+        assert p["tokens_per_s"] == pytest.approx(3 * len(mine) / (p["end_s"] - p["start_s"]))
+        assert 0.02 <= p["latency_s"]["p50"] <= p["latency_s"]["p95"] < 0.5
+        window = [s["replicas"] for s in report["replicas"]
+                  if (p["phase"] == 0 or p["start_s"] <= s["t"]) and (p["phase"] == 2 or s["t"] < p["end_s"])]
+        assert p["replicas"]["target"] == {"min": 1, "max": 1}
+        assert p["replicas"]["drafter"] == {"min": min(w["drafter"] for w in window),
+                                            "max": max(w["drafter"] for w in window)}  # fmt: skip
+    assert phases[1]["replicas"]["drafter"]["max"] == 2  # 4 requests in flight
+    assert sum(p["requests"] for p in phases) == report["requests"]["total"] == len(log)
+    assert sum(p["completion_tokens"] for p in phases) == report["completion_tokens"]
+    printed = capsys.readouterr().out
+    table = (out / "ramp.md").read_text()
+    assert table.splitlines()[0] == ("| phase | clients | requests | errors | tokens/s | p50 latency (ms) | "
+                                     "p95 latency (ms) | drafter replicas | target replicas |")  # fmt: skip
+    assert len(table.splitlines()) == 5 and table.strip() in printed
+    assert table.splitlines()[3].startswith(f"| 1 | 4 | {phases[1]['requests']} | 0 |")
+    data = (out / "ramp.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_ramp_counts_errors_and_replica_samples_per_phase():
+    calls = []
+
+    def read():  # a deployment whose count rises by one a sample
+        calls.append(1)
+        return {"drafter": len(calls)}
+
+    with socket.socket() as s:  # nobody listens: every request fails to connect
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = LoadTestConfig(f"http://127.0.0.1:{port}", ramp=(2, 1), phase_s=0.4, sample_interval_s=0.05)
+    report = run(config, read)
+    phases = report["phases"]
+    assert report["requests"]["ok"] == 0 and report["errors"] == {"connect": report["requests"]["total"]}
+    assert [p["errors"] for p in phases] == [p["requests"] for p in phases] and all(p["errors"] for p in phases)
+    assert [p["errors_by_kind"] for p in phases] == [{"connect": p["errors"]} for p in phases]
+    assert sum(p["errors"] for p in phases) == report["requests"]["errors"]
+    assert phases[0]["latency_s"] is None and phases[0]["tokens_per_s"] == 0
+    first, second = phases[0]["replicas"]["drafter"], phases[1]["replicas"]["drafter"]
+    assert first["min"] == 1 and second["min"] == first["max"] + 1 and second["max"] == len(report["replicas"])
+    assert first["max"] >= 5 and second["max"] - second["min"] >= 5
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--ramp", ""], "--ramp must be client counts"), (["--ramp", "1,x"], "--ramp must be client counts"),
+     (["--ramp", "1,0,2"], "in [1, 1024]"), (["--ramp", "-1"], "in [1, 1024]"), (["--ramp", "2000"], "in [1, 1024]"),
+     (["--ramp", "2", "--concurrency", "3"], "drop --concurrency"), (["--ramp", "2", "--soak"], "drop --soak"),
+     (["--ramp", "2", "--duration", "9"], "drop --duration"), (["--phase-seconds", "5"], "--phase-seconds needs"),
+     (["--ramp", "1,2", "--phase-seconds", "0"], "phase seconds must be > 0")],  # fmt: skip
+)
+def test_cli_rejects_bad_ramps(argv, message, capsys, tmp_path):
+    assert main(["--url", "http://127.0.0.1:1", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loadtest: error:") and message in err and err.count("\n") == 1
+    assert not any(tmp_path.iterdir())
