@@ -559,6 +559,7 @@ def plot_ramp(report: dict[str, Any], path: Path) -> Path:
     clients_ax = tokens_ax.twinx()
     clients_ax.stairs([p["clients"] for p in phases], [p["start_s"] for p in phases] + [phases[-1]["end_s"]],
                       color="tab:orange", linestyle="--", baseline=None)  # fmt: skip
+    clients_ax.set_ylim(bottom=0)
     clients_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     clients_ax.set_ylabel("clients (dashed)", color="tab:orange")
     tokens_ax.set(ylabel="completion tokens/s", title="Throughput and clients")
