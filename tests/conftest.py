@@ -32,19 +32,17 @@ from tests.helpers.models import tiny_gpt_neox, tiny_llama, tiny_mamba, tiny_tok
 
 _exit_status: list[int] = []
 
-# Tests that start other processes (Ray, Serve, servers, tensor-parallel ranks) or time threads run one after another
-# on one pytest-xdist worker (`--dist loadgroup`): two Rays at once would share the two cores with each other's
-# replicas, and their health and recovery deadlines are real seconds.
-PROCESS_TESTS = ("tests/deployments/", "tests/benchmarks/", "tests/serving/test_proxy_guard.py",
-                 "tests/serving/test_thread_priority.py", "tests/models/target/test_shm_collective.py",
-                 "tests/tools/test_loadtest.py", "tests/test_cli.py", "tests/test_settings_table.py")
+# Tests that start Ray run one after another on one pytest-xdist worker (`--dist loadgroup`): two Rays at once would
+# share the two cores with each other's replicas, and their health and recovery deadlines are real seconds.
+RAY_TESTS = ("tests/deployments/", "tests/serving/test_proxy_guard.py", "tests/benchmarks/test_tp_loop.py",
+             "tests/benchmarks/test_logits_shipping.py", "tests/benchmarks/test_served_ab.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.nodeid.startswith(PROCESS_TESTS):
-            item.add_marker(pytest.mark.xdist_group("processes"))
+        if item.nodeid.startswith(RAY_TESTS):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -164,7 +164,9 @@ def test_info_endpoints(url):
     models = httpx.get(f"{url}/v1/models", trust_env=False).json()
     assert models["data"][0]["id"] == "target" and models["data"][0]["max_context"] == 256
     health = httpx.get(f"{url}/health", trust_env=False)
-    assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["engine_replicas"] >= 1
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    # the controller's count (None while the controller is too busy to answer /health in time: asked again)
+    assert poll(lambda: httpx.get(f"{url}/health", trust_env=False).json()["engine_replicas"]) >= 1
     stats = httpx.get(f"{url}/v1/stats", trust_env=False).json()
     replicas = stats["replicas"]
     assert replicas.pop("engine") in (1, 2) and replicas == {"bandit": 1, "metrics": 1}  # engine mode: no router
