@@ -67,7 +67,14 @@ class ReplicaLossGuard:
             await self.app(scope, receive, send)
             return
         probe = is_probe(scope)
-        started = ended = event_stream = answered = expired = False
+        started = ended = event_stream = answered = expired = client_left = False
+
+        async def watched_receive() -> Message:
+            nonlocal client_left
+            message = await receive()
+            if message["type"] == "http.disconnect":  # the client left (after [DONE], or gave up): nothing was lost
+                client_left = True
+            return message
 
         async def guarded_send(message: Message) -> None:
             nonlocal started, ended, event_stream, expired
@@ -94,13 +101,13 @@ class ReplicaLossGuard:
                 timeout = str(max(self.health_deadline_s - HEADER_MARGIN_S, 0.1)).encode()
                 headers = [(k, v) for k, v in scope.get("headers") or [] if bytes(k).lower() != TIMEOUT_HEADER]
                 scope = scope | {"headers": headers + [(TIMEOUT_HEADER, timeout)]}
-                await asyncio.wait_for(self.app(scope, receive, guarded_send), self.health_deadline_s)
+                await asyncio.wait_for(self.app(scope, watched_receive, guarded_send), self.health_deadline_s)
             else:
-                await self.app(scope, receive, guarded_send)
+                await self.app(scope, watched_receive, guarded_send)
         except Exception as exc:  # the replica's death as the proxy raises it, a probe's deadline
             failure = exc
         answered = True
-        if ended:
+        if ended or client_left:  # answered whole, or nobody left to answer: Serve cancelled it for the client
             return
         if not started:
             timed_out = expired or isinstance(failure, (asyncio.TimeoutError, TimeoutError))

@@ -72,6 +72,28 @@ def test_a_cut_stream_ends_with_an_error_event_and_done(path):
     assert got[2]["status"] == 503 and got[2]["error"]["code"] == "replica_lost"
 
 
+def test_a_client_that_leaves_mid_stream_gets_nothing_more_and_no_warning(caplog):
+    """Serve's proxy, told by the client's disconnect, cancels the request: no last body, but nothing was lost."""
+    sent: list[dict] = []
+
+    async def leaves_after_the_first_event(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        await send({"type": "http.response.body", "body": b"data: {\"i\": 0}\n\n", "more_body": True})
+        assert (await receive())["type"] == "http.disconnect"
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    with caplog.at_level("WARNING"):
+        asyncio.run(ReplicaLossGuard(leaves_after_the_first_event)(scope, receive, send))
+    assert [m.get("body") for m in sent] == [None, b"data: {\"i\": 0}\n\n"]  # the app's own messages only
+    assert not [r for r in caplog.records if "stream cut" in r.getMessage()]
+
+
 def test_a_whole_stream_passes_untouched():
     response = client(whole_stream).post("/v1/completions", json={})
     assert events(response.text) == [{"i": 0}, "[DONE]"]
