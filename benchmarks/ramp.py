@@ -13,8 +13,8 @@ Serve scales a deployment by its ongoing requests (calls in flight or queued, av
 against target_ongoing_requests. An engine sends one call per drafter replica per step (two with --overlap: the next
 round's draft while the target verifies; one per shard not placed yet), so what Serve sees is the share of a step
 with a call in flight, not the number of clients: the pool follows that share (hence a target below 1, 0.5 by
-default), and a request's shard stays on the replica that holds it, so a replica added later drafts only shards
-placed after it started.
+default), and a request's shard stays on the replica that holds it (Serve routes a call to the replica with its shard
+loaded), so a replica added later drafts mostly shards placed after it started.
 
 Run: python -m benchmarks.ramp [--ramp 1,8,32,8,1] [--phase-seconds 40] [--out docs/bench/ramp]
 """
