@@ -433,6 +433,22 @@ def summarize(
     }
 
 
+def _plot_replicas(ax, report: dict[str, Any], wall_s: float) -> None:
+    """Running replicas of each deployment over time, as sampled (the last value held to the end of the run)."""
+    from matplotlib.ticker import MaxNLocator
+
+    names = sorted({name for s in report["replicas"] for name in s["replicas"]})
+    for name in names:
+        points = [(s["t"], s["replicas"][name]) for s in report["replicas"] if name in s["replicas"]]
+        points.append((max(wall_s, points[-1][0]), points[-1][1]))
+        ax.step(*zip(*points), where="post", label=name)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if names:
+        ax.legend(title="deployment")
+    else:
+        ax.text(0.5, 0.5, "no replica samples", ha="center", transform=ax.transAxes)
+
+
 def plot_latency(report: dict[str, Any], path: Path) -> Path:
     """Histogram and CDF of successful requests' latency, with p50/p95/p99 marked."""
     from matplotlib.figure import Figure  # the OO API renders with Agg, whatever pyplot's backend
@@ -456,7 +472,6 @@ def plot_latency(report: dict[str, Any], path: Path) -> Path:
 def plot_timeline(report: dict[str, Any], path: Path) -> Path:
     """Completion tokens/s and requests/s per second of the run, and replica counts over time."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(10, 6))
     tokens_ax, replicas_ax = fig.subplots(2, 1, sharex=True)
@@ -467,16 +482,7 @@ def plot_timeline(report: dict[str, Any], path: Path) -> Path:
     requests_ax.stairs([b["requests"] / b["seconds"] for b in bins], edges, color="tab:orange", linestyle="--")
     tokens_ax.set(ylabel="completion tokens/s", title="Throughput (completions per second of the run)")
     requests_ax.set_ylabel("requests/s (dashed)", color="tab:orange")
-    names = sorted({name for s in report["replicas"] for name in s["replicas"]})
-    for name in names:
-        points = [(s["t"], s["replicas"][name]) for s in report["replicas"] if name in s["replicas"]]
-        points.append((max(wall_s, points[-1][0]), points[-1][1]))  # hold the last value to the end of the run
-        replicas_ax.step(*zip(*points), where="post", label=name)
-    replicas_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    if names:
-        replicas_ax.legend()
-    else:
-        replicas_ax.text(0.5, 0.5, "no replica samples", ha="center", transform=replicas_ax.transAxes)
+    _plot_replicas(replicas_ax, report, wall_s)
     replicas_ax.set(xlabel="time (s)", ylabel="replicas", title="Replicas")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -563,16 +569,7 @@ def plot_ramp(report: dict[str, Any], path: Path) -> Path:
     clients_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     clients_ax.set_ylabel("clients (dashed)", color="tab:orange")
     tokens_ax.set(ylabel="completion tokens/s", title="Throughput and clients")
-    names = sorted({name for s in report["replicas"] for name in s["replicas"]})
-    for name in names:
-        points = [(s["t"], s["replicas"][name]) for s in report["replicas"] if name in s["replicas"]]
-        points.append((max(wall_s, points[-1][0]), points[-1][1]))  # hold the last value to the end of the run
-        replicas_ax.step(*zip(*points), where="post", label=name)
-    replicas_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    if names:
-        replicas_ax.legend(title="deployment")
-    else:
-        replicas_ax.text(0.5, 0.5, "no replica samples", ha="center", transform=replicas_ax.transAxes)
+    _plot_replicas(replicas_ax, report, wall_s)
     for ax in (tokens_ax, replicas_ax):
         for p in phases[1:]:
             ax.axvline(p["start_s"], linestyle=":", color="gray")
