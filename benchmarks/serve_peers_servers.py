@@ -41,10 +41,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def ours_server(args: argparse.Namespace) -> Iterator[Endpoint]:
+def ours_server(args: argparse.Namespace, **app_args: Any) -> Iterator[Endpoint]:
     """The app's defaults (`serve run deployments:app`) on the target in float32, in a local Ray started as
     benchmarks/serve_load.py starts it (its Ray environment, set for this server only: the peers started after it
-    must not inherit its OMP_NUM_THREADS)."""
+    must not inherit its OMP_NUM_THREADS); app_args: other app arguments (`ours-remote`: drafters=remote)."""
     import ray
     from ray import serve
 
@@ -58,8 +58,8 @@ def ours_server(args: argparse.Namespace) -> Iterator[Endpoint]:
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         # the engine replica gets both cores (its torch threads follow the CPUs it reserves), as vLLM's worker does
-        serve.run(app(AppArgs(target=args.target, dtype="float32", num_cpus_per_rank=2)), name="specdec",
-                  route_prefix="/")  # fmt: skip
+        serve.run(app(AppArgs(target=args.target, dtype="float32", num_cpus_per_rank=2, **app_args)),
+                  name="specdec", route_prefix="/")  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         if args.ours_ingress == "direct":
             url = direct_url(url)
@@ -156,6 +156,8 @@ def hf_server(args: argparse.Namespace) -> Iterator[Endpoint]:
 def server_table(args: argparse.Namespace) -> dict[str, tuple[Callable, dict[str, dict[str, Any]], bool]]:
     return {
         "ours": (lambda: ours_server(args), {"ours": {}, "ours-none": {"tree": "none"}}, False),
+        # the drafter in a pool of its own (one `drafter` replica on its own CPU), the service's own choice
+        "ours-remote": (lambda: ours_server(args, drafters="remote"), {"ours-remote": {}}, False),
         "vllm": (lambda: vllm_server(args, "plain"), {"vllm": {}}, False),
         "vllm-ngram": (lambda: vllm_server(args, "ngram"), {"vllm-ngram": {}}, False),
         "vllm-draft": (lambda: vllm_server(args, "draft"), {"vllm-draft": {}}, False),
