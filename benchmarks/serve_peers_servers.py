@@ -158,6 +158,9 @@ def server_table(args: argparse.Namespace) -> dict[str, tuple[Callable, dict[str
         "ours": (lambda: ours_server(args), {"ours": {}, "ours-none": {"tree": "none"}}, False),
         # the drafter in a pool of its own (one `drafter` replica on its own CPU), the service's own choice
         "ours-remote": (lambda: ours_server(args, drafters="remote"), {"ours-remote": {}}, False),
+        # and drafting each next round while the target verifies this one (drafter_pool_overlap)
+        "ours-ahead": (lambda: ours_server(args, drafters="remote", drafter_pool_overlap=True), {"ours-ahead": {}},
+                       False),
         "vllm": (lambda: vllm_server(args, "plain"), {"vllm": {}}, False),
         "vllm-ngram": (lambda: vllm_server(args, "ngram"), {"vllm-ngram": {}}, False),
         "vllm-draft": (lambda: vllm_server(args, "draft"), {"vllm-draft": {}}, False),
