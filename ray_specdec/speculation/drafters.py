@@ -181,19 +181,15 @@ class RemoteDrafters(Drafters):
                 drafter.drafted(adopted=True)
                 self.ahead_hits += 1
                 continue
-            shard = drafter.shard
-            groups.setdefault(self.homes.get(shard, ("shard", shard)), []).append(i)
+            groups.setdefault(self._home(drafter.shard), []).append(i)
         calls = []
         for key, members in groups.items():
             shards = sorted({requests[i].drafter.shard for i in members})
             homed = [s for s, home in self.homes.items() if home == key and s in self.releases]
             releases = tuple(rid for s in sorted(set(shards) | set(homed)) for rid in self.releases.pop(s, ()))
             items = tuple(_item(requests[i], configs[i]) for i in members)
-            try:
-                pending = self.transport.submit(shards[0], DraftCall(items, self.vocab_size, min_path_prob, releases))
-            except Exception as exc:  # refused before it left (no replica, a handle gone): as a failed call
-                pending = _Failed(exc)
-            calls.append((members, shards, pending))
+            calls.append((members, shards, self._submit(shards[0], DraftCall(items, self.vocab_size, min_path_prob,
+                                                                             releases))))
         self.calls += len(calls)
         for drafter in early:
             self.ahead_misses += drafter.early is not None and not drafter.adopt
@@ -221,6 +217,19 @@ class RemoteDrafters(Drafters):
                 out[i] = (reply.draft, reply.prefill_s)
         return out
 
+    def _home(self, shard: int) -> Any:
+        """Where a call for `shard` goes: the worker its states were last sent to, or the shard itself (not placed
+        yet: a call of its own, and the reply says which worker took it)."""
+        return self.homes.get(shard, ("shard", shard))
+
+    def _submit(self, shard: int, call: DraftCall) -> Any:
+        """`call` sent toward `shard`'s worker -> a pending reply, or `_Failed` where it could not leave (no replica,
+        a handle gone): collected as a failed call."""
+        try:
+            return self.transport.submit(shard, call)
+        except Exception as exc:
+            return _Failed(exc)
+
     def _collect(self, calls) -> list:
         """Each call's (worker, replies) or exception (a call that could not be sent: its exception)."""
         sent = [(i, pending) for i, (*_, pending) in enumerate(calls) if not isinstance(pending, _Failed)]
@@ -235,15 +244,12 @@ class RemoteDrafters(Drafters):
         groups: dict[Any, list[int]] = {}
         for i, r in enumerate(requests):
             if r.drafter.synced and r.drafter.open_round:
-                groups.setdefault(self.homes.get(r.drafter.shard, ("shard", r.drafter.shard)), []).append(i)
+                groups.setdefault(self._home(r.drafter.shard), []).append(i)
         for members in groups.values():
             drafters = [requests[i].drafter for i in members]
             items = tuple(_item(requests[i], configs[i]) for i in members)
-            call = DraftCall(items, self.vocab_size, self._min_path_prob, ahead=True)
-            try:
-                pending = self.transport.submit(drafters[0].shard, call)
-            except Exception as exc:
-                pending = _Failed(exc)
+            pending = self._submit(drafters[0].shard, DraftCall(items, self.vocab_size, self._min_path_prob,
+                                                                 ahead=True))
             for drafter in drafters:
                 drafter.adopt = False  # said with this call
             self._pending_ahead.append((drafters, [configs[i] for i in members], pending))
