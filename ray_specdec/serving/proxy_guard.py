@@ -13,7 +13,9 @@ these into answers an OpenAI client acts on:
 - GET .../health, .../ready or .../live not answered within HEALTH_DEADLINE_S (no replica runs, or none answers in
   time): 503, where the proxy would otherwise hold the probe until a replica comes back. The probe carries Serve's
   per-request timeout header (its proxy then gives up on it cleanly, with a 408 that becomes this 503), and the
-  guard's own deadline stands behind it (a Serve without that header).
+  guard's own deadline stands behind it (a Serve without that header). A probe whose replica died before answering
+  (the proxy had routed it there before it learnt of the death) is asked again within the deadline: another replica
+  may well be there to answer, and that is what the probe asks.
 A response that completed, and a non-stream body cut after its status line (its length is sent: nothing can be
 added), pass as they are.
 
@@ -42,6 +44,10 @@ HEALTH_DEADLINE_S = 1.5
 # Serve's per-request timeout header (its proxy answers 408 past it), set on a probe this much before the deadline.
 TIMEOUT_HEADER = b"x-request-timeout-seconds"
 HEADER_MARGIN_S = 0.3
+# A probe whose replica was lost before answering is asked again, up to PROBE_TRIES in all, while at least
+# PROBE_RETRY_MIN_S of the deadline is left.
+PROBE_TRIES = 3
+PROBE_RETRY_MIN_S = 0.2
 RETRY_AFTER_S = 2  # seconds a client is asked to wait after a 503 (as serving/openai_server.py's)
 LOST_MESSAGE = "the replica serving this request was lost; retry the request"
 
@@ -95,17 +101,17 @@ class ReplicaLossGuard:
                 ended = True
             await send(message)
 
+        def settled() -> bool:  # a probe answered or past Serve's timeout, or its client gone: not asked again
+            return started or expired or client_left
+
         failure: BaseException | None = None
-        try:
-            if probe:
-                timeout = str(max(self.health_deadline_s - HEADER_MARGIN_S, 0.1)).encode()
-                headers = [(k, v) for k, v in scope.get("headers") or [] if bytes(k).lower() != TIMEOUT_HEADER]
-                scope = scope | {"headers": headers + [(TIMEOUT_HEADER, timeout)]}
-                await asyncio.wait_for(self.app(scope, watched_receive, guarded_send), self.health_deadline_s)
-            else:
+        if probe:
+            failure = await self._probe(scope, watched_receive, guarded_send, settled)
+        else:
+            try:
                 await self.app(scope, watched_receive, guarded_send)
-        except Exception as exc:  # the replica's death as the proxy raises it, a probe's deadline
-            failure = exc
+            except Exception as exc:  # the replica's death as the proxy raises it
+                failure = exc
         answered = True
         if ended or client_left:  # answered whole, or nobody left to answer: Serve cancelled it for the client
             return
@@ -130,6 +136,41 @@ class ReplicaLossGuard:
             return
         if failure is not None:  # a body of known length, cut: the server can only close the connection
             raise failure
+
+    async def _probe(self, scope: dict, receive, send, settled: Callable[[], bool]) -> BaseException | None:
+        """A probe through the app within the deadline, asked again while its replica was lost before answering
+        (the proxy routed it to a replica that died: the next try goes to a live one, and a probe has no effects)
+        -> the last try's failure."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.health_deadline_s
+        requests: list[Message] = []  # the request's own messages, given again to a retry
+
+        async def recorded_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                requests.append(message)
+            return message
+
+        for tries in range(1, PROBE_TRIES + 1):
+            replay = list(requests)
+
+            async def replayed_receive() -> Message:
+                return replay.pop(0) if replay else await recorded_receive()
+
+            remaining = deadline - loop.time()
+            timeout = str(max(remaining - HEADER_MARGIN_S, 0.1)).encode()
+            headers = [(k, v) for k, v in scope.get("headers") or [] if bytes(k).lower() != TIMEOUT_HEADER]
+            failure = None
+            try:
+                await asyncio.wait_for(self.app(scope | {"headers": headers + [(TIMEOUT_HEADER, timeout)]},
+                                                replayed_receive, send), remaining)  # fmt: skip
+            except Exception as exc:  # the replica's death as the proxy raises it, the deadline
+                failure = exc
+            timed_out = isinstance(failure, (asyncio.TimeoutError, TimeoutError))
+            if settled() or timed_out or tries == PROBE_TRIES or deadline - loop.time() < PROBE_RETRY_MIN_S:
+                return failure
+            logger.info("%s %s: its replica was lost before answering; asked again", scope.get("method"),
+                        scope.get("path"))  # fmt: skip
 
 
 async def _answer_503(send, body: dict) -> None:

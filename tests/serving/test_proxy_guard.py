@@ -11,7 +11,7 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from ray_specdec.serving.proxy_guard import ReplicaLossGuard, middlewares
+from ray_specdec.serving.proxy_guard import PROBE_TRIES, ReplicaLossGuard, middlewares
 
 SSE = [(b"content-type", b"text/event-stream")]
 
@@ -152,3 +152,48 @@ def test_the_header_is_below_the_deadline():
 
     client(app, health_deadline_s=1.5).get("/live")
     assert 0 < seen[0] < 1.5
+
+
+@pytest.mark.parametrize("how", ["raises", "no answer"])
+def test_a_probe_whose_replica_died_is_asked_again_and_a_live_replica_answers(how):
+    """The proxy routed the probe to a replica that died before answering; asked again, it goes to a live one."""
+    tries = []
+
+    async def first_replica_dead(scope, receive, send):
+        assert (await receive())["type"] == "http.request"  # each try gets the request again
+        tries.append(dict(scope["headers"])[b"x-request-timeout-seconds"])
+        if len(tries) == 1:
+            if how == "raises":
+                raise RuntimeError("ActorDiedError")
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+
+    response = client(first_replica_dead).get("/health")
+    assert (response.status_code, response.content, len(tries)) == (200, b"ok", 2)
+    assert float(tries[1]) <= float(tries[0])  # the retry has what is left of the deadline
+
+
+def test_a_probe_whose_replicas_keep_dying_gets_503_after_a_few_tries():
+    tries = []
+
+    async def always_dead(scope, receive, send):
+        tries.append(scope["path"])
+        raise RuntimeError("ActorDiedError")
+
+    response = client(always_dead).get("/ready")
+    assert response.status_code == 503 and response.json()["error"]["code"] == "replica_lost"
+    assert len(tries) == PROBE_TRIES
+    assert client(always_dead).post("/v1/completions", json={}).status_code == 503
+    assert len(tries) == PROBE_TRIES + 1  # a request is never sent twice: only probes are
+
+
+def test_a_probe_that_timed_out_is_not_asked_again():
+    tries = []
+
+    async def slow(scope, receive, send):
+        tries.append(1)
+        await asyncio.sleep(30)
+
+    assert client(slow, health_deadline_s=0.5).get("/health").status_code == 503
+    assert len(tries) == 1
