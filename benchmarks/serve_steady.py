@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    from ray_specdec.models.loading import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(TARGET))
     tokenize = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     # the prompts of block k (every system's): enough for every request a window of this load can send
     per_block = max(64, int(args.concurrency * (args.warmup + args.duration) * 2))
