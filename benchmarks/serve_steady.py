@@ -105,6 +105,7 @@ def ratios(blocks: list[dict[str, Any]]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", default="ours,vllm", help="comma-separated, of ours (ours and ours-none), vllm")
+    parser.add_argument("--target", default=TARGET, help="embedded model name or directory, for every system")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the window")
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of the window")
@@ -123,7 +124,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("concurrency must be in [1, 256], blocks >= 1, warmup >= 0 and duration > 0")
     if not 0.0 <= args.temperature <= 2.0:
         parser.error(f"temperature must be in [0, 2], got {args.temperature}")
+    from ray_specdec.models.loading import resolve_model_path
+
     args.ours_ingress = "direct"
+    args.target_dir = Path(resolve_model_path(args.target))  # vLLM's and the tokenizer's (a grown model built here)
     return args
 
 
@@ -131,9 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from ray_specdec.models.loading import resolve_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(TARGET))
+    tokenizer = AutoTokenizer.from_pretrained(args.target_dir)
     tokenize = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     # the prompts of block k (every system's): enough for every request a window of this load can send
     per_block = max(64, int(args.concurrency * (args.warmup + args.duration) * 2))
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = ratios(blocks)
     for name, ratio in summary["over_vllm"].items():
         print(f"{name} / vllm over the same prompts (medians of blocks): {ratio:.2f}x", flush=True)
-    out = {"config": {k: v for k, v in vars(args).items() if k not in ("vllm_script", "json")},  # paths of this machine
+    machine_paths = ("vllm_script", "json", "target_dir")
+    out = {"config": {k: v for k, v in vars(args).items() if k not in machine_paths},
            "blocks": blocks, **summary}
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1, default=str))
