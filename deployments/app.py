@@ -24,6 +24,7 @@ from ray.serve import Application
 
 from deployments.bandit import BanditHubDeployment
 from deployments.drafter import DrafterDeployment
+from deployments.drafter_scaling import POLICY
 from deployments.engine import EngineDeployment
 from deployments.metrics import MetricsHubDeployment
 from deployments.router import RouterDeployment, ServerDeployment
@@ -149,8 +150,14 @@ class AppOwnArgs(BaseModel):
     drafters: Literal["local", "remote"] = "local"
     drafter_pool_replicas: int = Field(1, ge=1)  # drafter replicas (drafters=remote) without drafter_pool_autoscaling
     # Serve's autoscaling_config of the drafter deployment (drafters=remote), e.g. {"min_replicas": 1,
-    # "max_replicas": 4, "target_ongoing_requests": 1}: each engine replica makes one short call a step per replica
+    # "max_replicas": 4, "upscale_delay_s": 10}; its policy is drafter_pool_scale_on's unless it names a "policy"
     drafter_pool_autoscaling: dict[str, Any] | None = None
+    # what an autoscaled drafter pool follows: "busy", the share of its time each replica spends drafting
+    # (deployments/drafter_scaling.py: ceil(summed busy / drafter_pool_busy_target) replicas, fewer only once the
+    # smaller pool stays under 3/4 of the target), or "ongoing", Serve's default (calls in flight per replica against
+    # target_ongoing_requests: an engine keeps about one call per replica in flight whatever its load)
+    drafter_pool_scale_on: Literal["busy", "ongoing"] = "busy"
+    drafter_pool_busy_target: float = Field(0.6, gt=0, le=1)  # busy fraction a drafter replica should stay under
     # Serve's ray_actor_options of a drafter replica (drafters=remote), e.g. {"num_cpus": 2, "num_gpus": 0.5,
     # "resources": {"drafter_slot": 1}}; None: 1 CPU (its torch threads), and 1 GPU where device is not cpu
     drafter_pool_actor_options: dict[str, Any] | None = None
@@ -291,7 +298,10 @@ class AppOwnArgs(BaseModel):
         if self.drafter_pool_autoscaling is None:
             options["num_replicas"] = self.drafter_pool_replicas
         else:
-            options["autoscaling_config"] = self.drafter_pool_autoscaling
+            options["autoscaling_config"] = dict(self.drafter_pool_autoscaling)
+            if self.drafter_pool_scale_on == "busy" and "policy" not in self.drafter_pool_autoscaling:
+                options["autoscaling_config"]["policy"] = {
+                    "policy_function": POLICY, "policy_kwargs": {"target": self.drafter_pool_busy_target}}
         return options
 
     def engine_config(self) -> EngineConfig:
