@@ -15,6 +15,14 @@ needs (`prefill_window`, `prefill_tokens`, `timings`).
   lacks a request's state, cost that round its draft: it runs undrafted (with its prompt-lookup proposal where it
   may have one), never fails, and its tokens go with its next draft call, where the state is rebuilt.
 
+Shards follow a growing pool: a shard's calls go by its route (the shard, plus `shards` times its epoch), and the
+transport places a route not placed yet on the worker that holds the fewest (Serve's multiplexed routing does), so a
+worker added later would draft only shards placed after it started. Where the transport counts its workers
+(`DrafterTransport.replicas`), every `rebalance_s` the shards beyond an even share (ceil(placed / workers)) on each
+worker take their next epoch: a route of their own, placed anew (less often while moves do not even them out). Their
+requests' states go to the new worker with their tokens in the next call (a prefill there, no undrafted round), and
+their sessions on the old worker are released with its next call.
+
 With `overlap`, right after a step's drafts a second call per worker asks it to draft each request's next round
 ahead, while the target verifies this one (speculation/drafter_worker.py: from the likeliest path of the draft just
 sent, assumed accepted whole, and the drafter's own pick of the bonus token). Where a verdict brings exactly the
@@ -22,7 +30,7 @@ assumed tokens and the controller picks the same tree, the next round's draft is
 is dropped and the round drafts as usual. Only what the target verifies is ever emitted either way.
 
 Transports (`DrafterTransport`) carry the calls: deployments/drafter.py through Serve handles (each call routed by
-its first shard with Serve's model multiplexing, so that a shard stays on one replica), tests in-process.
+its first shard's route with Serve's model multiplexing, so that a shard stays on one replica), tests in-process.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from ray_specdec.speculation.drafter_sessions import LazyDrafter, ready_many
 from ray_specdec.speculation.drafter_worker import DraftCall, DraftItem, DraftReply
 from ray_specdec.speculation.drafting import Draft, DraftRequest, draft_many, prefill_key
 
+REBALANCE_S = 5.0  # RemoteDrafters: how often shards may move to even out the workers' shares, seconds
 
 class Drafters:
     """The drafting side of a scheduler (see the module docstring); requests are engine/request.py `Request`s."""
@@ -102,8 +111,9 @@ class LocalDrafters(Drafters):
 class DrafterTransport(Protocol):
     """How `RemoteDrafters` reaches its workers."""
 
-    def submit(self, shard: int, call: DraftCall) -> Any:
-        """Start `call` on the worker that holds `shard` -> a pending reply."""
+    def submit(self, route: int, call: DraftCall) -> Any:
+        """Start `call` on the worker that holds `route` (a shard's, `RemoteDrafters._submit`), or on the worker that
+        holds the fewest routes where none does -> a pending reply."""
 
     def collect(self, pending: Sequence[Any], timeout_s: float) -> list[tuple[str, list[DraftReply]] | BaseException]:
         """Wait for the pending replies, all within `timeout_s` -> per call (the worker's id, its replies), or the
@@ -111,6 +121,8 @@ class DrafterTransport(Protocol):
 
     def timings(self, timeout_s: float) -> tuple[float, float, float, float]:
         """A worker's `DrafterWorker.timings()`."""
+
+    # optional: `replicas() -> int | None`, the workers running now (None: not known); without it shards never move
 
 
 @dataclass
@@ -125,6 +137,7 @@ class RemoteDrafter:
     verdicts: list[Verdict] = field(default_factory=list)  # rounds judged since its last draft
     adopt: bool = False  # its last round used the worker's draft ahead: say so with the next item
     early: tuple[Draft, tuple[int, ...], TreeConfig] | None = None  # a draft ahead: it, its assumed tokens, its tree
+    worker: str | None = None  # the worker that holds its state (while synced)
 
     @property
     def started(self) -> bool:
@@ -138,10 +151,11 @@ class RemoteDrafter:
     def close(self) -> None:
         """The request ended: its session goes with the next call to its worker."""
         if self.synced:
-            self.owner.releases.setdefault(self.shard, []).append(self.request_id)
+            self.owner.releases.setdefault(self.worker, []).append(self.request_id)
 
-    def drafted(self, adopted: bool = False) -> None:
+    def drafted(self, worker: str, adopted: bool = False) -> None:
         self.synced, self.open_round, self.verdicts, self.adopt = True, True, [], adopted
+        self.worker = worker
 
     def lost(self) -> None:
         self.synced, self.open_round, self.verdicts, self.adopt = False, False, [], False
@@ -151,16 +165,20 @@ class RemoteDrafters(Drafters):
     """Drafts from drafter workers over a transport: one call per worker per step (see the module docstring)."""
 
     def __init__(self, transport: DrafterTransport, vocab_size: int, prefill_window: int | None,
-                 shards: int = 16, timeout_s: float = 5.0, overlap: bool = False):
+                 shards: int = 16, timeout_s: float = 5.0, overlap: bool = False, rebalance_s: float = REBALANCE_S):
         """prefill_window: the workers' drafter's (resolved: drafter_prefill_window); shards: requests hash into
         this many; timeout_s: a step's calls not answered by then leave their rounds undrafted; overlap: draft the
-        next rounds ahead while the target verifies (the module docstring)."""
+        next rounds ahead while the target verifies; rebalance_s: how often shards may move to even out the
+        workers' shares (the module docstring)."""
         self.transport, self.vocab_size, self.prefill_window = transport, vocab_size, prefill_window
-        self.shards, self.timeout_s = shards, timeout_s
+        self.shards, self.timeout_s, self.rebalance_s = shards, timeout_s, rebalance_s
         self.homes: dict[int, str] = {}  # shard -> the worker its states were last sent to
-        self.releases: dict[int, list[str]] = {}  # shard -> ended requests whose sessions its worker still holds
+        self.epochs: dict[int, int] = {}  # shard -> how often it moved (its route: shard + shards * epoch)
+        self.releases: dict[str, list[str]] = {}  # worker -> ended or moved requests whose sessions it still holds
         self.overlap = overlap
-        self.calls = self.failed_calls = self.missing = self.drafts = 0
+        self.calls = self.failed_calls = self.missing = self.drafts = self.moved_shards = 0
+        self._rebalanced = time.monotonic()
+        self._backoff, self._most = 1, None  # rebalance_s's multiple now; the most shards on a worker at the last move
         self.ahead_hits = self.ahead_misses = 0  # rounds that used a draft ahead, and drafts ahead dropped
         self._pending_ahead: list[tuple[list[RemoteDrafter], list[TreeConfig], Any]] = []
         self._min_path_prob = 0.0
@@ -170,23 +188,26 @@ class RemoteDrafters(Drafters):
 
     def draft(self, requests, configs, min_path_prob):
         self._min_path_prob = min_path_prob
+        self._rebalance()
         early = self._collect_ahead()
         out: list[tuple[Draft | None, float]] = [(None, 0.0)] * len(requests)
         groups: dict[Any, list[int]] = {}  # a worker (or a shard not placed yet) -> its requests, in order
         for i, r in enumerate(requests):
             drafter = r.drafter
+            if drafter.synced and drafter.worker != self.homes.get(drafter.shard):  # its shard moved
+                self.releases.setdefault(drafter.worker, []).append(drafter.request_id)
+                drafter.lost()
             draft = _early_draft(drafter, configs[i]) if drafter.early is not None else None
             if draft is not None:
                 out[i] = (draft, 0.0)
-                drafter.drafted(adopted=True)
+                drafter.drafted(drafter.worker, adopted=True)
                 self.ahead_hits += 1
                 continue
             groups.setdefault(self._home(drafter.shard), []).append(i)
         calls = []
         for key, members in groups.items():
             shards = sorted({requests[i].drafter.shard for i in members})
-            homed = [s for s, home in self.homes.items() if home == key and s in self.releases]
-            releases = tuple(rid for s in sorted(set(shards) | set(homed)) for rid in self.releases.pop(s, ()))
+            releases = tuple(self.releases.pop(key, ())) if isinstance(key, str) else ()
             items = tuple(_item(requests[i], configs[i]) for i in members)
             calls.append((members, shards, self._submit(shards[0], DraftCall(items, self.vocab_size, min_path_prob,
                                                                              releases))))
@@ -199,7 +220,6 @@ class RemoteDrafters(Drafters):
                 self.failed_calls += 1
                 for s in shards:
                     self.homes.pop(s, None)
-                    self.releases.pop(s, None)
                 for i in members:
                     requests[i].drafter.lost()
                 continue
@@ -213,9 +233,39 @@ class RemoteDrafters(Drafters):
                     drafter.lost()
                 else:
                     self.drafts += 1
-                    drafter.drafted()
+                    drafter.drafted(worker)
                 out[i] = (reply.draft, reply.prefill_s)
+        homing = set(self.homes.values())
+        for worker in [w for w in self.releases if w not in homing]:  # no call goes there: its LRU drops them
+            del self.releases[worker]
         return out
+
+    def _rebalance(self) -> None:
+        """Every `rebalance_s` (doubled, up to 16 times, while a move did not even the shards out): where a worker
+        holds more than ceil(placed / workers) of these shards, those beyond take their next epoch (a route of their
+        own, placed anew: the module docstring). Their requests move with their next call."""
+        now = time.monotonic()
+        count = getattr(self.transport, "replicas", None)
+        if count is None or now - self._rebalanced < self.rebalance_s * self._backoff:
+            return
+        self._rebalanced = now
+        workers = count()
+        by_worker: dict[str, list[int]] = {}
+        for shard, worker in sorted(self.homes.items()):
+            by_worker.setdefault(worker, []).append(shard)
+        share = -(-len(self.homes) // workers) if workers else 0
+        most = max(map(len, by_worker.values()), default=0)
+        if workers is None or workers < 2 or most <= share:
+            self._backoff, self._most = 1, None
+            return
+        if self._most is not None and most >= self._most:  # the last move did not help (routes placed back)
+            self._backoff = min(16, 2 * self._backoff)
+        self._most = most
+        for shards in by_worker.values():
+            for shard in shards[share:]:
+                del self.homes[shard]
+                self.epochs[shard] = self.epochs.get(shard, 0) + 1
+                self.moved_shards += 1
 
     def _home(self, shard: int) -> Any:
         """Where a call for `shard` goes: the worker its states were last sent to, or the shard itself (not placed
@@ -223,10 +273,10 @@ class RemoteDrafters(Drafters):
         return self.homes.get(shard, ("shard", shard))
 
     def _submit(self, shard: int, call: DraftCall) -> Any:
-        """`call` sent toward `shard`'s worker -> a pending reply, or `_Failed` where it could not leave (no replica,
-        a handle gone): collected as a failed call."""
+        """`call` sent toward `shard`'s worker (by its route) -> a pending reply, or `_Failed` where it could not
+        leave (no replica, a handle gone): collected as a failed call."""
         try:
-            return self.transport.submit(shard, call)
+            return self.transport.submit(shard + self.shards * self.epochs.get(shard, 0), call)
         except Exception as exc:
             return _Failed(exc)
 
@@ -286,7 +336,8 @@ class RemoteDrafters(Drafters):
     def summary(self) -> dict:
         return {"drafter_calls": self.calls, "drafts": self.drafts, "drafter_failed_calls": self.failed_calls,
                 "drafter_missing_states": self.missing, "drafter_workers": sorted(set(self.homes.values())),
-                "ahead_hits": self.ahead_hits, "ahead_misses": self.ahead_misses}
+                "drafter_moved_shards": self.moved_shards, "ahead_hits": self.ahead_hits,
+                "ahead_misses": self.ahead_misses}
 
 
 def _early_draft(drafter: RemoteDrafter, config: TreeConfig) -> Draft | None:

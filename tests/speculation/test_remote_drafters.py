@@ -1,7 +1,7 @@
 """Remote drafting (`drafters=remote`, speculation/drafters.py `RemoteDrafters` over speculation/drafter_worker.py
 `DrafterWorker`s, here in this process): the same greedy tokens and the same rounds as the drafter in the engine's
-process, one call per worker per step, the target's distribution for sampled requests, and no request lost or changed
-when a worker loses its sessions, fails a call or is replaced."""
+process, one call per worker per step, the target's distribution for sampled requests, no request lost or changed
+when a worker loses its sessions, fails a call or is replaced, and shards moving to a worker added mid-run."""
 
 from __future__ import annotations
 
@@ -154,3 +154,51 @@ def test_remote_sampled_requests_have_the_target_distribution(coupling, overlap,
     assert sum(r.stats.rounds < n_tokens for r in results) > 0  # rounds that accepted drafted tokens
     assert drafters.failed_calls > 0 and (drafters.ahead_hits > 0) == overlap, drafters.summary()
     assert_emitted_distribution(counts, exact, n_samples, ENUMERATED_VOCAB)
+
+
+class GrowingTransport(InProcessTransport):
+    """Workers that count themselves (`replicas`), a route not placed yet going to the worker that holds the fewest
+    routes, as Serve's multiplexed routing places a model id no replica holds."""
+
+    def replicas(self) -> int:
+        return len(self.workers)
+
+    def submit(self, route: int, call):
+        if route not in self.placed:
+            held = {name: 0 for name in self.workers}
+            for name in self.placed.values():
+                held[name] = held.get(name, 0) + 1
+            self.placed[route] = min(self.workers, key=held.__getitem__)
+        return super().submit(route, call)
+
+
+def test_shards_move_to_a_worker_added_mid_run(fixed_ids):
+    """One worker drafts 8 requests; a second one starts at step 3: about half the shards move to it (their requests'
+    states rebuilt there from their token ids, their old sessions released), with no undrafted round and the local
+    drafter's greedy tokens."""
+    target, drafter = agreeing_pair(torch.float32, max_positions=512)
+    prompts, params = batch(target.vocab_size)
+    config = lookup_off(scheduler=SMALL)
+    local = SpeculativeEngine(target, drafter, TREE, config=config).generate_many(prompts, params)
+    transport = GrowingTransport({"w0": DrafterWorker(drafter, max_sessions=16)})
+    drafters = RemoteDrafters(transport, target.vocab_size, drafter.prefill_window, shards=8, rebalance_s=0.0)
+    before: set[str] = set()  # requests with a session on w0 when w1 started
+    on_w1: set[str] = set()
+
+    def grow(step: int) -> None:
+        if step == 3 and "w1" not in transport.workers:
+            before.update(transport.workers["w0"].sessions)
+            transport.workers["w1"] = DrafterWorker(drafter, max_sessions=16)
+        if "w1" in transport.workers:
+            on_w1.update(transport.workers["w1"].sessions)
+
+    transport.before_call = grow
+    far = SpeculativeEngine(target, drafters, TREE, config=config).generate_many(prompts, params)
+    assert [g.token_ids for g in far] == [g.token_ids for g in local]
+    assert drafters.moved_shards > 0 and before & on_w1, (drafters.summary(), before, on_w1)
+    assert drafters.missing == drafters.failed_calls == 0
+    assert transport.served[id(transport.workers["w1"])] > 0
+    held = set(drafters.homes.values())
+    assert held == {"w0", "w1"}
+    # the moved requests' sessions left w0 with its next call: none is held by both workers
+    assert not set(transport.workers["w0"].sessions) & set(transport.workers["w1"].sessions)
