@@ -6,8 +6,9 @@ The token at absolute position t of a sequence (prompt + generated, 0-based) is
 
 where p_t is the target's processed distribution there (penalties, logit_bias, min_tokens, temperature, top-k,
 top-p: exactly what target-only sampling draws from) and u is a uniform in (0, 1) made of 52 bits of Philox-4x32-10
-(Salmon et al., 2011), a counter-based generator computed here in torch integer arithmetic, so a CPU and a GPU give the
-same bits. G_t(x) are i.i.d. standard Gumbel, so x_t is an exact draw from p_t; the noise of position t is independent
+(Salmon et al., 2011), a counter-based generator computed in integer arithmetic (torch's on any device, a native
+kernel's on CPU: models/native/philox_cpu.c), so a CPU and a GPU give the same bits. G_t(x) are i.i.d. standard
+Gumbel, so x_t is an exact draw from p_t; the noise of position t is independent
 of the noise that chose the prefix, so a sequence is an exact draw from the target's sequence distribution. And x_t is
 a deterministic function of (prefix, seed, choice): whatever the drafter, the tree, the batch or a replica change.
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from ray_specdec.models.native import library as native
 
 # Philox-4x32 multipliers and Weyl key increments (Random123).
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
@@ -72,8 +75,19 @@ def keyed_rows(keys: Sequence[tuple[int, int, int]], vocab: int, device: torch.d
     other rows)."""
     if any(not (0 <= s < 2**63 and 0 <= c < 2**63 and 0 <= p <= _MASK32) for s, c, p in keys):
         raise ValueError("seeds and choices must be in [0, 2^63), positions in [0, 2^32)")
+    table = torch.tensor(list(keys), dtype=torch.int64).reshape(-1, 3)
+    if torch.device(device).type == "cpu" and (lib := native.load()) is not None:  # the same bits, one native pass
+        out = torch.empty(table.shape[0], vocab, dtype=torch.float64)
+        lib.keyed_uniforms(table.data_ptr(), table.shape[0], vocab, out.data_ptr())
+        return out
+    return torch_keyed_rows(table, vocab, device)
+
+
+def torch_keyed_rows(table: torch.Tensor, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`keyed_rows` in torch integer arithmetic (any device; native/philox_cpu.c makes the same bits on CPU), of
+    `table` [rows, 3] int64 (seed, choice, position)."""
     pairs = (vocab + 1) // 2
-    seed, choice, pos = torch.tensor(list(keys), dtype=torch.int64, device=device).reshape(-1, 3).T[:, :, None]
+    seed, choice, pos = table.to(device).T[:, :, None]
     shape = (pos.shape[0], pairs)
     c0 = torch.arange(pairs, dtype=torch.int64, device=device).expand(shape)
     counter = [c0, pos.expand(shape), (choice & _MASK32).expand(shape), (choice >> 32).expand(shape)]
@@ -120,7 +134,8 @@ def prefetch(wants: Sequence[tuple[KeyedGumbel, Sequence[int]]], vocab: int,
     todo = [(noise, p) for noise, positions in wants for p in noise.missing(positions, vocab, device)]
     if not todo:
         return
-    fresh = gumbel(keyed_rows([(noise.seed, noise.choice, p) for noise, p in todo], vocab, device))
+    fresh = keyed_rows([(noise.seed, noise.choice, p) for noise, p in todo], vocab, device)
+    fresh.log_().neg_().log_().neg_()  # gumbel(), in place: the same bits without two more [rows, V] buffers
     for (noise, p), row in zip(todo, fresh):
         noise._noise[p] = row
 

@@ -58,9 +58,10 @@ def test_keyed_uniforms_are_uniform(monkeypatch):
     assert chisquare(np.bincount(top, minlength=256)).pvalue > 1e-3
     low = (np.floor(u * 2.0**52)).astype(np.int64) & 1
     assert chisquare(np.bincount(low, minlength=2)).pvalue > 1e-3
-    for word in (0, 0xFFFFFFFF):  # the extreme words (through keyed_uniforms' own arithmetic) stay inside (0, 1)
+    for word in (0, 0xFFFFFFFF):  # the extreme words (through the torch path's own arithmetic) stay inside (0, 1);
+        # the native kernel makes the same bits as that path (tests/models/native/test_philox.py)
         monkeypatch.setattr(coupled, "philox4x32", lambda counter, key, w=word: [torch.full_like(counter[0], w)] * 4)
-        ends = keyed_uniforms(0, 0, [0], 4)
+        ends = coupled.torch_keyed_rows(torch.tensor([[0, 0, 0]]), 4)
         assert ((0 < ends) & (ends < 1)).all() and (-torch.log(-torch.log(ends))).isfinite().all()
     monkeypatch.undo()
     # neighbouring tokens and positions are uncorrelated

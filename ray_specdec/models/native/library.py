@@ -30,7 +30,7 @@ from ray_specdec import env
 # Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "decoder_cpu.c", "prefill_cpu.c",
-                             "shm_cpu.c", "threads_cpu.c"))
+                             "shm_cpu.c", "threads_cpu.c", "philox_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h", "simd_cpu.h", "attention_simd_cpu.h"))
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
 FLAGS = ("-O3", "-ffast-math", "-fPIC", "-shared")
@@ -235,6 +235,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.shm_sum_f32.restype = i
     lib.omp_team_thread_ids.argtypes = [i, p]
     lib.omp_team_thread_ids.restype = i
+    lib.keyed_uniforms.argtypes = [p, i64, i64, p]
+    lib.keyed_uniforms.restype = None
 
 
 _threads_set: dict[int, int] = {}  # loaded library handle -> the thread count it was last given
