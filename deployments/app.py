@@ -166,6 +166,10 @@ class AppOwnArgs(BaseModel):
     # drafters=remote: while the target verifies a round, the drafter replicas draft the next one from the path they
     # rate likeliest (assumed accepted whole, with their own pick of the bonus token); used where the verdict agrees
     drafter_pool_overlap: bool = False
+    # drafters=remote: how often, in seconds, an engine moves the shards beyond an even share on a drafter replica to
+    # new routes, which Serve places on the replica holding the fewest (a replica added later gets a share of the
+    # requests in flight, their states rebuilt there from their token ids; speculation/drafters.py)
+    drafter_pool_rebalance_s: float = Field(5.0, gt=0)
     # a request's drafter state starts from its last this many tokens: "auto" (the window the drafter's config names;
     # the shipped drafter: 512), "all" (or None), or a count >= 1 (see docs/BENCHMARKS.md)
     drafter_prefill_window: Annotated[int, Field(ge=1)] | Literal["auto", "all"] | None = "auto"
@@ -366,7 +370,8 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
             num_threads=max(1, round(args.drafter_pool_options()["ray_actor_options"].get("num_cpus", 1))))
         replica |= {"drafter_pool": pool, "drafter_pool_shards": args.drafter_pool_shards,
                     "drafter_pool_timeout_s": args.drafter_pool_timeout_s,
-                    "drafter_pool_overlap": args.drafter_pool_overlap}
+                    "drafter_pool_overlap": args.drafter_pool_overlap,
+                    "drafter_pool_rebalance_s": args.drafter_pool_rebalance_s}
     serving = config.serving
     settings = ServerSettings(
         **dataclasses.asdict(serving) | {"api_key": serving.api_key or env.API_KEY.value()},

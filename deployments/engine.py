@@ -244,6 +244,7 @@ class EngineReplica:
         drafter_pool_shards: int = 16,
         drafter_pool_timeout_s: float = 5.0,
         drafter_pool_overlap: bool = False,
+        drafter_pool_rebalance_s: float = 5.0,
     ):
         """policy: the bandit's arms, or one tree for every request (None: the device's default tree); config: the
         engine's settings, whose scheduler and speculation parts run here. bandit_hub: the shared bandit this
@@ -254,7 +255,8 @@ class EngineReplica:
         process's other threads below the loop's compute threads (ray_specdec/serving/thread_priority.py).
         drafter_pool: the `drafter` deployment's handle (drafters=remote): requests are drafted there, in
         drafter_pool_shards shards, a call not answered within drafter_pool_timeout_s leaving its rounds undrafted,
-        the next rounds drafted ahead while the target verifies with drafter_pool_overlap; the drafter is then only
+        the next rounds drafted ahead while the target verifies with drafter_pool_overlap, shards beyond an even
+        share on a drafter replica moved every drafter_pool_rebalance_s; the drafter is then only
         read for its prefill window."""
         self.bandit: Bandit | None = None
         self.bandit_sync: BanditSync | BanditSaver | None = None
@@ -293,7 +295,7 @@ class EngineReplica:
                                                 AutoConfig.from_pretrained(resolve_model_path(drafter)))
                 drafters = self.remote_drafters = RemoteDrafters(
                     ServeDrafterTransport(drafter_pool), self.backend.vocab_size, window, drafter_pool_shards,
-                    drafter_pool_timeout_s, drafter_pool_overlap)
+                    drafter_pool_timeout_s, drafter_pool_overlap, drafter_pool_rebalance_s)
             elif drafter is not None:
                 drafters = self.drafter = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device,
                                                                        prefill_window=drafter_prefill_window)
