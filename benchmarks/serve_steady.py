@@ -7,13 +7,15 @@ its first token to its end), over the same prompts for every system, so that the
 and drain can be told apart. The tokens of the requests that end inside the window are also reported
 (`ended_tokens_per_s`): that count moves in steps of whole waves where a server ends its requests together.
 
-Systems: `ours` (the app's own choice of drafting) and `ours-none` (every request `"tree": "none"`), from one
+Systems: `ours` (the app's own choice of drafting) and `ours-none` (every request `"tree": "none"`), or with
+`--pair seeded` `ours-seeded` (every request seeded: coupled sampling, against ours' rejection sampling), from one
 server, alternating; `vllm` (vLLM-CPU plain, `../shared/peers/vllm_cpu.sh`), twice as often. No server sees a prompt
 twice (its prefix cache would hit): each window takes prompts of its own, and vLLM's windows take those of ours and
 of ours-none in turn, so each of ours is compared with vLLM over the same prompts. Tokens are counted as serve_peers
 counts them (usage, the chunks' token ids, else the text re-tokenized).
 
-Run: python -m benchmarks.serve_steady [--servers ours,vllm] [--concurrency 32] [--blocks 2] [--json F]
+Run: python -m benchmarks.serve_steady [--servers ours,vllm] [--concurrency 32] [--blocks 2] [--pair none|seeded]
+[--temperature T] [--target NAME] [--json F]
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from benchmarks.serve_peers_servers import REPO, TARGET, Endpoint, ours_server, 
 # server -> its systems, in the order of their prompt slots (a window of block k, slot j takes prompt block 2k + j),
 # and the request fields of each
 SLOTS = {"ours": ("ours", "ours-none"), "vllm": ("vllm", "vllm")}
-FIELDS = {"ours": {}, "ours-none": {"tree": "none"}, "vllm": {}}
+FIELDS = {"ours": {}, "ours-none": {"tree": "none"}, "ours-seeded": {}, "vllm": {}}
+SEEDED = ("ours-seeded",)  # systems whose every request carries a seed of its own (coupled sampling, `auto`)
 
 
 async def steady_window(send: Callable[[int], Awaitable[tuple[int, float | None]]], concurrency: int,
@@ -71,13 +74,16 @@ async def steady_window(send: Callable[[int], Awaitable[tuple[int, float | None]
 
 
 def run_block(endpoint: Endpoint, prompts: list[str], fields: dict[str, Any], args: argparse.Namespace,
-              tokenize: Callable[[str], int]) -> dict[str, Any]:  # fmt: skip
+              tokenize: Callable[[str], int], seed_base: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """One window of closed load on `prompts`; seed_base: request i carries the seed seed_base + i."""
     async def go() -> dict[str, Any]:
         limits = httpx.Limits(max_connections=args.concurrency + 1, max_keepalive_connections=args.concurrency + 1)
         async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout), trust_env=False) as client:
 
             async def send(index: int) -> tuple[int, float | None]:
-                body = request_body(endpoint, prompts[index % len(prompts)], args.max_tokens, args.temperature, fields)
+                extra = {"seed": seed_base + index} if seed_base is not None else {}
+                body = request_body(endpoint, prompts[index % len(prompts)], args.max_tokens, args.temperature,
+                                    fields | extra)  # fmt: skip
                 result: RequestResult = await stream_one(client, endpoint.url, body, index, args.timeout)
                 if result.error:
                     raise RuntimeError(f"request {index} failed: {result.error}")
@@ -96,16 +102,30 @@ def ratios(blocks: list[dict[str, Any]]) -> dict[str, Any]:
 
     medians = {name: median([b for b in blocks if b["system"] == name]) for name in FIELDS if name != "vllm"}
     vllm = [median([b for b in blocks if b["system"] == "vllm" and b["slot"] == slot]) for slot in (0, 1)]
-    over = {name: medians[name] / vllm[SLOTS["ours"].index(name)] for name in medians
-            if medians[name] is not None and vllm[SLOTS["ours"].index(name)]}  # fmt: skip
+    over = {name: medians[name] / vllm[slot] for name in medians if (slot := _slot(name)) is not None
+            and medians[name] is not None and vllm[slot]}  # fmt: skip
+    # ours' second system over ours, block by block (the two alternate within a block), and the median of those
+    ours = {b["block"]: b["tokens_per_s"] for b in blocks if b["system"] == "ours"}
+    pairs = {b["system"]: [] for b in blocks if b["slot"] == 1 and b["system"] != "vllm"}
+    for b in blocks:
+        if b["system"] in pairs and ours.get(b["block"]):
+            pairs[b["system"]].append(b["tokens_per_s"] / ours[b["block"]])
     return {"median_tokens_per_s": {**{k: v for k, v in medians.items() if v is not None}, "vllm": vllm},
-            "over_vllm": over}  # fmt: skip
+            "over_vllm": over,
+            "over_ours": {name: {"blocks": r, "median": statistics.median(r)} for name, r in pairs.items() if r}}
+
+
+def _slot(name: str) -> int | None:
+    return 0 if name == "ours" else 1 if name.startswith("ours-") else None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", default="ours,vllm", help="comma-separated, of ours (ours and ours-none), vllm")
     parser.add_argument("--target", default=TARGET, help="embedded model name or directory, for every system")
+    parser.add_argument("--pair", default="none", choices=("none", "seeded"),
+                        help="ours' second system: every request 'tree': 'none' (none), or every request seeded "
+                             "(seeded: coupled sampling against ours' rejection sampling; needs --temperature > 0)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the window")
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of the window")
@@ -124,6 +144,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("concurrency must be in [1, 256], blocks >= 1, warmup >= 0 and duration > 0")
     if not 0.0 <= args.temperature <= 2.0:
         parser.error(f"temperature must be in [0, 2], got {args.temperature}")
+    if args.pair == "seeded" and args.temperature == 0:
+        parser.error("--pair seeded compares sampling modes: give --temperature > 0")
     from ray_specdec.models.loading import resolve_model_path
 
     args.ours_ingress = "direct"
@@ -141,14 +163,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_block = max(64, int(args.concurrency * (args.warmup + args.duration) * 2))
     prompts = select_prompts(per_block * 2 * args.blocks, args.seed)
     blocks: list[dict[str, Any]] = []
+    slots = SLOTS | {"ours": ("ours", f"ours-{args.pair}")}
     for server in args.servers:
         start = ours_server if server == "ours" else (lambda a: vllm_server(a, "plain"))
         with start(args) as endpoint:
             for k in range(args.blocks):
-                for slot, name in enumerate(SLOTS[server]):  # a server's systems alternate, as serve_peers' do
+                for slot, name in enumerate(slots[server]):  # a server's systems alternate, as serve_peers' do
                     block = prompts[(2 * k + slot) * per_block:(2 * k + slot + 1) * per_block]
+                    seed_base = 1_000_000 * (k + 1) if name in SEEDED else None
                     row = {"system": name, "block": k, "slot": slot,
-                           **run_block(endpoint, block, FIELDS[name], args, tokenize)}  # fmt: skip
+                           **run_block(endpoint, block, FIELDS[name], args, tokenize, seed_base)}  # fmt: skip
                     ttft = "-" if row["ttft_p50_s"] is None else f"{row['ttft_p50_s'] * 1e3:.0f} ms"
                     print(f"{name} c={args.concurrency} block {k} (prompts {2 * k + slot}): "
                           f"{row['tokens_per_s']:.1f} tok/s (the {row['requests']} requests that ended in the window: "
@@ -157,6 +181,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = ratios(blocks)
     for name, ratio in summary["over_vllm"].items():
         print(f"{name} / vllm over the same prompts (medians of blocks): {ratio:.2f}x", flush=True)
+    for name, pair in summary["over_ours"].items():
+        print(f"{name} / ours, block by block: {', '.join(f'{r:.2f}x' for r in pair['blocks'])} "
+              f"(median {pair['median']:.2f}x)", flush=True)  # fmt: skip
     machine_paths = ("vllm_script", "json", "target_dir")
     out = {"config": {k: v for k, v in vars(args).items() if k not in machine_paths},
            "blocks": blocks, **summary}

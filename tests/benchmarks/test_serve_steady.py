@@ -48,9 +48,10 @@ def test_arguments_are_checked():
     assert args.servers == ["ours"] and args.concurrency == 8 and args.blocks == 3 and args.temperature == 0.0
     assert parse_args(["--temperature", "1"]).temperature == 1.0
     for bad in (["--servers", "hf"], ["--concurrency", "0"], ["--blocks", "0"], ["--duration", "0"],
-                ["--temperature", "-1"]):
+                ["--temperature", "-1"], ["--pair", "seeded"], ["--pair", "rows", "--temperature", "1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+    assert parse_args(["--pair", "seeded", "--temperature", "1"]).pair == "seeded"
 
 
 def test_ours_is_compared_with_vllm_over_the_same_prompts():
@@ -59,5 +60,12 @@ def test_ours_is_compared_with_vllm_over_the_same_prompts():
     out = ratios([{"system": s, "block": k, "slot": j, "tokens_per_s": t} for s, k, j, t in rows])
     assert out["median_tokens_per_s"] == {"ours": 850.0, "ours-none": 650.0, "vllm": [850.0, 600.0]}
     assert out["over_vllm"] == {"ours": pytest.approx(1.0), "ours-none": pytest.approx(650 / 600)}
+    # ours' second system block by block: 700 / 800 and 600 / 900
+    assert out["over_ours"]["ours-none"]["blocks"] == pytest.approx([700 / 800, 600 / 900])
+    assert out["over_ours"]["ours-none"]["median"] == pytest.approx((700 / 800 + 600 / 900) / 2)
     only_ours = ratios([{"system": "ours", "block": 0, "slot": 0, "tokens_per_s": 800.0}])
     assert only_ours["over_vllm"] == {} and only_ours["median_tokens_per_s"]["ours"] == 800.0
+    assert only_ours["over_ours"] == {}
+    seeded = ratios([{"system": "ours", "block": 0, "slot": 0, "tokens_per_s": 500.0},
+                     {"system": "ours-seeded", "block": 0, "slot": 1, "tokens_per_s": 450.0}])
+    assert seeded["over_ours"]["ours-seeded"]["median"] == pytest.approx(0.9)
