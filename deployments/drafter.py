@@ -50,12 +50,13 @@ class DrafterDeployment:
     async def shard(self, shard: str) -> str:
         return shard
 
-    async def draft(self, call: DraftCall) -> tuple[str, list[DraftReply]]:
-        """One engine's step on this replica -> (this replica's id, a reply per request)."""
+    async def draft(self, call: DraftCall) -> tuple[str, list[DraftReply], dict[str, float]]:
+        """One engine's step on this replica -> (this replica's id, a reply per request, its load: the meter's)."""
         shard = serve.get_multiplexed_model_id()
         if shard:
             await self.shard(shard)
-        return self.name, await asyncio.to_thread(self._locked, self._draft, call)
+        replies = await asyncio.to_thread(self._locked, self._draft, call)
+        return self.name, replies, self.meter.stats()
 
     def _draft(self, call: DraftCall) -> list[DraftReply]:
         """The worker's draft, metered (the lock held)."""
@@ -89,12 +90,19 @@ class ServeDrafterTransport:
         self._by_route: dict[int, object] = {}
         self._replicas: int | None = None
         self._poller: threading.Thread | None = None
+        self._loads: dict[str, tuple[float, dict[str, float]]] = {}  # replica -> (when, its load with a reply)
 
     def submit(self, route: int, call: DraftCall):
         handle = self._by_route.get(route)
         if handle is None:
             handle = self._by_route[route] = self.handle.options(multiplexed_model_id=str(route))
         return handle.draft.remote(call)
+
+    def loads(self, max_age_s: float = 5.0) -> dict[str, dict[str, float]]:
+        """Each replica's load (busy fraction, requests and rows drafted per second) as its last reply within
+        `max_age_s` said, by replica id."""
+        now = time.monotonic()
+        return {name: load for name, (when, load) in dict(self._loads).items() if now - when <= max_age_s}
 
     def replicas(self) -> int | None:
         """The pool's running replicas as Serve's controller last counted them (None until it first answers)."""
@@ -116,7 +124,9 @@ class ServeDrafterTransport:
         deadline, out = time.monotonic() + timeout_s, []
         for response in pending:
             try:
-                out.append(response.result(timeout_s=max(0.0, deadline - time.monotonic())))
+                name, replies, load = response.result(timeout_s=max(0.0, deadline - time.monotonic()))
+                self._loads[name] = (time.monotonic(), load)
+                out.append((name, replies))
             except Exception as exc:  # a dead or downscaled replica, a timeout: the caller's rounds go undrafted
                 response.cancel()
                 out.append(exc)

@@ -122,7 +122,8 @@ class DrafterTransport(Protocol):
     def timings(self, timeout_s: float) -> tuple[float, float, float, float]:
         """A worker's `DrafterWorker.timings()`."""
 
-    # optional: `replicas() -> int | None`, the workers running now (None: not known); without it shards never move
+    # optional: `replicas() -> int | None`, the workers running now (None: not known); without it shards never move;
+    # `loads() -> {worker: {metric: value}}`, the workers' recent load, shown in `RemoteDrafters.summary`
 
 
 @dataclass
@@ -334,10 +335,12 @@ class RemoteDrafters(Drafters):
         return step_1, step_16, catch_up + round_trip, prefill_64
 
     def summary(self) -> dict:
-        return {"drafter_calls": self.calls, "drafts": self.drafts, "drafter_failed_calls": self.failed_calls,
-                "drafter_missing_states": self.missing, "drafter_workers": sorted(set(self.homes.values())),
-                "drafter_moved_shards": self.moved_shards, "ahead_hits": self.ahead_hits,
-                "ahead_misses": self.ahead_misses}
+        out = {"drafter_calls": self.calls, "drafts": self.drafts, "drafter_failed_calls": self.failed_calls,
+               "drafter_missing_states": self.missing, "drafter_workers": sorted(set(self.homes.values())),
+               "drafter_moved_shards": self.moved_shards, "ahead_hits": self.ahead_hits,
+               "ahead_misses": self.ahead_misses}
+        loads = getattr(self.transport, "loads", None)  # the workers' own (deployments/drafter.py), where it says
+        return out if loads is None else out | {"drafter_loads": loads()}
 
 
 def _early_draft(drafter: RemoteDrafter, config: TreeConfig) -> Draft | None:

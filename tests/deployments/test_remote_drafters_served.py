@@ -85,6 +85,9 @@ def test_requests_drafted_by_the_pool_give_the_target_greedy_tokens(url, referen
     assert after["replicas"]["drafter"] == 2
     drafters = after["engine"]["drafters"]
     assert drafters["drafts"] > before["drafts"] and drafters["ahead_hits"] > before["ahead_hits"], drafters
+    # each replica's own load with its replies (what it reports to Serve's autoscaler): it drafted, for a while
+    loads = drafters["drafter_loads"]
+    assert loads and all(0 < load["drafter_busy"] <= 1 and load["drafter_rows_per_s"] > 0 for load in loads.values())
 
 
 def test_a_drafter_replica_killed_under_load_costs_no_request(url, reference, long_reference):
