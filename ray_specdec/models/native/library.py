@@ -30,7 +30,7 @@ from ray_specdec import env
 # Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "decoder_cpu.c", "prefill_cpu.c",
-                             "shm_cpu.c", "threads_cpu.c", "philox_cpu.c"))
+                             "shm_cpu.c", "threads_cpu.c", "philox_cpu.c", "ssm_scan_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h", "simd_cpu.h", "attention_simd_cpu.h"))
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
 FLAGS = ("-O3", "-ffast-math", "-fPIC", "-shared")
@@ -237,6 +237,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.omp_team_thread_ids.restype = i
     lib.keyed_uniforms.argtypes = [p, i64, i64, p]
     lib.keyed_uniforms.restype = None
+    lib.ssm_tree_scan.argtypes = [i, i, p, p, i, i, i, p, i64, p, i64, p, i64, p, i64, p, i64, i, p, p, p, p]
+    lib.ssm_tree_scan.restype = i
 
 
 _threads_set: dict[int, int] = {}  # loaded library handle -> the thread count it was last given

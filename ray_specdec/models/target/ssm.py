@@ -53,7 +53,7 @@ from transformers import (AutoModelForCausalLM, BambaForCausalLM, JambaForCausal
 from ray_specdec import env
 from ray_specdec.models.drafter.mamba_state import MixerWeights
 from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path
-from ray_specdec.models.native import gemm, library
+from ray_specdec.models.native import gemm, library, ssm_scan as native_ssm_scan
 from ray_specdec.models.target.batch_invariant import VECTOR_MULTIPLE, one_thread
 from ray_specdec.models.target.fast_path_switches import switch_why
 from ray_specdec.models.target.forward_layout import Segment
@@ -180,11 +180,15 @@ class SSMTargetModel:
         return cls(model.to(device).eval(), load_tokenizer(path))
 
     def __init__(self, model: MambaForCausalLM | Mamba2ForCausalLM | JambaForCausalLM | BambaForCausalLM,
-                 tokenizer=None, *, slots: int = 8, batch_invariant: bool | None = None):
+                 tokenizer=None, *, slots: int = 8, batch_invariant: bool | None = None,
+                 native_scan: bool | None = None):
         """slots: states the pool preallocates (it doubles when every one is taken). batch_invariant: the products
         take the native GEMM, so that a request's logits and states are the same bits whatever shares its forward.
         None: on for a float32 pure SSM on CPU where the native kernels build, unless RAY_SPECDEC_BATCH_INVARIANT=0;
-        True insists; False: torch's products. `batch_invariant_why` says why it is off."""
+        True insists; False: torch's products. `batch_invariant_why` says why it is off. native_scan: the SSM layers'
+        tree scan in one native call per layer (native/ssm_scan.py) where the scan runs in float32 on CPU and the
+        kernels build, unless RAY_SPECDEC_NATIVE=0; True insists; False: the torch scan. `native_scan_why` says why
+        it is off."""
         if not isinstance(model, (MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM, BambaForCausalLM)):
             raise TypeError(f"SSMTargetModel takes a MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM or "
                             f"BambaForCausalLM, not {type(model).__name__}")  # fmt: skip
@@ -250,6 +254,8 @@ class SSMTargetModel:
                                   slots)  # fmt: skip
         self.batch_invariant_why: str | None = switch_why("batch_invariant", batch_invariant, env.BATCH_INVARIANT,
                                                           self._invariance_blocker)  # fmt: skip
+        self.native_scan_why: str | None = switch_why("native_scan", native_scan, env.NATIVE,
+                                                      self._native_scan_blocker)  # fmt: skip
 
     def _bamba_layer(self, layer, config, rotary: torch.nn.Module, index: int) -> Layer:
         """A Bamba decoder layer (the index-th of its kind): its attention (rotary) or Mamba2 mixer, then its MLP."""
@@ -294,6 +300,14 @@ class SSMTargetModel:
         if odd:
             return (f"its {', '.join(odd)} is not a multiple of {VECTOR_MULTIPLE} (elementwise ops would take scalar "
                     "tails)")
+        return None
+
+    def _native_scan_blocker(self) -> str | None:
+        """Why the SSM layers' scan cannot take the native kernel (None: it can)."""
+        if not native_ssm_scan.available(self.ssm_dtype, self.device):
+            if library.load() is None:
+                return f"native kernels unavailable: {library.why_unavailable()}"
+            return "it takes a float32 scan on CPU"
         return None
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -475,13 +489,13 @@ class SSMTargetModel:
             row += parents[-1].numel()
         layout = RowTrees.build(parents, self.d_conv, self.device)
         slots = torch.tensor([g["cache"].slot for g in groups], device=self.device)
-        kept_index = torch.tensor(kept, dtype=torch.long)
+        kept_index = torch.tensor(kept, dtype=torch.long, device=self.device)
         conv_start = self._pool.conv.index_select(0, slots)  # [G, L, d_conv - 1, d_inner]
         ssm_start = self._pool.ssm.index_select(0, slots)  # [G, L, d_inner, d_state]
         ids = torch.cat(tokens).to(self.device)
         residual = F.embedding(ids, self._embed)  # [R, d_model]
         kept_conv, kept_ssm, new_kv = [], [], []
-        history_index = layout.windows[kept_index.to(self.device), 1:]  # each kept row's last d_conv - 1 inputs
+        history_index = layout.windows[kept_index, 1:]  # each kept row's last d_conv - 1 inputs
         attending = self._attending(groups, layout) if self._attention_layers else None
         rotary = next((layer.weights.rotary for layer in self._layers if layer.attention and layer.weights.rotary),
                       None)  # fmt: skip
@@ -497,9 +511,9 @@ class SSMTargetModel:
                 new_kv.append((k, v))  # [R, kv heads, head_dim] each
             else:
                 mixed, inputs, states = self._mix(h, layer, conv_start[:, layer.index], ssm_start[:, layer.index],
-                                                  layout)  # fmt: skip
+                                                  layout, kept_index)  # fmt: skip
                 kept_conv.append(inputs[history_index])  # [K, d_conv - 1, d_inner]
-                kept_ssm.append(states.index_select(0, kept_index.to(self.device)))  # [K, d_inner, d_state]
+                kept_ssm.append(states)  # [K, d_inner, d_state]
             residual = (residual.to(torch.float32) if self.residual_in_fp32 else residual) + mixed
             if layer.ffn is not None:
                 residual = residual + layer.ffn(rms_norm(residual, layer.ffn_norm, self.eps)[None])[0]
@@ -596,10 +610,20 @@ class SSMTargetModel:
                                                             attn_mask=seen).transpose(0, 1)  # fmt: skip
         return self._linear(out.reshape(rows, -1), w.o_proj, w.biases[3]), k, v
 
+    def _scan(self, dt, x, B, C, A, A_per_channel, ssm_start, layout: RowTrees, kept: torch.Tensor):
+        """`tree_scan` -> (y, the SSM states of the `kept` rows [K, d_inner, d_state]): natively where
+        `native_scan_why` is None (A_per_channel [d_inner]: Mamba2's A, one value per channel), else in torch."""
+        if self.native_scan_why is None:
+            return native_ssm_scan.tree_scan(dt, x, B, C, A if A_per_channel is None else A_per_channel, ssm_start,
+                                             layout, kept)  # fmt: skip
+        y, states = tree_scan(dt, x, B, C, A, ssm_start, layout)
+        return y, states.index_select(0, kept)
+
     def _mix_mamba(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
-                   layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   layout: RowTrees, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One Mamba mixer over every row: h [R, d_model], conv_start [G, d_conv - 1, d_inner], ssm_start [G, d_inner,
-        d_state] -> (its output [R, d_model], the conv inputs `layout.windows` index, every row's SSM state)."""
+        d_state], kept [K] rows -> (its output [R, d_model], the conv inputs `layout.windows` index, the kept rows'
+        SSM states)."""
         w: MixerWeights = layer.weights
         x, z = self._linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
         with self._elementwise():
@@ -613,12 +637,12 @@ class SSMTargetModel:
         with self._elementwise():
             dt = F.softplus(dt.to(sd))  # [R, d_inner]
             x = x.to(sd)
-            y, states = tree_scan(dt, x, B.to(sd), C.to(sd), w.A, ssm_start, layout)
+            y, states = self._scan(dt, x, B.to(sd), C.to(sd), w.A, None, ssm_start, layout, kept)
             y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
         return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
 
     def _mix_mamba2(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
-                    layout: RowTrees) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    layout: RowTrees, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One Mamba2 mixer over every row, as `_mix_mamba` (conv_start [G, d_conv - 1, conv_dim]: x, B and C are
         convolved together); a head's state is its head_dim channels of [d_inner, d_state]."""
         w: Mamba2Weights = layer.weights
@@ -632,8 +656,8 @@ class SSMTargetModel:
             dt = dt.repeat_interleave(self.head_dim, dim=1) + w.dt_bias.repeat_interleave(self.head_dim)
             dt = F.softplus(dt.to(sd)).clamp(*self.dt_limit)  # [R, d_inner]
             x = x.to(sd)
-            y, states = tree_scan(dt, x, B.view(rows, self.groups, n).to(sd), C.view(rows, self.groups, n).to(sd),
-                                  w.A, ssm_start, layout)  # fmt: skip
+            y, states = self._scan(dt, x, B.view(rows, self.groups, n).to(sd), C.view(rows, self.groups, n).to(sd),
+                                   w.A, w.A[:, 0], ssm_start, layout, kept)  # fmt: skip
             y = w.gated_norm(torch.addcmul(y, x, w.D), z)
         return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
 
