@@ -1,6 +1,7 @@
 /* The attention kernel's 16-lane vector math (attention_cpu.c): the vf16 type, its fused multiply-add, selects,
  * an exp of its own, and lane sums in a fixed tree (with 8-lane folds of the same tree on AVX2), so that a key's score
- * is the same bits whichever keys share its chunk. Static inline functions: included by attention_cpu.c only. */
+ * is the same bits whichever keys share its chunk. Static inline functions: included by attention_cpu.c
+ * and ssm_scan_cpu.c (its exp). */
 #ifndef RAY_SPECDEC_ATTENTION_SIMD_CPU_H
 #define RAY_SPECDEC_ATTENTION_SIMD_CPU_H
 

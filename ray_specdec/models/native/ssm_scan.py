@@ -26,24 +26,23 @@ def tree_scan(
     A: torch.Tensor,  # [d_inner, d_state], or [d_inner]: one value per channel for every state element (Mamba2)
     ssm_states: torch.Tensor,  # [segments, d_inner, d_state]: each segment's starting state
     layout: RowTrees,  # the rows' segments and parents (checked by RowTrees.build: the kernel trusts them)
-    keep: torch.Tensor,  # [K] long: the rows whose states come back, ascending
+    keep: torch.Tensor,  # [K] long: the rows whose states come back (distinct)
+    out: torch.Tensor | None = None,  # [K, d_inner, d_state] contiguous float32: where they go (else a new tensor)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # y [R, d_inner] (C . state, before the D skip and the gate); [K, d_inner, N]
     """`tree_scan` (models/target/ssm_scan.py) with the states of the `keep` rows only."""
     lib = library.load()
     if lib is None:
         raise RuntimeError(f"native SSM scan unavailable: {library.why_unavailable()}")
     rows, d_inner = x.shape
-    starts, parents = layout.starts, layout.parents
     if B.dim() == 2:
         B, C = B.unsqueeze(1), C.unsqueeze(1)
     groups, n = B.shape[1], B.shape[2]
-    segments = len(starts) - 1
+    segments = layout.segments
     if ssm_states.shape != (segments, d_inner, n) or dt.shape != x.shape or C.shape != B.shape or B.shape[0] != rows:
         raise ValueError(f"shapes do not agree: dt {tuple(dt.shape)}, x {tuple(x.shape)}, B {tuple(B.shape)}, "
                          f"C {tuple(C.shape)}, states {tuple(ssm_states.shape)} for {segments} segments")  # fmt: skip
-    if d_inner % groups or parents.shape != (rows,) or starts[-1] != rows:
-        raise ValueError(f"{groups} groups of {d_inner} channels, parents {tuple(parents.shape)} and starts ending at "
-                         f"{starts[-1]} for {rows} rows")  # fmt: skip
+    if d_inner % groups or layout.rows != rows:
+        raise ValueError(f"{groups} groups of {d_inner} channels, {layout.rows} rows laid out for {rows}")
     per_channel = A.dim() == 1
     if A.shape != ((d_inner,) if per_channel else (d_inner, n)) or (not per_channel and A.stride(1) != 1):
         raise ValueError(f"A must be [d_inner] or [d_inner, d_state] with contiguous state elements, got "
@@ -54,16 +53,19 @@ def tree_scan(
     dt, x = (t if t.stride(1) == 1 else t.contiguous() for t in (dt, x))
     B, C = (t if t.stride(2) == 1 and t.stride(1) == n else t.contiguous() for t in (B, C))
     ssm_states = ssm_states.contiguous()
-    parents = parents.to(torch.int64).contiguous()
-    starts_t = torch.tensor(starts, dtype=torch.int64)
-    keep_map = torch.full((rows,), -1, dtype=torch.int64)
-    keep_map[keep] = torch.arange(keep.numel())
+    keep = keep.to(torch.int64).contiguous()
+    if keep.numel() and not (0 <= int(keep.min()) and int(keep.max()) < rows):
+        raise IndexError(f"kept rows must be in [0, {rows})")
     y = torch.empty(rows, d_inner, dtype=torch.float32)
-    kept = torch.empty(keep.numel(), d_inner, n, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(keep.numel(), d_inner, n, dtype=torch.float32)
+    elif out.shape != (keep.numel(), d_inner, n) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 [{keep.numel()}, {d_inner}, {n}], got {tuple(out.shape)}")
     library.match_torch_threads(lib)
-    if lib.ssm_tree_scan(rows, segments, starts_t.data_ptr(), parents.data_ptr(), d_inner, n, groups,
-                         dt.data_ptr(), dt.stride(0), x.data_ptr(), x.stride(0), B.data_ptr(), B.stride(0),
-                         C.data_ptr(), C.stride(0), A.data_ptr(), A.stride(0), int(per_channel),
-                         ssm_states.data_ptr(), keep_map.data_ptr(), kept.data_ptr(), y.data_ptr()) != 0:  # fmt: skip
+    starts, parents = layout.native_tables
+    if lib.ssm_tree_scan(rows, segments, starts.data_ptr(), parents.data_ptr(), d_inner, n, groups, dt.data_ptr(),
+                         dt.stride(0), x.data_ptr(), x.stride(0), B.data_ptr(), B.stride(0), C.data_ptr(), C.stride(0),
+                         A.data_ptr(), A.stride(0), int(per_channel), ssm_states.data_ptr(), keep.numel(),
+                         keep.data_ptr(), out.data_ptr(), y.data_ptr()) != 0:  # fmt: skip
         raise MemoryError("the native SSM scan could not allocate its buffers")
-    return y, kept
+    return y, out

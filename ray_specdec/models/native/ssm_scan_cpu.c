@@ -3,17 +3,16 @@
  *
  * Why: in torch a depth level of every segment is one vectorised update, so a prefill chunk of S tokens is S updates
  * per layer, each a handful of ops over [d_inner, d_state], after the decays and injections of all S rows have been
- * materialised ([S, d_inner, d_state] each, then every row's state). Here each (segment, channel) pair walks its rows
- * in order, its state in a buffer of d_state floats: a chain continues in place, a row whose parent is not the row
- * before it starts from that parent's saved state (only such parents are saved), and only the rows the caller keeps
- * have their states written out.
+ * materialised ([S, d_inner, d_state] each, then every row's state). Here a block of 16 channels of a segment walks
+ * its rows in order, a channel in each vector lane and its state as d_state vectors: a chain continues in place, a row
+ * whose parent is not the row before it starts from that parent's saved state (only such parents are saved), the
+ * decays are computed as they are used, and only the rows the caller keeps have their states written out.
  *
  * A row's state and output depend on the row's own path alone, computed by the same instructions whatever the other
- * rows, segments or threads (threads take (channel, segment) pairs, never parts of one): a request's results are the
- * same bits whatever shares its forward. Against torch's path they agree to float32 rounding (the exponentials are
- * libm's / libmvec's, sums are reassociated by -ffast-math).
+ * rows, segments or threads (threads take (block, segment) pairs, never parts of one; every lane does the same
+ * operations): a request's results are the same bits whatever shares its forward. Against torch's path they agree to
+ * float32 rounding (the exponential is a polynomial of its own, sums are fused multiply-adds in another order).
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,28 +20,71 @@
 #include <omp.h>
 #endif
 
+#include "attention_simd_cpu.h"
 #include "gemm_cpu.h"
+
+#define LANES 16 /* channels per block: one vf16 */
+
+/* Lanes [0, w) from `w` floats at p (the rest 0). */
+static inline vf16 load_lanes(const float *p, int w) {
+    vf16 v = {0};
+    if (w == LANES)
+        memcpy(&v, p, sizeof v);
+    else
+        for (int l = 0; l < w; l++) v[l] = p[l];
+    return v;
+}
+
+/* v[i][j] <-> v[j][i]: for each bit b of a lane index, lane j of row i (bit b of i clear, of j set) swaps with lane
+ * j - b of row i + b. */
+static inline void transpose16(vf16 v[LANES]) {
+    static const vi16 lo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                               {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                               {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                               {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+    static const vi16 hi[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                               {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+                               {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+                               {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const int b = 8 >> k;
+#pragma GCC unroll 16
+        for (int i = 0; i < LANES; i++)
+            if (!(i & b)) {
+                const vf16 a = v[i], c = v[i + b];
+                v[i] = __builtin_shuffle(a, c, lo[k]);
+                v[i + b] = __builtin_shuffle(a, c, hi[k]);
+            }
+    }
+}
 
 /* R rows in `segments` segments: segment s is rows [starts[s], starts[s + 1]), its first row's parent -1 (its starting
  * state, start [segments, d_inner, N]), every other row's parent an earlier row of its segment (global index). Per
  * row r and channel c (group g = c / (d_inner / groups) of B and C):
  *     h(r)[n] = exp(dt[r, c] A[c, n]) h(parent)[n] + dt[r, c] x[r, c] B[r, g, n];  y[r, c] = sum_n C[r, g, n] h(r)[n]
  * dt, x: rows dt_stride / x_stride floats apart; B, C: [groups, N] per row, rows b_stride / c_stride apart. A: channel
- * c's values at A + c * a_stride, N of them, or one for every n where a_per_channel (Mamba2's heads). keep [R]: -1, or
- * the index k of the row's state in kept [K, d_inner, N]. y [R, d_inner]. Returns 0, or -1 when out of memory (nothing
- * written then). */
+ * c's values at A + c * a_stride, N of them, or one for every n where a_per_channel (Mamba2's heads). The states of
+ * rows keep_rows [K] (distinct) go to kept [K, d_inner, N]. y [R, d_inner]. Returns 0, or -1 when out of memory
+ * (nothing written then).
+ *
+ * Each block of LANES channels of a segment walks the segment's rows with a channel in each vector lane (the same
+ * operations in every lane, whatever the block's other channels) and its state as N vectors; the exponential is
+ * attention_simd_cpu.h's vexp (within ~2 ulp of expf). */
 int ssm_tree_scan(int R, int segments, const int64_t *restrict starts, const int64_t *restrict parents, int d_inner,
                   int N, int groups, const float *restrict dt, int64_t dt_stride, const float *restrict x,
                   int64_t x_stride, const float *restrict B, int64_t b_stride, const float *restrict C,
                   int64_t c_stride, const float *restrict A, int64_t a_stride, int a_per_channel,
-                  const float *restrict start, const int64_t *restrict keep, float *restrict kept,
+                  const float *restrict start, int K, const int64_t *restrict keep_rows, float *restrict kept,
                   float *restrict y) {
     if (R == 0) return 0;
-    /* saved[r]: where row r's state is kept for a child that does not follow it (-1: none has to be) */
-    int64_t *saved = malloc(sizeof(int64_t) * (size_t)R);
+    /* saved[r]: where row r's state is kept for a child that does not follow it (-1: none has to be); keep[r]: where
+     * it goes in kept (-1: nowhere) */
+    int64_t *saved = malloc(sizeof(int64_t) * 2 * (size_t)R), *keep = saved + R;
     if (!saved) return -1;
     int64_t most_saved = 0;
-    for (int64_t r = 0; r < R; r++) saved[r] = -1;
+    for (int64_t r = 0; r < R; r++) saved[r] = keep[r] = -1;
+    for (int k = 0; k < K; k++) keep[keep_rows[k]] = k;
     for (int s = 0; s < segments; s++) {
         int64_t n_saved = 0;
         for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
@@ -52,47 +94,71 @@ int ssm_tree_scan(int R, int segments, const int64_t *restrict starts, const int
         if (n_saved > most_saved) most_saved = n_saved;
     }
     const int threads = threads_for_macs((int64_t)R * d_inner * N * 8);
-    const int64_t per_thread = (most_saved + 1) * (int64_t)N; /* the saved states, then the running one */
-    float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
+    /* per thread: the saved states, the running one, the block's A, and B / C lanes for blocks across groups */
+    const int64_t per_thread = (most_saved + 4) * (int64_t)N;
+    vf16 *scratch = aligned_alloc(64, sizeof(vf16) * (size_t)(per_thread * threads));
     if (!scratch) {
         free(saved);
         return -1;
     }
-    const int per_group = d_inner / groups;
-    const int64_t items = (int64_t)d_inner * segments;
+    const int per_group = d_inner / groups, blocks = (d_inner + LANES - 1) / LANES;
+    const int64_t items = (int64_t)blocks * segments;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t item = 0; item < items; item++) {
-        const int c = (int)(item / segments), s = (int)(item % segments), g = c / per_group;
+        const int s = (int)(item % segments), c0 = (int)(item / segments) * LANES;
+        const int w = d_inner - c0 < LANES ? d_inner - c0 : LANES;
+        const int g0 = c0 / per_group, one_group = (c0 + w - 1) / per_group == g0;
         int thread = 0;
 #ifdef _OPENMP
         thread = omp_get_thread_num();
 #endif
-        float *restrict states = scratch + per_thread * thread, *restrict h = states + most_saved * N;
-        const float *restrict Ac = A + (int64_t)c * a_stride;
+        vf16 *states = scratch + per_thread * thread, *h = states + most_saved * N, *a = h + N, *b = a + N, *cc = b + N;
+        for (int n = 0; n < (a_per_channel ? 1 : N); n++)
+            for (int l = 0; l < LANES; l++) a[n][l] = l < w ? A[(int64_t)(c0 + l) * a_stride + n] : 0.0f;
         for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
             const int64_t p = parents[r];
-            if (p < 0)
-                memcpy(h, start + ((int64_t)s * d_inner + c) * N, sizeof(float) * (size_t)N);
-            else if (p != r - 1)
-                memcpy(h, states + saved[p] * N, sizeof(float) * (size_t)N);
-            const float d = dt[r * dt_stride + c], dx = d * x[r * x_stride + c];
-            const float *restrict Br = B + r * b_stride + (int64_t)g * N, *restrict Cr = C + r * c_stride + (int64_t)g * N;
-            float acc = 0.0f;
-            if (a_per_channel) {
-                const float decay = expf(d * Ac[0]);
-                for (int n = 0; n < N; n++) {
-                    h[n] = h[n] * decay + dx * Br[n];
-                    acc += h[n] * Cr[n];
-                }
-            } else {
-                for (int n = 0; n < N; n++) {
-                    h[n] = h[n] * expf(d * Ac[n]) + dx * Br[n];
-                    acc += h[n] * Cr[n];
-                }
+            if (p < 0) {
+                const float *h0 = start + ((int64_t)s * d_inner + c0) * N;
+                for (int n = 0; n < N; n++)
+                    for (int l = 0; l < LANES; l++) h[n][l] = l < w ? h0[(int64_t)l * N + n] : 0.0f;
+            } else if (p != r - 1) {
+                memcpy(h, states + saved[p] * N, sizeof(vf16) * (size_t)N);
             }
-            y[r * d_inner + c] = acc;
-            if (saved[r] >= 0) memcpy(states + saved[r] * N, h, sizeof(float) * (size_t)N);
-            if (keep[r] >= 0) memcpy(kept + (keep[r] * d_inner + c) * N, h, sizeof(float) * (size_t)N);
+            const vf16 d = load_lanes(dt + r * dt_stride + c0, w), dx = d * load_lanes(x + r * x_stride + c0, w);
+            const float *Br = B + r * b_stride + (int64_t)g0 * N, *Cr = C + r * c_stride + (int64_t)g0 * N;
+            if (!one_group) /* lane l takes its own group's B and C */
+                for (int n = 0; n < N; n++)
+                    for (int l = 0; l < LANES; l++) {
+                        const int64_t at = (int64_t)((c0 + (l < w ? l : 0)) / per_group) * N + n;
+                        b[n][l] = B[r * b_stride + at];
+                        cc[n][l] = C[r * c_stride + at];
+                    }
+            const vf16 zero = {0}, decay_all = a_per_channel ? vexp(d * a[0]) : zero;
+            vf16 acc = zero;
+            for (int n = 0; n < N; n++) {
+                const vf16 decay = a_per_channel ? decay_all : vexp(d * a[n]);
+                const vf16 bn = one_group ? zero + Br[n] : b[n], cn = one_group ? zero + Cr[n] : cc[n];
+                h[n] = fma16(h[n], decay, dx * bn);
+                acc = fma16(h[n], cn, acc);
+            }
+            if (w == LANES)
+                memcpy(y + r * d_inner + c0, &acc, sizeof acc);
+            else
+                for (int l = 0; l < w; l++) y[r * d_inner + c0 + l] = acc[l];
+            if (saved[r] >= 0) memcpy(states + saved[r] * N, h, sizeof(vf16) * (size_t)N);
+            if (keep[r] >= 0) {
+                float *out = kept + (keep[r] * d_inner + c0) * N;
+                if (w == LANES && N % LANES == 0)
+                    for (int n0 = 0; n0 < N; n0 += LANES) {
+                        vf16 t[LANES];
+                        memcpy(t, h + n0, sizeof t);
+                        transpose16(t);
+                        for (int l = 0; l < LANES; l++) memcpy(out + (int64_t)l * N + n0, &t[l], sizeof(vf16));
+                    }
+                else
+                    for (int n = 0; n < N; n++)
+                        for (int l = 0; l < w; l++) out[(int64_t)l * N + n] = h[n][l];
+            }
         }
     }
     free(scratch);

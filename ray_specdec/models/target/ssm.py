@@ -494,7 +494,9 @@ class SSMTargetModel:
         ssm_start = self._pool.ssm.index_select(0, slots)  # [G, L, d_inner, d_state]
         ids = torch.cat(tokens).to(self.device)
         residual = F.embedding(ids, self._embed)  # [R, d_model]
-        kept_conv, kept_ssm, new_kv = [], [], []
+        kept_conv, new_kv = [], []
+        ssm = torch.empty(self._pool.ssm.shape[1], len(kept), *self._pool.ssm.shape[2:], dtype=self.ssm_dtype,
+                          device=self.device)  # [L, K, d_inner, d_state]: each SSM layer's scan writes its kept states
         history_index = layout.windows[kept_index, 1:]  # each kept row's last d_conv - 1 inputs
         attending = self._attending(groups, layout) if self._attention_layers else None
         rotary = next((layer.weights.rotary for layer in self._layers if layer.attention and layer.weights.rotary),
@@ -510,15 +512,13 @@ class SSMTargetModel:
                 mixed, k, v = self._attend(h, layer, attending, cos_sin)
                 new_kv.append((k, v))  # [R, kv heads, head_dim] each
             else:
-                mixed, inputs, states = self._mix(h, layer, conv_start[:, layer.index], ssm_start[:, layer.index],
-                                                  layout, kept_index)  # fmt: skip
+                mixed, inputs = self._mix(h, layer, conv_start[:, layer.index], ssm_start[:, layer.index], layout,
+                                          kept_index, ssm[layer.index])  # fmt: skip
                 kept_conv.append(inputs[history_index])  # [K, d_conv - 1, d_inner]
-                kept_ssm.append(states)  # [K, d_inner, d_state]
             residual = (residual.to(torch.float32) if self.residual_in_fp32 else residual) + mixed
             if layer.ffn is not None:
                 residual = residual + layer.ffn(rms_norm(residual, layer.ffn_norm, self.eps)[None])[0]
         conv = torch.stack(kept_conv)  # [L, K, d_conv - 1, d_inner]
-        ssm = torch.stack(kept_ssm)  # [L, K, d_inner, d_state]
         logit_rows = torch.cat([torch.arange(start, start + n) for start, n in verify_rows]) if verify_rows else None
         logits = (self._logits(residual[logit_rows.to(self.device)]).split([n for _, n in verify_rows])
                   if verify_rows else [])  # fmt: skip
@@ -610,20 +610,22 @@ class SSMTargetModel:
                                                             attn_mask=seen).transpose(0, 1)  # fmt: skip
         return self._linear(out.reshape(rows, -1), w.o_proj, w.biases[3]), k, v
 
-    def _scan(self, dt, x, B, C, A, A_per_channel, ssm_start, layout: RowTrees, kept: torch.Tensor):
-        """`tree_scan` -> (y, the SSM states of the `kept` rows [K, d_inner, d_state]): natively where
+    def _scan(self, dt, x, B, C, A, A_per_channel, ssm_start, layout: RowTrees, kept: torch.Tensor,
+              out: torch.Tensor) -> torch.Tensor:
+        """`tree_scan` -> y, the SSM states of the `kept` rows written to `out` [K, d_inner, d_state]: natively where
         `native_scan_why` is None (A_per_channel [d_inner]: Mamba2's A, one value per channel), else in torch."""
         if self.native_scan_why is None:
             return native_ssm_scan.tree_scan(dt, x, B, C, A if A_per_channel is None else A_per_channel, ssm_start,
-                                             layout, kept)  # fmt: skip
+                                             layout, kept, out)[0]  # fmt: skip
         y, states = tree_scan(dt, x, B, C, A, ssm_start, layout)
-        return y, states.index_select(0, kept)
+        torch.index_select(states, 0, kept, out=out)
+        return y
 
     def _mix_mamba(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
-                   layout: RowTrees, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   layout: RowTrees, kept: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One Mamba mixer over every row: h [R, d_model], conv_start [G, d_conv - 1, d_inner], ssm_start [G, d_inner,
-        d_state], kept [K] rows -> (its output [R, d_model], the conv inputs `layout.windows` index, the kept rows'
-        SSM states)."""
+        d_state], kept [K] rows -> (its output [R, d_model], the conv inputs `layout.windows` index); the kept rows'
+        SSM states go to `out` [K, d_inner, d_state]."""
         w: MixerWeights = layer.weights
         x, z = self._linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
         with self._elementwise():
@@ -637,12 +639,12 @@ class SSMTargetModel:
         with self._elementwise():
             dt = F.softplus(dt.to(sd))  # [R, d_inner]
             x = x.to(sd)
-            y, states = self._scan(dt, x, B.to(sd), C.to(sd), w.A, None, ssm_start, layout, kept)
+            y = self._scan(dt, x, B.to(sd), C.to(sd), w.A, None, ssm_start, layout, kept, out)
             y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
-        return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
+        return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs
 
     def _mix_mamba2(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
-                    layout: RowTrees, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    layout: RowTrees, kept: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One Mamba2 mixer over every row, as `_mix_mamba` (conv_start [G, d_conv - 1, conv_dim]: x, B and C are
         convolved together); a head's state is its head_dim channels of [d_inner, d_state]."""
         w: Mamba2Weights = layer.weights
@@ -656,10 +658,10 @@ class SSMTargetModel:
             dt = dt.repeat_interleave(self.head_dim, dim=1) + w.dt_bias.repeat_interleave(self.head_dim)
             dt = F.softplus(dt.to(sd)).clamp(*self.dt_limit)  # [R, d_inner]
             x = x.to(sd)
-            y, states = self._scan(dt, x, B.view(rows, self.groups, n).to(sd), C.view(rows, self.groups, n).to(sd),
-                                   w.A, w.A[:, 0], ssm_start, layout, kept)  # fmt: skip
+            y = self._scan(dt, x, B.view(rows, self.groups, n).to(sd), C.view(rows, self.groups, n).to(sd), w.A,
+                           w.A[:, 0], ssm_start, layout, kept, out)  # fmt: skip
             y = w.gated_norm(torch.addcmul(y, x, w.D), z)
-        return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs, states
+        return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs
 
     def _logits(self, residual: torch.Tensor) -> torch.Tensor:
         with self._elementwise():

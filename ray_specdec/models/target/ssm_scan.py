@@ -16,6 +16,7 @@ S updates. `tree_scan_ref` is the definition: each row's state by a sequential s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,6 +36,11 @@ class RowTrees:
     depths: torch.Tensor  # [R] long: each row's depth in its segment (a chain's row i: i)
     levels: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per depth: (rows [n], their parents' state rows [n])
     single_rows: tuple[tuple[int, int] | None, ...]  # per depth: (row, its parent's state row) where n == 1
+
+    @functools.cached_property
+    def native_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(starts, parents) as contiguous int64 CPU tensors: what the native scan reads (native/ssm_scan.py)."""
+        return torch.tensor(self.starts, dtype=torch.int64), self.parents.to(torch.int64).contiguous()
 
     @property
     def rows(self) -> int:
