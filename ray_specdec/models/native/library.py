@@ -239,6 +239,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.keyed_uniforms.restype = None
     lib.ssm_tree_scan.argtypes = [i, i, p, p, i, i, i, p, i64, p, i64, p, i64, p, i64, p, i64, i, p, i, p, p, p]
     lib.ssm_tree_scan.restype = i
+    lib.ssm_tree_conv.argtypes = [i, i, i, p, i64, p, p, p, p, p, i, p, p]
+    lib.ssm_tree_conv.restype = None
 
 
 _threads_set: dict[int, int] = {}  # loaded library handle -> the thread count it was last given

@@ -1,5 +1,5 @@
-"""An SSM target layer's tree scan natively (native/ssm_scan_cpu.c): `tree_scan` of models/target/ssm_scan.py over
-a forward's rows, in one call per layer, writing only the states the forward keeps."""
+"""An SSM target layer's tree conv and scan natively (native/ssm_scan_cpu.c): `tree_conv` and `tree_scan` of
+models/target/ssm_scan.py over a forward's rows, one call each per layer, writing only the states the forward keeps."""
 
 from __future__ import annotations
 
@@ -69,3 +69,42 @@ def tree_scan(
                          keep.data_ptr(), out.data_ptr(), y.data_ptr()) != 0:  # fmt: skip
         raise MemoryError("the native SSM scan could not allocate its buffers")
     return y, out
+
+
+def tree_conv(
+    x: torch.Tensor,  # [R, d]: every row's conv input (rows of any stride, channels contiguous)
+    conv_states: torch.Tensor,  # [segments, d_conv - 1, d]: each segment's inputs before its root, oldest first
+    layout: RowTrees,
+    weight: torch.Tensor,  # [d, d_conv]
+    bias: torch.Tensor | None,  # [d]
+    keep: torch.Tensor,  # [K] long: the rows whose conv states come back
+    history: torch.Tensor,  # [K, d_conv - 1, d] contiguous float32: where they go (each kept row's last inputs)
+) -> torch.Tensor:  # [R, d] conv outputs (before the activation)
+    """`tree_conv` (models/target/ssm_scan.py), with the kept rows' conv states (`inputs[layout.windows[keep, 1:]]`
+    there) written to `history`."""
+    lib = library.load()
+    if lib is None:
+        raise RuntimeError(f"native SSM conv unavailable: {library.why_unavailable()}")
+    rows, d = x.shape
+    d_conv = weight.shape[1]
+    if (weight.shape != (d, d_conv) or conv_states.shape != (layout.segments, d_conv - 1, d) or layout.rows != rows
+            or layout.windows.shape != (rows, d_conv) or (bias is not None and bias.shape != (d,))
+            or history.shape != (keep.numel(), d_conv - 1, d) or not history.is_contiguous()):  # fmt: skip
+        raise ValueError(f"shapes do not agree: x {tuple(x.shape)}, conv states {tuple(conv_states.shape)}, weight "
+                         f"{tuple(weight.shape)}, history {tuple(history.shape)} for {layout.rows} rows")  # fmt: skip
+    for name, t in (("x", x), ("conv states", conv_states), ("weight", weight), ("bias", bias), ("history", history)):
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"{name} must be float32 on CPU, got {t.dtype} on {t.device}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    conv_states, windows = conv_states.contiguous(), layout.windows.contiguous()
+    weight_t = weight.t().contiguous()  # [d_conv, d]: a tap's weights over contiguous channels
+    bias = None if bias is None else bias.contiguous()
+    keep = keep.to(torch.int64).contiguous()
+    if keep.numel() and not (0 <= int(keep.min()) and int(keep.max()) < rows):
+        raise IndexError(f"kept rows must be in [0, {rows})")
+    out = torch.empty(rows, d, dtype=torch.float32)
+    library.match_torch_threads(lib)
+    lib.ssm_tree_conv(rows, d, d_conv, x.data_ptr(), x.stride(0), conv_states.data_ptr(), windows.data_ptr(),
+                      weight_t.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), keep.numel(),
+                      keep.data_ptr(), history.data_ptr())  # fmt: skip
+    return out

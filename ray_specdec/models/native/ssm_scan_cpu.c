@@ -165,3 +165,37 @@ int ssm_tree_scan(int R, int segments, const int64_t *restrict starts, const int
     free(saved);
     return 0;
 }
+
+/* The depthwise causal conv of every row over its own ancestors' inputs (tree_conv of models/target/ssm_scan.py):
+ *     out[r, c] = sum_k weight_t[k, c] input(windows[r, k])[c] (+ bias[c]),  k = 0 .. d_conv - 1, oldest first
+ * where input(i) is x's row i (rows x_stride floats apart) for i < R, else row i - R of conv_states ([segments x
+ * (d_conv - 1), d] contiguous: each segment's inputs before its root). Then each kept row's conv state after it (its
+ * window's last d_conv - 1 inputs) goes to history [K, d_conv - 1, d]. A row's outputs are the same operations in the
+ * same order whatever the other rows; threads take whole rows. */
+void ssm_tree_conv(int R, int d, int d_conv, const float *restrict x, int64_t x_stride,
+                   const float *restrict conv_states, const int64_t *restrict windows,
+                   const float *restrict weight_t, const float *restrict bias, float *restrict out, int K,
+                   const int64_t *restrict keep_rows, float *restrict history) {
+    const int threads = threads_for_macs((int64_t)R * d * d_conv * 4);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int r = 0; r < R; r++) {
+        float *restrict o = out + (int64_t)r * d;
+        for (int k = 0; k < d_conv; k++) {
+            const int64_t i = windows[(int64_t)r * d_conv + k];
+            const float *restrict in = i < R ? x + i * x_stride : conv_states + (i - R) * d;
+            const float *restrict wk = weight_t + (int64_t)k * d;
+            if (k == 0)
+                for (int c = 0; c < d; c++) o[c] = in[c] * wk[c];
+            else
+                for (int c = 0; c < d; c++) o[c] = sfma(in[c], wk[c], o[c]);
+        }
+        if (bias)
+            for (int c = 0; c < d; c++) o[c] += bias[c];
+    }
+    for (int k = 0; k < K; k++)
+        for (int j = 1; j < d_conv; j++) {
+            const int64_t i = windows[keep_rows[k] * d_conv + j];
+            memcpy(history + ((int64_t)k * (d_conv - 1) + j - 1) * d, i < R ? x + i * x_stride : conv_states + (i - R) * d,
+                   sizeof(float) * (size_t)d);
+        }
+}

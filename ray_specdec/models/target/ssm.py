@@ -187,8 +187,8 @@ class SSMTargetModel:
         None: on for a float32 pure SSM on CPU where the native kernels build, unless RAY_SPECDEC_BATCH_INVARIANT=0;
         True insists; False: torch's products. `batch_invariant_why` says why it is off. native_scan: the SSM layers'
         tree scan in one native call per layer (native/ssm_scan.py) where the scan runs in float32 on CPU and the
-        kernels build, unless RAY_SPECDEC_NATIVE=0; True insists; False: the torch scan. `native_scan_why` says why
-        it is off."""
+        kernels build (and the conv too for a float32 model), unless RAY_SPECDEC_NATIVE=0; True insists; False:
+        torch's. `native_scan_why` says why it is off."""
         if not isinstance(model, (MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM, BambaForCausalLM)):
             raise TypeError(f"SSMTargetModel takes a MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM or "
                             f"BambaForCausalLM, not {type(model).__name__}")  # fmt: skip
@@ -256,6 +256,8 @@ class SSMTargetModel:
                                                           self._invariance_blocker)  # fmt: skip
         self.native_scan_why: str | None = switch_why("native_scan", native_scan, env.NATIVE,
                                                       self._native_scan_blocker)  # fmt: skip
+        # the conv runs in the model's dtype (the scan in float32 for a half-precision model too)
+        self._native_conv = self.native_scan_why is None and self.dtype == torch.float32
 
     def _bamba_layer(self, layer, config, rotary: torch.nn.Module, index: int) -> Layer:
         """A Bamba decoder layer (the index-th of its kind): its attention (rotary) or Mamba2 mixer, then its MLP."""
@@ -494,10 +496,13 @@ class SSMTargetModel:
         ssm_start = self._pool.ssm.index_select(0, slots)  # [G, L, d_inner, d_state]
         ids = torch.cat(tokens).to(self.device)
         residual = F.embedding(ids, self._embed)  # [R, d_model]
-        kept_conv, new_kv = [], []
+        new_kv = []
+        # each SSM layer's conv and scan write its kept rows' states: [L, K, d_conv - 1, conv channels], [L, K,
+        # d_inner, d_state]
+        conv = torch.empty(self._pool.conv.shape[1], len(kept), *self._pool.conv.shape[2:], dtype=self.dtype,
+                           device=self.device)  # fmt: skip
         ssm = torch.empty(self._pool.ssm.shape[1], len(kept), *self._pool.ssm.shape[2:], dtype=self.ssm_dtype,
-                          device=self.device)  # [L, K, d_inner, d_state]: each SSM layer's scan writes its kept states
-        history_index = layout.windows[kept_index, 1:]  # each kept row's last d_conv - 1 inputs
+                          device=self.device)  # fmt: skip
         attending = self._attending(groups, layout) if self._attention_layers else None
         rotary = next((layer.weights.rotary for layer in self._layers if layer.attention and layer.weights.rotary),
                       None)  # fmt: skip
@@ -512,13 +517,11 @@ class SSMTargetModel:
                 mixed, k, v = self._attend(h, layer, attending, cos_sin)
                 new_kv.append((k, v))  # [R, kv heads, head_dim] each
             else:
-                mixed, inputs = self._mix(h, layer, conv_start[:, layer.index], ssm_start[:, layer.index], layout,
-                                          kept_index, ssm[layer.index])  # fmt: skip
-                kept_conv.append(inputs[history_index])  # [K, d_conv - 1, d_inner]
+                mixed = self._mix(h, layer, conv_start[:, layer.index], ssm_start[:, layer.index], layout, kept_index,
+                                  conv[layer.index], ssm[layer.index])  # fmt: skip
             residual = (residual.to(torch.float32) if self.residual_in_fp32 else residual) + mixed
             if layer.ffn is not None:
                 residual = residual + layer.ffn(rms_norm(residual, layer.ffn_norm, self.eps)[None])[0]
-        conv = torch.stack(kept_conv)  # [L, K, d_conv - 1, d_inner]
         logit_rows = torch.cat([torch.arange(start, start + n) for start, n in verify_rows]) if verify_rows else None
         logits = (self._logits(residual[logit_rows.to(self.device)]).split([n for _, n in verify_rows])
                   if verify_rows else [])  # fmt: skip
@@ -610,6 +613,16 @@ class SSMTargetModel:
                                                             attn_mask=seen).transpose(0, 1)  # fmt: skip
         return self._linear(out.reshape(rows, -1), w.o_proj, w.biases[3]), k, v
 
+    def _conv(self, x: torch.Tensor, conv_start: torch.Tensor, layout: RowTrees, weight: torch.Tensor,
+              bias: torch.Tensor | None, kept: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`tree_conv` -> its outputs [R, channels], the `kept` rows' conv states (their windows' last d_conv - 1
+        inputs) written to `out` [K, d_conv - 1, channels]: natively where the scan is and the model is float32."""
+        if self._native_conv:
+            return native_ssm_scan.tree_conv(x, conv_start, layout, weight, bias, kept, out)
+        x, inputs = tree_conv(x, conv_start, layout, weight, bias)
+        torch.index_select(inputs, 0, layout.windows[kept, 1:].reshape(-1), out=out.view(-1, out.shape[-1]))
+        return x
+
     def _scan(self, dt, x, B, C, A, A_per_channel, ssm_start, layout: RowTrees, kept: torch.Tensor,
               out: torch.Tensor) -> torch.Tensor:
         """`tree_scan` -> y, the SSM states of the `kept` rows written to `out` [K, d_inner, d_state]: natively where
@@ -622,14 +635,14 @@ class SSMTargetModel:
         return y
 
     def _mix_mamba(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
-                   layout: RowTrees, kept: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   layout: RowTrees, kept: torch.Tensor, conv_out: torch.Tensor, ssm_out: torch.Tensor) -> torch.Tensor:
         """One Mamba mixer over every row: h [R, d_model], conv_start [G, d_conv - 1, d_inner], ssm_start [G, d_inner,
-        d_state], kept [K] rows -> (its output [R, d_model], the conv inputs `layout.windows` index); the kept rows'
-        SSM states go to `out` [K, d_inner, d_state]."""
+        d_state], kept [K] rows -> its output [R, d_model]; the kept rows' states go to conv_out [K, d_conv - 1,
+        d_inner] and ssm_out [K, d_inner, d_state]."""
         w: MixerWeights = layer.weights
         x, z = self._linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
         with self._elementwise():
-            x, inputs = tree_conv(x, conv_start, layout, w.conv, w.conv_bias)
+            x = self._conv(x, conv_start, layout, w.conv, w.conv_bias, kept, conv_out)
             x = F.silu(x)
         sd = self.ssm_dtype
         dt, B, C = self._linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
@@ -639,12 +652,13 @@ class SSMTargetModel:
         with self._elementwise():
             dt = F.softplus(dt.to(sd))  # [R, d_inner]
             x = x.to(sd)
-            y = self._scan(dt, x, B.to(sd), C.to(sd), w.A, None, ssm_start, layout, kept, out)
+            y = self._scan(dt, x, B.to(sd), C.to(sd), w.A, None, ssm_start, layout, kept, ssm_out)
             y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
-        return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs
+        return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
 
     def _mix_mamba2(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
-                    layout: RowTrees, kept: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    layout: RowTrees, kept: torch.Tensor, conv_out: torch.Tensor,
+                    ssm_out: torch.Tensor) -> torch.Tensor:
         """One Mamba2 mixer over every row, as `_mix_mamba` (conv_start [G, d_conv - 1, conv_dim]: x, B and C are
         convolved together); a head's state is its head_dim channels of [d_inner, d_state]."""
         w: Mamba2Weights = layer.weights
@@ -652,16 +666,16 @@ class SSMTargetModel:
         z, xbc, dt = self._linear(h, w.in_proj, w.in_proj_bias).split(
             [self.d_inner, w.conv.shape[0], self.heads], dim=-1)
         with self._elementwise():
-            xbc, inputs = tree_conv(xbc, conv_start, layout, w.conv, w.conv_bias)
+            xbc = self._conv(xbc, conv_start, layout, w.conv, w.conv_bias, kept, conv_out)
             x, B, C = F.silu(xbc).split([self.d_inner, self.groups * n, self.groups * n], dim=-1)
             # per channel before softplus: a row's elements then fill whole vectors (heads alone may not)
             dt = dt.repeat_interleave(self.head_dim, dim=1) + w.dt_bias.repeat_interleave(self.head_dim)
             dt = F.softplus(dt.to(sd)).clamp(*self.dt_limit)  # [R, d_inner]
             x = x.to(sd)
             y = self._scan(dt, x, B.view(rows, self.groups, n).to(sd), C.view(rows, self.groups, n).to(sd), w.A,
-                           w.A[:, 0], ssm_start, layout, kept, out)  # fmt: skip
+                           w.A[:, 0], ssm_start, layout, kept, ssm_out)  # fmt: skip
             y = w.gated_norm(torch.addcmul(y, x, w.D), z)
-        return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias), inputs
+        return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
 
     def _logits(self, residual: torch.Tensor) -> torch.Tensor:
         with self._elementwise():

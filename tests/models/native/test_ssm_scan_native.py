@@ -1,6 +1,6 @@
-"""The native tree scan of an SSM target's layers (models/native/ssm_scan.py) against its definition
-(`tree_scan_ref`, in float64 from the same float32 inputs) on every instruction-set build, its batch invariance, and
-the float32 target that takes it: greedy output is HF generate's."""
+"""The native tree scan and conv of an SSM target's layers (models/native/ssm_scan.py) against their definitions
+(`tree_scan_ref` and `tree_conv`, in float64 from the same float32 inputs) on every instruction-set build, their batch
+invariance, and the float32 target that takes them: greedy output is HF generate's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.native import library, ssm_scan as native_ssm_scan
 from ray_specdec.models.target.ssm import SSMTargetModel
-from ray_specdec.models.target.ssm_scan import RowTrees, tree_scan_ref
+from ray_specdec.models.target.forward_layout import Segment
+from ray_specdec.models.target.ssm_scan import RowTrees, tree_conv, tree_scan_ref
 from ray_specdec.speculation.tree import build_tree
 from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import random_prompt
@@ -101,6 +102,25 @@ def test_a_segments_bits_do_not_depend_on_the_others_or_the_threads(native_isa):
         assert torch.equal(y_alone, y[a:b]) and torch.equal(states_alone, states[a:b])
 
 
+@pytest.mark.parametrize("d_conv, with_bias", [(4, True), (2, False), (1, True)], ids=["4-bias", "2", "1"])
+def test_native_conv_is_the_definition(native_isa, d_conv, with_bias):
+    """Every row's conv over its ancestors' inputs (into its segment's starting conv state) against torch's
+    `tree_conv` in float64, and the kept rows' conv states (their windows' last inputs) exactly."""
+    layout = RowTrees.build(segments_parents(), d_conv=d_conv)
+    g = torch.Generator().manual_seed(2)
+    d = 40  # two full 16-wide vectors and a tail
+    x = torch.randn(layout.rows, d + 7, generator=g)[:, 3:-4]
+    history = torch.randn(layout.segments, d_conv - 1, d, generator=g)
+    weight, bias = torch.randn(d, d_conv, generator=g), torch.randn(d, generator=g) if with_bias else None
+    keep = torch.tensor([0, 29, 30, 33, 40, layout.rows - 1])
+    kept = torch.empty(keep.numel(), d_conv - 1, d)
+    out = native_ssm_scan.tree_conv(x, history, layout, weight, bias, keep, kept)
+    expected, inputs = tree_conv(x.double(), history.double(), layout, weight.double(),
+                                 None if bias is None else bias.double())  # fmt: skip
+    torch.testing.assert_close(out.double(), expected, **TOL)
+    assert torch.equal(kept.double(), inputs[layout.windows[keep, 1:]])
+
+
 def test_the_kernel_refuses_what_it_cannot_scan():
     if library.load() is None:
         pytest.skip(library.why_unavailable())
@@ -127,6 +147,14 @@ def test_float32_target_takes_the_native_scan_and_greedy_is_hf_generate(kind, mo
     monkeypatch.setenv("RAY_SPECDEC_NATIVE", "0")
     assert SSMTargetModel(model).native_scan_why == "RAY_SPECDEC_NATIVE=0"
     monkeypatch.delenv("RAY_SPECDEC_NATIVE")
+    # one verify through each path: the same logits to float32 rounding
+    logits = []
+    for each in (target, SSMTargetModel(model, native_scan=False)):
+        cache = each.new_cache()
+        each.prefill(cache, torch.tensor(random_prompt(9, seed=1)))
+        tree = build_tree([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+        logits.append(each.forward_batch([Segment(cache, torch.tensor(random_prompt(6, seed=2)), tree)])[0])
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-4)
     n, checked = 12, 0
     engines = [SpeculativeEngine(target, None, TreeConfig(()), config=lookup_off()),
                SpeculativeEngine(target, tiny_mamba(torch.float32), config=lookup_off(prefill_chunk=8))]
