@@ -1,11 +1,11 @@
-"""An SSM target's tree scan per layer, native against torch, and the target's forwards with either scan.
+"""An SSM target's tree scan and conv per layer, native against torch, and the target's forwards with either.
 
 Per layer, at one Mamba layer's shapes (d_inner 2 x hidden, 16 state elements) and one Mamba2 layer's (heads of 64
 channels, 128 state elements, one group): a prefill chunk (a chain of --chunk tokens), one verify of a --tree tree, and
 a step of --requests such verifies; each timed with torch's scan (`tree_scan`, then the kept rows' states, as the
-target takes them), the native scan (`native/ssm_scan.py`), and torch's conv (`tree_conv`) for scale. Then a random
-Mamba target's forwards with each scan: a prefill of the chunk, one verify, a step of --requests verifies. Each cell is
-the best of --repeats, at each thread count.
+target takes them) and the native one (`native/ssm_scan.py`), and so the conv (`tree_conv`; the Mamba layer's only).
+Then a random Mamba target's forwards with each path (native_scan): a prefill of the chunk, one verify, a step of
+--requests verifies. Each cell is the best of --repeats, at each thread count.
 
 Run from the repository root (random weights; nothing is downloaded):
     python -m benchmarks.ssm_scan [--layers 8] [--hidden 768] [--chunk 512] [--tree 2 2 2 1] [--threads 1 2]
@@ -38,7 +38,7 @@ def best(fn, repeats: int) -> float:
 
 
 def layer_cells(name: str, d_inner: int, n: int, head_dim: int | None, shapes: dict, repeats: int) -> None:
-    """The scan of one layer over each forward shape: torch's, native, and torch's conv for scale (ms)."""
+    """The scan (and for Mamba the conv) of one layer over each forward shape: torch's and native (ms)."""
     g = torch.Generator().manual_seed(0)
     for shape, (parents, kept_rows) in shapes.items():
         layout = RowTrees.build(parents, d_conv=4)
@@ -64,9 +64,20 @@ def layer_cells(name: str, d_inner: int, n: int, head_dim: int | None, shapes: d
 
         torch_ms = best(torch_scan, repeats) * 1e3
         native_ms = best(lambda: native_ssm_scan.tree_scan(dt, x, B, C, A_native, start, layout, kept), repeats) * 1e3
-        conv_ms = best(lambda: tree_conv(conv_in, conv_state, layout, weight, bias), repeats) * 1e3
-        print(f"  {name:6} {shape:22} {rows:4d} rows: torch scan {torch_ms:8.3f} ms, native {native_ms:7.3f} ms "
-              f"({torch_ms / native_ms:5.1f}x); torch conv {conv_ms:6.3f} ms")
+        line = (f"  {name:6} {shape:18} {rows:4d} rows: scan torch {torch_ms:8.3f} ms, native {native_ms:7.3f} ms "
+                f"({torch_ms / native_ms:5.1f}x)")
+        if head_dim is None:
+            history = torch.empty(kept.numel(), 3, d_inner)
+
+            def torch_conv():
+                out, inputs = tree_conv(conv_in, conv_state, layout, weight, bias)
+                return out, inputs[layout.windows[kept, 1:]]
+
+            conv_ms = best(torch_conv, repeats) * 1e3
+            native_conv_ms = best(lambda: native_ssm_scan.tree_conv(conv_in, conv_state, layout, weight, bias, kept,
+                                                                    history), repeats) * 1e3  # fmt: skip
+            line += f"; conv torch {conv_ms:6.3f} ms, native {native_conv_ms:6.3f} ms"
+        print(line)
 
 
 def main(argv=None) -> None:
@@ -127,7 +138,7 @@ def main(argv=None) -> None:
         for i, what in enumerate((f"prefill of {args.chunk}", f"verify of {n_verify} rows",
                                   f"step of {args.requests} verifies")):
             t, n = cells["torch"][i] * 1e3, cells["native"][i] * 1e3
-            print(f"  {what:26}: torch scan {t:8.2f} ms, native scan {n:8.2f} ms ({t / n:4.1f}x)")
+            print(f"  {what:26}: torch {t:8.2f} ms, native conv and scan {n:8.2f} ms ({t / n:4.1f}x)")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ conv inputs and the SSM state) lives in a slot of `SSMStatePool`; it is the same
 A forward's rows are each request's prefill chunk (a chain) and/or its verify rows (`[root, *tree nodes]`, the root's
 parent being the state after the chunk, or the request's state). Every layer runs its products over all rows of all
 requests at once; its conv and scan follow each row's parent (models/target/ssm_scan.py): a node's conv window is its
-ancestors' inputs and its SSM state is its parent's, advanced by its token. Only the verify rows get logits.
+ancestors' inputs and its SSM state is its parent's, advanced by its token. Only the verify rows get logits. On CPU in
+float32 the conv and the scan are native kernels, one call each per layer (native/ssm_scan.py: `native_scan_why`
+says why not), torch ops otherwise.
 
 After acceptance the request's state must be the accepted node's, never a rejected branch's. The verify keeps every
 row's state (`PendingStates`: per layer a conv window and an SSM state per row), and `commit` copies the kept path's
