@@ -16,7 +16,7 @@ from ray_specdec.models.target.ssm_scan import RowTrees, tree_conv, tree_scan_re
 from ray_specdec.speculation.tree import build_tree
 from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import random_prompt
-from tests.helpers.models import tiny_mamba, tiny_mamba2_lm, tiny_mamba_lm
+from tests.helpers.models import SSM_TARGETS, tiny_mamba, tiny_mamba_lm
 from tests.helpers.reference import greedy_margin, hf_greedy_ignore_eos
 
 # float32 against the float64 definition, over paths of up to 30 steps with |values| up to ~50
@@ -132,13 +132,13 @@ def test_the_kernel_refuses_what_it_cannot_scan():
         native_ssm_scan.tree_scan(dt, x, B, C, A, start[:2], layout, torch.arange(3))
 
 
-@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+@pytest.mark.parametrize("kind", sorted(SSM_TARGETS))
 def test_float32_target_takes_the_native_scan_and_greedy_is_hf_generate(kind, monkeypatch):
     """A float32 target on CPU scans natively (the torch scan where asked, or with RAY_SPECDEC_NATIVE=0, or for a
     float64 model); its greedy tokens, plain and drafting trees, are HF generate's on prompts without a near tie."""
     if library.load() is None:
         pytest.skip(library.why_unavailable())
-    model = {"mamba": tiny_mamba_lm, "mamba2": tiny_mamba2_lm}[kind](torch.float32, seed=1)
+    model = SSM_TARGETS[kind](torch.float32, seed=1)
     target = SSMTargetModel(model)
     assert target.native_scan_why is None
     assert SSMTargetModel(model, native_scan=False).native_scan_why == "native_scan=False"
