@@ -18,7 +18,7 @@ an engine keeps about one call per drafter replica in flight per step whatever i
 share of a step with a call in flight, not the clients. Either way the engine moves shards beyond an even share to
 a replica added later (drafter_pool_rebalance_s), so that it takes a share of the requests in flight.
 
-Run: python -m benchmarks.ramp [--ramp 1,8,32,8,1] [--phase-seconds 40] [--out docs/bench/ramp]
+Run: python -m benchmarks.ramp [--ramp 1,8,32,8,1] [--phase-seconds 40] [--tree 2,2,1,1] [--out docs/bench/ramp]
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--downscale-delay", type=float, default=15.0, help="seconds")
     parser.add_argument("--look-back", type=float, default=5.0, help="Serve's look_back_period_s, seconds")
     parser.add_argument("--overlap", action="store_true", help="drafter_pool_overlap: draft the next round ahead")
+    parser.add_argument("--tree", default=None,
+                        help="one tree for every round (AppArgs.tree, e.g. 2,2,1,1), so that every round is drafted; "
+                             "default: the service's own choice, which on a small CPU target prices a remote drafting "
+                             "step's round trip above what it saves and drafts no round")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-cpus", type=int, default=6, help="CPUs Ray may schedule (actors, not cores)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/ramp"))
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                    "metrics_interval_s": 1.0}  # fmt: skip
     app_args = AppArgs(direct_ingress=False, drafters="remote", drafter_pool_autoscaling=autoscaling,
                        drafter_pool_overlap=args.overlap, drafter_pool_scale_on=args.scale_on,
-                       drafter_pool_busy_target=args.busy_target)  # fmt: skip
+                       drafter_pool_busy_target=args.busy_target, tree=args.tree)  # fmt: skip
     env = (RAY_ENV | AUTOSCALING_ENV | small_machine_serve_env(dict(os.environ))
            | proxy_guard_env(dict(os.environ), False))  # fmt: skip
     os.environ.update(env)
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "app_args.json").write_text(json.dumps(
             {"drafters": "remote", "drafter_pool_autoscaling": autoscaling, "drafter_pool_overlap": args.overlap,
-             "drafter_pool_scale_on": args.scale_on, "drafter_pool_busy_target": args.busy_target,
+             "drafter_pool_scale_on": args.scale_on, "drafter_pool_busy_target": args.busy_target, "tree": args.tree,
              "env": AUTOSCALING_ENV}, indent=1) + "\n")  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         sampler = LoadSampler(url)
