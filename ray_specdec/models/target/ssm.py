@@ -618,22 +618,26 @@ class SSMTargetModel:
     def _conv(self, x: torch.Tensor, conv_start: torch.Tensor, layout: RowTrees, weight: torch.Tensor,
               bias: torch.Tensor | None, kept: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`tree_conv` -> its outputs [R, channels], the `kept` rows' conv states (their windows' last d_conv - 1
-        inputs) written to `out` [K, d_conv - 1, channels]: natively where the scan is and the model is float32."""
+        inputs) written to `out` [K, d_conv - 1, channels]: natively where the scan is and the model is float32 (on
+        torch's threads: a row's bits do not depend on them), else in torch (`_elementwise`)."""
         if self._native_conv:
             return native_ssm_scan.tree_conv(x, conv_start, layout, weight, bias, kept, out)
-        x, inputs = tree_conv(x, conv_start, layout, weight, bias)
-        torch.index_select(inputs, 0, layout.windows[kept, 1:].reshape(-1), out=out.view(-1, out.shape[-1]))
+        with self._elementwise():
+            x, inputs = tree_conv(x, conv_start, layout, weight, bias)
+            torch.index_select(inputs, 0, layout.windows[kept, 1:].reshape(-1), out=out.view(-1, out.shape[-1]))
         return x
 
     def _scan(self, dt, x, B, C, A, A_per_channel, ssm_start, layout: RowTrees, kept: torch.Tensor,
               out: torch.Tensor) -> torch.Tensor:
         """`tree_scan` -> y, the SSM states of the `kept` rows written to `out` [K, d_inner, d_state]: natively where
-        `native_scan_why` is None (A_per_channel [d_inner]: Mamba2's A, one value per channel), else in torch."""
+        `native_scan_why` is None (A_per_channel [d_inner]: Mamba2's A, one value per channel; on torch's threads),
+        else in torch (`_elementwise`)."""
         if self.native_scan_why is None:
             return native_ssm_scan.tree_scan(dt, x, B, C, A if A_per_channel is None else A_per_channel, ssm_start,
                                              layout, kept, out)[0]  # fmt: skip
-        y, states = tree_scan(dt, x, B, C, A, ssm_start, layout)
-        torch.index_select(states, 0, kept, out=out)
+        with self._elementwise():
+            y, states = tree_scan(dt, x, B, C, A, ssm_start, layout)
+            torch.index_select(states, 0, kept, out=out)
         return y
 
     def _mix_mamba(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
@@ -643,8 +647,8 @@ class SSMTargetModel:
         d_inner] and ssm_out [K, d_inner, d_state]."""
         w: MixerWeights = layer.weights
         x, z = self._linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
+        x = self._conv(x, conv_start, layout, w.conv, w.conv_bias, kept, conv_out)
         with self._elementwise():
-            x = self._conv(x, conv_start, layout, w.conv, w.conv_bias, kept, conv_out)
             x = F.silu(x)
         sd = self.ssm_dtype
         dt, B, C = self._linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
@@ -654,7 +658,8 @@ class SSMTargetModel:
         with self._elementwise():
             dt = F.softplus(dt.to(sd))  # [R, d_inner]
             x = x.to(sd)
-            y = self._scan(dt, x, B.to(sd), C.to(sd), w.A, None, ssm_start, layout, kept, ssm_out)
+        y = self._scan(dt, x, B.to(sd), C.to(sd), w.A, None, ssm_start, layout, kept, ssm_out)
+        with self._elementwise():
             y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
         return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
 
@@ -667,15 +672,15 @@ class SSMTargetModel:
         rows, sd, n = h.shape[0], self.ssm_dtype, self.d_state
         z, xbc, dt = self._linear(h, w.in_proj, w.in_proj_bias).split(
             [self.d_inner, w.conv.shape[0], self.heads], dim=-1)
+        xbc = self._conv(xbc, conv_start, layout, w.conv, w.conv_bias, kept, conv_out)
         with self._elementwise():
-            xbc = self._conv(xbc, conv_start, layout, w.conv, w.conv_bias, kept, conv_out)
             x, B, C = F.silu(xbc).split([self.d_inner, self.groups * n, self.groups * n], dim=-1)
             # per channel before softplus: a row's elements then fill whole vectors (heads alone may not)
             dt = dt.repeat_interleave(self.head_dim, dim=1) + w.dt_bias.repeat_interleave(self.head_dim)
             dt = F.softplus(dt.to(sd)).clamp(*self.dt_limit)  # [R, d_inner]
-            x = x.to(sd)
-            y = self._scan(dt, x, B.view(rows, self.groups, n).to(sd), C.view(rows, self.groups, n).to(sd), w.A,
-                           w.A[:, 0], ssm_start, layout, kept, ssm_out)  # fmt: skip
+            x, B, C = x.to(sd), B.view(rows, self.groups, n).to(sd), C.view(rows, self.groups, n).to(sd)
+        y = self._scan(dt, x, B, C, w.A, w.A[:, 0], ssm_start, layout, kept, ssm_out)
+        with self._elementwise():
             y = w.gated_norm(torch.addcmul(y, x, w.D), z)
         return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
 
