@@ -366,6 +366,7 @@ class SpeculationController:
         self._finishes = {kind: collections.deque(maxlen=config.finish_window) for kind in kinds}
         self.drafted_rounds = 0  # rounds the controller chose a drafted tree for
         self.undrafted_rounds = 0  # rounds it chose none for
+        self.plain_lookup_rounds = 0  # of those, the rounds it chose to verify a prompt-lookup proposal
         self._rng = np.random.default_rng(seed)
         self._expanded: dict[tuple[int, bool], tuple[Sequence[TreeConfig], tuple[Pick, ...]]] = {}
 
@@ -429,6 +430,7 @@ class SpeculationController:
         drafted = sum(1 for pick in picks if pick.tree.depth)
         self.drafted_rounds += drafted
         self.undrafted_rounds += len(picks) - drafted
+        self.plain_lookup_rounds += sum(1 for pick in picks if pick.plain_lookup)
         return picks
 
     def _expand(self, facts: RoundFacts) -> tuple[Pick, ...]:
@@ -543,14 +545,14 @@ class SpeculationController:
 
     def summary(self) -> dict:
         """What `/v1/bandit` and the stats show of the controller: the cost model's weights, the drafter's prefill
-        rate, the lookup rows and the share of rounds it drafted."""
+        rate, the lookup rows, the rounds it drafted and those it ran undrafted (with a lookup proposal or not)."""
         total = self.drafted_rounds + self.undrafted_rounds
         return {"cost_weights": self.cost.summary(), "cost_steps": self.cost.steps,
                 "drafter_prefill_s_per_token": self.prefill_s_per_token, "lookup_rows": self.lookup_rows,
                 "plain_lookup_rows": self.plain_lookup_rows, "drafted_rounds": self.drafted_rounds,
                 "finish_s": {f"{'sampled' if sampled else 'greedy'} {'drafted' if drafted else 'undrafted'}": value
                              for (sampled, drafted), value in self.finish_s.items()},
-                "undrafted_rounds": self.undrafted_rounds,
+                "undrafted_rounds": self.undrafted_rounds, "plain_lookup_rounds": self.plain_lookup_rounds,
                 "drafted_share": self.drafted_rounds / total if total else None}  # fmt: skip
 
 

@@ -269,6 +269,9 @@ def test_an_undrafted_rounds_lookup_proposal_is_priced_as_an_option_of_its_own()
     assert cheap.choose([proposal]) == [Pick(NO_TREE, plain_lookup=True)]
     assert dear.choose([proposal]) == [Pick(NO_TREE, plain_lookup=False)]
     assert dear.choose([facts()]) == [Pick(NO_TREE)]  # no lookup allowed (a sampled or a client's round): one option
+    counts = {name: cheap.summary()[name] for name in ("drafted_rounds", "undrafted_rounds", "plain_lookup_rounds")}
+    assert counts == {"drafted_rounds": 0, "undrafted_rounds": 1, "plain_lookup_rounds": 1}
+    assert (dear.summary()["undrafted_rounds"], dear.summary()["plain_lookup_rounds"]) == (2, 0)
 
 
 def test_a_rounds_finishing_time_is_measured_per_kind_and_priced():
