@@ -30,12 +30,16 @@ from ray_specdec.speculation.drafter_worker import DraftCall, DrafterWorker, Dra
 
 # Shards a replica may hold at once (Serve's multiplexed models per replica): all of them, as loading one is free.
 MAX_SHARDS = 256
+# How often Serve's controller checks a drafter replica (default 10 s): a replica whose process died is found then,
+# counted out of the pool (REPLICAS_POLL_S, DrafterBusyPolicy) and replaced.
+HEALTH_CHECK_PERIOD_S = 2.0
 REPLICAS_POLL_S = 2.0  # how often an engine's transport asks Serve how many drafter replicas run, seconds
 
 logger = logging.getLogger(__name__)
 
 
-@serve.deployment(name="drafter", logging_config={"enable_access_log": False}, max_ongoing_requests=16)
+@serve.deployment(name="drafter", logging_config={"enable_access_log": False}, max_ongoing_requests=16,
+                  health_check_period_s=HEALTH_CHECK_PERIOD_S)
 class DrafterDeployment:
     def __init__(self, drafter: str, *, dtype: str | None = None, device: str = "cpu",
                  prefill_window: int | str | None = "auto", max_sessions: int = 256, num_threads: int = 1):
