@@ -14,8 +14,12 @@ twice (its prefix cache would hit): each window takes prompts of its own, and vL
 of ours-none in turn, so each of ours is compared with vLLM over the same prompts. Tokens are counted as serve_peers
 counts them (usage, the chunks' token ids, else the text re-tokenized).
 
+With `--same-prompts` (ours only) the two systems of a block take the same prompts, in an order that alternates from
+block to block, from an app started without its prefix cache: a block's prompts then cannot tilt the ratio (a
+block's mean prompt length moves its prefill share by several percent).
+
 Run: python -m benchmarks.serve_steady [--servers ours,vllm] [--concurrency 32] [--blocks 2] [--pair none|seeded]
-[--temperature T] [--target NAME] [--json F]
+[--same-prompts] [--temperature T] [--target NAME] [--json F]
 """
 
 from __future__ import annotations
@@ -126,6 +130,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pair", default="none", choices=("none", "seeded"),
                         help="ours' second system: every request 'tree': 'none' (none), or every request seeded "
                              "(seeded: coupled sampling against ours' rejection sampling; needs --temperature > 0)")
+    parser.add_argument("--same-prompts", action="store_true",
+                        help="ours' two systems take the same prompts in each block, in alternating order, from an "
+                             "app without its prefix cache (which would serve the second's prefills); ours only")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the window")
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of the window")
@@ -144,6 +151,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("concurrency must be in [1, 256], blocks >= 1, warmup >= 0 and duration > 0")
     if not 0.0 <= args.temperature <= 2.0:
         parser.error(f"temperature must be in [0, 2], got {args.temperature}")
+    if args.same_prompts and args.servers != ["ours"]:
+        parser.error("--same-prompts compares ours' two systems: give --servers ours")
     if args.pair == "seeded" and args.temperature == 0:
         parser.error("--pair seeded compares sampling modes: give --temperature > 0")
     from ray_specdec.models.loading import resolve_model_path
@@ -166,10 +175,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     slots = SLOTS | {"ours": ("ours", f"ours-{args.pair}")}
     for server in args.servers:
         start = ours_server if server == "ours" else (lambda a: vllm_server(a, "plain"))
-        with start(args) as endpoint:
+        app_args = {"prefix_cache": False} if args.same_prompts else {}
+        with start(args, **app_args) as endpoint:
             for k in range(args.blocks):
-                for slot, name in enumerate(slots[server]):  # a server's systems alternate, as serve_peers' do
-                    block = prompts[(2 * k + slot) * per_block:(2 * k + slot + 1) * per_block]
+                order = list(enumerate(slots[server]))  # a server's systems alternate, as serve_peers' do
+                if args.same_prompts and k % 2:  # and with the same prompts, each goes first in every other block
+                    order.reverse()
+                for slot, name in order:
+                    first = 2 * k + (0 if args.same_prompts else slot)
+                    block = prompts[first * per_block:(first + 1) * per_block]
                     seed_base = 1_000_000 * (k + 1) if name in SEEDED else None
                     row = {"system": name, "block": k, "slot": slot,
                            **run_block(endpoint, block, FIELDS[name], args, tokenize, seed_base)}  # fmt: skip

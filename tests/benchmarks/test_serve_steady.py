@@ -48,10 +48,11 @@ def test_arguments_are_checked():
     assert args.servers == ["ours"] and args.concurrency == 8 and args.blocks == 3 and args.temperature == 0.0
     assert parse_args(["--temperature", "1"]).temperature == 1.0
     for bad in (["--servers", "hf"], ["--concurrency", "0"], ["--blocks", "0"], ["--duration", "0"],
-                ["--temperature", "-1"], ["--pair", "seeded"], ["--pair", "rows", "--temperature", "1"]):
+                ["--temperature", "-1"], ["--pair", "seeded"], ["--pair", "rows", "--temperature", "1"], ["--same-prompts"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
     assert parse_args(["--pair", "seeded", "--temperature", "1"]).pair == "seeded"
+    assert parse_args(["--servers", "ours", "--same-prompts"]).same_prompts  # ours only: vLLM's cache would hit
 
 
 def test_ours_is_compared_with_vllm_over_the_same_prompts():
