@@ -313,7 +313,7 @@ class Scheduler:
         last_chunks = [r for r in prefilling if r.chunk_end == len(r.tokens) - 1]
         requests = decoding + [r for r in last_chunks if self.kv.room(r, self.running.values(), work)]
         self.load = max(len(requests), 1)
-        picks = self.controller.choose([self._facts(r) for r in requests])
+        picks = self.controller.choose([self._facts(r) for r in requests], [r.request_id for r in requests])
         rounds = []
         for r, pick in zip(requests, picks):
             lookup = min(self.speculation.lookup if r.params.greedy else 0, r.stop.remaining - 1)

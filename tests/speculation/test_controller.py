@@ -112,7 +112,8 @@ def test_the_batched_prices_are_each_options_own(seed):
                                  plain_lookup_rows=float(rng.uniform(0, 4)) if rng.random() < 0.5 else None,
                                  prefill_tokens=int(rng.integers(0, 2000)) if rng.random() < 0.5 else 0))
     expected = c.expected_tokens(100, False)
-    draws = {(max(f.context_len, 1).bit_length(), sampled, draw): expected for f in rounds
+    values = np.array([expected[arm] for arm in c.arms])  # the arms' values as _price takes them
+    draws = {(max(f.context_len, 1).bit_length(), sampled, draw): values for f in rounds
              for sampled in (False, True) for draw in (False, True)}  # every cell: the means (greedy's, for the test)
     for f in rounds:
         picks = c._expand(f)
@@ -359,3 +360,33 @@ def test_the_bandit_hands_the_controller_its_token_sums_pooled_over_load_levels(
     bandit.record(CHAIN, 100, 3, 0.01, what_if={NO_TREE: 0})  # a what-if round teaches the undrafted arm
     sums = bandit.token_sums(100, sampled=False)
     assert sums.tolist() == [[1.0, 1.0, 1.0], [3.0, 3.0 + 1.0 + 4.0, 9.0 + 1.0 + 16.0]]
+
+
+def test_a_choice_holds_for_decide_every_steps_unless_the_requests_or_their_options_change():
+    """With the rounds' requests as keys, a choice is made anew only every `decide_every` steps, when a request joins
+    or leaves, or when a held pick is no longer among its round's options; without keys, every call chooses."""
+    paying, not_paying = (100, 2.5, 0.5), (100, 1.0, 0.0)
+    stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: paying}
+    c = SpeculationController(StatsPolicy(stats), SpeculationConfig(explore=False, decide_every=3), seed=0)
+    c.cost.set_prior(weights(fixed=2e-3, target_rows=0.1e-3, drafting=0.5e-3, drafter_rows=0.1e-3))
+    two = [facts(), facts()]
+    assert trees(c.choose(two, ["a", "b"])) == [CHAIN, CHAIN]
+    stats[CHAIN] = not_paying  # plain decoding is the choice from now on, once chosen anew
+    assert trees(c.choose(two, ["a", "b"])) == [CHAIN, CHAIN]  # held: step 1 of 3
+    assert trees(c.choose(two, ["b", "a"])) == [CHAIN, CHAIN]  # the same requests in another order: held
+    assert trees(c.choose(two, ["a", "b"])) == [NO_TREE, NO_TREE]  # step 3: chosen anew
+    stats[CHAIN] = paying
+    assert trees(c.choose([facts()] * 3, ["a", "b", "c"])) == [CHAIN] * 3  # "c" joined: chosen anew
+    stats[CHAIN] = not_paying
+    assert trees(c.choose(two, ["a", "b"])) == [NO_TREE] * 2  # "c" left: chosen anew
+    stats[CHAIN] = paying
+    assert trees(c.choose(two, ["a", "b"])) == [NO_TREE] * 2  # held
+    assert trees(c.choose(two, ["a", "b"])) == [NO_TREE] * 2  # held
+    assert trees(c.choose(two, ["a", "b"])) == [CHAIN] * 2  # chosen anew
+    stats[CHAIN] = not_paying
+    cut = facts(options=(CHAIN.truncated(1), NO_TREE))  # "a" near its end: its held chain is no longer an option
+    assert trees(c.choose([cut, facts()], ["a", "b"])) == [NO_TREE, NO_TREE]  # chosen anew
+    stats[CHAIN] = paying
+    assert trees(c.choose([facts()])) == [CHAIN]  # no keys: chosen every call
+    summary = c.summary()
+    assert summary["drafted_rounds"] + summary["undrafted_rounds"] == 2 * 9 + 3 + 1  # every round counted
