@@ -14,7 +14,6 @@ Run from the repository root (random weights; nothing is downloaded):
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,19 +21,11 @@ from transformers import MambaConfig, MambaForCausalLM
 
 from ray_specdec.config import TreeConfig
 from ray_specdec.models.native import ssm_scan as native_ssm_scan
+from benchmarks.ssm_commit import best
 from ray_specdec.models.target.forward_layout import Segment
 from ray_specdec.models.target.ssm import SSMTargetModel
 from ray_specdec.models.target.ssm_scan import RowTrees, tree_conv, tree_scan
 from ray_specdec.speculation.tree import build_tree
-
-
-def best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def layer_cells(name: str, d_inner: int, n: int, head_dim: int | None, shapes: dict, repeats: int) -> None:

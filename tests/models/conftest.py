@@ -14,3 +14,12 @@ def native_isa(request, monkeypatch):
     if library.load() is None:
         pytest.skip(library.why_unavailable())
     return request.param
+
+
+@pytest.fixture
+def fresh_native_loader():
+    """The native library loaded anew for the test and after it: a test that sets RAY_SPECDEC_NATIVE_ISA (`native_isa`)
+    gets that build, and the tests after it the machine's own."""
+    library.load.cache_clear()
+    yield
+    library.load.cache_clear()

@@ -19,11 +19,7 @@ from tests.helpers.native_mamba import CONFIGS, VOCAB, mamba
 TOL = dict(rtol=1e-4, atol=5e-5)
 
 
-@pytest.fixture(autouse=True)
-def fresh_loader():
-    library.load.cache_clear()
-    yield
-    library.load.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_native_loader")
 
 
 @pytest.fixture

@@ -23,11 +23,7 @@ from tests.helpers.reference import greedy_margin, hf_greedy_ignore_eos
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def fresh_loader():
-    library.load.cache_clear()
-    yield
-    library.load.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_native_loader")
 
 
 def segments_parents() -> list[torch.Tensor]:
