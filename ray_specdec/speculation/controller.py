@@ -392,17 +392,14 @@ class SpeculationController:
 
     def expected_tokens(self, context_len: int, sampled: bool, draw: bool = False) -> dict[TreeConfig, float]:
         """Each arm's expected tokens per round in this context (with `draw`: one posterior draw)."""
-        return dict(zip(self.arms, map(float, self._arm_tokens(context_len, sampled, draw))))
-
-    def _arm_tokens(self, context_len: int, sampled: bool, draw: bool) -> np.ndarray:
-        """`expected_tokens` as an array in the arms' order."""
         arms = self.arms
         sums = self.policy.token_sums(context_len, sampled) if hasattr(self.policy, "token_sums") else None
         if sums is None:
             sums = np.zeros((len(arms), 3))
         undrafted_top = 1.0 + (0 if sampled else self.config.plain_lookup)
-        return posterior_tokens(arms, sums, self.config, self._rng if draw and self.config.explore else None,
-                                undrafted_top)  # fmt: skip
+        values = posterior_tokens(arms, sums, self.config, self._rng if draw and self.config.explore else None,
+                                  undrafted_top)  # fmt: skip
+        return dict(zip(arms, map(float, values)))
 
     def choose(self, rounds: Sequence[RoundFacts], keys: Sequence[Hashable] | None = None) -> list[Pick]:
         """Every round's tree for this step, for the rounds' expected tokens per second of the step's decode time (its
@@ -443,8 +440,8 @@ class SpeculationController:
         width = max(map(len, options))
         tokens = np.full((len(rounds), width), -np.inf)
         seconds = np.zeros((len(rounds), width))
-        # one posterior draw (or the means) per cell per step, each arm's tokens in the arms' order
-        draws: dict[tuple[int, bool, bool], np.ndarray] = {}
+        # one posterior draw (or the means) per cell per step
+        draws: dict[tuple[int, bool, bool], dict[TreeConfig, float]] = {}
         groups: dict[int, tuple[tuple[Pick, ...], list[int]]] = {}  # rounds of the same options, priced together
         for i, opts in enumerate(options):
             groups.setdefault(id(opts), (opts, []))[1].append(i)
@@ -492,7 +489,7 @@ class SpeculationController:
         return tuple(picks)
 
     def _price(self, picks: tuple[Pick, ...], rounds: Sequence[RoundFacts], w: np.ndarray,
-               draws: dict[tuple, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+               draws: dict[tuple, dict[TreeConfig, float]]) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """(expected tokens, seconds each adds to the step) of every round in `rounds` (which share their options,
         `picks`) taking each pick: two [rounds, picks] arrays.
 
@@ -501,7 +498,6 @@ class SpeculationController:
         drafter's prefill. An undrafted pick verifies its root (and with `plain_lookup`, the lookup proposal's
         rows); with a proposal it gives the undrafted arm's expected tokens, without one exactly one."""
         spec = _pick_spec(picks)
-        sources = _pick_sources(picks, self.arms, self.config.prior_accept_per_depth)
         full = np.empty((len(rounds), len(picks)))
         by_cell: dict[tuple[int, bool, bool], np.ndarray] = {}
         for row, facts in enumerate(rounds):
@@ -511,8 +507,8 @@ class SpeculationController:
             cell = (_bucket(facts.context_len), facts.sampled, draw)
             if cell not in by_cell:
                 if cell not in draws:
-                    draws[cell] = self._arm_tokens(facts.context_len, facts.sampled, draw)
-                by_cell[cell] = _pick_values(sources, draws[cell])
+                    draws[cell] = self.expected_tokens(facts.context_len, facts.sampled, draw=draw)
+                by_cell[cell] = self._pick_tokens(picks, draws[cell])
             full[row] = by_cell[cell]
         context = np.array([facts.context_len for facts in rounds], dtype=np.float64)
         lookup_rows = np.array([facts.lookup_rows for facts in rounds])[:, None]
@@ -534,6 +530,21 @@ class SpeculationController:
                 share = np.minimum(1.0, tokens / remaining)
                 seconds = seconds + drafted * self.prefill_s_per_token * prefill * share
         return tokens, seconds
+
+    def _pick_tokens(self, picks: tuple[Pick, ...], expected: dict[TreeConfig, float]) -> np.ndarray:
+        """Each pick's expected tokens per round from its cell's arm values (before capping by the round's lookup)."""
+        values = []
+        for pick in picks:
+            tree = pick.tree
+            if not tree.depth:  # the undrafted arm learns from rounds with a lookup proposal
+                values.append(expected.get(NO_TREE, 1.0) if pick.plain_lookup else 1.0)
+                continue
+            full = expected.get(tree)
+            if full is None:  # a tree cut short (the request's last tokens): the largest arm it is a cut of
+                full = max((v for arm, v in expected.items() if arm.depth and arm.truncated(tree.depth) == tree),
+                           default=1.0 + self.config.prior_accept_per_depth * tree.max_depth)  # fmt: skip
+            values.append(full)
+        return np.array(values)
 
     # ----- learning -----
 
@@ -593,39 +604,6 @@ def _pick_spec(picks: tuple[Pick, ...]) -> dict[str, np.ndarray]:
             "nodes": np.array([tree.num_nodes for tree in trees], dtype=np.float64),
             "own_lookup": np.array([tree.lookup for tree in trees], dtype=np.float64),
             "drafter_rows": np.array([drafter_rows(tree) if tree.depth else 0 for tree in trees], dtype=np.float64)}
-
-
-@functools.lru_cache(maxsize=256)
-def _pick_sources(picks: tuple[Pick, ...], arms: tuple[TreeConfig, ...],
-                  prior_accept_per_depth: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    """Where each pick's expected tokens come from, given the arms' values in the arms' order: (gather [picks,
-    arms] bool: the arms whose largest value it takes, none for a pick of a fixed value; fixed [picks]: that
-    value, or what it takes where no arm is gathered; use [picks] bool: whether it gathers).
-    - An undrafted pick with a lookup proposal: the undrafted arm's value (1.0 where no arm is undrafted); without
-      one, exactly 1.
-    - A drafted pick: its own arm's value; a tree cut short (a request's last tokens) takes the largest of the arms
-      it is a cut of, or where none is, the prior 1 + prior_accept_per_depth x its deepest node."""
-    gather = np.zeros((len(picks), len(arms)), dtype=bool)
-    fixed = np.ones(len(picks))
-    for i, pick in enumerate(picks):
-        tree = pick.tree
-        if not tree.depth:
-            if pick.plain_lookup:
-                gather[i] = [arm == NO_TREE for arm in arms]
-            continue
-        if tree in arms:
-            gather[i, arms.index(tree)] = True
-            continue
-        gather[i] = [bool(arm.depth) and arm.truncated(tree.depth) == tree for arm in arms]
-        fixed[i] = 1.0 + prior_accept_per_depth * tree.max_depth
-    return gather, fixed, gather.any(axis=1)
-
-
-def _pick_values(sources: tuple[np.ndarray, np.ndarray, np.ndarray], arm_values: np.ndarray) -> np.ndarray:
-    """Each pick's expected tokens per round from its cell's arm values (before capping by the round's lookup)."""
-    gather, fixed, use = sources
-    taken = np.where(gather, arm_values[None, :], -np.inf).max(axis=1) if gather.size else fixed
-    return np.where(use, taken, fixed)
 
 
 def _bucket(context_len: int) -> int:

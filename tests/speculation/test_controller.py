@@ -112,8 +112,7 @@ def test_the_batched_prices_are_each_options_own(seed):
                                  plain_lookup_rows=float(rng.uniform(0, 4)) if rng.random() < 0.5 else None,
                                  prefill_tokens=int(rng.integers(0, 2000)) if rng.random() < 0.5 else 0))
     expected = c.expected_tokens(100, False)
-    values = np.array([expected[arm] for arm in c.arms])  # the arms' values as _price takes them
-    draws = {(max(f.context_len, 1).bit_length(), sampled, draw): values for f in rounds
+    draws = {(max(f.context_len, 1).bit_length(), sampled, draw): expected for f in rounds
              for sampled in (False, True) for draw in (False, True)}  # every cell: the means (greedy's, for the test)
     for f in rounds:
         picks = c._expand(f)
