@@ -51,6 +51,7 @@ from ray_specdec.speculation.drafting import Draft, DraftRequest, draft_many, pr
 
 REBALANCE_S = 5.0  # RemoteDrafters: how often shards may move to even out the workers' shares, seconds
 
+
 class Drafters:
     """The drafting side of a scheduler (see the module docstring); requests are engine/request.py `Request`s."""
 
@@ -254,9 +255,9 @@ class RemoteDrafters(Drafters):
         by_worker: dict[str, list[int]] = {}
         for shard, worker in sorted(self.homes.items()):
             by_worker.setdefault(worker, []).append(shard)
-        share = -(-len(self.homes) // workers) if workers else 0
+        share = -(-len(self.homes) // workers) if workers and workers >= 2 else 0
         most = max(map(len, by_worker.values()), default=0)
-        if workers is None or workers < 2 or most <= share:
+        if not share or most <= share:
             self._backoff, self._most = 1, None
             return
         if self._most is not None and most >= self._most:  # the last move did not help (routes placed back)
