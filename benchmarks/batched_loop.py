@@ -62,7 +62,7 @@ import torch
 
 from benchmarks.serve_peers import select_prompts
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+from ray_specdec.defaults import DEFAULT_TARGET
 from ray_specdec.engine.config import EngineConfig
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.engine.llm import SpeculativeEngine
@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--coupling", default="auto", metavar="C1,C2",
                    help="sampling_coupling values to run every variant with (auto, coupled, rejection)")
     p.add_argument("--target", default="target-neox", help="embedded model name or HF directory of the target")
+    p.add_argument("--drafter", default="drafter-mamba", help="embedded model name or HF directory of the drafter")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.temperature < 0:
@@ -213,13 +214,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.synthetic_llama:
         chosen = {v for v in chosen if v.endswith(" none")}
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    drafter = MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER), dtype=args.dtype, device=str(device))
+    drafter = MambaDrafter.from_pretrained(str(resolve_model_path(args.drafter)), dtype=args.dtype, device=str(device))
     texts = select_prompts(args.prompts + WARM_UP, seed=18)
     share = args.prompts // len(concurrencies)  # prompts per concurrency
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                                else platform.processor() or platform.machine(), "dtype": args.dtype,
                                "duration_s": args.duration, "temperature": args.temperature,
-                               "target": args.synthetic_llama or args.target,
+                               "target": args.synthetic_llama or args.target, "drafter": args.drafter,
                                "cells": []}  # fmt: skip
     outputs: dict[str, dict[int, list[int]]] = {}
     trees = [t.strip() for t in args.trees.split(";") if t.strip()]
