@@ -1,9 +1,15 @@
-"""A training-friendly forward for HF Mamba mixers on machines without the mamba-ssm kernels.
+"""Training-friendly forwards for HF Mamba and Bamba (Mamba2) mixers on machines without the mamba-ssm kernels.
 
-transformers' torch fallback runs the selective scan as a loop that indexes one time step of a [B, D, L, N] tensor
-per iteration; autograd then materialises a full-size gradient per step (quadratic in L, gigabytes at L=256). This
-forward computes the same function with `unbind` (whose backward is one stack), so training cost stays linear.
-Only used while training; the exported model is a plain MambaForCausalLM.
+Mamba: transformers' torch fallback runs the selective scan as a loop that indexes one time step of a [B, D, L, N]
+tensor per iteration; autograd then materialises a full-size gradient per step (quadratic in L, gigabytes at L=256).
+`mixer_forward` computes the same function with `unbind` (whose backward is one stack), so training cost stays linear.
+
+Mamba2 (Bamba's mixer): the torch fallback of the chunked scan builds [b, chunk, L, L, heads, d_state] and
+[b, chunk, L, L, heads, head_dim] products (~800 MB each for a 256-token window of target-hybrid's layers).
+`mamba2_mixer_forward` takes the scan's quadratic (attention-like) form over the whole window instead: scores
+C_t . B_s per head, times the decay exp(sum of dt A over (s, t]) and dt_s, applied to x: [b, L, L, heads] tensors.
+
+Only used while training (full windows, no cache, no padding mask); the exported model is the plain HF class.
 """
 
 from __future__ import annotations
@@ -46,14 +52,54 @@ def mixer_forward(mixer, hidden_states: torch.Tensor, *args, **kwargs) -> torch.
     return mixer.out_proj(y.transpose(1, 2))
 
 
+def ssd_quadratic(x, dt, A, B, C, D):
+    """Mamba2's scan from a zero state in its quadratic form. x: [b, L, h, p]; dt: [b, L, h] (after softplus); A, D:
+    [h]; B, C: [b, L, g, n] (g groups of h / g heads) -> y [b, L, h, p]."""
+    heads_per_group = x.shape[2] // B.shape[2]
+    B, C = B.repeat_interleave(heads_per_group, dim=2), C.repeat_interleave(heads_per_group, dim=2)
+    cum = torch.cumsum(dt * A, dim=1)                                   # [b, L, h]
+    length = x.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()[None, :, :, None]
+    decay = torch.exp((cum[:, :, None] - cum[:, None]).masked_fill(~causal, float("-inf")))  # [b, t, s, h]
+    scores = torch.einsum("bthn,bshn->btsh", C, B) * decay * dt[:, None]
+    return torch.einsum("btsh,bshp->bthp", scores, x) + x * D[:, None]
+
+
+def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+    """BambaMixer forward over full windows (ssd_quadratic). hidden_states: [b, L, hidden] -> [b, L, hidden]. With a
+    cache or a padding mask it is HF's own forward."""
+    if cache is not None or attention_mask is not None:
+        return type(mixer).forward(mixer, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    batch, length, _ = hidden_states.shape
+    groups_state = mixer.n_groups * mixer.ssm_state_size
+    gate, xbc, dt = mixer.in_proj(hidden_states).split(
+        [mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
+    xbc = mixer.act(mixer.conv1d(xbc.transpose(1, 2))[..., :length]).transpose(1, 2)   # causal: drop right padding
+    x, B, C = xbc.split([mixer.intermediate_size, groups_state, groups_state], dim=-1)
+    dt = F.softplus(dt + mixer.dt_bias)
+    low, high = mixer.time_step_limit
+    if (low, high) != (0.0, float("inf")):
+        dt = dt.clamp(low, high)
+    y = ssd_quadratic(x.view(batch, length, mixer.num_heads, mixer.head_dim), dt, -torch.exp(mixer.A_log.float()),
+                      B.view(batch, length, mixer.n_groups, -1), C.view(batch, length, mixer.n_groups, -1), mixer.D)
+    return mixer.out_proj(mixer.norm(y.reshape(batch, length, -1), gate))
+
+
 @contextlib.contextmanager
-def fast_training_forward(model: MambaForCausalLM) -> Iterator[MambaForCausalLM]:
-    """Within the block, every mixer of `model` uses `mixer_forward` (no cache support)."""
-    mixers = [layer.mixer for layer in model.backbone.layers]
+def fast_training_forward(model) -> Iterator:
+    """Within the block, every mixer of `model` (a MambaForCausalLM or BambaForCausalLM) uses `mixer_forward` or
+    `mamba2_mixer_forward` (full windows, no cache); the model makes no cache."""
+    if isinstance(model, MambaForCausalLM):
+        mixers, forward = [layer.mixer for layer in model.backbone.layers], mixer_forward
+    else:
+        mixers = [layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")]
+        forward = mamba2_mixer_forward
+    use_cache, model.config.use_cache = model.config.use_cache, False
     for mixer in mixers:
-        mixer.forward = types.MethodType(mixer_forward, mixer)
+        mixer.forward = types.MethodType(forward, mixer)
     try:
         yield model
     finally:
+        model.config.use_cache = use_cache
         for mixer in mixers:
             del mixer.forward

@@ -34,6 +34,14 @@ def target_llama(vocab_size: int, eos_id: int) -> PretrainedConfig:
     )
 
 
+def target_hybrid(vocab_size: int, eos_id: int) -> PretrainedConfig:
+    # target-llama with layers 1, 3 and 5 as Mamba2 layers (Bamba), built by training/hybrid.py: train it with
+    # --init-from the directory `python -m ray_specdec.training.hybrid` writes.
+    from ray_specdec.training.hybrid import hybrid_config
+
+    return hybrid_config(target_llama(vocab_size, eos_id))
+
+
 # Mamba drafter sizes (hidden size, layers); the names give the parameter count at the family's 4096-token vocabulary
 # (tied embeddings: a larger vocabulary adds vocab x hidden).
 DRAFTER_SIZES = {"0.7m": (128, 2), "2.8m": (256, 4), "11m": (512, 5)}
@@ -62,6 +70,7 @@ def drafter_neox_small(vocab_size: int, eos_id: int) -> PretrainedConfig:
 ARCHITECTURES = {
     "target-neox": target_neox,
     "target-llama": target_llama,
+    "target-hybrid": target_hybrid,
     "drafter-mamba": drafter_mamba,
     "drafter-neox-small": drafter_neox_small,
 }
