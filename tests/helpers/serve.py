@@ -54,9 +54,9 @@ def serve_app(args, address: str | None = None, num_cpus: int = 2, more: dict[st
     try:
         # one HTTP proxy, on the head: simulated nodes share this machine's ports
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        for name, more_args in (more or {}).items():
-            serve.run(app(more_args), name=name, route_prefix=f"/{name}")
-        serve.run(app(args), name="specdec", route_prefix="/")
+        # every app at once: their replicas start side by side
+        targets = [serve.RunTarget(app(a), name=name, route_prefix=f"/{name}") for name, a in (more or {}).items()]
+        serve.run_many([*targets, serve.RunTarget(app(args), name="specdec", route_prefix="/")])
         yield f"http://127.0.0.1:{port}"
     finally:
         try:
