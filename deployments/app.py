@@ -21,6 +21,7 @@ import click
 import ray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from ray.serve import Application
+from transformers import AutoConfig
 
 from deployments.bandit import BanditHubDeployment
 from deployments.drafter import DrafterDeployment
@@ -33,6 +34,7 @@ from ray_specdec.config import TreeConfig, default_tree
 from ray_specdec.defaults import EMBEDDED_MODEL_NAMES
 from ray_specdec.engine.config import PART_CLASSES, EngineConfig, engine_config_from_args
 from ray_specdec.models.loading import resolve_model_path
+from ray_specdec.models.target.kinds import UnsupportedTarget, check_tensor_parallel
 from ray_specdec.models.tokenizer_check import TokenizerMismatch, check_model_pair
 from ray_specdec.serving.openai_server import ServerSettings
 from ray_specdec.settings import field_bounds, field_docs
@@ -340,6 +342,11 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     proxy_guard_env()
     target_path = _model_path(args.target, "target")
     drafter_path = None if (args.drafter or "").lower() == "none" else _model_path(args.drafter, "drafter")
+    if args.tp_size > 1:  # here, before any rank actor starts: an SSM or hybrid target is served unsharded only
+        try:
+            check_tensor_parallel(AutoConfig.from_pretrained(resolve_model_path(target_path)), args.tp_size)
+        except UnsupportedTarget as exc:
+            raise AppError(str(exc)) from None
     if drafter_path is not None:
         try:  # here, before any replica loads weights: a mismatched pair would draft garbage, silently
             check_model_pair(target_path, drafter_path)

@@ -27,7 +27,7 @@ from ray_specdec.engine.kv_sizing import device_room
 from ray_specdec.engine.target_backend import StepWork, TargetCaches
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path
 from ray_specdec.models.target import shm_collective
-from ray_specdec.models.target.kinds import UnsupportedTarget, target_kind
+from ray_specdec.models.target.kinds import check_tensor_parallel, load_target_model, target_kind
 from ray_specdec.models.target.model import ATTN_IMPLEMENTATION, TargetModel
 
 
@@ -49,11 +49,13 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 
 def load_target(model: str, *, dtype: str | torch.dtype | None, device: torch.device, tp_size: int) -> TargetModel:
-    """The target on `device`; with tp_size > 1, this rank's AutoTP shard (the process group must exist)."""
+    """The target on `device`; with tp_size > 1, this rank's AutoTP shard (the process group must exist). SSM and
+    hybrid targets load at tp_size 1 only (`check_tensor_parallel`)."""
     path = resolve_model_path(model)
-    if target_kind(AutoConfig.from_pretrained(path)) != "attention":
-        raise UnsupportedTarget(f"tensor parallelism (tp_size {tp_size}) serves attention targets only; serve "
-                                f"{model!r} with tp_size=1")  # fmt: skip
+    config = AutoConfig.from_pretrained(path)
+    check_tensor_parallel(config, tp_size)
+    if target_kind(config) == "ssm":  # at tp_size 1
+        return load_target_model(path, dtype=dtype, device=device)
     torch_dtype = resolve_dtype(dtype, device)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION)
     hf_model.eval()
@@ -164,7 +166,9 @@ class TargetWorker:
         # where the ranks sum over shared memory instead of gloo (None: they do; CPU ranks of one machine)
         self.shm_allreduce_why: str | None = "one rank" if world_size == 1 else "NCCL on GPUs"
         if world_size > 1:
-            check_tp_dtype(resolve_dtype(dtype, device))  # before the rendezvous: fail at once, not after it
+            # before the rendezvous: fail at once, not after it
+            check_tensor_parallel(AutoConfig.from_pretrained(resolve_model_path(model)), world_size)
+            check_tp_dtype(resolve_dtype(dtype, device))
             init_distributed(rank, world_size, master_addr, master_port, device)
             if device.type == "cpu":
                 self.shm_allreduce_why = shm_collective.install()

@@ -24,7 +24,7 @@ from deployments.app import (DIRECT_INGRESS_DRAIN_ENV, DIRECT_INGRESS_ENV, PROXY
                              SMALL_MACHINE_SERVE_ENV, AppError, _engine_options, direct_ingress_env, parse_app_args,
                              proxy_guard_env, small_machine_serve_env)
 from ray_specdec.models.loading import resolve_model_path
-from tests.helpers.models import tiny_tokenizer
+from tests.helpers.models import SSM_TARGETS, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CONFIGS = ["serve_config.yaml", "serve_config.gpu.yaml"]
@@ -396,3 +396,16 @@ def test_the_proxy_guard_is_set_before_ray_starts_and_a_users_own_value_stands(m
     [(name, value)] = PROXY_GUARD_ENV.items()
     for commands in (cluster["head_start_ray_commands"], cluster["worker_start_ray_commands"]):
         assert f"{name}={value} ray start" in commands[-1]
+
+
+@pytest.mark.parametrize("kind", ["mamba", "jamba"])
+def test_tensor_parallel_ssm_targets_fail_in_one_line_before_any_actor(tmp_path, kind):
+    """An SSM or hybrid target at tp_size 2: the builder says so (Serve prints it as "Error: ..."), no rank starts."""
+    SSM_TARGETS[kind]().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(AppError) as info:
+        app(AppArgs(target=str(tmp_path), drafter="none", tp_size=2))
+    name = {"mamba": "MambaForCausalLM", "jamba": "JambaForCausalLM"}[kind]
+    assert info.value.format_message() == (f"tensor parallelism (tp_size 2) serves attention targets only, not "
+                                           f"{name}; serve it with tp_size=1")  # fmt: skip
+    assert bound(app(AppArgs(target=str(tmp_path), drafter="none")))[0] == "engine"  # tp_size 1 builds

@@ -35,6 +35,18 @@ def target_kind(config) -> str:
     return "attention"
 
 
+def check_tensor_parallel(config, tp_size: int) -> None:
+    """UnsupportedTarget where tp_size > 1 and `config` is an SSM or hybrid target's. Tensor parallelism shards
+    attention targets only: `SSMTargetModel` computes over whole weights, and DeepSpeed AutoTP's own split of these
+    classes is not sound (it cuts Mamba's in_proj by columns, whose channels x_proj then sums over, and Bamba's
+    attention o_proj is not among the layers it all-reduces)."""
+    if tp_size > 1 and target_kind(config) == "ssm":
+        architectures = list(getattr(config, "architectures", None) or [])
+        name = architectures[0] if architectures else getattr(config, "model_type", "this model")
+        raise UnsupportedTarget(f"tensor parallelism (tp_size {tp_size}) serves attention targets only, not "
+                                f"{name}; serve it with tp_size=1")  # fmt: skip
+
+
 def load_target_model(name_or_path: str, *, dtype: str | torch.dtype | None = None, device: str = "cpu"):
     """The target adapter for a hub id, local directory or embedded name: `SSMTargetModel` for Mamba, else
     `TargetModel`."""

@@ -203,9 +203,14 @@ def test_a_directory_of_an_ssm_class_loads_as_an_ssm_target(tmp_path, kind):
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                               pad_token_id=0, attention_mask=torch.ones(1, 6, dtype=torch.long))[0, 6:].tolist()
     assert engine.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True)).token_ids == expected
-    # tensor parallelism shards attention targets only: a clear error before any weights load
+    # tensor parallelism shards attention targets only: a clear error before any weights load, and a rank says so
+    # before its rendezvous (no peer ever joins here: it must not wait)
     with pytest.raises(UnsupportedTarget, match="tp_size=1"):
         target_worker.load_target(str(tmp_path), dtype="float32", device=torch.device("cpu"), tp_size=2)
+    with pytest.raises(UnsupportedTarget, match="tp_size=1"):
+        target_worker.TargetWorker(str(tmp_path), dtype="float32", rank=0, world_size=2)
+    worker = target_worker.TargetWorker(str(tmp_path), dtype="float64")  # one rank: the SSM target itself
+    assert isinstance(worker.target, SSMTargetModel) and worker.info()["tp_size"] == 1
 
 
 @pytest.mark.parametrize("config", [
