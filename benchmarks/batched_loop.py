@@ -39,6 +39,10 @@ rejected, so only the `none` variants run.
 variant once per `sampling_coupling` (speculation/coupled.py; seeded requests are coupled under the default `auto`),
 labelled with it. Each cell reports the mean accepted length of the rounds of its finished requests.
 
+An SSM or hybrid `--target` (Mamba, Mamba2, Jamba, Bamba: models/target/ssm.py, e.g. target-hybrid) runs the `batched`
+variants only (its greedy tokens compared against `batched none`'s): its forward always carries every request's
+rows, and the switches of the other variants are the attention target's.
+
 Run from the repository root: python -m benchmarks.batched_loop [--device cuda] [--dtype float32]
 [--target target-neox-large] [--concurrency 1,8,32] [--duration 10] [--synthetic-llama 2048,16] [--temperature 1]
 [--trees "1,1,1;3,2,1"] [--coupling rejection,coupled] [--json results.json]
@@ -59,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from benchmarks.serve_peers import select_prompts
 from ray_specdec.config import SamplingParams, TreeConfig
@@ -68,7 +73,9 @@ from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.factory import resolve_device
 from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.target.kinds import target_kind
 from ray_specdec.models.target.model import TargetModel
+from ray_specdec.models.target.ssm import SSMTargetModel
 from ray_specdec.speculation.bandit import Bandit
 
 VARIANTS = (("batched", True, None), ("batched", True, "none"), ("pieces", True, None), ("pieces", True, "none"),
@@ -227,13 +234,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     chosen |= {f"batched {t}" for t in trees}
     couplings = [c.strip() for c in args.coupling.split(",")]
     variants = [*VARIANTS, *(("batched", True, t) for t in trees)]
+    ssm = not args.synthetic_llama and target_kind(AutoConfig.from_pretrained(resolve_model_path(args.target))) == "ssm"
     for (name, lean, tree_text), coupling in itertools.product(variants, couplings):
         label = f"{name} {tree_text or 'drafting'}" + ("" if coupling == "auto" else f" {coupling}")
         if label.removesuffix(f" {coupling}") not in chosen:
             continue
         switches = dict(lean=lean, kv_pool=False if name == "own-caches" else None,
                         cuda_graphs=False if name == "eager" else None)  # fmt: skip
-        if args.synthetic_llama:
+        if ssm and name != "batched":
+            print(f"{label}: skipped (an SSM target runs the batched variants only)", flush=True)
+            continue
+        if ssm:
+            target = SSMTargetModel.from_pretrained(str(resolve_model_path(args.target)), dtype=args.dtype,
+                                                    device=str(device))
+        elif args.synthetic_llama:
             model, tokenizer = synthetic_llama(args.synthetic_llama, args.dtype, device)
             target = TargetModel(model, tokenizer, **switches)
         else:
@@ -267,14 +281,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"accepted length {cell['accepted_length']:.2f}  {cell['finished']} finished", flush=True)
             if cell["profile"]:
                 print(cell["profile"], flush=True)
-    reference = outputs.get(REFERENCE, {})
+    reference_label = "batched none" if ssm else REFERENCE  # an SSM target's plain decoding
+    reference = outputs.get(reference_label, {})
     for label, by_prompt in outputs.items() if args.temperature == 0 else ():  # sampled tokens differ by design
-        if label == REFERENCE:
+        if label == reference_label:
             continue
         shared = [i for i in by_prompt if i in reference]
         differ = sum(by_prompt[i] != reference[i] for i in shared)
         results.setdefault("greedy_vs_reference", {})[label] = {"compared": len(shared), "differ": differ}
-        print(f"greedy tokens, {label} vs {REFERENCE}: {differ} of {len(shared)} prompts differ")
+        print(f"greedy tokens, {label} vs {reference_label}: {differ} of {len(shared)} prompts differ")
     table = {(c["variant"], c["concurrency"]): c["tokens_per_s"] for c in results["cells"]}
     print(f"\n| variant | {' | '.join(f'c={c}' for c in concurrencies)} |")
     print(f"|---|{'---|' * len(concurrencies)}")
