@@ -20,7 +20,8 @@ TARGET_NEOX = "target-neox"
 TARGET_LLAMA = "target-llama"
 DRAFTER_MAMBA = "drafter-mamba"
 DRAFTER_NEOX_SMALL = "drafter-neox-small"
-DEFAULT_MODEL_NAMES = (TARGET_NEOX, TARGET_LLAMA, DRAFTER_MAMBA, DRAFTER_NEOX_SMALL)
+TARGET_HYBRID = "target-hybrid"  # target-llama made a Mamba2-attention hybrid (BambaForCausalLM), distilled from it
+DEFAULT_MODEL_NAMES = (TARGET_NEOX, TARGET_LLAMA, DRAFTER_MAMBA, DRAFTER_NEOX_SMALL, TARGET_HYBRID)
 
 # Models grown from a shipped one with its function unchanged: name -> (source, hidden factor, MLP factor). 3 is the
 # smallest hidden factor that takes target-neox (13.8M parameters) past 100M (105.1M), out of the CPU's caches.

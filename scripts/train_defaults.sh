@@ -37,3 +37,11 @@ python -m ray_specdec train-drafter --target $D/target-neox --data runs/train-sp
   --max-minutes 25 --seed 3
 cp runs/drafter-mamba-r4/model.safetensors runs/drafter-mamba-r4/training.json $D/drafter-mamba/
 echo R4 DONE
+# target-hybrid: target-llama with layers 1, 3 and 5 made Mamba2 layers from their attention (training/hybrid.py,
+# "Mamba in the Llama"), then distilled from target-llama on the corpus train split.
+python -m ray_specdec.training.hybrid --source $D/target-llama --out runs/target-hybrid-init
+$T --arch target-hybrid --name target-hybrid --tokenizer $D/target-llama --teacher $D/target-llama \
+  --init-from runs/target-hybrid-init --alpha 0.9 --lr 5e-4 --warmup-steps 10 --max-steps 150 --max-minutes 60 \
+  > runs/target-hybrid.log 2>&1
+python -m ray_specdec.training.export --run runs/target-hybrid --out $D/target-hybrid --tokenizer $D/target-llama
+echo HYBRID DONE

@@ -19,7 +19,7 @@ from ray_specdec.tools.list_models import main
 
 def test_embedded_names():
     assert EMBEDDED_MODEL_NAMES == ("target-neox", "target-llama", "drafter-mamba", "drafter-neox-small",
-                                    "target-neox-large")
+                                    "target-hybrid", "target-neox-large")
 
 
 @pytest.mark.parametrize("name", DEFAULT_MODEL_NAMES)
@@ -85,7 +85,7 @@ def test_models_command_builds_and_prints_a_table(capsys):
     assert cli_main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["name", "architecture", "parameters", "made", "built", "directory"]
-    assert lines[5].split()[:7] == [TARGET_NEOX_LARGE, "GPTNeoXForCausalLM", "105.1M", "grown", "from",
+    assert lines[6].split()[:7] == [TARGET_NEOX_LARGE, "GPTNeoXForCausalLM", "105.1M", "grown", "from",
                                     "target-neox", "yes"]
     assert lines[1].split()[:5] == ["target-neox", "GPTNeoXForCausalLM", "13.8M", "shipped", "yes"]
 

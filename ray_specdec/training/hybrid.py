@@ -15,8 +15,8 @@ A). So x takes V's rows, B takes K's, C takes Q's and out_proj takes o_proj, hea
   projections of the K/V head it shares in the Llama (h // (heads / kv_heads)), repeated as grouped-query attention
   repeats them;
 - the conv is the identity (last tap 1, bias 0), so x, B and C enter the scan as silu of the projections;
-- dt's projection rows are 0 and dt_bias gives head h a decay of one over a window of 4 * 2^h tokens (4 .. 128), A = 1;
-  D = 0 (attention has no skip term);
+- dt's projection rows are 0 and dt_bias gives head h a constant dt = 1 / (4 * 2^h), A = -1 (A_log 0): head h forgets
+  over 4 * 2^h tokens (4 .. 128); D = 0 (attention has no skip term);
 - the gate z: its projection rows are 0 and its bias (`mamba_proj_bias`) is 1, so silu(z) is the same constant on
   every channel and the gated RMSNorm, taken per head (one group per head), only normalizes each head's output;
 - the norm's weights are 1. (Setting them to the RMS of the attention's output per channel, measured on train

@@ -1,6 +1,6 @@
 """The Llama -> Mamba2 hybrid builder (training/hybrid.py): what it copies, what the Mamba2 layers take from the
 attention, that kept attention computes what the Llama's did, and that the hybrid is served as an SSM target with
-HF generate's greedy tokens."""
+HF generate's greedy tokens; so is the shipped target-hybrid."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM, BambaForCausalLM
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.defaults import default_model_path
+from ray_specdec.defaults import DEFAULT_DRAFTER, TARGET_HYBRID, default_model_path
 from ray_specdec.engine.llm import SpeculativeEngine
+from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.target.kinds import load_target_model
 from ray_specdec.models.target.ssm import SSMTargetModel
+from ray_specdec.training.corpus import heldout_prompts
 from ray_specdec.training.hybrid import MAMBA_LAYERS, build_hybrid, hybrid_config
 from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import random_prompt
@@ -92,3 +94,19 @@ def test_hybrid_is_served_with_hf_generates_greedy_tokens(tmp_path):
         for drafter, tree in ((None, ()), (tiny_mamba(), (3, 2, 1))):
             engine = SpeculativeEngine(target, drafter, TreeConfig(tree), config=lookup_off())
             assert engine.generate(prompt, SamplingParams(max_new_tokens=16)).token_ids == expected, (length, tree)
+
+
+def test_shipped_target_hybrid_gives_hf_generates_greedy_tokens_with_drafter_mamba():
+    """The embedded name loads as an SSM target; plain, a chain and a tree of drafter-mamba's drafts give HF generate's
+    tokens (float32, held-out prompts whose greedy paths have no near tie)."""
+    target = load_target_model(TARGET_HYBRID)
+    assert isinstance(target, SSMTargetModel) and target.model.config.layers_block_type[:2] == [
+        "full_attention", "linear_attention"]
+    drafter = MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER))
+    for held_out in heldout_prompts(2, 48, 48, 0, target.tokenizer):
+        prompt = held_out.token_ids
+        expected = hf_greedy(target, prompt, 24)
+        assert greedy_margin(target.model, prompt, expected) > 1e-3
+        for tree in ((), (1, 1, 1), (2, 2, 1, 1)):
+            engine = SpeculativeEngine(target, drafter if tree else None, TreeConfig(tree), config=lookup_off())
+            assert engine.generate(prompt, SamplingParams(max_new_tokens=24)).token_ids == expected, tree
