@@ -23,7 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ray_specdec.defaults import DEFAULT_MODEL_NAMES, DEFAULT_MODELS_DIR
 from ray_specdec.training.corpus import encode_split, heldout_prompts
 
-PAIRS = (("target-neox", "drafter-mamba"), ("target-neox", "drafter-neox-small"), ("target-llama", "drafter-mamba"))
+PAIRS = (("target-neox", "drafter-mamba"), ("target-neox", "drafter-neox-small"), ("target-llama", "drafter-mamba"),
+         ("target-hybrid", "drafter-mamba"))
 RESULTS_START, RESULTS_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
