@@ -13,10 +13,12 @@ ancestors' inputs and its SSM state is its parent's, advanced by its token. Only
 float32 the conv and the scan are native kernels, one call each per layer (native/ssm_scan.py: `native_scan_why`
 says why not), torch ops otherwise.
 
-After acceptance the request's state must be the accepted node's, never a rejected branch's. The verify keeps every
-row's state (`PendingStates`: per layer a conv window and an SSM state per row), and `commit` copies the kept path's
-last row into the slot: no recomputation. (The alternative, replaying the accepted tokens from the state before the
-verify, costs a forward of up to depth + 1 tokens per request per step; docs/DESIGN.md compares the two.)
+After acceptance the request's state must be the accepted node's, never a rejected branch's. The verify keeps, per
+layer, every row's conv window, its root's SSM state and every row's scan inputs (dt, x, B, C) (`PendingStates`), and
+writes no other row's SSM state; `commit` copies the kept path's last conv window into the slot, and its SSM state is
+the root's where only the root is kept, else the scan run again along the path below the root from the root's state
+(activation replay: at most depth rows, one call per layer for every commit of a forward, each row the same
+instructions as in the verify). docs/DESIGN.md compares it with keeping every row's state and with a second forward.
 
 Mamba2 differs inside the mixer only: x, B and C are convolved together, A is one scalar per head, B and C are
 shared by a group of heads, and a gated RMSNorm precedes the output projection; its heads' states are channels of the
@@ -167,6 +169,17 @@ class Layer:
     @property
     def attention(self) -> bool:
         return isinstance(self.weights, AttentionWeights)
+
+
+@dataclass(frozen=True)
+class KeptRows:
+    """What a forward's rows leave behind: `conv` rows their conv states (a chunk's last row, every verify row),
+    `states` rows their SSM states (a chunk's last row, a verify's root), `inputs` rows their scan inputs (every
+    verify row: the commit replays the kept path's SSM state from them)."""
+
+    conv: torch.Tensor  # [Kc] long
+    states: torch.Tensor  # [Ks] long
+    inputs: torch.Tensor  # [Ki] long
 
 
 class SSMTargetModel:
@@ -438,15 +451,45 @@ class SSMTargetModel:
                 raise ValueError(f"an SSM state keeps a path from the root of the verify (rows 0, a child of 0, ...), "
                                  f"got {keep}")  # fmt: skip
             checked.append((cache, keep))
+        by_forward: dict[int, list[tuple[SSMCache, list[int]]]] = {}  # the commits of verifies of one forward
+        for cache, keep in checked:
+            if len(keep) > 1:
+                by_forward.setdefault(id(cache.pending.scan), []).append((cache, keep))
+        for cache, keep in checked:
+            if len(keep) == 1:  # the root's state, which the verify kept
+                self._pool.ssm[cache.slot].copy_(cache.pending.states[:, cache.pending.root])
+        for kept in by_forward.values():
+            self._replay_states(kept)
         for cache, keep in checked:
             if keep:
                 self._pool.conv[cache.slot].copy_(cache.pending.conv[:, keep[-1]])
-                self._pool.ssm[cache.slot].copy_(cache.pending.ssm[:, keep[-1]])
                 rows = torch.tensor(keep, device=self.device)
                 self._write_kv(cache, cache.committed,
                                [(pk.index_select(0, rows), pv.index_select(0, rows)) for pk, pv in cache.pending.kv])
                 cache.committed += len(keep)
             cache.pending = None
+
+    def _replay_states(self, commits: list[tuple[SSMCache, list[int]]]) -> None:
+        """Each kept path's SSM states into its slot: every layer's scan run again along the path below the root (a
+        chain of at most depth rows) from the root's state, over the scan inputs the verify left (commits of verifies
+        of one forward: they share its states' and inputs' tensors). One scan call per layer for all of them; a row's
+        work is the same as in the verify, so are its bits."""
+        layout = RowTrees.build([torch.arange(-1, len(keep) - 2) for _, keep in commits], self.d_conv, self.device)
+        slots = torch.tensor([cache.slot for cache, _ in commits], device=self.device)
+        rows = torch.tensor([cache.pending.scan_first + r for cache, keep in commits for r in keep[1:]],
+                            device=self.device)  # fmt: skip
+        roots = torch.tensor([cache.pending.root for cache, _ in commits], device=self.device)
+        inputs, kept_states = commits[0][0].pending.scan, commits[0][0].pending.states
+        none = torch.empty(0, dtype=torch.long, device=self.device)
+        ends = KeptRows(none, torch.tensor(layout.starts[1:], device=self.device) - 1, none)
+        states = torch.empty(len(commits), *self._pool.ssm.shape[2:], dtype=self.ssm_dtype, device=self.device)
+        for layer in self._layers:
+            if layer.attention:
+                continue
+            dt, x, B, C = (t.index_select(0, rows) for t in inputs[layer.index])
+            start = kept_states[layer.index].index_select(0, roots)  # [G, d_inner, d_state]
+            self._scan(dt, x, B, C, layer.weights, start, layout, ends, states, [])
+            self._pool.ssm[:, layer.index].index_copy_(0, slots, states)
 
     def _check(self, group: dict) -> bool:
         """Checks a cache's part of a forward (committed, within its context and capacity) -> whether it has rows."""
@@ -474,6 +517,7 @@ class SSMTargetModel:
         """Every group's rows through the model in one forward: chunk rows as a chain, then verify rows as the tree
         (its root a child of the chunk's last row); slots advance over the chunks, verifies' states wait."""
         tokens, parents, kept, verify_rows = [], [], [], []
+        state_rows = []  # the only rows whose SSM states the forward writes: each chunk's last, each verify's root
         row = 0
         for g in groups:
             chunk, verify = g["chunk"], g["verify"]
@@ -482,29 +526,35 @@ class SSMTargetModel:
             tokens.append(torch.empty(0, dtype=torch.long) if chunk is None else chunk[1].cpu())
             if n_chunk:
                 kept.append(row + n_chunk - 1)
+                state_rows.append(row + n_chunk - 1)
             if verify is not None:
                 tree_parents = verify[2].parents.clone()
                 p.append(torch.where(tree_parents >= 0, tree_parents + n_chunk, n_chunk - 1))
                 tokens.append(verify[1].cpu())
                 n_verify = verify[1].numel()
                 verify_rows.append((row + n_chunk, n_verify))
+                state_rows.append(row + n_chunk)
                 kept.extend(range(row + n_chunk, row + n_chunk + n_verify))
             parents.append(torch.cat(p))
             row += parents[-1].numel()
         layout = RowTrees.build(parents, self.d_conv, self.device)
         slots = torch.tensor([g["cache"].slot for g in groups], device=self.device)
-        kept_index = torch.tensor(kept, dtype=torch.long, device=self.device)
+        verify_index = [torch.arange(start, start + n) for start, n in verify_rows]
+        keep = KeptRows(*(torch.tensor(rows, dtype=torch.long, device=self.device) for rows in (kept, state_rows)),
+                        torch.cat(verify_index).to(self.device) if verify_index else
+                        torch.empty(0, dtype=torch.long, device=self.device))  # fmt: skip
         conv_start = self._pool.conv.index_select(0, slots)  # [G, L, d_conv - 1, d_inner]
         ssm_start = self._pool.ssm.index_select(0, slots)  # [G, L, d_inner, d_state]
         ids = torch.cat(tokens).to(self.device)
         residual = F.embedding(ids, self._embed)  # [R, d_model]
         new_kv = []
-        # each SSM layer's conv and scan write its kept rows' states: [L, K, d_conv - 1, conv channels], [L, K,
-        # d_inner, d_state]
+        # each SSM layer's conv and scan write its kept rows' states: [L, Kc, d_conv - 1, conv channels], [L, Ks,
+        # d_inner, d_state]; and its verify rows' scan inputs, per layer
         conv = torch.empty(self._pool.conv.shape[1], len(kept), *self._pool.conv.shape[2:], dtype=self.dtype,
                            device=self.device)  # fmt: skip
-        ssm = torch.empty(self._pool.ssm.shape[1], len(kept), *self._pool.ssm.shape[2:], dtype=self.ssm_dtype,
+        ssm = torch.empty(self._pool.ssm.shape[1], len(state_rows), *self._pool.ssm.shape[2:], dtype=self.ssm_dtype,
                           device=self.device)  # fmt: skip
+        scan_inputs: list[tuple[torch.Tensor, ...]] = []
         attending = self._attending(groups, layout) if self._attention_layers else None
         rotary = next((layer.weights.rotary for layer in self._layers if layer.attention and layer.weights.rotary),
                       None)  # fmt: skip
@@ -519,32 +569,31 @@ class SSMTargetModel:
                 mixed, k, v = self._attend(h, layer, attending, cos_sin)
                 new_kv.append((k, v))  # [R, kv heads, head_dim] each
             else:
-                mixed = self._mix(h, layer, conv_start[:, layer.index], ssm_start[:, layer.index], layout, kept_index,
-                                  conv[layer.index], ssm[layer.index])  # fmt: skip
+                mixed = self._mix(h, layer, conv_start[:, layer.index], ssm_start[:, layer.index], layout, keep,
+                                  conv[layer.index], ssm[layer.index], scan_inputs)  # fmt: skip
             residual = (residual.to(torch.float32) if self.residual_in_fp32 else residual) + mixed
             if layer.ffn is not None:
                 residual = residual + layer.ffn(rms_norm(residual, layer.ffn_norm, self.eps)[None])[0]
-        logit_rows = torch.cat([torch.arange(start, start + n) for start, n in verify_rows]) if verify_rows else None
-        logits = (self._logits(residual[logit_rows.to(self.device)]).split([n for _, n in verify_rows])
-                  if verify_rows else [])  # fmt: skip
-        k, v = 0, 0
+        logits = (self._logits(residual[keep.inputs]).split([n for _, n in verify_rows]) if verify_rows
+                  else [])  # fmt: skip
+        k, s, v, i = 0, 0, 0, 0  # kept conv states, kept SSM states, verifies, verify rows so far
         for g, start in zip(groups, layout.starts):
             cache: SSMCache = g["cache"]
             chunk, verify = g["chunk"], g["verify"]
             n_chunk = 0 if chunk is None else chunk[1].numel()
             if n_chunk:
                 self._pool.conv[cache.slot].copy_(conv[:, k])
-                self._pool.ssm[cache.slot].copy_(ssm[:, k])
+                self._pool.ssm[cache.slot].copy_(ssm[:, s])
                 self._write_kv(cache, cache.committed,
                                [(nk[start:start + n_chunk], nv[start:start + n_chunk]) for nk, nv in new_kv])
                 cache.committed += n_chunk
-                k += 1
+                k, s = k + 1, s + 1
             if verify is not None:
                 n, first = verify[1].numel(), start + n_chunk
-                cache.pending = PendingStates(conv[:, k:k + n], ssm[:, k:k + n], verify[2].parents.clone(),
+                cache.pending = PendingStates(conv[:, k:k + n], ssm, s, scan_inputs, i, verify[2].parents.clone(),
                                               [(nk[first:first + n], nv[first:first + n]) for nk, nv in new_kv])
                 out[verify[0]] = logits[v].to(self._logits_dtype)
-                k, v = k + n, v + 1
+                k, s, v, i = k + n, s + 1, v + 1, i + n
 
     def _write_kv(self, cache: SSMCache, at: int, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write each attention layer's K and V rows [n, kv heads, head_dim] at row `at` of the cache's buffers,
@@ -627,27 +676,30 @@ class SSMTargetModel:
             torch.index_select(inputs, 0, layout.windows[kept, 1:].reshape(-1), out=out.view(-1, out.shape[-1]))
         return x
 
-    def _scan(self, dt, x, B, C, A, A_per_channel, ssm_start, layout: RowTrees, kept: torch.Tensor,
-              out: torch.Tensor) -> torch.Tensor:
-        """`tree_scan` -> y, the SSM states of the `kept` rows written to `out` [K, d_inner, d_state]: natively where
-        `native_scan_why` is None (A_per_channel [d_inner]: Mamba2's A, one value per channel; on torch's threads),
-        else in torch (`_elementwise`)."""
+    def _scan(self, dt, x, B, C, weights: MixerWeights | Mamba2Weights, ssm_start, layout: RowTrees, keep: KeptRows,
+              out: torch.Tensor, inputs: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """`tree_scan` -> y, the SSM states of the `keep.states` rows written to `out` [Ks, d_inner, d_state], the
+        `keep.inputs` rows' (dt, x, B, C) appended to `inputs`: natively where `native_scan_why` is None (Mamba2's A
+        as one value per channel; on torch's threads), else in torch (`_elementwise`)."""
+        if keep.inputs.numel():
+            inputs.append(tuple(t.index_select(0, keep.inputs) for t in (dt, x, B, C)))
         if self.native_scan_why is None:
-            return native_ssm_scan.tree_scan(dt, x, B, C, A if A_per_channel is None else A_per_channel, ssm_start,
-                                             layout, kept, out)[0]  # fmt: skip
+            A = weights.A[:, 0] if isinstance(weights, Mamba2Weights) else weights.A
+            return native_ssm_scan.tree_scan(dt, x, B, C, A, ssm_start, layout, keep.states, out)[0]
         with self._elementwise():
-            y, states = tree_scan(dt, x, B, C, A, ssm_start, layout)
-            torch.index_select(states, 0, kept, out=out)
+            y, states = tree_scan(dt, x, B, C, weights.A, ssm_start, layout)
+            torch.index_select(states, 0, keep.states, out=out)
         return y
 
     def _mix_mamba(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
-                   layout: RowTrees, kept: torch.Tensor, conv_out: torch.Tensor, ssm_out: torch.Tensor) -> torch.Tensor:
+                   layout: RowTrees, keep: KeptRows, conv_out: torch.Tensor, ssm_out: torch.Tensor,
+                   inputs: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """One Mamba mixer over every row: h [R, d_model], conv_start [G, d_conv - 1, d_inner], ssm_start [G, d_inner,
-        d_state], kept [K] rows -> its output [R, d_model]; the kept rows' states go to conv_out [K, d_conv - 1,
-        d_inner] and ssm_out [K, d_inner, d_state]."""
+        d_state] -> its output [R, d_model]; the kept rows' states go to conv_out [Kc, d_conv - 1, d_inner] and
+        ssm_out [Ks, d_inner, d_state], the verify rows' scan inputs to `inputs`."""
         w: MixerWeights = layer.weights
         x, z = self._linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
-        x = self._conv(x, conv_start, layout, w.conv, w.conv_bias, kept, conv_out)
+        x = self._conv(x, conv_start, layout, w.conv, w.conv_bias, keep.conv, conv_out)
         with self._elementwise():
             x = F.silu(x)
         sd = self.ssm_dtype
@@ -658,28 +710,28 @@ class SSMTargetModel:
         with self._elementwise():
             dt = F.softplus(dt.to(sd))  # [R, d_inner]
             x = x.to(sd)
-        y = self._scan(dt, x, B.to(sd), C.to(sd), w.A, None, ssm_start, layout, kept, ssm_out)
+        y = self._scan(dt, x, B.to(sd), C.to(sd), w, ssm_start, layout, keep, ssm_out, inputs)
         with self._elementwise():
             y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
         return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
 
     def _mix_mamba2(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
-                    layout: RowTrees, kept: torch.Tensor, conv_out: torch.Tensor,
-                    ssm_out: torch.Tensor) -> torch.Tensor:
+                    layout: RowTrees, keep: KeptRows, conv_out: torch.Tensor, ssm_out: torch.Tensor,
+                    inputs: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """One Mamba2 mixer over every row, as `_mix_mamba` (conv_start [G, d_conv - 1, conv_dim]: x, B and C are
         convolved together); a head's state is its head_dim channels of [d_inner, d_state]."""
         w: Mamba2Weights = layer.weights
         rows, sd, n = h.shape[0], self.ssm_dtype, self.d_state
         z, xbc, dt = self._linear(h, w.in_proj, w.in_proj_bias).split(
             [self.d_inner, w.conv.shape[0], self.heads], dim=-1)
-        xbc = self._conv(xbc, conv_start, layout, w.conv, w.conv_bias, kept, conv_out)
+        xbc = self._conv(xbc, conv_start, layout, w.conv, w.conv_bias, keep.conv, conv_out)
         with self._elementwise():
             x, B, C = F.silu(xbc).split([self.d_inner, self.groups * n, self.groups * n], dim=-1)
             # per channel before softplus: a row's elements then fill whole vectors (heads alone may not)
             dt = dt.repeat_interleave(self.head_dim, dim=1) + w.dt_bias.repeat_interleave(self.head_dim)
             dt = F.softplus(dt.to(sd)).clamp(*self.dt_limit)  # [R, d_inner]
             x, B, C = x.to(sd), B.view(rows, self.groups, n).to(sd), C.view(rows, self.groups, n).to(sd)
-        y = self._scan(dt, x, B, C, w.A, w.A[:, 0], ssm_start, layout, kept, ssm_out)
+        y = self._scan(dt, x, B, C, w, ssm_start, layout, keep, ssm_out, inputs)
         with self._elementwise():
             y = w.gated_norm(torch.addcmul(y, x, w.D), z)
         return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)

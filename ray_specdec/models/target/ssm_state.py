@@ -54,11 +54,18 @@ class SSMStatePool:
 
 @dataclass
 class PendingStates:
-    """The states a verify left for its rows, until `commit` keeps one path's: per layer, each row's conv state and
-    SSM state after its token, and the rows' parents (to check that what is kept is a path)."""
+    """What a verify left for its rows until `commit` keeps one path's: per layer each row's conv state after its
+    token, the root's SSM state, and the scan's inputs of each row (from which the commit replays the kept path's SSM
+    state from the root's); the rows' parents (to check that what is kept is a path)."""
 
-    conv: torch.Tensor  # [L, rows, d_conv - 1, d_inner]
-    ssm: torch.Tensor  # [L, rows, d_inner, d_state]
+    conv: torch.Tensor  # [L, rows, d_conv - 1, conv channels]
+    # the SSM states the forward kept, shared by its verifies: [L, K, d_inner, d_state]; this verify's root's is `root`
+    states: torch.Tensor
+    root: int
+    # per layer (dt, x, B, C) of every verify row of the forward, shared by its verifies: [V, d_inner] x 2, [V, (g,) N]
+    # x 2; this verify's rows are [scan_first, scan_first + rows)
+    scan: list[tuple[torch.Tensor, ...]]
+    scan_first: int
     parents: torch.Tensor  # [rows] long, within the verify (-1 for its root)
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # a hybrid's attention layers' rows
 

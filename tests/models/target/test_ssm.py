@@ -291,6 +291,9 @@ def test_float32_logits_and_states_do_not_depend_on_the_batch(kind):
         return logits, state_of(target, cache)
 
     alone, state = run(0)
+    replay = target.new_cache()  # the committed path's state (replayed from the verify's scan inputs) is a prefill's
+    target.prefill(replay, torch.tensor(random_prompt(40, seed=1) + [7] + random_prompt(len(TREES[3]), seed=2)[:1]))
+    assert all(torch.equal(a, b) for a, b in zip(state_of(target, replay), state))
     for others in (1, 5):
         logits, batched_state = run(others)
         assert torch.equal(logits, alone)
