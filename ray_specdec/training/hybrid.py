@@ -38,7 +38,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BambaConfig, BambaForCausalLM, LlamaForCausalLM
 
 # Layers of target-llama that become Mamba2 layers: every other one, attention kept at 0, 2 and 4 (Mamba2 at 0, 2 and
-# 4 instead starts at held-out perplexity 286, against 230).
+# 4 instead starts at held-out perplexity 285.6 against 230.9, on the held-out split's first 4 windows of 256 tokens).
 MAMBA_LAYERS = (1, 3, 5)
 GATE_BIAS = 1.0
 DECAY_WINDOW_FIRST = 4  # head h forgets over DECAY_WINDOW_FIRST * 2**h tokens
