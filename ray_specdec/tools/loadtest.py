@@ -30,7 +30,6 @@ import asyncio
 import inspect
 import ipaddress
 import json
-import math
 import sys
 import time
 from collections import Counter
@@ -311,13 +310,15 @@ async def run_loadtest(config: LoadTestConfig, replica_reader: ReplicaReader | N
             tasks: dict[int, asyncio.Task] = {}
             for phase, count in enumerate(ramp):
                 current[0] = phase
-                phase_bounds.append(_ms_floor(time.perf_counter() - t0))  # to the ms, as the samples' times
+                # the clock read after the phase changed and before any client of it starts: a request's recorded
+                # start (read before it checked the phase) falls within its own phase's bounds, exactly
+                phase_bounds.append(time.perf_counter() - t0)
                 for k in range(count):
                     if k not in tasks or tasks[k].done():
                         tasks[k] = asyncio.create_task(worker(k))
                 await asyncio.sleep(max(0.0, t0 + (phase + 1) * config.phase_s - time.perf_counter()))
             current[0] = None
-            phase_bounds.append(_ms_floor(time.perf_counter() - t0))
+            phase_bounds.append(time.perf_counter() - t0)
             await asyncio.gather(*tasks.values())
 
         stop = asyncio.Event()
@@ -336,10 +337,6 @@ async def run_loadtest(config: LoadTestConfig, replica_reader: ReplicaReader | N
             stop.set()
             await asyncio.gather(*samplers)
     return summarize(results, wall_s, samples, config, memory, phase_bounds)
-
-
-def _ms_floor(t: float) -> float:
-    return math.floor(t * 1000) / 1000
 
 
 def percentiles(values: list[float]) -> dict[str, float] | None:
