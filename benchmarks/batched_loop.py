@@ -72,7 +72,7 @@ from ray_specdec.engine.config import EngineConfig
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.factory import resolve_device
-from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.drafter.kinds import load_drafter_model
 from ray_specdec.models.target.kinds import target_kind
 from ray_specdec.models.target.model import TargetModel
 from ray_specdec.models.target.ssm import SSMTargetModel
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.synthetic_llama:
         chosen = {v for v in chosen if v.endswith(" none")}
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    drafter = MambaDrafter.from_pretrained(str(resolve_model_path(args.drafter)), dtype=args.dtype, device=str(device))
+    drafter = load_drafter_model(str(resolve_model_path(args.drafter)), dtype=args.dtype, device=str(device))
     texts = select_prompts(args.prompts + WARM_UP, seed=18)
     share = args.prompts // len(concurrencies)  # prompts per concurrency
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"

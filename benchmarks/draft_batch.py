@@ -19,7 +19,7 @@ import torch
 
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.defaults import DEFAULT_DRAFTER
-from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.drafter.kinds import load_drafter_model
 from ray_specdec.speculation.drafting import DraftRequest, DrafterSession, draft_many
 
 PROMPT_TOKENS = 64  # the prompt only sets the root state; its length does not change a draft's cost
@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    drafter = MambaDrafter.from_pretrained(args.drafter)
-    print(f"torch threads: {torch.get_num_threads()}; native step: {drafter.native is not None}; "
+    drafter = load_drafter_model(args.drafter)
+    print(f"torch threads: {torch.get_num_threads()}; native step: {bool(drafter.native)}; "
           f"row-invariant steps (batched): {drafter.steps_row_invariant}\n")  # fmt: skip
     print("| requests | tree | one by one (ms) | draft_many (ms) | one by one / draft_many |")
     print("| --- | --- | --- | --- | --- |")

@@ -23,7 +23,7 @@ import torch
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.engine.config import EngineConfig
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.drafter.kinds import load_drafter_model
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.target.kinds import load_target_model
 from ray_specdec.training.corpus import heldout_prompts
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     target = load_target_model(args.target)
-    drafter = MambaDrafter.from_pretrained(str(resolve_model_path(args.drafter)))
+    drafter = load_drafter_model(str(resolve_model_path(args.drafter)))
     prompts = [h.token_ids for h in heldout_prompts(args.prompts + 1, args.prompt_tokens, args.prompt_tokens, 1,
                                                     target.tokenizer)]  # fmt: skip
     config = EngineConfig() if args.lookup else EngineConfig().with_fields(lookup=0, plain_lookup=0)

@@ -25,7 +25,7 @@ import torch
 from ray import serve
 
 from deployments.drafter_scaling import BusyMeter
-from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.drafter.kinds import load_drafter_model
 from ray_specdec.speculation.drafter_worker import DraftCall, DrafterWorker, DraftReply
 
 # Shards a replica may hold at once (Serve's multiplexed models per replica): all of them, as loading one is free.
@@ -44,7 +44,7 @@ class DrafterDeployment:
     def __init__(self, drafter: str, *, dtype: str | None = None, device: str = "cpu",
                  prefill_window: int | str | None = "auto", max_sessions: int = 256, num_threads: int = 1):
         torch.set_num_threads(max(1, num_threads))
-        model = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device, prefill_window=prefill_window)
+        model = load_drafter_model(drafter, dtype=dtype, device=device, prefill_window=prefill_window)
         self.worker = DrafterWorker(model, max_sessions)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.lock = threading.Lock()  # calls of several engines run one at a time: the sessions are shared

@@ -49,7 +49,7 @@ from ray_specdec.engine.kv_sizing import device_room, fitted_kv_budget
 from ray_specdec.engine.request import QueueFull, RequestTooLarge
 from ray_specdec.engine.scheduler import Scheduler
 from ray_specdec.engine.target_backend import LocalTarget, StepWork
-from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.drafter.kinds import load_drafter_model
 from ray_specdec.models.loading import failure, load_tokenizer, resolve_model_path, resolve_prefill_window
 from ray_specdec.models.target.kinds import load_target_model
 from ray_specdec.serving.engine_loop import EngineLoop, TargetUnavailable
@@ -297,8 +297,8 @@ class EngineReplica:
                     ServeDrafterTransport(drafter_pool), self.backend.vocab_size, window, drafter_pool_shards,
                     drafter_pool_timeout_s, drafter_pool_overlap, drafter_pool_rebalance_s)
             elif drafter is not None:
-                drafters = self.drafter = MambaDrafter.from_pretrained(drafter, dtype=dtype, device=device,
-                                                                       prefill_window=drafter_prefill_window)
+                drafters = self.drafter = load_drafter_model(drafter, dtype=dtype, device=device,
+                                                             prefill_window=drafter_prefill_window)
             if tp_size == 1:  # measured once the drafter (on the same device) holds its weights and graphs too
                 room = device_room(self.backend.target.device)
             # a budget the device cannot hold fails here, with what would fit, not as an OOM mid-step under load

@@ -9,6 +9,8 @@ extra blocks are masked).
     dst_conv[l, i] = src_conv[l, index[i]]     # [L, R_out, d_inner, d_conv]  <- [L, R_src, d_inner, d_conv]
     dst_ssm[l, i]  = src_ssm[l, index[i]]      # [L, R_out, d_inner, d_state] <- [L, R_src, d_inner, d_state]
 
+(A Mamba2 state's conv rows hold its conv_dim channels of x, B and C, more than d_inner: the rows need not agree.)
+
 Rows (the last two dims) must be contiguous; layer and row strides are free, so dst may be a slice of a larger
 preallocated buffer. dst and src must be separate buffers: the kernel reads and writes in the same launch, and the
 check is by memory span, so two row slices of one [L, R, ...] buffer count as overlapping (their spans interleave).
@@ -130,12 +132,12 @@ def check_state_copy_args(src_conv, src_ssm, index, dst_conv, dst_ssm, index_che
             raise ValueError(f"{name} must be 4-D [layers, rows, d_inner, d], got shape {tuple(t.shape)}")
     if index.dim() != 1 or index.dtype != torch.long:
         raise ValueError(f"index must be a 1-D torch.long tensor, got {index.dtype} shape {tuple(index.shape)}")
-    n_layers, rows_src, d_inner = src_conv.shape[:3]
+    n_layers, rows_src = src_conv.shape[:2]
     rows_out = index.shape[0]
-    expected = {
-        "src_ssm": (n_layers, rows_src, d_inner, src_ssm.shape[3]),
-        "dst_conv": (n_layers, rows_out, d_inner, src_conv.shape[3]),
-        "dst_ssm": (n_layers, rows_out, d_inner, src_ssm.shape[3]),
+    expected = {  # the conv state's channels may outnumber the SSM state's (Mamba2 convolves x, B and C)
+        "src_ssm": (n_layers, rows_src, *src_ssm.shape[2:]),
+        "dst_conv": (n_layers, rows_out, *src_conv.shape[2:]),
+        "dst_ssm": (n_layers, rows_out, *src_ssm.shape[2:]),
     }
     for name, t in (("src_ssm", src_ssm), ("dst_conv", dst_conv), ("dst_ssm", dst_ssm)):
         if tuple(t.shape) != expected[name]:

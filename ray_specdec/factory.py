@@ -54,14 +54,15 @@ def load_target(name: str | None, dtype="auto", device="cpu"):
 
 
 def load_drafter(name: str | None, dtype="auto", device="cpu", prefill_window: int | str | None = "auto"):
-    """None -> the embedded default drafter; 'none' -> no drafter (plain target decoding)."""
-    from ray_specdec.models.drafter.mamba import MambaDrafter
+    """None -> the embedded default drafter; 'none' -> no drafter (plain target decoding); else the drafter class its
+    config calls for (models/drafter/kinds.py): Mamba or Mamba2."""
+    from ray_specdec.models.drafter.kinds import load_drafter_model
 
     if name is not None and name.lower() == "none":
         return None
     name = name or _default("drafter")
     try:
-        return MambaDrafter.from_pretrained(name, dtype=dtype, device=device, prefill_window=prefill_window)
+        return load_drafter_model(name, dtype=dtype, device=device, prefill_window=prefill_window)
     except Exception as e:
         raise LoadError(f"cannot load drafter {name!r}: {_first_line(e)}") from None
 

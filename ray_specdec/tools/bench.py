@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ray_specdec.factory import resolve_device
-    from ray_specdec.models.drafter.mamba import MambaDrafter
+    from ray_specdec.models.drafter.kinds import load_drafter_model
     from ray_specdec.models.loading import resolve_dtype, resolve_model_path
     from ray_specdec.models.native import attention
     from ray_specdec.models.target.kinds import UnsupportedTarget, target_kind
@@ -355,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         # HF's methods run the target as transformers loads it (our engine's copy may take planned GEMM paths)
         hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.target), dtype=dtype,
                                                   attn_implementation=ATTN_IMPLEMENTATION).to(device).eval()
-        drafter = MambaDrafter.from_pretrained(args.drafter, dtype=dtype, device=device,
-                                               prefill_window=args.drafter_prefill_window)
+        drafter = load_drafter_model(args.drafter, dtype=dtype, device=device,
+                                     prefill_window=args.drafter_prefill_window)
         tf_drafter = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.tf_drafter),
                                                           dtype=dtype).to(device).eval()
     except Exception as e:  # report, don't trace: a missing model is the user's input problem
@@ -458,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                      "target_batch_invariant_why": target.batch_invariant_why,
                      "target_native_decoder_why": target.native_decoder_why,
                      "target_gemm_panels": gemm_panel_formats(target),
-                     "drafter_native": drafter.native is not None, "drafter_native_why": drafter.native_why,
-                     "drafter_panels": drafter.native.panel_formats if drafter.native is not None else None,
+                     "drafter_native": bool(drafter.native), "drafter_native_why": drafter.native_why,
+                     "drafter_panels": getattr(drafter.native, "panel_formats", None),
                      "drafter_cuda_graphs": drafter.graphs is not None, "drafter_graphs_why": drafter.graphs_why,
                      "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                      "device": str(target.device), "dtype": str(dtype).removeprefix("torch.")},

@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.drafter.mamba2 import Mamba2Drafter
 
 
 def _build(config, dtype: torch.dtype, seed: int) -> PreTrainedModel:
@@ -177,6 +178,13 @@ def tiny_mamba2_lm(dtype: torch.dtype = torch.float64, *, vocab: int = 128, hidd
             for p in model.parameters():
                 p.add_(0.2 * torch.randn_like(p))
     return model.to(dtype).eval()
+
+
+def tiny_mamba2(dtype: torch.dtype = torch.float64, vocab: int = 128, seed: int = 0, native: bool | None = None
+                ) -> Mamba2Drafter:  # fmt: skip
+    """A Mamba2 drafter over `tiny_mamba2_lm` (two groups of heads; widths that fill whole vectors, so that a
+    float32 one steps row-invariantly on the native path)."""
+    return Mamba2Drafter(tiny_mamba2_lm(dtype, vocab=vocab, seed=seed), native=native)
 
 
 def tiny_jamba_lm(dtype: torch.dtype = torch.float64, *, vocab: int = 128, hidden: int = 32, eos: int = 0,

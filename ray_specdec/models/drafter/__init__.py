@@ -1,1 +1,2 @@
-"""The Mamba drafter: `mamba.MambaDrafter`, its scan, its state slots and its CUDA graphs."""
+"""The drafters: `mamba.MambaDrafter` (its scan, state slots and CUDA graphs), `mamba2.Mamba2Drafter`, and `kinds`,
+which picks one for a checkpoint."""
