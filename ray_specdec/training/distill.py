@@ -1,4 +1,5 @@
-"""`python -m ray_specdec train-drafter`: distil a Mamba drafter from any HF causal-LM target on the user's files.
+"""`python -m ray_specdec train-drafter`: distil a Mamba or Mamba2 drafter from any HF causal-LM target on the user's
+files.
 
 The recipe is the default drafter's (train.fit with a teacher): on random windows of the user's text the drafter
 learns the target's own next-token distributions, loss alpha * KL(target || drafter) + (1 - alpha) * cross-entropy
@@ -8,7 +9,7 @@ With --generate-tokens N the windows are the target's own continuations instead 
 target continues prompts cut from the user's text, greedily and at temperature 1 in turn, until N tokens are
 generated, and the drafter trains on prompt and continuation. The drafter then learns the text the target writes,
 which is what it drafts against at serving time. --init-from continues an existing drafter's weights (the shipped
-drafter-mamba, for a target of its tokenizer).
+drafter-mamba, for a target of its tokenizer). --arch mamba2 trains a Mamba2 drafter of about the same size.
 
 OUT after a run is a model directory for `--drafter` (config.json naming the training window as the drafter's
 prefill window, fp16 model.safetensors, generation_config.json, the target's tokenizer files, training.json) plus
@@ -31,7 +32,7 @@ import torch
 from ray_specdec.cli import OneLineParser, UsageError, positive_int
 from ray_specdec.factory import LoadError, resolve_device
 from ray_specdec.models.loading import resolve_model_path
-from ray_specdec.training.models import DRAFTER_SIZES, build_model, mamba_drafter_config
+from ray_specdec.training.models import DRAFTER_CONFIGS, DRAFTER_SIZES, build_model
 
 # Files taken from a --data directory; a file named on the command line is taken whatever its name.
 TEXT_SUFFIXES = frozenset({
@@ -117,6 +118,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--data", required=True, nargs="+", type=Path, metavar="PATH",
                    help="text or code files, or directories (searched recursively for text and code files)")
     p.add_argument("--out", required=True, type=Path, help="directory of the drafter (and of its checkpoint)")
+    p.add_argument("--arch", choices=list(DRAFTER_CONFIGS), default="mamba",
+                   help="the drafter's family: Mamba (MambaForCausalLM) or Mamba2 (Mamba2ForCausalLM)")
     p.add_argument("--size", choices=list(DRAFTER_SIZES), default="2.8m",
                    help="parameters at a 4096-token vocabulary (a larger vocabulary adds vocab x hidden)")
     p.add_argument("--hidden-size", type=positive_int, help="overrides the size's hidden size")
@@ -165,15 +168,16 @@ def train_drafter(args) -> dict:
     hidden, layers = args.hidden_size or preset_hidden, args.layers or preset_layers
     vocab_size = teacher.config.get_text_config(decoder=True).vocab_size
     settings = TrainSettings(
-        arch=f"mamba-{hidden}x{layers}", name=args.out.name, tokenizer=args.target, teacher=args.target,
+        arch=f"{args.arch}-{hidden}x{layers}", name=args.out.name, tokenizer=args.target, teacher=args.target,
         init_from=args.init_from,  # as given (training.json keeps no path of this machine); fit resolves it
         **{k: getattr(args, k) for k in ("alpha", "seq_len", "batch_size", "lr", "warmup_steps", "max_steps",
                                          "max_minutes", "ckpt_every", "seed")})
     torch.manual_seed(settings.seed)
-    model = build_model(mamba_drafter_config(vocab_size, tokenizer.eos_token_id, hidden, layers))
+    model = build_model(DRAFTER_CONFIGS[args.arch](vocab_size, tokenizer.eos_token_id, hidden, layers))
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"drafter: {parameters / 1e6:.2f}M parameters (hidden {hidden}, {layers} layers, vocab {vocab_size}); "
-          f"data: {len(files)} files, {text_tokens:,} tokens; training stream {len(stream):,} tokens; device {device}")
+    print(f"drafter: {args.arch}, {parameters / 1e6:.2f}M parameters (hidden {hidden}, {layers} layers, vocab "
+          f"{vocab_size}); data: {len(files)} files, {text_tokens:,} tokens; training stream {len(stream):,} tokens; "
+          f"device {device}")
     try:
         fit(model, teacher, stream, settings, run_dir, device, args.resume)
     except ValueError as e:  # a checkpoint of another size

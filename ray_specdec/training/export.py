@@ -67,7 +67,7 @@ def write_model_dir(run_dir: Path, out_dir: Path, tokenizer, extra_info: dict | 
     model.load_state_dict(ckpt["model"])
     model = model.to(EXPORT_DTYPE)
     model.config.dtype = EXPORT_DTYPE
-    if config.model_type == "mamba":  # a drafter names the windows it was trained on as its prefill window
+    if config.model_type in ("mamba", "mamba2"):  # a drafter names its training windows as its prefill window
         setattr(model.config, PREFILL_WINDOW_KEY, _longest_window(ckpt["settings"]))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

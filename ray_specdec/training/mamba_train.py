@@ -1,11 +1,12 @@
-"""Training-friendly forwards for HF Mamba and Bamba (Mamba2) mixers on machines without the mamba-ssm kernels.
+"""Training-friendly forwards for HF Mamba, Mamba2 and Bamba mixers on machines without the mamba-ssm kernels.
 
 Mamba: transformers' torch fallback runs the selective scan as a loop that indexes one time step of a [B, D, L, N]
 tensor per iteration; autograd then materialises a full-size gradient per step (quadratic in L, gigabytes at L=256).
 `mixer_forward` computes the same function with `unbind` (whose backward is one stack), so training cost stays linear.
 
-Mamba2 (Bamba's mixer): the torch fallback of the chunked scan builds [b, chunk, L, L, heads, d_state] and
-[b, chunk, L, L, heads, head_dim] products (~800 MB each for a 256-token window of target-hybrid's layers).
+Mamba2 (the mixer of Mamba2ForCausalLM and of Bamba): the torch fallback of the chunked scan builds [b, chunk, L, L,
+heads, d_state] and [b, chunk, L, L, heads, head_dim] products (~800 MB each for a 256-token window of
+target-hybrid's layers).
 `mamba2_mixer_forward` takes the scan's quadratic (attention-like) form over the whole window instead: scores
 C_t . B_s per head, times the decay exp(sum of dt A over (s, t]) and dt_s, applied to x: [b, L, L, heads] tensors.
 
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from transformers import MambaForCausalLM
+from transformers import Mamba2ForCausalLM, MambaForCausalLM
 
 
 def selective_scan(u, delta, A, B, C, D):
@@ -66,8 +67,8 @@ def ssd_quadratic(x, dt, A, B, C, D):
 
 
 def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
-    """BambaMixer forward over full windows (ssd_quadratic). hidden_states: [b, L, hidden] -> [b, L, hidden]. With a
-    cache or a padding mask it is HF's own forward."""
+    """Mamba2Mixer or BambaMixer forward over full windows (ssd_quadratic). hidden_states: [b, L, hidden] -> [b, L,
+    hidden]. With a cache or a padding mask it is HF's own forward."""
     if cache is not None or attention_mask is not None:
         return type(mixer).forward(mixer, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     batch, length, _ = hidden_states.shape
@@ -87,10 +88,12 @@ def mamba2_mixer_forward(mixer, hidden_states: torch.Tensor, cache=None, attenti
 
 @contextlib.contextmanager
 def fast_training_forward(model) -> Iterator:
-    """Within the block, every mixer of `model` (a MambaForCausalLM or BambaForCausalLM) uses `mixer_forward` or
-    `mamba2_mixer_forward` (full windows, no cache); the model makes no cache."""
+    """Within the block, every mixer of `model` (a MambaForCausalLM, Mamba2ForCausalLM or BambaForCausalLM) uses
+    `mixer_forward` or `mamba2_mixer_forward` (full windows, no cache); the model makes no cache."""
     if isinstance(model, MambaForCausalLM):
         mixers, forward = [layer.mixer for layer in model.backbone.layers], mixer_forward
+    elif isinstance(model, Mamba2ForCausalLM):
+        mixers, forward = [layer.mixer for layer in model.backbone.layers], mamba2_mixer_forward
     else:
         mixers = [layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")]
         forward = mamba2_mixer_forward

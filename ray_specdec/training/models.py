@@ -7,7 +7,9 @@ are trained on short windows.
 
 from __future__ import annotations
 
-from transformers import (AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, MambaConfig, PretrainedConfig,
+import math
+
+from transformers import (AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, Mamba2Config, MambaConfig, PretrainedConfig,
                           PreTrainedModel)
 
 MAX_CONTEXT = 8192
@@ -54,8 +56,28 @@ def mamba_drafter_config(vocab_size: int, eos_id: int | None, hidden_size: int, 
     )
 
 
+def mamba2_drafter_config(vocab_size: int, eos_id: int | None, hidden_size: int, layers: int) -> PretrainedConfig:
+    # The Mamba drafter's hidden size and layers give about its parameter count (2.78M against 2.80M at "2.8m": no
+    # x_proj / dt_proj, a wider in_proj). Heads of 64 channels (fewer where the width is not a multiple), one group of
+    # B and C, d_state 64 as in Mamba2's own configs.
+    head_dim = math.gcd(64, 2 * hidden_size)
+    return Mamba2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers, expand=2, head_dim=head_dim,
+        num_heads=2 * hidden_size // head_dim, n_groups=1, state_size=64, conv_kernel=4, tie_word_embeddings=True,
+        **_special_ids(eos_id),
+    )
+
+
+# train-drafter --arch: the drafter's family -> its config at a size
+DRAFTER_CONFIGS = {"mamba": mamba_drafter_config, "mamba2": mamba2_drafter_config}
+
+
 def drafter_mamba(vocab_size: int, eos_id: int) -> PretrainedConfig:
     return mamba_drafter_config(vocab_size, eos_id, *DRAFTER_SIZES["2.8m"])
+
+
+def drafter_mamba2(vocab_size: int, eos_id: int) -> PretrainedConfig:
+    return mamba2_drafter_config(vocab_size, eos_id, *DRAFTER_SIZES["2.8m"])
 
 
 def drafter_neox_small(vocab_size: int, eos_id: int) -> PretrainedConfig:
@@ -72,6 +94,7 @@ ARCHITECTURES = {
     "target-llama": target_llama,
     "target-hybrid": target_hybrid,
     "drafter-mamba": drafter_mamba,
+    "drafter-mamba2": drafter_mamba2,
     "drafter-neox-small": drafter_neox_small,
 }
 

@@ -154,7 +154,8 @@ def fit(model, teacher, stream: torch.Tensor, s: TrainSettings, run_dir: Path, d
     elif s.init_from:
         load_initial_weights(model, Path(resolve_model_path(s.init_from)))  # a directory or an embedded name
     run_dir.mkdir(parents=True, exist_ok=True)
-    fast = fast_training_forward(model) if model.config.model_type in ("mamba", "bamba") else contextlib.nullcontext()
+    fast = (fast_training_forward(model) if model.config.model_type in ("mamba", "mamba2", "bamba")
+            else contextlib.nullcontext())
     model.train()
     bar = tqdm(initial=step, total=None, desc=s.name, dynamic_ncols=True, mininterval=5)
     start = time.time() - elapsed

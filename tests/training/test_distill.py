@@ -12,7 +12,8 @@ from ray_specdec.cli import main as cli_main
 from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.factory import load_drafter, load_engine
 from ray_specdec.training.distill import data_files
-from ray_specdec.training.models import DRAFTER_SIZES, build_model, mamba_drafter_config
+from ray_specdec.models.drafter.mamba2 import Mamba2Drafter
+from ray_specdec.training.models import DRAFTER_SIZES, build_model, mamba2_drafter_config, mamba_drafter_config
 from tests.helpers.models import tiny_gpt_neox, tiny_tokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog and the dog sleeps " * 20,
@@ -60,6 +61,24 @@ def test_distilled_drafter_loads_drafts_and_keeps_greedy_output(target_and_data,
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
     assert result.token_ids == expected
     assert result.stats.rounds > 0
+
+
+def test_a_mamba2_drafter_trains_exports_and_drafts_losslessly(target_and_data, tmp_path):
+    target, data = target_and_data
+    out = tmp_path / "drafter2"
+    assert train_drafter(target, data, out, "--arch", "mamba2", "--max-steps", "3") == 0
+    info = json.loads((out / "training.json").read_text())
+    assert info["steps"] == 3 and info["settings"]["arch"] == "mamba2-16x1" and info["final_loss"] < 100
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["vocab_size"], config["ray_specdec_prefill_window"]) == ("mamba2", 128, 16)
+    assert isinstance(load_drafter(str(out), dtype="float64"), Mamba2Drafter)
+    engine = load_engine(str(target), str(out), tree=TreeConfig((2, 1)), dtype="float64", device="cpu")
+    prompt = [5, 9, 12, 7]
+    result = engine.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    expected = engine.target.model.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    assert result.token_ids == expected and result.stats.rounds > 0
 
 
 def test_resume_continues_the_checkpoint_exactly(target_and_data, tmp_path):
@@ -116,6 +135,9 @@ def test_sizes_have_their_named_parameter_counts():
     counts = {name: sum(p.numel() for p in build_model(mamba_drafter_config(4096, 0, *dims)).parameters())
               for name, dims in DRAFTER_SIZES.items()}
     assert counts == {"0.7m": 757_632, "2.8m": 2_800_896, "11m": 10_573_824}  # 2.8m: the shipped drafter-mamba
+    counts = {name: sum(p.numel() for p in build_model(mamba2_drafter_config(4096, 0, *dims)).parameters())
+              for name, dims in DRAFTER_SIZES.items()}
+    assert counts == {"0.7m": 759_448, "2.8m": 2_776_928, "11m": 10_367_344}
 
 
 def test_target_continuations_are_the_targets_own_text():
