@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ray_specdec.defaults import CHAT_TEMPLATE
-from ray_specdec.models.loading import PREFILL_WINDOW_KEY
+from ray_specdec.models.loading import PREFILL_WINDOW_KEY, resolve_model_path
 from ray_specdec.training.models import build_model
 
 EXPORT_DTYPE = torch.float16
@@ -25,12 +25,21 @@ def _final_loss(run_dir: Path) -> float | None:
     return json.loads(summary.read_text()).get("final_loss") if summary.exists() else None
 
 
+def _prior_training(init_from: str | None) -> dict | None:
+    """training.json of the model a run was started from (a directory or an embedded name such as drafter-mamba),
+    None where there is none (no --init-from, or a model trained elsewhere)."""
+    if not init_from:
+        return None
+    path = Path(resolve_model_path(init_from)) / "training.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def _history(init_from: str | None, info: dict) -> dict:
     """Earlier rounds of a run started with --init-from, and totals over all rounds (read before out_dir is written,
     which may be the same directory)."""
-    if not init_from or not (Path(init_from) / "training.json").exists():
+    prior = _prior_training(init_from)
+    if prior is None:
         return {}
-    prior = json.loads((Path(init_from) / "training.json").read_text())
     rounds = prior.pop("previous_rounds", []) + [{k: v for k, v in prior.items() if not k.startswith("total_")}]
     return {"previous_rounds": rounds,
             "total_steps": sum(r["steps"] for r in rounds) + info["steps"],
@@ -41,8 +50,8 @@ def _history(init_from: str | None, info: dict) -> dict:
 def _longest_window(settings: dict) -> int:
     """The longest training window (seq_len) of this run and the runs it continued."""
     longest = settings["seq_len"]
-    if settings.get("init_from"):
-        prior = json.loads((Path(settings["init_from"]) / "training.json").read_text())
+    prior = _prior_training(settings.get("init_from"))
+    if prior is not None:
         for round_ in prior.get("previous_rounds", []) + [prior]:
             longest = max(longest, round_.get("settings", {}).get("seq_len", 0))
     return longest
