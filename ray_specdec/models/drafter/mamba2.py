@@ -9,13 +9,12 @@ first) and ssm [layers, rows, d_inner, d_state], a head's state being its head_d
 target's `Mamba2Weights`, whose weights this reuses). So state copies, slots and the drafting code are the Mamba
 drafter's.
 
-Two paths:
-- native (float32 on CPU where models/native builds): products through the native GEMM and the scan through the SSM
-  target's native scan (native/ssm_scan.py: a step's rows are segments of one row, a prefill a chain), dt and A per
-  channel; norms, conv and gates in torch. Every row's logits and state are then the bits it gets alone, whatever
-  rows step with it (`steps_row_invariant`, where the widths allow: see `_invariance_blocker`).
-- torch elsewhere (float64, half precision, CUDA): a step is a few batched ops per layer with the decay per head; a
-  prefill scans its tokens sequentially in blocks, so memory stays bounded for prompts of any length.
+Paths, as MambaDrafter's: on float32 CPU drafters where models/native builds, steps and catch-ups of up to 64
+tokens run in one fused C call (native/mamba2_cpu.c: every (row, channel) on its own, so a row's logits and state are
+the bits it gets alone: `steps_row_invariant`), and a longer sequence (a prefill) takes torch's GEMMs and the SSM
+target's native scan (native/ssm_scan.py, the sequence as one chain of rows, dt and A per channel). Elsewhere (float64,
+half precision, CUDA) a step is a few batched torch ops per layer with the decay per head, and a sequence pass scans
+its tokens sequentially in blocks, so memory stays bounded for prompts of any length.
 
 Numerics follow HF's torch path: RMSNorms normalise in float32, the residual is float32 where `residual_in_fp32`, the
 scan runs in float32 for half-precision models, logits are float32 (float64 for a float64 model). No GPU kernels: on
@@ -24,7 +23,6 @@ CUDA the steps run eagerly in torch (mamba_ssm's Mamba2 state update and CUDA gr
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -36,22 +34,15 @@ from kernels.state_copy import copy_state_rows
 from ray_specdec.models.drafter.mamba_ops import causal_conv, rms_norm
 from ray_specdec.models.drafter.mamba_state import MambaState
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path, resolve_prefill_window
-from ray_specdec.models.native import gemm, library, ssm_scan as native_ssm_scan
-from ray_specdec.models.target.batch_invariant import VECTOR_MULTIPLE, one_thread
+from ray_specdec.models.native import library, mamba as native_mamba, ssm_scan as native_ssm_scan
 from ray_specdec.models.target.ssm import Mamba2Weights
 from ray_specdec.models.target.ssm_scan import RowTrees
 
-# Tokens per block of the torch prefill scan: its decays and injections ([tokens, d_inner, d_state]) stay small.
+# Elements of one block of the torch sequence scan ([tokens, d_inner, d_state]): its injections and states stay small.
 _SCAN_BLOCK_ELEMENTS = 1 << 17
-# Elements of an elementwise op from which torch splits it over threads (ATen's GRAIN_SIZE): below it, a step's
-# elementwise work runs on one thread anyway and needs no `one_thread` for row invariance.
-_GRAIN = 32768
-
-
-@functools.lru_cache(maxsize=64)
-def _one_row_segments(rows: int, d_conv: int) -> RowTrees:
-    """A step's layout for the native scan: every row a segment of its own."""
-    return RowTrees.build([torch.tensor([-1])] * rows, d_conv)
+# Longest catch-up (extend) the fused native forward runs whole; longer sequences (prefills) take torch's
+# multi-threaded GEMMs and the native scan, as MambaDrafter's do.
+_NATIVE_SEQUENCE_MAX = 64
 
 
 @functools.lru_cache(maxsize=16)
@@ -80,8 +71,8 @@ class Mamba2Drafter:
 
     def __init__(self, model: Mamba2ForCausalLM, *, prefill_window: int | str | None = "auto",
                  native: bool | None = None):
-        """prefill_window: as MambaDrafter's. native: the native GEMM and scan (module docstring). None: on for a
-        float32 drafter on CPU where the kernels build (else torch, `native_why` says why; off with
+        """prefill_window: as MambaDrafter's. native: the fused C forward and the native scan (module docstring).
+        None: on for a float32 drafter on CPU where they build (else torch, `native_why` says why; off with
         RAY_SPECDEC_NATIVE=0); True insists (an error where they cannot run); False: torch."""
         config = model.config
         if config.hidden_act != "silu":
@@ -109,48 +100,38 @@ class Mamba2Drafter:
         self.residual_dtype = self.ssm_dtype if config.residual_in_fp32 else self.dtype
         self._norms = [block.norm.weight.detach() for block in backbone.layers]  # [d_model] each
         self._layers = [Mamba2Weights.from_block(block, self.ssm_dtype) for block in backbone.layers]
-        # per head (the torch step's decay) and per channel (the native scan's): -exp(A_log), dt_bias
+        # -exp(A_log) per head (the torch step's decay, the fused forward's) and per channel (the native scan's)
         self._A_heads = [w.A[:: self.head_dim, 0].contiguous() for w in self._layers]  # [heads]
         self._A_channels = [w.A[:, 0].contiguous() for w in self._layers]  # [d_inner]
-        self._dt_bias_heads = [w.dt_bias.unsqueeze(-1) for w in self._layers]  # [heads, 1]
         self._gate_norms = [w.gate_norm.to(self.ssm_dtype) for w in self._layers]  # [d_inner]: the norm runs there
         self._embed = backbone.embeddings.weight.detach()  # [V, d_model]
         self._norm_f = backbone.norm_f.weight.detach()  # [d_model]
         self._lm_head = model.lm_head.weight.detach()  # [V, d_model], may be the embedding (tied)
-        self.native = False  # the native path (module docstring); MambaDrafter's is its fused C model
-        self.native_why: str | None = None  # why the native path is off, when it is
+        self.native: native_mamba.NativeMamba2 | None = None
+        self.native_why: str | None = None  # why the native kernels are off, when they are
         if native is not False:
             self._start_native(insist=native is True)
         self.graphs = None
         self.graphs_why: str | None = ("CUDA graphs capture Mamba (v1) drafters only; Mamba2 steps run eagerly"
                                        if self.device.type == "cuda" else None)  # fmt: skip
-        self._invariance_why = self._invariance_blocker()
 
     def _start_native(self, insist: bool) -> None:
         if self.device.type != "cpu" or self.dtype != torch.float32:
             self.native_why = f"native kernels run float32 drafters on CPU, not {self.dtype} on {self.device}"
-        elif library.load() is None:
+        elif (lib := library.load()) is None:
             self.native_why = library.why_unavailable()
         else:
-            self.native = True
-        if insist and not self.native:
+            self.native = native_mamba.NativeMamba2(lib, self)
+        if insist and self.native is None:
             raise RuntimeError(f"native=True but {self.native_why}")
-
-    def _invariance_blocker(self) -> str | None:
-        """Why steps are not row-invariant, or None. The native path's products and scan are row-invariant; its
-        elementwise ops too where every row's widths fill whole vectors (torch's scalar tail loops round otherwise)."""
-        if not self.native:
-            return f"the torch path's products depend on the row count ({self.native_why})"
-        widths = {"d_model": self._embed.shape[1], "d_inner": self.d_inner, "conv_dim": self.conv_dim}
-        odd = {name: w for name, w in widths.items() if w % VECTOR_MULTIPLE}
-        return f"widths {odd} are not multiples of {VECTOR_MULTIPLE}" if odd else None
 
     @property
     def steps_row_invariant(self) -> bool:
         """Whether a step gives each row the same logits and state, bit for bit, whatever other rows step with it
-        (drafting.draft_many steps several requests' rows together only then): on the native path where the widths
-        fill whole vectors (tests/models/drafter/test_mamba2.py checks it)."""
-        return self._invariance_why is None
+        (drafting.draft_many steps several requests' rows together only then): true for the fused C forward (every
+        (row, channel) computed on its own, products that sum in one fixed order), not for torch's, whose products
+        pick kernels by shape (tests/models/drafter/test_mamba2.py checks it)."""
+        return self.native is not None
 
     def new_state(self, rows: int) -> MambaState:
         """Zero state: the state before any token."""
@@ -193,6 +174,8 @@ class Mamba2Drafter:
             raise ValueError("extend needs at least one token")
         if state.rows != 1:
             raise ValueError(f"extend advances a 1-row state, got {state.rows} rows")
+        if self._runs_native(state) and ids.shape[0] <= _NATIVE_SEQUENCE_MAX:
+            return self.native.forward(state.conv, state.ssm, ids[None])[0]
         if ids.shape[0] == 1:
             return self.step(state, ids)[0]
         return self._advance(state, ids)
@@ -200,12 +183,30 @@ class Mamba2Drafter:
     @torch.inference_mode()
     def extend_rows(self, states: Sequence[MambaState], input_ids: Sequence[torch.Tensor | Sequence[int]]
                     ) -> torch.Tensor:  # fmt: skip
-        """`extend` of several 1-row states, each by its own ids -> logits [len(states), V] (one after the other)."""
-        if len(input_ids) != len(states):
-            raise ValueError(f"{len(input_ids)} token sequences for {len(states)} states")
-        if not states:
+        """`extend` of several 1-row states, each by its own ids -> logits [len(states), V], row i the logits
+        extend(states[i], input_ids[i]) returns, bit for bit where the native forward runs: there the states advance in
+        one call (the weights read once for all of them); elsewhere one after the other."""
+        ids = [self._as_ids(i) for i in input_ids]
+        if len(ids) != len(states):
+            raise ValueError(f"{len(ids)} token sequences for {len(states)} states")
+        if any(i.shape[0] == 0 for i in ids):
+            raise ValueError("extend needs at least one token")
+        if any(state.rows != 1 for state in states):
+            raise ValueError("extend_rows advances 1-row states")
+        together = [k for k, (s, i) in enumerate(zip(states, ids))
+                    if self._runs_native(s) and i.shape[0] <= _NATIVE_SEQUENCE_MAX]  # fmt: skip
+        rows: list[torch.Tensor | None] = [None] * len(states)
+        if len(together) > 1:
+            logits = self.native.forward_rows([(states[k].conv, states[k].ssm) for k in together],
+                                              [ids[k] for k in together])  # fmt: skip
+            for k, row in zip(together, logits):
+                rows[k] = row
+        for k, row in enumerate(rows):
+            if row is None:
+                rows[k] = self.extend(states[k], ids[k])
+        if not rows:
             return torch.empty(0, self.vocab_size, dtype=self.ssm_dtype, device=self.device)
-        return torch.stack([self.extend(state, ids) for state, ids in zip(states, input_ids)])
+        return torch.stack(rows)
 
     @torch.inference_mode()
     def step(self, state: MambaState, tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -214,44 +215,33 @@ class Mamba2Drafter:
         rows = tokens.shape[0]
         if rows != state.rows:
             raise ValueError(f"{rows} tokens for a state of {state.rows} rows")
-        native = self.native and state.ssm.is_contiguous()
+        if self._runs_native(state):
+            return self.native.forward(state.conv, state.ssm, tokens[:, None])
         residual = F.embedding(tokens, self._embed).to(self.residual_dtype)  # [rows, d_model]
         for layer, w in enumerate(self._layers):
-            with self._elementwise(rows):
-                h = rms_norm(residual, self._norms[layer], self.eps)
-            z, xbc, dt = self._linear(h, w.in_proj, w.in_proj_bias).split([self.d_inner, self.conv_dim, self.heads],
-                                                                          dim=-1)  # fmt: skip
+            h = rms_norm(residual, self._norms[layer], self.eps)
+            z, xbc, dt = F.linear(h, w.in_proj, w.in_proj_bias).split([self.d_inner, self.conv_dim, self.heads],
+                                                                       dim=-1)  # fmt: skip
             conv = state.conv[layer]  # [rows, conv_dim, d_conv]
-            with self._elementwise(rows):
-                window = torch.cat((conv[:, :, 1:], xbc.unsqueeze(-1)), dim=-1)  # [rows, conv_dim, d_conv]
-                conv.copy_(window)
-                # one multiply-add per tap, in tap order: every element the same operations whatever the row count
-                out = window[:, :, 0] * w.conv[:, 0]
-                for k in range(1, self.d_conv):
-                    out = torch.addcmul(out, window[:, :, k], w.conv[:, k])
-                xbc = F.silu(out if w.conv_bias is None else out + w.conv_bias)
-                x, B, C = xbc.to(self.ssm_dtype).split([self.d_inner, self.groups * self.d_state,
-                                                        self.groups * self.d_state], dim=-1)  # fmt: skip
-                if native:  # per channel: a row's elements then fill whole vectors (heads alone may not)
-                    dt = self._dt(torch.add(dt.unsqueeze(-1), self._dt_bias_heads[layer]).expand(
-                        rows, self.heads, self.head_dim).reshape(rows, self.d_inner))
-            if native:
-                y = self._native_scan(dt, x, B, C, layer, state.ssm[layer], _one_row_segments(rows, self.d_conv))
-            else:
-                y = self._scan_step(self._dt(dt + w.dt_bias), x, B, C, layer, state.ssm[layer])
-            with self._elementwise(rows):
-                y = self._gated_norm(torch.addcmul(y, x, w.D), z, layer)
-            residual = residual + self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
+            window = torch.cat((conv[:, :, 1:], xbc.unsqueeze(-1)), dim=-1)  # [rows, conv_dim, d_conv]
+            conv.copy_(window)
+            xbc = torch.linalg.vecdot(window, w.conv)
+            xbc = F.silu(xbc if w.conv_bias is None else xbc + w.conv_bias)
+            x, B, C = xbc.to(self.ssm_dtype).split([self.d_inner, self.groups * self.d_state,
+                                                    self.groups * self.d_state], dim=-1)  # fmt: skip
+            y = self._scan_step(self._dt(dt + w.dt_bias), x, B, C, layer, state.ssm[layer])
+            y = self._gated_norm(torch.addcmul(y, x, w.D), z, layer)
+            residual = residual + F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
         return self._logits(residual)
 
     def _advance(self, state: MambaState, ids: torch.Tensor) -> torch.Tensor:
         """Run ids [S] through every layer from `state` (1 row, updated in place) -> logits [V] after the last."""
         residual = F.embedding(ids, self._embed).to(self.residual_dtype)  # [S, d_model]
-        chain = _chain(ids.shape[0], self.d_conv) if self.native and state.ssm.is_contiguous() else None
+        chain = _chain(ids.shape[0], self.d_conv) if self._runs_native(state) else None
         for layer, w in enumerate(self._layers):
             h = rms_norm(residual, self._norms[layer], self.eps)
-            z, xbc, dt = self._linear(h, w.in_proj, w.in_proj_bias).split([self.d_inner, self.conv_dim, self.heads],
-                                                                          dim=-1)  # fmt: skip
+            z, xbc, dt = F.linear(h, w.in_proj, w.in_proj_bias).split([self.d_inner, self.conv_dim, self.heads],
+                                                                       dim=-1)  # fmt: skip
             conv_state = state.conv[layer, 0]  # [conv_dim, d_conv]
             inputs = torch.cat((conv_state.t().to(xbc.dtype), xbc))  # [d_conv + S, conv_dim]
             conv_state.copy_(inputs[-self.d_conv:].t())
@@ -259,14 +249,16 @@ class Mamba2Drafter:
             x, B, C = xbc.to(self.ssm_dtype).split([self.d_inner, self.groups * self.d_state,
                                                     self.groups * self.d_state], dim=-1)  # fmt: skip
             if chain is not None:
-                dt = self._dt(torch.add(dt.unsqueeze(-1), self._dt_bias_heads[layer]).expand(
-                    -1, self.heads, self.head_dim).reshape(-1, self.d_inner))
+                dt = self._dt((dt + w.dt_bias).repeat_interleave(self.head_dim, dim=1))  # per channel: the kernel's
                 y = self._native_scan(dt, x, B, C, layer, state.ssm[layer], chain)
             else:
                 y = self._scan_sequence(self._dt(dt + w.dt_bias), x, B, C, layer, state.ssm[layer, 0])
             y = self._gated_norm(torch.addcmul(y, x, w.D), z, layer)
-            residual = residual + self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
+            residual = residual + F.linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
         return self._logits(residual[-1:])[0]
+
+    def _runs_native(self, state: MambaState) -> bool:
+        return self.native is not None and state.conv.is_contiguous() and state.ssm.is_contiguous()
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor, layer: int) -> torch.Tensor:
         """HF's MambaRMSNormGated: y * silu(z), RMS-normalised per group of channels, scaled (in the SSM dtype)."""
@@ -341,24 +333,9 @@ class Mamba2Drafter:
         ssm_state.copy_(prev.view(self.d_inner, n))
         return y
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [R, in] @ weight^T: the native GEMM on the native path (a row's result whatever the other rows), else
-        F.linear."""
-        if self.native:
-            return gemm.PATHS[gemm.NATIVE](x, weight, bias)
-        return F.linear(x, weight, bias)
-
     def _logits(self, residual: torch.Tensor) -> torch.Tensor:
-        with self._elementwise(residual.shape[0]):
-            h = rms_norm(residual, self._norm_f, self.eps)  # [n, d_model]
-        return self._linear(h, self._lm_head).to(self.ssm_dtype)  # [n, V]
-
-    def _elementwise(self, rows: int):
-        """One thread for a native step's elementwise work where torch would split it over threads (the ends of each
-        thread's range take a scalar path that rounds otherwise): a row's bits then do not depend on the others."""
-        if self.native and rows * self.conv_dim >= _GRAIN:
-            return one_thread()
-        return contextlib.nullcontext()
+        h = rms_norm(residual, self._norm_f, self.eps)  # [n, d_model]
+        return F.linear(h, self._lm_head).to(self.ssm_dtype)  # [n, V]
 
     def _as_ids(self, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)

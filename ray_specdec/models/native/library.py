@@ -30,7 +30,7 @@ from ray_specdec import env
 # Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "decoder_cpu.c", "prefill_cpu.c",
-                             "shm_cpu.c", "threads_cpu.c", "philox_cpu.c", "ssm_scan_cpu.c"))
+                             "shm_cpu.c", "threads_cpu.c", "philox_cpu.c", "ssm_scan_cpu.c", "mamba2_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h", "simd_cpu.h", "attention_simd_cpu.h"))
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
 FLAGS = ("-O3", "-ffast-math", "-fPIC", "-shared")
@@ -206,12 +206,41 @@ class Model(ctypes.Structure):
     ]  # fmt: skip
 
 
+class Mamba2Layer(ctypes.Structure):
+    """mamba2_layer_t of mamba2_cpu.c."""
+
+    _fields_ = [*[(name, ctypes.c_void_p) for name in (
+        "norm", "in_proj", "in_proj_bias", "conv", "conv_bias", "dt_bias", "A", "D", "gate_norm", "out_proj",
+        "out_proj_bias")],
+        *[(name, ctypes.c_int32) for name in ("in_proj_format", "out_proj_format")]]  # fmt: skip
+
+
+class Mamba2Model(ctypes.Structure):
+    """mamba2_model_t of mamba2_cpu.c."""
+
+    _fields_ = [
+        *[(name, ctypes.c_int32) for name in ("n_layers", "d_model", "d_inner", "d_conv", "d_state", "heads", "groups",
+                                              "vocab")],
+        *[(name, ctypes.c_float) for name in ("eps", "gate_eps", "dt_min", "dt_max")],
+        ("embed", ctypes.c_void_p),
+        ("norm_f", ctypes.c_void_p),
+        ("lm_head", ctypes.c_void_p),
+        ("layers", ctypes.POINTER(Mamba2Layer)),
+        ("lm_head_format", ctypes.c_int32),
+    ]  # fmt: skip
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.mamba_forward.argtypes = [ctypes.POINTER(Model), i, i, p, p, p, p]
     lib.mamba_forward.restype = i
     lib.mamba_forward_rows.argtypes = [ctypes.POINTER(Model), i, p, p, p, p, ctypes.c_int64, ctypes.c_int64, p]
     lib.mamba_forward_rows.restype = i
+    lib.mamba2_forward.argtypes = [ctypes.POINTER(Mamba2Model), i, i, p, p, p, p]
+    lib.mamba2_forward.restype = i
+    lib.mamba2_forward_rows.argtypes = [ctypes.POINTER(Mamba2Model), i, p, p, p, p, ctypes.c_int64, ctypes.c_int64,
+                                        p]  # fmt: skip
+    lib.mamba2_forward_rows.restype = i
     lib.mamba_scan.argtypes = [i, i, i, p, p, p, p, p, p, p]
     lib.mamba_scan.restype = None
     lib.linear_panels.argtypes = [i, i, i, i, p, p, p, p]
