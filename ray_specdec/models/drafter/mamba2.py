@@ -267,7 +267,8 @@ class Mamba2Drafter:
         return normed.flatten(-2) * self._gate_norms[layer]
 
     def _dt(self, dt: torch.Tensor) -> torch.Tensor:
-        """softplus(dt + bias) in the SSM dtype, clamped to the config's time_step_limit where it sets one."""
+        """softplus(dt) in the SSM dtype (dt with its bias added), clamped to the config's time_step_limit where it
+        sets one."""
         dt = F.softplus(dt.to(self.ssm_dtype))
         return dt if self.dt_limit is None else dt.clamp(*self.dt_limit)
 
@@ -278,12 +279,12 @@ class Mamba2Drafter:
         B: torch.Tensor,  # [R, groups * d_state]
         C: torch.Tensor,  # [R, groups * d_state]
         layer: int,
-        ssm_state: torch.Tensor,  # [segments, d_inner, d_state] contiguous, read and written in place
-        layout: RowTrees,  # the segments' rows: one row each (a step) or one chain (a sequence pass)
+        ssm_state: torch.Tensor,  # [1, d_inner, d_state] contiguous, read and written in place
+        layout: RowTrees,  # the sequence as one chain of rows (`_chain`)
     ) -> torch.Tensor:  # [R, d_inner]: C . state, before the D skip and the gate
         rows, n = x.shape[0], self.d_state
-        keep = layout.native_tables[0][1:] - 1  # each segment's last row
-        # (the kernel reads each segment's starting state before it writes its last row's state over it)
+        keep = layout.native_tables[0][1:] - 1  # the last row
+        # (the kernel reads the starting state before it writes the last row's state over it)
         return native_ssm_scan.tree_scan(dt, x, B.view(rows, self.groups, n), C.view(rows, self.groups, n),
                                          self._A_channels[layer], ssm_state, layout, keep, ssm_state)[0]  # fmt: skip
 
@@ -298,11 +299,14 @@ class Mamba2Drafter:
     ) -> torch.Tensor:  # [rows, d_inner]
         rows, g, n = x.shape[0], self.groups, self.d_state
         per_group = self.heads // g
-        state = ssm_state.view(rows, g, per_group, self.head_dim, n)
+        carried = ssm_state if ssm_state.is_contiguous() else ssm_state.contiguous()  # (a strided view of rows)
+        state = carried.view(rows, g, per_group, self.head_dim, n)
         decay = torch.exp(dt * self._A_heads[layer]).view(rows, g, per_group, 1, 1)
         dx = (x.view(rows, self.heads, self.head_dim) * dt.unsqueeze(-1)).view(rows, g, per_group, self.head_dim, 1)
         torch.addcmul(dx * B.view(rows, g, 1, 1, n), state, decay, out=state)
-        y = ssm_state.view(rows, g, per_group * self.head_dim, n) @ C.view(rows, g, n, 1)
+        y = carried.view(rows, g, per_group * self.head_dim, n) @ C.view(rows, g, n, 1)
+        if carried is not ssm_state:
+            ssm_state.copy_(carried)
         return y.view(rows, self.d_inner)
 
     def _scan_sequence(
@@ -320,7 +324,7 @@ class Mamba2Drafter:
         per_group, hd = self.heads // g, self.head_dim
         block = max(1, _SCAN_BLOCK_ELEMENTS // (self.d_inner * n))
         y = torch.empty_like(x)
-        prev = ssm_state.view(g, per_group, hd, n)
+        prev = ssm_state.reshape(g, per_group, hd, n)
         for start in range(0, seq, block):
             t = slice(start, start + block)
             T = x[t].shape[0]
