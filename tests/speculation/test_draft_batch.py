@@ -2,9 +2,9 @@
 of the drafter's step that makes batching exact.
 
 Every comparison is exact (torch.equal): a batched draft must give each request the tokens, distributions, random
-draws and commit state of its own single draft. The shipped drafter and a tiny float32 one run the native step
-(row-invariant: their requests step together); a float64 one runs the torch step (not row-invariant: its requests
-draft one after the other, and the results must still be the same).
+draws and commit state of its own single draft. The shipped drafter, a tiny float32 one and a tiny float32 Mamba2 one
+run native steps (row-invariant: their requests step together); a float64 one runs the torch step (not row-invariant:
+its requests draft one after the other, and the results must still be the same).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ray_specdec.models.drafter.mamba_state import StateSlots
 from ray_specdec.models.native import library
 from ray_specdec.speculation.acceptance import Verdict, accept_greedy
 from ray_specdec.speculation.drafting import Draft, DraftRequest, DrafterSession, commit_many, draft_many
-from tests.helpers.models import perturbed_mamba
+from tests.helpers.models import perturbed_mamba, tiny_mamba2
 
 TINY = dict(vocab_size=77, hidden_size=40, state_size=6, num_hidden_layers=3, expand=2, conv_kernel=4,
             time_step_rank=5)  # fmt: skip
@@ -48,11 +48,13 @@ MIX = [
 def drafter(name: str) -> MambaDrafter:
     if name == "shipped":
         return MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER))
+    if name == "tiny-mamba2":
+        return tiny_mamba2(torch.float32, vocab=TINY["vocab_size"], seed=3)
     model = perturbed_mamba(MambaConfig(**TINY), seed=3)
     return MambaDrafter(model.float()) if name == "tiny" else MambaDrafter(model.double(), native=False)
 
 
-@pytest.fixture(params=["shipped", "tiny", "tiny-torch"])
+@pytest.fixture(params=["shipped", "tiny", "tiny-torch", "tiny-mamba2"])
 def named_drafter(request) -> MambaDrafter:
     return drafter(request.param)
 
