@@ -340,10 +340,13 @@ class SSMTargetModel:
         SSM keeps nothing per token, so its rows are a nominal unit: the K and V one attention layer of the model's
         width would keep per token. A request is charged its tokens at a row each (conservative for a pure SSM) and
         its state at `state_rows`."""
-        attention = [layer.weights for layer in self._layers if layer.attention]
-        if attention:
-            return sum(2 * w.kv_heads * w.head_dim for w in attention) * self.dtype.itemsize
-        return 2 * self.model.config.hidden_size * self.dtype.itemsize
+        return self.attention_bytes_per_token or 2 * self.model.config.hidden_size * self.dtype.itemsize
+
+    @property
+    def attention_bytes_per_token(self) -> int:
+        """Bytes the attention layers keep per token of context: a hybrid's K and V, 0 for a pure SSM."""
+        return sum(2 * layer.weights.kv_heads * layer.weights.head_dim for layer in self._layers
+                   if layer.attention) * self.dtype.itemsize
 
     @property
     def state_bytes(self) -> int:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import FalconMambaConfig, NemotronHConfig, RwkvConfig, RwkvForCausalLM, Zamba2Config
 
-from transformers import BambaForCausalLM, Mamba2ForCausalLM
+from transformers import BambaForCausalLM, JambaForCausalLM, Mamba2ForCausalLM
 
 from ray_specdec.config import SamplingParams
 from ray_specdec.engine.target_backend import LocalTarget
@@ -183,6 +183,9 @@ def test_states_live_in_a_pool_of_fixed_size_slots(target):
     # (2 groups of 8)
     conv_channels = 64 + 2 * 2 * 8 if isinstance(target.model, (Mamba2ForCausalLM, BambaForCausalLM)) else 64
     assert target.state_bytes == (2 * (4 - 1) * conv_channels + 2 * 64 * 8) * 8
+    # per token of context: a hybrid's 2 attention layers' K and V (2 heads of 8), nothing for a pure SSM
+    hybrid = isinstance(target.model, (JambaForCausalLM, BambaForCausalLM))
+    assert target.attention_bytes_per_token == (2 * 2 * 2 * 8 * 8 if hybrid else 0)
 
 
 # ---- loading ----------------------------------------------------------------------------------------------------
