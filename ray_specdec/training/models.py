@@ -44,6 +44,16 @@ def target_hybrid(vocab_size: int, eos_id: int) -> PretrainedConfig:
     return hybrid_config(target_llama(vocab_size, eos_id))
 
 
+def target_mamba2(vocab_size: int, eos_id: int) -> PretrainedConfig:
+    # A pure SSM target of target-neox's size class (10.7M parameters): 8 Mamba2 layers x 384, 12 heads of 64, one
+    # group of B and C, d_state 64; no position limit of its own (MAX_CONTEXT as the family's).
+    return Mamba2Config(
+        vocab_size=vocab_size, hidden_size=384, num_hidden_layers=8, expand=2, head_dim=64, num_heads=12, n_groups=1,
+        state_size=64, conv_kernel=4, tie_word_embeddings=False, max_position_embeddings=MAX_CONTEXT,
+        **_special_ids(eos_id),
+    )
+
+
 # Mamba drafter sizes (hidden size, layers); the names give the parameter count at the family's 4096-token vocabulary
 # (tied embeddings: a larger vocabulary adds vocab x hidden).
 DRAFTER_SIZES = {"0.7m": (128, 2), "2.8m": (256, 4), "11m": (512, 5)}
@@ -93,6 +103,7 @@ ARCHITECTURES = {
     "target-neox": target_neox,
     "target-llama": target_llama,
     "target-hybrid": target_hybrid,
+    "target-mamba2": target_mamba2,
     "drafter-mamba": drafter_mamba,
     "drafter-mamba2": drafter_mamba2,
     "drafter-neox-small": drafter_neox_small,
