@@ -1,4 +1,4 @@
-"""Embedded model names: where each resolves (a directory of that name wins; hub ids are untouched), the grown one
+"""Embedded model names: where each resolves (a directory of that name wins; hub ids are untouched), the grown ones
 built on first use into RAY_SPECDEC_CACHE_DIR, and `python -m ray_specdec models`."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 import pytest
 
 from ray_specdec.cli import main as cli_main
-from ray_specdec.defaults import (DEFAULT_MODEL_NAMES, EMBEDDED_MODEL_NAMES, TARGET_NEOX_LARGE, default_model_path,
-                                  embedded_model_path, is_built, models_cache_dir)
+from ray_specdec.defaults import (DEFAULT_MODEL_NAMES, EMBEDDED_MODEL_NAMES, TARGET_HYBRID_LARGE, TARGET_NEOX_LARGE,
+                                  default_model_path, embedded_model_path, is_built, models_cache_dir)
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.tokenizer_check import check_model_pair
 from ray_specdec.tools.list_models import main
@@ -19,7 +19,7 @@ from ray_specdec.tools.list_models import main
 
 def test_embedded_names():
     assert EMBEDDED_MODEL_NAMES == ("target-neox", "target-llama", "drafter-mamba", "drafter-neox-small",
-                                    "target-hybrid", "target-neox-large")
+                                    "target-hybrid", "target-neox-large", "target-hybrid-large")
 
 
 @pytest.mark.parametrize("name", DEFAULT_MODEL_NAMES)
@@ -52,12 +52,13 @@ def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     assert models_cache_dir() == models_cache_dir().home() / ".cache" / "ray_specdec" / "models"
 
 
-def test_large_name_is_built_on_first_use(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", [TARGET_NEOX_LARGE, TARGET_HYBRID_LARGE])
+def test_large_name_is_built_on_first_use(tmp_path, monkeypatch, name):
     monkeypatch.setenv("RAY_SPECDEC_CACHE_DIR", str(tmp_path))
-    assert not is_built(TARGET_NEOX_LARGE)
-    assert resolve_model_path(TARGET_NEOX_LARGE) == os.fspath(tmp_path / "models" / TARGET_NEOX_LARGE)
-    assert is_built(TARGET_NEOX_LARGE)
-    check_model_pair(TARGET_NEOX_LARGE, "drafter-mamba")  # the pair shares target-neox's tokenizer
+    assert not is_built(name)
+    assert resolve_model_path(name) == os.fspath(tmp_path / "models" / name)
+    assert is_built(name)
+    check_model_pair(name, "drafter-mamba")  # the pair shares its source's tokenizer
 
 
 def _json_rows(capsys, argv) -> dict[str, dict]:
@@ -78,6 +79,7 @@ def test_models_command_lists_without_building(tmp_path, monkeypatch, capsys):
                                        "made": "grown from target-neox", "built": False,
                                        "directory": os.fspath(tmp_path / "models" / TARGET_NEOX_LARGE)}
     assert not (tmp_path / "models" / TARGET_NEOX_LARGE).exists()
+    assert rows[TARGET_HYBRID_LARGE]["made"] == "grown from target-hybrid" and not rows[TARGET_HYBRID_LARGE]["built"]
 
 
 def test_models_command_builds_and_prints_a_table(capsys):
@@ -87,6 +89,8 @@ def test_models_command_builds_and_prints_a_table(capsys):
     assert lines[0].split() == ["name", "architecture", "parameters", "made", "built", "directory"]
     assert lines[6].split()[:7] == [TARGET_NEOX_LARGE, "GPTNeoXForCausalLM", "105.1M", "grown", "from",
                                     "target-neox", "yes"]
+    assert lines[7].split()[:7] == [TARGET_HYBRID_LARGE, "BambaForCausalLM", "48.3M", "grown", "from",
+                                    "target-hybrid", "yes"]
     assert lines[1].split()[:5] == ["target-neox", "GPTNeoXForCausalLM", "13.8M", "shipped", "yes"]
 
 

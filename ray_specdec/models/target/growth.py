@@ -1,15 +1,26 @@
-"""Function-preserving growth of a GPTNeoX causal LM: a wider model that computes the same logits, untrained beyond
-its source.
+"""Function-preserving growth of a causal LM: a wider model that computes the same logits, untrained beyond its source.
+GPTNeoX, Bamba (Llama-style attention and Mamba2 layers) and Mamba2 (`ARCHITECTURES`, one rule table each).
 
-The grown model carries the source's hidden vector x as k copies, ``[x, x, …, x]`` (k = hidden_factor). A LayerNorm of
-the copies has the copies' mean and variance, so its gamma and beta are the source's repeated k times. A weight that
-writes the hidden state repeats its output rows (and bias) k times; a weight that reads it takes its input columns k
-times, copy c scaled by a share s_c with Σ s_c = 1, so that its product sums back to the source's. Attention heads are
-copied whole, k times (head_dim unchanged, so the rotary dims and the 1/√head_dim scale stay): GPTNeoXAttention views
-the fused query_key_value output as ``[heads, 3 · head_dim]`` (each head's q, k and v rows together), so copying the
-fused rows block-wise copies heads, and the output projection ``dense`` reads the k copies of the heads with shares.
-The MLP's intermediate units are copied mlp_factor times the same way. Embedding rows are repeated along hidden; the
-LM head reads hidden with shares.
+The grown model carries the source's hidden vector x as k copies, ``[x, x, …, x]`` (k = hidden_factor). A LayerNorm or
+RMSNorm of the copies has the copies' mean and variance (mean of squares), so its weights (and bias) are the source's
+repeated k times. A weight that writes the hidden state repeats its output rows (and bias) k times; a weight that
+reads it takes its input columns k times, copy c scaled by a share s_c with Σ s_c = 1, so that its product sums back
+to the source's. Embedding rows are repeated along hidden; the LM head reads hidden with shares (a tied head is untied:
+it reads with shares what the embedding writes as copies). An MLP's intermediate units (gated: gate and up rows
+together) are copied mlp_factor times the same way, its down projection reading the copies with shares.
+
+Heads of every kind are copied whole, k times, copy-major (copy c of head h is head c·H + h), their per-head sizes
+unchanged:
+- attention (head_dim, so the rotary dims and the 1/√head_dim scale stay): GPTNeoX's fused query_key_value views its
+  output as ``[heads, 3 · head_dim]`` (each head's q, k and v rows together), so copying its rows block-wise copies
+  heads; Bamba's q, k and v projections copy their heads separately, K/V heads k times as query heads are, so query
+  copy c·H + h maps to K/V head (c·H + h) // (H / H_kv) = c·H_kv + h // (H / H_kv): the copy of its source K/V head.
+  The output projection reads the k copies of the heads with shares.
+- Mamba2 mixers (d_head, d_state and the conv width stay; heads and groups times k, so d_inner = expand · hidden
+  stays true): in_proj's output is the segments z, x, B, C, dt, and the conv's channels x, B, C; each segment is
+  copied k times in place, so head c·H + h reads group c·G + h // (H / G), the copy of its source group, and A, D and
+  dt_bias repeat per head. The gated RMSNorm normalizes per group of d_inner / G channels, the same groups copied.
+  out_proj reads the k copies of d_inner with shares. A request's SSM state is k times the source's.
 
 Shares are powers of two (`dyadic_shares`: 1/2, 1/4, 1/4 for three copies), not 1/k: a weight times a power of two is
 exact in any binary float format short of the subnormal range (there the first copy takes what the others round
@@ -31,35 +42,136 @@ import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 GROWTH_FILE = "growth.json"
 # Files copied from the source directory as they are (those it has).
 _COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "vocab.json", "merges.txt")
+                 "vocab.json", "merges.txt", "chat_template.jinja")
 _WEIGHTS_FILE = "model.safetensors"
 
-# How each 2D weight grows, by the last two parts of its name: (output copies, input copies, input scaled by shares).
-# "hidden" and "mlp" name the factor; None keeps that dimension.
-_MATRIX_RULES = {
-    "embed_in.weight": (None, "hidden", False),
-    "query_key_value.weight": ("hidden", "hidden", True),
-    "dense.weight": ("hidden", "hidden", True),  # attention output: reads the heads, writes hidden
-    "dense_h_to_4h.weight": ("mlp", "hidden", True),
-    "dense_4h_to_h.weight": ("hidden", "mlp", True),
-    "embed_out.weight": (None, "hidden", True),  # the LM head, as checkpoints name it
-    "lm_head.weight": (None, "hidden", True),  # the LM head, as transformers 5 names it in memory
+
+@dataclass(frozen=True)
+class Rule:
+    """How one tensor grows. rows: the factor its dim 0 is copied by ("hidden", "mlp" or None to keep it), whole or
+    per segment of the architecture's row layout `segments`; cols: the factor of its dim 1, each copy scaled by the
+    dyadic shares where `shared`."""
+
+    rows: str | None
+    cols: str | None = None
+    shared: bool = False
+    segments: str | None = None
+    dims: int = 2
+
+
+def _reads(rows: str | None, cols: str = "hidden", segments: str | None = None) -> Rule:
+    """A weight that reads `cols` copies with shares and writes `rows` copies."""
+    return Rule(rows, cols, shared=True, segments=segments)
+
+
+def _copies(factor: str, segments: str | None = None, dims: int = 1) -> Rule:
+    """A tensor whose dim 0 is copied (a bias, a norm's weight, a per-head parameter, the conv's channels)."""
+    return Rule(factor, segments=segments, dims=dims)
+
+
+def _mamba2_segments(d_inner: int, groups: int, state: int, heads: int) -> dict[str, list[int]]:
+    """A Mamba2 mixer's row layouts: in_proj writes z, x, B, C, dt; the conv runs over x, B, C."""
+    return {"in_proj": [d_inner, d_inner, groups * state, groups * state, heads],
+            "conv": [d_inner, groups * state, groups * state]}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The growth of one HF model_type: config fields times a factor, tensors by the longest name suffix in `tensors`,
+    row layouts (segment sizes) read from the source config."""
+
+    config_factors: dict[str, str]
+    tensors: dict[str, Rule]
+    embedding: str  # the state-dict name a tied LM head shares
+    segments: Callable[[dict], dict[str, list[int]]] = field(default=lambda config: {})
+
+
+_MAMBA2_MIXER = {
+    "in_proj.weight": _reads("hidden", segments="in_proj"),
+    "in_proj.bias": _copies("hidden", segments="in_proj"),
+    "conv1d.weight": _copies("hidden", segments="conv", dims=3),  # [channels, 1, d_conv]
+    "conv1d.bias": _copies("hidden", segments="conv"),
+    "dt_bias": _copies("hidden"),
+    "A_log": _copies("hidden"),
+    "D": _copies("hidden"),
+    "norm.weight": _copies("hidden"),  # the gated RMSNorm over d_inner (and a Mamba2 block's RMSNorm over hidden)
+    "out_proj.weight": _reads("hidden"),
+    "out_proj.bias": _copies("hidden"),
 }
-# How each 1D tensor grows: copies by factor name.
-_VECTOR_RULES = {
-    "query_key_value.bias": "hidden",
-    "dense.bias": "hidden",
-    "dense_h_to_4h.bias": "mlp",
-    "dense_4h_to_h.bias": "hidden",
+
+ARCHITECTURES = {
+    "gpt_neox": Architecture(
+        config_factors={"hidden_size": "hidden", "num_attention_heads": "hidden", "intermediate_size": "mlp"},
+        tensors={
+            "embed_in.weight": Rule(None, "hidden"),
+            "query_key_value.weight": _reads("hidden"),
+            "query_key_value.bias": _copies("hidden"),
+            "dense.weight": _reads("hidden"),  # attention output: reads the heads, writes hidden
+            "dense.bias": _copies("hidden"),
+            "dense_h_to_4h.weight": _reads("mlp"),
+            "dense_h_to_4h.bias": _copies("mlp"),
+            "dense_4h_to_h.weight": _reads("hidden", "mlp"),
+            "dense_4h_to_h.bias": _copies("hidden"),
+            **{f"{norm}.{p}": _copies("hidden") for norm in ("input_layernorm", "post_attention_layernorm",
+                                                            "final_layer_norm") for p in ("weight", "bias")},
+            "embed_out.weight": _reads(None),  # the LM head, as checkpoints name it
+            "lm_head.weight": _reads(None),  # the LM head, as transformers 5 names it in memory
+        },
+        embedding="gpt_neox.embed_in.weight",
+    ),
+    "bamba": Architecture(
+        config_factors={"hidden_size": "hidden", "num_attention_heads": "hidden", "num_key_value_heads": "hidden",
+                        "mamba_n_heads": "hidden", "mamba_n_groups": "hidden", "intermediate_size": "mlp"},
+        tensors={
+            "embed_tokens.weight": Rule(None, "hidden"),
+            **{f"{proj}.weight": _reads("hidden") for proj in ("q_proj", "k_proj", "v_proj", "o_proj")},
+            **{f"{proj}.bias": _copies("hidden") for proj in ("q_proj", "k_proj", "v_proj", "o_proj")},
+            "gate_proj.weight": _reads("mlp"),
+            "gate_proj.bias": _copies("mlp"),
+            "up_proj.weight": _reads("mlp"),
+            "up_proj.bias": _copies("mlp"),
+            "down_proj.weight": _reads("hidden", "mlp"),
+            "down_proj.bias": _copies("hidden"),
+            **{f"{norm}.weight": _copies("hidden") for norm in ("input_layernorm", "pre_ff_layernorm",
+                                                                "final_layernorm")},
+            **_MAMBA2_MIXER,
+            "lm_head.weight": _reads(None),
+        },
+        embedding="model.embed_tokens.weight",
+        segments=lambda c: _mamba2_segments(int(c["mamba_expand"] * c["hidden_size"]), c["mamba_n_groups"],
+                                            c["mamba_d_state"], c["mamba_n_heads"]),
+    ),
+    "mamba2": Architecture(
+        config_factors={"hidden_size": "hidden", "num_heads": "hidden", "n_groups": "hidden"},
+        tensors={
+            "embeddings.weight": Rule(None, "hidden"),
+            **_MAMBA2_MIXER,
+            "norm_f.weight": _copies("hidden"),
+            "lm_head.weight": _reads(None),
+        },
+        embedding="backbone.embeddings.weight",
+        segments=lambda c: _mamba2_segments(int(c["expand"] * c["hidden_size"]), c["n_groups"], c["state_size"],
+                                            c["num_heads"]),
+    ),
 }
-_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "final_layer_norm")
+_NEOX_CONFIG = {"model_type": "gpt_neox"}
+
+
+def architecture(config: dict) -> Architecture:
+    """The growth rules of a config.json dict's model_type."""
+    arch = ARCHITECTURES.get(config.get("model_type"))
+    if arch is None:
+        raise ValueError(f"growth knows model types {', '.join(ARCHITECTURES)}; got {config.get('model_type')!r}")
+    return arch
 
 
 def dyadic_shares(copies: int) -> list[float]:
@@ -71,9 +183,13 @@ def dyadic_shares(copies: int) -> list[float]:
     return [1.0 / p] * (2 * p - copies) + [0.5 / p] * (2 * (copies - p))
 
 
-def _copy_rows(w: torch.Tensor, copies: int) -> torch.Tensor:
-    # w: [out, ...] -> [copies * out, ...], copy-major
-    return torch.cat([w] * copies, dim=0)
+def _copy_rows(w: torch.Tensor, copies: int, segments: list[int] | None = None) -> torch.Tensor:
+    # w: [out, ...] -> [copies * out, ...], copy-major within each segment of dim 0 (the whole of it by default)
+    if segments is None:
+        return torch.cat([w] * copies, dim=0)
+    if sum(segments) != w.shape[0]:
+        raise ValueError(f"row segments {segments} do not add up to {w.shape[0]} rows")
+    return torch.cat([part for part in w.split(segments) for _ in range(copies)], dim=0)
 
 
 def split_by_shares(w: torch.Tensor, copies: int) -> list[torch.Tensor]:
@@ -89,44 +205,64 @@ def _copy_columns(w: torch.Tensor, copies: int, shared: bool) -> torch.Tensor:
     return torch.cat(split_by_shares(w, copies) if shared else [w] * copies, dim=1)
 
 
-def grow_tensor(name: str, tensor: torch.Tensor, hidden_factor: int, mlp_factor: int) -> torch.Tensor:
-    """The grown value of one GPTNeoXForCausalLM state-dict entry (same dtype)."""
-    factors = {"hidden": hidden_factor, "mlp": mlp_factor, None: 1}
+def _rule(arch: Architecture, name: str) -> Rule | None:
+    # the rule of the longest dotted suffix of `name` that has one
     parts = name.split(".")
-    key = ".".join(parts[-2:])
-    if parts[-2] in _LAYER_NORMS and parts[-1] in ("weight", "bias"):
-        return _copy_rows(tensor, hidden_factor)
-    if key in _VECTOR_RULES and tensor.dim() == 1:
-        return _copy_rows(tensor, factors[_VECTOR_RULES[key]])
-    if key in _MATRIX_RULES and tensor.dim() == 2:
-        rows, cols, shared = _MATRIX_RULES[key]
-        return _copy_rows(_copy_columns(tensor, factors[cols], shared), factors[rows])
-    raise ValueError(f"no growth rule for {name!r} of shape {tuple(tensor.shape)}")
+    for start in range(len(parts)):
+        rule = arch.tensors.get(".".join(parts[start:]))
+        if rule is not None:
+            return rule
+    return None
 
 
-def grow_state_dict(state: dict[str, torch.Tensor], hidden_factor: int, mlp_factor: int) -> dict[str, torch.Tensor]:
-    """The grown GPTNeoXForCausalLM state dict: same names, wider tensors, same function."""
-    return {name: grow_tensor(name, t, hidden_factor, mlp_factor) for name, t in state.items()}
+def grow_tensor(name: str, tensor: torch.Tensor, hidden_factor: int, mlp_factor: int,
+                config: dict | None = None) -> torch.Tensor:
+    """The grown value (same dtype) of one state-dict entry of the model `config` (its config.json dict; default a
+    GPTNeoXForCausalLM)."""
+    config = config or _NEOX_CONFIG
+    arch = architecture(config)
+    rule = _rule(arch, name)
+    if rule is None or tensor.dim() != rule.dims:
+        raise ValueError(f"no growth rule for {name!r} of shape {tuple(tensor.shape)}")
+    factors = {"hidden": hidden_factor, "mlp": mlp_factor, None: 1}
+    segments = arch.segments(config)[rule.segments] if rule.segments else None
+    grown = _copy_columns(tensor, factors[rule.cols], rule.shared) if rule.cols else tensor
+    return _copy_rows(grown, factors[rule.rows], segments)
+
+
+def _with_lm_head(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    # a tied model's head is its embedding; a file may leave it out
+    if not config.get("tie_word_embeddings") or "lm_head.weight" in state:
+        return state
+    return {**state, "lm_head.weight": state[architecture(config).embedding]}
+
+
+def grow_state_dict(state: dict[str, torch.Tensor], hidden_factor: int, mlp_factor: int,
+                    config: dict | None = None) -> dict[str, torch.Tensor]:
+    """The grown state dict of the model `config` (default a GPTNeoXForCausalLM): same names, wider tensors, same
+    function; a tied LM head becomes its own weight."""
+    state = _with_lm_head(state, config or _NEOX_CONFIG)
+    return {name: grow_tensor(name, t, hidden_factor, mlp_factor, config) for name, t in state.items()}
 
 
 def grow_config(config: dict, hidden_factor: int, mlp_factor: int) -> dict:
-    """The grown GPTNeoX config (a config.json dict): hidden and heads times hidden_factor, intermediate times
-    mlp_factor; head_dim, rotary and everything else unchanged."""
-    if config.get("model_type") != "gpt_neox":
-        raise ValueError(f"growth knows GPTNeoX only, got model_type {config.get('model_type')!r}")
+    """The grown config (a config.json dict): hidden size and every head and group count times hidden_factor, the MLP's
+    intermediate size times mlp_factor; per-head sizes, rotary and everything else unchanged; embeddings untied."""
+    arch = architecture(config)
     if hidden_factor < 1 or mlp_factor < 1:
         raise ValueError(f"factors must be >= 1, got hidden {hidden_factor}, mlp {mlp_factor}")
-    return {
-        **config,
-        "hidden_size": config["hidden_size"] * hidden_factor,
-        "num_attention_heads": config["num_attention_heads"] * hidden_factor,
-        "intermediate_size": config["intermediate_size"] * mlp_factor,
-    }
+    factors = {"hidden": hidden_factor, "mlp": mlp_factor}
+    grown = {key: config[key] * factors[factor] for key, factor in arch.config_factors.items()
+             if config.get(key) is not None}  # a Bamba's absent K/V head count follows the query heads
+    if config.get("tie_word_embeddings"):
+        grown["tie_word_embeddings"] = False
+    return {**config, **grown}
 
 
 def fingerprint(source: Path, hidden_factor: int, mlp_factor: int) -> str:
     """What a built copy is a function of: the source's weights and config, and the factors."""
-    digest = hashlib.sha256(f"gpt_neox growth, hidden x{hidden_factor}, mlp x{mlp_factor}\n".encode())
+    model_type = json.loads((source / "config.json").read_text()).get("model_type")
+    digest = hashlib.sha256(f"{model_type} growth, hidden x{hidden_factor}, mlp x{mlp_factor}\n".encode())
     for file in ("config.json", _WEIGHTS_FILE):
         with open(source / file, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -148,14 +284,19 @@ def build_grown(name: str, source: Path, out: Path, hidden_factor: int, mlp_fact
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    config = grow_config(json.loads((source / "config.json").read_text()), hidden_factor, mlp_factor)
+    source_config = json.loads((source / "config.json").read_text())
+    config = grow_config(source_config, hidden_factor, mlp_factor)
     out.mkdir(parents=True)
     grown = {}
     with safe_open(source / _WEIGHTS_FILE, framework="pt") as f:
-        names = list(f.keys())
+        # grown name -> the file's tensor it grows from (a tied head, left out of the file, from the embedding)
+        names = {key: key for key in f.keys()}
+        if source_config.get("tie_word_embeddings") and "lm_head.weight" not in names:
+            names["lm_head.weight"] = architecture(source_config).embedding
         with tqdm(total=len(names) + 1, desc=f"building {name}", unit="tensor", dynamic_ncols=True) as bar:
-            for key in names:
-                grown[key] = grow_tensor(key, f.get_tensor(key), hidden_factor, mlp_factor).contiguous()
+            for key, source_key in names.items():
+                grown[key] = grow_tensor(key, f.get_tensor(source_key), hidden_factor, mlp_factor,
+                                         source_config).contiguous()
                 bar.update()
             bar.set_postfix_str("writing")
             save_file(grown, out / _WEIGHTS_FILE, metadata={"format": "pt"})
