@@ -341,7 +341,8 @@ def app(args: AppArgs | dict[str, Any]) -> Application:
     direct_ingress_env(args.direct_ingress)
     proxy_guard_env()
     target_path = _model_path(args.target, "target")
-    drafter_path = None if (args.drafter or "").lower() == "none" else _model_path(args.drafter, "drafter")
+    drafter_path = (None if (args.drafter or "").lower() == "none"
+                    else _model_path(args.drafter, "drafter", target=args.target))
     if args.tp_size > 1:  # here, before any rank actor starts: an SSM or hybrid target is served unsharded only
         try:
             check_tensor_parallel(AutoConfig.from_pretrained(resolve_model_path(target_path)), args.tp_size)
@@ -457,13 +458,13 @@ def _engine_options(args: AppArgs) -> dict[str, Any]:
     return options
 
 
-def _model_path(name: str | None, kind: str) -> str:
+def _model_path(name: str | None, kind: str, target: str | None = None) -> str:
     """A local directory as an absolute path (replicas run elsewhere), a hub id or an embedded model's name as is, or
-    the embedded default."""
+    the embedded default (a drafter: the one paired with `target`, as the user named it; defaults.py)."""
     if name is None:
-        from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+        from ray_specdec.defaults import DEFAULT_TARGET, default_drafter_for
 
-        default = DEFAULT_TARGET if kind == "target" else DEFAULT_DRAFTER
+        default = DEFAULT_TARGET if kind == "target" else default_drafter_for(target)
         if not (default / "config.json").exists():
             raise AppError(
                 f"the embedded default {kind} model is missing (ray_specdec/default_models/{default.name}); "

@@ -21,7 +21,11 @@ TARGET_LLAMA = "target-llama"
 DRAFTER_MAMBA = "drafter-mamba"
 DRAFTER_NEOX_SMALL = "drafter-neox-small"
 TARGET_HYBRID = "target-hybrid"  # target-llama made a Mamba2-attention hybrid (BambaForCausalLM), distilled from it
-DEFAULT_MODEL_NAMES = (TARGET_NEOX, TARGET_LLAMA, DRAFTER_MAMBA, DRAFTER_NEOX_SMALL, TARGET_HYBRID)
+TARGET_MAMBA2 = "target-mamba2"  # a pure Mamba2 target (Mamba2ForCausalLM), distilled from target-neox
+DRAFTER_MAMBA2 = "drafter-mamba2"  # a Mamba2 drafter of drafter-mamba's size, distilled from target-neox
+DRAFTER_MAMBA_HYBRID = "drafter-mamba-hybrid"  # drafter-mamba distilled further against target-hybrid
+DEFAULT_MODEL_NAMES = (TARGET_NEOX, TARGET_LLAMA, DRAFTER_MAMBA, DRAFTER_NEOX_SMALL, TARGET_HYBRID, TARGET_MAMBA2,
+                       DRAFTER_MAMBA2, DRAFTER_MAMBA_HYBRID)
 
 # Models grown from a shipped one with its function unchanged: name -> (source, hidden factor, MLP factor). 3 is the
 # smallest hidden factor that takes target-neox (13.8M parameters) past 100M (105.1M), out of the CPU's caches.
@@ -31,6 +35,9 @@ TARGET_NEOX_LARGE = "target-neox-large"
 TARGET_HYBRID_LARGE = "target-hybrid-large"
 GROWN_MODELS = {TARGET_NEOX_LARGE: (TARGET_NEOX, 3, 3), TARGET_HYBRID_LARGE: (TARGET_HYBRID, 2, 2)}
 EMBEDDED_MODEL_NAMES = (*DEFAULT_MODEL_NAMES, *GROWN_MODELS)
+# The drafter an embedded target gets where none is named: the one distilled against it (or against the model it was
+# grown from); drafter-mamba for every other target.
+PAIRED_DRAFTERS = {TARGET_HYBRID: DRAFTER_MAMBA_HYBRID, TARGET_HYBRID_LARGE: DRAFTER_MAMBA_HYBRID}
 
 
 def default_model_path(name: str) -> Path:
@@ -78,6 +85,24 @@ DEFAULT_TARGET = default_model_path(TARGET_NEOX)
 DEFAULT_DRAFTER = default_model_path(DRAFTER_MAMBA)
 DEFAULT_TARGET_LLAMA = default_model_path(TARGET_LLAMA)
 DEFAULT_TF_DRAFTER = default_model_path(DRAFTER_NEOX_SMALL)
+
+
+def default_drafter_for(target: str | None) -> Path:
+    """The shipped drafter for a target as named (an embedded name or its directory; None: the default target): the
+    one paired with it (PAIRED_DRAFTERS), else drafter-mamba."""
+    for name, drafter in PAIRED_DRAFTERS.items():
+        if target is not None and (str(target) == name or _is_embedded_dir(str(target), name)):
+            return default_model_path(drafter)
+    return DEFAULT_DRAFTER
+
+
+def _is_embedded_dir(target: str, name: str) -> bool:
+    """Whether directory `target` is the embedded model `name`'s (shipped, or grown into the cache)."""
+    try:
+        return Path(target).resolve() == embedded_model_path(name, build=False).resolve()
+    except (OSError, ValueError):
+        return False
+
 
 # The shipped tokenizer's chat template (docs/MODELS.md): every message as "<|role|>\n<content>\n" (roles system, user,
 # assistant; content a string or OpenAI-style text parts), then "<|assistant|>\n" for the generation prompt. The

@@ -28,10 +28,11 @@ def resolve_device(device: str | None) -> str:
     return str(device)
 
 
-def _default(kind: str) -> str:
-    from ray_specdec.defaults import DEFAULT_DRAFTER, DEFAULT_TARGET
+def _default(kind: str, target: str | None = None) -> str:
+    """The embedded default target, or the default drafter for `target` (its paired drafter: defaults.py)."""
+    from ray_specdec.defaults import DEFAULT_TARGET, default_drafter_for
 
-    path = DEFAULT_TARGET if kind == "target" else DEFAULT_DRAFTER
+    path = DEFAULT_TARGET if kind == "target" else default_drafter_for(target)
     if not (path / "config.json").exists():
         raise LoadError(f"no --{kind} given and the embedded default {kind} is missing ({path.name})")
     return os.fspath(path)
@@ -53,14 +54,16 @@ def load_target(name: str | None, dtype="auto", device="cpu"):
         raise LoadError(f"cannot load target {name!r}: {_first_line(e)}") from None
 
 
-def load_drafter(name: str | None, dtype="auto", device="cpu", prefill_window: int | str | None = "auto"):
-    """None -> the embedded default drafter; 'none' -> no drafter (plain target decoding); else the drafter class its
-    config calls for (models/drafter/kinds.py): Mamba or Mamba2."""
+def load_drafter(name: str | None, dtype="auto", device="cpu", prefill_window: int | str | None = "auto",
+                 target: str | None = None):
+    """None -> the embedded default drafter (for `target`, as named: its paired drafter, defaults.py); 'none' -> no
+    drafter (plain target decoding); else the drafter class its config calls for (models/drafter/kinds.py): Mamba or
+    Mamba2."""
     from ray_specdec.models.drafter.kinds import load_drafter_model
 
     if name is not None and name.lower() == "none":
         return None
-    name = name or _default("drafter")
+    name = name or _default("drafter", target)
     try:
         return load_drafter_model(name, dtype=dtype, device=device, prefill_window=prefill_window)
     except Exception as e:
@@ -114,7 +117,7 @@ def load_engine(
     except FileNotFoundError as e:
         raise LoadError(f"cannot load {kind} {name!r}: {e}") from None
     if drafter is None or drafter.lower() != "none":
-        check_tokenizers(target or _default("target"), drafter or _default("drafter"))
+        check_tokenizers(target or _default("target"), drafter or _default("drafter", target))
     target_model = load_target(target, dtype, device)
     try:  # the drafter resolves "auto" from its config; here only the argument's form is checked
         resolve_prefill_window(drafter_prefill_window, config=None)
@@ -122,7 +125,7 @@ def load_engine(
         raise LoadError(
             f"drafter_prefill_window must be >= 1, 'auto', 'all' or None, got {drafter_prefill_window!r}"
         ) from None
-    drafter_model = load_drafter(drafter, dtype, device, drafter_prefill_window)
+    drafter_model = load_drafter(drafter, dtype, device, drafter_prefill_window, target)
     config = config or EngineConfig()
     scheduler = config.scheduler
     try:

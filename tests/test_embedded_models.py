@@ -10,7 +10,8 @@ import pytest
 
 from ray_specdec.cli import main as cli_main
 from ray_specdec.defaults import (DEFAULT_MODEL_NAMES, EMBEDDED_MODEL_NAMES, TARGET_HYBRID_LARGE, TARGET_NEOX_LARGE,
-                                  default_model_path, embedded_model_path, is_built, models_cache_dir)
+                                  default_drafter_for, default_model_path, embedded_model_path, is_built,
+                                  models_cache_dir)
 from ray_specdec.models.loading import resolve_model_path
 from ray_specdec.models.tokenizer_check import check_model_pair
 from ray_specdec.tools.list_models import main
@@ -19,7 +20,23 @@ from ray_specdec.tools.list_models import main
 
 def test_embedded_names():
     assert EMBEDDED_MODEL_NAMES == ("target-neox", "target-llama", "drafter-mamba", "drafter-neox-small",
-                                    "target-hybrid", "target-neox-large", "target-hybrid-large")
+                                    "target-hybrid", "target-mamba2", "drafter-mamba2", "drafter-mamba-hybrid",
+                                    "target-neox-large", "target-hybrid-large")
+
+
+def test_a_target_with_a_paired_drafter_gets_it_by_default(tmp_path, monkeypatch):
+    """target-hybrid (by name or directory) and target-hybrid-large get drafter-mamba-hybrid, distilled against
+    target-hybrid; every other target drafter-mamba. The app and load_engine take the same default."""
+    from deployments.app import _model_path
+
+    monkeypatch.setenv("RAY_SPECDEC_CACHE_DIR", str(tmp_path))
+    paired = default_model_path("drafter-mamba-hybrid")
+    assert default_drafter_for("target-hybrid") == default_drafter_for(TARGET_HYBRID_LARGE) == paired
+    assert default_drafter_for(os.fspath(default_model_path("target-hybrid"))) == paired
+    for other in (None, "target-neox", TARGET_NEOX_LARGE, "target-mamba2", os.fspath(tmp_path)):
+        assert default_drafter_for(other) == default_model_path("drafter-mamba"), other
+    assert _model_path(None, "drafter", target="target-hybrid") == os.fspath(paired)
+    assert _model_path(None, "drafter", target="target-neox") == os.fspath(default_model_path("drafter-mamba"))
 
 
 @pytest.mark.parametrize("name", DEFAULT_MODEL_NAMES)
@@ -87,11 +104,15 @@ def test_models_command_builds_and_prints_a_table(capsys):
     assert cli_main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["name", "architecture", "parameters", "made", "built", "directory"]
-    assert lines[6].split()[:7] == [TARGET_NEOX_LARGE, "GPTNeoXForCausalLM", "105.1M", "grown", "from",
-                                    "target-neox", "yes"]
-    assert lines[7].split()[:7] == [TARGET_HYBRID_LARGE, "BambaForCausalLM", "48.3M", "grown", "from",
-                                    "target-hybrid", "yes"]
-    assert lines[1].split()[:5] == ["target-neox", "GPTNeoXForCausalLM", "13.8M", "shipped", "yes"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert list(rows) == list(EMBEDDED_MODEL_NAMES)
+    assert rows[TARGET_NEOX_LARGE][:7] == [TARGET_NEOX_LARGE, "GPTNeoXForCausalLM", "105.1M", "grown", "from",
+                                           "target-neox", "yes"]
+    assert rows[TARGET_HYBRID_LARGE][:7] == [TARGET_HYBRID_LARGE, "BambaForCausalLM", "48.3M", "grown", "from",
+                                             "target-hybrid", "yes"]
+    assert rows["target-neox"][:5] == ["target-neox", "GPTNeoXForCausalLM", "13.8M", "shipped", "yes"]
+    assert rows["target-mamba2"][:4] == ["target-mamba2", "Mamba2ForCausalLM", "10.7M", "shipped"]
+    assert rows["drafter-mamba2"][:4] == ["drafter-mamba2", "Mamba2ForCausalLM", "2.8M", "shipped"]
 
 
 def test_models_command_refuses_bad_flags_in_one_line(capsys):

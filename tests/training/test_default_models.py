@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ray_specdec.defaults import DEFAULT_MODEL_NAMES, DEFAULT_MODELS_DIR, default_model_path
 
-MAX_TOTAL_BYTES = 100 * 2**20
+MAX_TOTAL_BYTES = 128 * 2**20  # 121.4 MiB shipped: three targets, four drafters
 
 
 @pytest.mark.parametrize("name", DEFAULT_MODEL_NAMES)

@@ -1,6 +1,6 @@
 """The Llama -> Mamba2 hybrid builder (training/hybrid.py): what it copies, what the Mamba2 layers take from the
 attention, that kept attention computes what the Llama's did, and that the hybrid is served as an SSM target with
-HF generate's greedy tokens; so is the shipped target-hybrid."""
+HF generate's greedy tokens; so are the shipped target-hybrid and target-mamba2, with their drafters."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM, BambaForCausalLM
 
 from ray_specdec.config import SamplingParams, TreeConfig
-from ray_specdec.defaults import DEFAULT_DRAFTER, TARGET_HYBRID, default_model_path
+from ray_specdec.defaults import (DRAFTER_MAMBA2, DRAFTER_MAMBA_HYBRID, TARGET_HYBRID, TARGET_MAMBA2,
+                                  default_model_path)
 from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.drafter.kinds import load_drafter_model
 from ray_specdec.models.target.kinds import load_target_model
 from ray_specdec.models.target.ssm import SSMTargetModel
 from ray_specdec.training.corpus import heldout_prompts
@@ -96,13 +97,19 @@ def test_hybrid_is_served_with_hf_generates_greedy_tokens(tmp_path):
             assert engine.generate(prompt, SamplingParams(max_new_tokens=16)).token_ids == expected, (length, tree)
 
 
-def test_shipped_target_hybrid_gives_hf_generates_greedy_tokens_with_drafter_mamba():
-    """The embedded name loads as an SSM target; plain, a chain and a tree of drafter-mamba's drafts give HF generate's
-    tokens (float32, held-out prompts whose greedy paths have no near tie)."""
-    target = load_target_model(TARGET_HYBRID)
-    assert isinstance(target, SSMTargetModel) and target.model.config.layers_block_type[:2] == [
-        "full_attention", "linear_attention"]
-    drafter = MambaDrafter.from_pretrained(str(DEFAULT_DRAFTER))
+@pytest.mark.parametrize("target_name, drafter_name", [(TARGET_HYBRID, DRAFTER_MAMBA_HYBRID),
+                                                      (TARGET_MAMBA2, DRAFTER_MAMBA2)])
+def test_shipped_ssm_targets_give_hf_generates_greedy_tokens_with_their_drafters(target_name, drafter_name):
+    """The embedded names load as SSM targets (the hybrid and the pure Mamba2) and their drafters as Mamba and Mamba2
+    drafters; plain, a chain and a tree of the drafts give HF generate's tokens (float32, held-out prompts whose
+    greedy paths have no near tie)."""
+    target = load_target_model(target_name)
+    blocks = {TARGET_HYBRID: ["full_attention", "linear_attention"], TARGET_MAMBA2: None}[target_name]
+    assert isinstance(target, SSMTargetModel) and getattr(target.model.config, "layers_block_type", [None])[:2] == (
+        blocks or [None])
+    drafter = load_drafter_model(drafter_name)
+    assert type(drafter).__name__ == {DRAFTER_MAMBA_HYBRID: "MambaDrafter", DRAFTER_MAMBA2: "Mamba2Drafter"}[
+        drafter_name]
     for held_out in heldout_prompts(2, 48, 48, 0, target.tokenizer):
         prompt = held_out.token_ids
         expected = hf_greedy(target, prompt, 24)
