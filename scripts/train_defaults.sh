@@ -45,3 +45,18 @@ $T --arch target-hybrid --name target-hybrid --tokenizer $D/target-llama --teach
   > runs/target-hybrid.log 2>&1
 python -m ray_specdec.training.export --run runs/target-hybrid --out $D/target-hybrid --tokenizer $D/target-llama
 echo HYBRID DONE
+# target-mamba2: a pure Mamba2 target, distilled from target-neox as target-llama was (a fixed step count).
+$T --arch target-mamba2 --name target-mamba2 --tokenizer $D/target-neox --teacher $D/target-neox --alpha 0.5 \
+  --seq-len 256 --batch-size 8 --lr 1.5e-3 --warmup-steps 20 --max-steps 300 --max-minutes 40 > runs/target-mamba2.log 2>&1
+python -m ray_specdec.training.export --run runs/target-mamba2 --out $D/target-mamba2 --tokenizer $D/target-neox
+# drafter-mamba2: the Mamba2 drafter, the drafter size sweep's recipe (scripts/drafter_sizes.sh) at 2.8m.
+python -m ray_specdec train-drafter --arch mamba2 --target $D/target-neox --data runs/train-split --out runs/drafter-mamba2 \
+  --size 2.8m --seq-len 512 --batch-size 4 --lr 2e-3 --warmup-steps 10 --max-steps 160 --max-minutes 600 --seed 3
+# drafter-mamba-hybrid: drafter-mamba distilled further against target-hybrid (its paired drafter, defaults.py).
+python -m ray_specdec train-drafter --target $D/target-hybrid --data runs/train-split --out runs/drafter-mamba-hybrid \
+  --init-from drafter-mamba --seq-len 512 --batch-size 4 --lr 1e-3 --warmup-steps 10 --max-steps 150 --max-minutes 30 \
+  --seed 3
+for d in drafter-mamba2 drafter-mamba-hybrid; do
+  mkdir -p $D/$d && cp runs/$d/*.json runs/$d/model.safetensors runs/$d/chat_template.jinja $D/$d/
+done
+echo SSM DONE
