@@ -6,7 +6,7 @@ again, so each call sees the same contexts), and its ratio is to one request's o
 bound by reading the weights (a target far larger than the CPU's caches, or any real model on a GPU), rows are
 nearly free until the products turn compute-bound; where the weights sit in cache, every row costs.
 
-Run from the repository root:
+Run from the repository root (any target: attention, SSM or hybrid):
     python -m benchmarks.verify_cost --target target-neox-large [--rows 1 2 4 8 16 32 64] [--batch 1 4 8]
         [--json out.json] [--plot out.png]
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ray_specdec.config import TreeConfig
+from ray_specdec.models.target.kinds import load_target_model
 from ray_specdec.models.target.model import Segment, TargetModel
 from ray_specdec.speculation.tree import TreeTensors, build_tree
 
@@ -116,7 +117,7 @@ def main() -> None:
     if min(args.rows) < 1 or min(args.batch) < 1:
         parser.error("--rows and --batch take counts >= 1")
     torch.set_num_threads(args.threads)
-    target = TargetModel.from_pretrained(args.target)
+    target = load_target_model(args.target)  # a TargetModel, or an SSMTargetModel (the same calls)
     params = sum(p.numel() for p in target.model.parameters())
     title = (f"{args.target}: {params / 1e6:.1f}M params, {target.dtype}, {torch.get_num_threads()} threads, "
              f"~{args.context} tokens cached")  # fmt: skip
