@@ -21,6 +21,7 @@ near-ties of the target's logits, as it can between any two GEMM kernels.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -201,6 +202,9 @@ def choose(timings: dict[tuple[str, int], float], rows: Sequence[int] = CALIBRAT
     return GemmPlan(tuple(rows), tuple(chosen))
 
 
+# Every row count on the native GEMM (`native_copy`).
+ALWAYS_NATIVE = GemmPlan((1,), (NATIVE,))
+
 Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
@@ -262,6 +266,17 @@ class PlannedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         out = PATHS[path](x.reshape(rows, x.shape[-1]), self.weight, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def native_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose nn.Linear layers take the native GEMM at every row count, sharing its parameters
+    (no weight is copied); the module itself is left as it is."""
+    clone = copy.copy(module)
+    clone._modules = {name: None if child is None else native_copy(child) for name, child in module._modules.items()}
+    if type(module) is nn.Linear:
+        clone.__class__ = PlannedLinear
+        clone.gemm_plan = ALWAYS_NATIVE
+    return clone
 
 
 def linear_layers(model: nn.Module) -> list[nn.Linear]:

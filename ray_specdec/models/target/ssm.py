@@ -196,14 +196,18 @@ class SSMTargetModel:
 
     def __init__(self, model: MambaForCausalLM | Mamba2ForCausalLM | JambaForCausalLM | BambaForCausalLM,
                  tokenizer=None, *, slots: int = 8, batch_invariant: bool | None = None,
-                 native_scan: bool | None = None):
+                 native_scan: bool | None = None, native_gemm: bool | None = None):
         """slots: states the pool preallocates (it doubles when every one is taken). batch_invariant: the products
         take the native GEMM, so that a request's logits and states are the same bits whatever shares its forward.
         None: on for a float32 pure SSM on CPU where the native kernels build, unless RAY_SPECDEC_BATCH_INVARIANT=0;
         True insists; False: torch's products. `batch_invariant_why` says why it is off. native_scan: the SSM layers'
         tree scan in one native call per layer (native/ssm_scan.py) where the scan runs in float32 on CPU and the
         kernels build (and the conv too for a float32 model), unless RAY_SPECDEC_NATIVE=0; True insists; False:
-        torch's. `native_scan_why` says why it is off."""
+        torch's. `native_scan_why` says why it is off. native_gemm: every product (a hybrid's MLPs too) takes the
+        native GEMM (native/gemm.py: register-blocked, over exact half-precision panels of weights loaded from a half
+        checkpoint, so half the bytes a step reads), on float32 CPU models where the kernels build, unless
+        RAY_SPECDEC_NATIVE=0; True insists; False: F.linear (then batch_invariant is off too). `native_gemm_why`
+        says why it is off."""
         if not isinstance(model, (MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM, BambaForCausalLM)):
             raise TypeError(f"SSMTargetModel takes a MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM or "
                             f"BambaForCausalLM, not {type(model).__name__}")  # fmt: skip
@@ -222,6 +226,8 @@ class SSMTargetModel:
         self.eos_token_ids: frozenset[int] = eos_token_ids(model)
         self.ssm_dtype = torch.promote_types(self.dtype, torch.float32)
         self.residual_in_fp32 = bool(getattr(config, "residual_in_fp32", False))
+        self.native_gemm_why: str | None = switch_why("native_gemm", native_gemm, env.NATIVE,
+                                                      self._native_gemm_blocker)  # fmt: skip
         self._logits_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         if isinstance(model, MambaForCausalLM):
             self.d_conv, self.d_state, self.eps = config.conv_kernel, config.state_size, config.layer_norm_epsilon
@@ -281,7 +287,7 @@ class SSMTargetModel:
         else:
             weights = Mamba2Weights.from_block(SimpleNamespace(mixer=layer.mamba), self.ssm_dtype)
         return Layer(layer.input_layernorm.weight.detach(), weights, index, layer.pre_ff_layernorm.weight.detach(),
-                     layer.feed_forward)
+                     self._ffn(layer.feed_forward))
 
     def _jamba_layer(self, layer, config, index: int) -> Layer:
         """A Jamba decoder layer (the index-th of its kind): its attention or Mamba mixer (with the RMSNorms of dt, B
@@ -294,7 +300,15 @@ class SSMTargetModel:
             norms = (mamba.dt_layernorm.weight.detach(), mamba.b_layernorm.weight.detach(),
                      mamba.c_layernorm.weight.detach())
         return Layer(layer.input_layernorm.weight.detach(), weights, index, layer.pre_ff_layernorm.weight.detach(),
-                     layer.feed_forward, norms)  # fmt: skip
+                     self._ffn(layer.feed_forward), norms)  # fmt: skip
+
+    def _ffn(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A hybrid's feed-forward block as the forward runs it: with native_gemm a copy whose nn.Linear layers take
+        the native GEMM, sharing the weights (the HF model itself stays as loaded: it is the reference), else the
+        module itself."""
+        if self.native_gemm_why is not None:
+            return module
+        return gemm.native_copy(module)
 
     # ----- what the engine reads -----
 
@@ -303,15 +317,21 @@ class SSMTargetModel:
         """Whether a segment's logits and states are the same bits whatever shares its forward."""
         return self.batch_invariant_why is None
 
-    def _invariance_blocker(self) -> str | None:
-        """Why the products cannot take the native GEMM (every row's sums in one fixed order, whatever the row
-        count), or why that is not enough; None: they can."""
+    def _native_gemm_blocker(self) -> str | None:
+        """Why the products cannot take the native GEMM (None: they can)."""
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return "it takes a float32 model on CPU"
-        if self._attention_layers:
-            return "a hybrid's attention runs sdpa per request (its kernel depends on the rows)"
         if library.load() is None:
             return f"native kernels unavailable: {library.why_unavailable()}"
+        return None
+
+    def _invariance_blocker(self) -> str | None:
+        """Why the products (the native GEMM: every row's sums in one fixed order, whatever the row count) do not
+        make a request's results independent of the others; None: they do."""
+        if self.native_gemm_why is not None:
+            return f"the products do not take the native GEMM ({self.native_gemm_why})"
+        if self._attention_layers:
+            return "a hybrid's attention runs sdpa per request (its kernel depends on the rows)"
         widths = {"hidden size": self.model.config.hidden_size, "inner width": self.d_inner}
         odd = [f"{name} {width}" for name, width in widths.items() if width % VECTOR_MULTIPLE]
         if odd:
@@ -328,9 +348,9 @@ class SSMTargetModel:
         return None
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [R, in] @ weight^T (+ bias): the native GEMM where batch-invariant (a row's result does not depend on
-        the other rows), else F.linear."""
-        if self.batch_invariant_why is None:
+        """x [R, in] @ weight^T (+ bias): the native GEMM (a row's result does not depend on the other rows) where
+        native_gemm is on, else F.linear."""
+        if self.native_gemm_why is None:
             return gemm.PATHS[gemm.NATIVE](x, weight, bias)
         return F.linear(x, weight, bias)
 

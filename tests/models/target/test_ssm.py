@@ -303,3 +303,31 @@ def test_float32_logits_and_states_do_not_depend_on_the_batch(kind):
         assert all(torch.equal(a, b) for a, b in zip(batched_state, state))
     root, _ = run(3, [])
     assert torch.equal(root[0], alone[0])
+
+
+@pytest.mark.parametrize("kind", ["jamba", "bamba", "mamba2"])
+def test_float32_products_take_the_native_gemm_and_leave_the_hf_model_as_loaded(kind):
+    """On float32 CPU every product takes the native GEMM, a hybrid's MLPs too, through copies of its feed-forward
+    blocks that share the weights: the HF model (the reference) keeps its own nn.Linear layers. The logits are
+    F.linear's to float32 rounding; with native_gemm=False the products are F.linear's and nothing is batch-invariant."""
+    if library.load() is None:
+        pytest.skip(library.why_unavailable())
+    model = SSM_TARGETS[kind](torch.float32)
+    native, plain = SSMTargetModel(model), SSMTargetModel(model, native_gemm=False)
+    assert native.native_gemm_why is None and plain.native_gemm_why == "native_gemm=False"
+    assert "native GEMM" in plain.batch_invariant_why
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    ffns = [layer.ffn for layer in native._layers if layer.ffn is not None]
+    assert bool(ffns) == (kind != "mamba2")
+    for ffn, hf_layer in zip(ffns, [layer for layer in model.model.layers] if ffns else []):
+        assert ffn is not hf_layer.feed_forward
+        ours = {n: p.data_ptr() for n, p in ffn.named_parameters()}
+        assert ours == {n: p.data_ptr() for n, p in hf_layer.feed_forward.named_parameters()}  # shared, not copied
+    prompt = torch.tensor(random_prompt(24, seed=3))
+    tree, nodes = build_tree(TREES[3]), torch.tensor(random_prompt(len(TREES[3]), seed=4))
+    logits = []
+    for target in (native, plain):
+        cache = target.new_cache()
+        target.prefill(cache, prompt)
+        logits.append(target.verify(cache, 7, tree, nodes))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
