@@ -35,6 +35,10 @@ Numerics follow HF's: RMSNorm normalizes in float32, a layer's skip connection i
 `residual_in_fp32`, the SSM runs in float32 for half-precision models (the model's dtype otherwise), logits are float32
 (float64 for a float64 model).
 
+Products: on float32 CPU every one takes the native GEMM (`native_gemm`; a hybrid's HF MLPs through copies of its
+feed-forward blocks that share the weights), over exact half panels of half-checkpoint weights: half the bytes a step
+reads, and rows past the first nearly free.
+
 Batch invariance (float32 pure SSMs on CPU, `batch_invariant`): the products go through the native GEMM, which sums
 every output in one fixed order whatever the row count, and the elementwise work runs on one thread over widths that
 fill whole vectors; the conv, the scan and the norms work per row. So a request's logits and states are the same bits
