@@ -27,10 +27,13 @@ def _final_loss(run_dir: Path) -> float | None:
 
 def _prior_training(init_from: str | None) -> dict | None:
     """training.json of the model a run was started from (a directory or an embedded name such as drafter-mamba),
-    None where there is none (no --init-from, or a model trained elsewhere)."""
+    None where there is none (no --init-from, a model trained elsewhere, a directory since removed)."""
     if not init_from:
         return None
-    path = Path(resolve_model_path(init_from)) / "training.json"
+    try:
+        path = Path(resolve_model_path(init_from)) / "training.json"
+    except (FileNotFoundError, ValueError):  # a directory since removed, or not a model directory
+        return None
     return json.loads(path.read_text()) if path.exists() else None
 
 
