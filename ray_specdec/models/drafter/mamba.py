@@ -62,6 +62,20 @@ def _cpu_has_bf16_matmul() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def start_native(drafter, binding, insist: bool):
+    """(the drafter's fused native forward, None) where it can run: float32 on CPU with the kernels built; else
+    (None, why not). insist: a RuntimeError instead of the reason."""
+    if drafter.device.type != "cpu" or drafter.dtype != torch.float32:
+        why = f"native kernels run float32 drafters on CPU, not {drafter.dtype} on {drafter.device}"
+    elif (lib := library.load()) is None:
+        why = library.why_unavailable()
+    else:
+        return binding(lib, drafter), None
+    if insist:
+        raise RuntimeError(f"native=True but {why}")
+    return None, why
+
+
 class MambaDrafter:
     """Prefill a prompt into one state row, step batches of rows one token each, copy rows by parent index."""
 
@@ -196,14 +210,7 @@ class MambaDrafter:
         self.graphs, self.extend_graphs = graphs, extend
 
     def _start_native(self, insist: bool) -> None:
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            self.native_why = f"native kernels run float32 drafters on CPU, not {self.dtype} on {self.device}"
-        elif (lib := library.load()) is None:
-            self.native_why = library.why_unavailable()
-        else:
-            self.native = native_mamba.NativeMamba(lib, self)
-        if insist and self.native is None:
-            raise RuntimeError(f"native=True but {self.native_why}")
+        self.native, self.native_why = start_native(self, native_mamba.NativeMamba, insist)
 
     def _low_precision_copies(self) -> dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
         """weight -> (float16 copy, bfloat16 copy or None) for every projection a step multiplies by."""

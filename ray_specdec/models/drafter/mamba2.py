@@ -31,10 +31,11 @@ import torch.nn.functional as F
 from transformers import Mamba2ForCausalLM
 
 from kernels.state_copy import copy_state_rows
+from ray_specdec.models.drafter.mamba import start_native
 from ray_specdec.models.drafter.mamba_ops import causal_conv, rms_norm
 from ray_specdec.models.drafter.mamba_state import MambaState
 from ray_specdec.models.loading import resolve_dtype, resolve_model_path, resolve_prefill_window
-from ray_specdec.models.native import library, mamba as native_mamba, ssm_scan as native_ssm_scan
+from ray_specdec.models.native import mamba as native_mamba, ssm_scan as native_ssm_scan
 from ray_specdec.models.target.ssm import Mamba2Weights
 from ray_specdec.models.target.ssm_scan import RowTrees
 
@@ -116,14 +117,7 @@ class Mamba2Drafter:
                                        if self.device.type == "cuda" else None)  # fmt: skip
 
     def _start_native(self, insist: bool) -> None:
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            self.native_why = f"native kernels run float32 drafters on CPU, not {self.dtype} on {self.device}"
-        elif (lib := library.load()) is None:
-            self.native_why = library.why_unavailable()
-        else:
-            self.native = native_mamba.NativeMamba2(lib, self)
-        if insist and self.native is None:
-            raise RuntimeError(f"native=True but {self.native_why}")
+        self.native, self.native_why = start_native(self, native_mamba.NativeMamba2, insist)
 
     @property
     def steps_row_invariant(self) -> bool:

@@ -141,7 +141,6 @@ class NativeMamba(_FusedForward):
         return self.lib.mamba_forward_rows(ctypes.byref(self._model), R, offsets, tokens, conv_rows, ssm_rows,
                                            conv_stride, ssm_stride, logits)  # fmt: skip
 
-
     def scan(self, dt, x, B, C, A, state: torch.Tensor) -> torch.Tensor:
         """The selective scan of `mamba_ops.scan_block` (C . state per token, before the D skip and the gate) over
         all of dt / x [S, d_inner] and B / C [S, N]; state [d_inner, N] carried in and out."""
