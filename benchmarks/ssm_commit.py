@@ -5,7 +5,8 @@ Three ways to the accepted node's SSM state after a verify:
 - scan replay (what `SSMTargetModel.commit` does): the verify keeps every row's scan inputs (dt, x, B, C) and writes
   no row's state, the commit runs the scan again along the accepted path (at most depth + 1 rows) from the state
   before the verify (Snakes and Ladders' activation replay);
-- forward replay: the commit drops the verify and prefills the accepted tokens again, a second forward.
+- forward replay: the commit drops the verify and prefills the accepted tokens again, a second forward (its cells
+  restore the states once more: the verify advanced them to its roots).
 
 First one layer's scan at a Mamba layer's shapes (d_inner 2 x hidden, 16 state elements) and a Mamba2 layer's (heads
 of 64 channels, 128 state elements): a step of 1 and of --requests verifies of a --tree tree, keeping every row's
@@ -133,9 +134,11 @@ def main(argv=None) -> None:
             target.commit_many([(cache, path) for cache in caches])
             restore()
 
-        def forward_replay():
+        def forward_replay():  # (the verify advanced the slots to its roots: restored, its rows dropped)
             verify()
-            target.commit_many([(cache, []) for cache in caches])
+            for cache in caches:
+                cache.pending = None
+            restore()
             target.forward_batch([Segment(cache, tokens[path]) for cache in caches])
             restore()
 

@@ -266,7 +266,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.omp_team_thread_ids.restype = i
     lib.keyed_uniforms.argtypes = [p, i64, i64, p]
     lib.keyed_uniforms.restype = None
-    lib.ssm_tree_scan.argtypes = [i, i, p, p, i, i, i, p, i64, p, i64, p, i64, p, i64, p, i64, i, p, i, p, p, p]
+    lib.ssm_tree_scan.argtypes = [i, i, p, p, i, i, i, p, i64, p, i64, p, i64, p, i64, p, i64, i, p, i64, p, i, p, p, i64,
+                                   p, p]
     lib.ssm_tree_scan.restype = i
     lib.ssm_tree_conv.argtypes = [i, i, i, p, i64, p, p, p, p, p, i, p, p]
     lib.ssm_tree_conv.restype = None

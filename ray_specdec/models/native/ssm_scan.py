@@ -24,12 +24,19 @@ def tree_scan(
     B: torch.Tensor,  # [R, d_state], or [R, groups, d_state]: each of `groups` runs of channels has its own
     C: torch.Tensor,  # like B
     A: torch.Tensor,  # [d_inner, d_state], or [d_inner]: one value per channel for every state element (Mamba2)
-    ssm_states: torch.Tensor,  # [segments, d_inner, d_state]: each segment's starting state
+    ssm_states: torch.Tensor,  # [S, d_inner, d_state] float32, each state contiguous: the segments' starting states
     layout: RowTrees,  # the rows' segments and parents (checked by RowTrees.build: the kernel trusts them)
     keep: torch.Tensor,  # [K] long: the rows whose states come back (distinct)
     out: torch.Tensor | None = None,  # [K, d_inner, d_state] contiguous float32: where they go (else a new tensor)
-) -> tuple[torch.Tensor, torch.Tensor]:  # y [R, d_inner] (C . state, before the D skip and the gate); [K, d_inner, N]
-    """`tree_scan` (models/target/ssm_scan.py) with the states of the `keep` rows only."""
+    *,
+    start_rows: torch.Tensor | None = None,  # [segments] long: segment s starts from ssm_states[start_rows[s]]
+    in_place: bool = False,  # each kept row's state replaces its segment's starting state in ssm_states
+) -> tuple[torch.Tensor, torch.Tensor]:  # y [R, d_inner] (C . state, before the D skip and the gate); kept states
+    """`tree_scan` (models/target/ssm_scan.py) with the states of the `keep` rows only.
+
+    start_rows None: ssm_states holds one state per segment, in order. in_place (at most one kept row per segment, no
+    `out`): a request's state advanced where it lies, e.g. in its slot of a pool of states (`start_rows` its slots);
+    returns ssm_states as the kept states then."""
     lib = library.load()
     if lib is None:
         raise RuntimeError(f"native SSM scan unavailable: {library.why_unavailable()}")
@@ -38,7 +45,12 @@ def tree_scan(
         B, C = B.unsqueeze(1), C.unsqueeze(1)
     groups, n = B.shape[1], B.shape[2]
     segments = layout.segments
-    if ssm_states.shape != (segments, d_inner, n) or dt.shape != x.shape or C.shape != B.shape or B.shape[0] != rows:
+    if start_rows is None:
+        if ssm_states.shape[0] != segments:
+            raise ValueError(f"shapes do not agree: {ssm_states.shape[0]} starting states for {segments} segments")
+    elif start_rows.shape != (segments,):
+        raise ValueError(f"start_rows must be [{segments}], got {tuple(start_rows.shape)}")
+    if ssm_states.shape[1:] != (d_inner, n) or dt.shape != x.shape or C.shape != B.shape or B.shape[0] != rows:
         raise ValueError(f"shapes do not agree: dt {tuple(dt.shape)}, x {tuple(x.shape)}, B {tuple(B.shape)}, "
                          f"C {tuple(C.shape)}, states {tuple(ssm_states.shape)} for {segments} segments")  # fmt: skip
     if d_inner % groups or layout.rows != rows:
@@ -52,21 +64,40 @@ def tree_scan(
             raise ValueError(f"{name} must be float32 on CPU, got {t.dtype} on {t.device}")
     dt, x = (t if t.stride(1) == 1 else t.contiguous() for t in (dt, x))
     B, C = (t if t.stride(2) == 1 and t.stride(1) == n else t.contiguous() for t in (B, C))
-    ssm_states = ssm_states.contiguous()
+    if ssm_states.stride(2) != 1 or ssm_states.stride(1) != n:
+        if in_place:
+            raise ValueError("states advanced in place must each be contiguous")
+        ssm_states = ssm_states.contiguous()
     keep = keep.to(torch.int64).contiguous()
     if keep.numel() and not (0 <= int(keep.min()) and int(keep.max()) < rows):
         raise IndexError(f"kept rows must be in [0, {rows})")
+    if start_rows is not None:
+        start_rows = start_rows.to(torch.int64).contiguous()
+        if segments and not (0 <= int(start_rows.min()) and int(start_rows.max()) < ssm_states.shape[0]):
+            raise IndexError(f"start rows must be in [0, {ssm_states.shape[0]})")
+    kept_to = None
+    if in_place:
+        if out is not None:
+            raise ValueError("in_place writes the kept states over the starting states: no `out`")
+        segment_of = torch.searchsorted(torch.tensor(layout.starts[1:]), keep, right=True)
+        if segment_of.unique().numel() != segment_of.numel():
+            raise ValueError("in place, at most one row of a segment can be kept")
+        kept_to = segment_of if start_rows is None else start_rows[segment_of]
+        out = ssm_states
     y = torch.empty(rows, d_inner, dtype=torch.float32)
     if out is None:
         out = torch.empty(keep.numel(), d_inner, n, dtype=torch.float32)
-    elif out.shape != (keep.numel(), d_inner, n) or out.dtype != torch.float32 or not out.is_contiguous():
+    elif not in_place and (out.shape != (keep.numel(), d_inner, n) or out.dtype != torch.float32
+                           or not out.is_contiguous()):  # fmt: skip
         raise ValueError(f"out must be contiguous float32 [{keep.numel()}, {d_inner}, {n}], got {tuple(out.shape)}")
     library.match_torch_threads(lib)
     starts, parents = layout.native_tables
     if lib.ssm_tree_scan(rows, segments, starts.data_ptr(), parents.data_ptr(), d_inner, n, groups, dt.data_ptr(),
                          dt.stride(0), x.data_ptr(), x.stride(0), B.data_ptr(), B.stride(0), C.data_ptr(), C.stride(0),
-                         A.data_ptr(), A.stride(0), int(per_channel), ssm_states.data_ptr(), keep.numel(),
-                         keep.data_ptr(), out.data_ptr(), y.data_ptr()) != 0:  # fmt: skip
+                         A.data_ptr(), A.stride(0), int(per_channel), ssm_states.data_ptr(), ssm_states.stride(0),
+                         None if start_rows is None else start_rows.data_ptr(), keep.numel(), keep.data_ptr(),
+                         out.data_ptr(), out.stride(0), None if kept_to is None else kept_to.data_ptr(),
+                         y.data_ptr()) != 0:  # fmt: skip
         raise MemoryError("the native SSM scan could not allocate its buffers")
     return y, out
 

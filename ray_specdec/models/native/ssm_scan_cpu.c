@@ -60,13 +60,18 @@ static inline void transpose16(vf16 v[LANES]) {
 }
 
 /* R rows in `segments` segments: segment s is rows [starts[s], starts[s + 1]), its first row's parent -1 (its starting
- * state, start [segments, d_inner, N]), every other row's parent an earlier row of its segment (global index). Per
+ * state: [d_inner, N] contiguous at start + start_rows[s] * start_stride, or s * start_stride where start_rows is
+ * NULL), every other row's parent an earlier row of its segment (global index). Per
  * row r and channel c (group g = c / (d_inner / groups) of B and C):
  *     h(r)[n] = exp(dt[r, c] A[c, n]) h(parent)[n] + dt[r, c] x[r, c] B[r, g, n];  y[r, c] = sum_n C[r, g, n] h(r)[n]
  * dt, x: rows dt_stride / x_stride floats apart; B, C: [groups, N] per row, rows b_stride / c_stride apart. A: channel
- * c's values at A + c * a_stride, N of them, or one for every n where a_per_channel (Mamba2's heads). The states of
- * rows keep_rows [K] (distinct) go to kept [K, d_inner, N]. y [R, d_inner]. Returns 0, or -1 when out of memory
- * (nothing written then).
+ * c's values at A + c * a_stride, N of them, or one for every n where a_per_channel (Mamba2's heads). The state of
+ * row keep_rows[k] (distinct rows) goes to kept + kept_to[k] * kept_stride ([d_inner, N] contiguous; k * kept_stride
+ * where kept_to is NULL). y [R, d_inner]. Returns 0, or -1 when out of memory (nothing written then).
+ *
+ * The kept states may go where the starting states are (a request's state advanced in place): a kept row's
+ * destination may be its own segment's start, never another segment's (a block of channels reads its segment's start
+ * at the segment's first row, before any of its rows is written).
  *
  * Each block of LANES channels of a segment walks the segment's rows with a channel in each vector lane (the same
  * operations in every lane, whatever the block's other channels) and its state as N vectors; the exponential is
@@ -74,9 +79,9 @@ static inline void transpose16(vf16 v[LANES]) {
 int ssm_tree_scan(int R, int segments, const int64_t *restrict starts, const int64_t *restrict parents, int d_inner,
                   int N, int groups, const float *restrict dt, int64_t dt_stride, const float *restrict x,
                   int64_t x_stride, const float *restrict B, int64_t b_stride, const float *restrict C,
-                  int64_t c_stride, const float *restrict A, int64_t a_stride, int a_per_channel,
-                  const float *restrict start, int K, const int64_t *restrict keep_rows, float *restrict kept,
-                  float *restrict y) {
+                  int64_t c_stride, const float *restrict A, int64_t a_stride, int a_per_channel, const float *start,
+                  int64_t start_stride, const int64_t *restrict start_rows, int K, const int64_t *restrict keep_rows,
+                  float *kept, int64_t kept_stride, const int64_t *restrict kept_to, float *restrict y) {
     if (R == 0) return 0;
     /* saved[r]: where row r's state is kept for a child that does not follow it (-1: none has to be); keep[r]: where
      * it goes in kept (-1: nowhere) */
@@ -118,7 +123,7 @@ int ssm_tree_scan(int R, int segments, const int64_t *restrict starts, const int
         for (int64_t r = starts[s]; r < starts[s + 1]; r++) {
             const int64_t p = parents[r];
             if (p < 0) {
-                const float *h0 = start + ((int64_t)s * d_inner + c0) * N;
+                const float *h0 = start + (start_rows ? start_rows[s] : s) * start_stride + (int64_t)c0 * N;
                 for (int n = 0; n < N; n++)
                     for (int l = 0; l < LANES; l++) h[n][l] = l < w ? h0[(int64_t)l * N + n] : 0.0f;
             } else if (p != r - 1) {
@@ -147,7 +152,7 @@ int ssm_tree_scan(int R, int segments, const int64_t *restrict starts, const int
                 for (int l = 0; l < w; l++) y[r * d_inner + c0 + l] = acc[l];
             if (saved[r] >= 0) memcpy(states + saved[r] * N, h, sizeof(vf16) * (size_t)N);
             if (keep[r] >= 0) {
-                float *out = kept + (keep[r] * d_inner + c0) * N;
+                float *out = kept + (kept_to ? kept_to[keep[r]] : keep[r]) * kept_stride + (int64_t)c0 * N;
                 if (w == LANES && N % LANES == 0)
                     for (int n0 = 0; n0 < N; n0 += LANES) {
                         vf16 t[LANES];

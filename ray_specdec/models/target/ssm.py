@@ -13,12 +13,16 @@ ancestors' inputs and its SSM state is its parent's, advanced by its token. Only
 float32 the conv and the scan are native kernels, one call each per layer (native/ssm_scan.py: `native_scan_why`
 says why not), torch ops otherwise.
 
-After acceptance the request's state must be the accepted node's, never a rejected branch's. The verify keeps, per
-layer, every row's conv window, its root's SSM state and every row's scan inputs (dt, x, B, C) (`PendingStates`), and
-writes no other row's SSM state; `commit` copies the kept path's last conv window into the slot, and its SSM state is
-the root's where only the root is kept, else the scan run again along the path below the root from the root's state
-(activation replay: at most depth rows, one call per layer for every commit of a forward, each row the same
-instructions as in the verify). docs/DESIGN.md compares it with keeping every row's state and with a second forward.
+After acceptance the request's state must be the accepted node's, never a rejected branch's. The scan advances
+states where they lie: each layer's kernel reads a request's state from its slot and writes back the one row's state
+the request keeps for sure, a prefill chunk's last row, or else a verify's root (every commit keeps the root), and no
+other row's. The verify keeps, per layer, every row's conv window and every row's scan inputs (dt, x, B, C)
+(`PendingStates`); `commit` copies the kept path's last conv window into the slot, and where the path goes below the
+root, runs the scan again along it from the slot's state (activation replay: at most depth rows, one call per layer
+for every commit of a forward, each row the same instructions as in the verify; a verify that followed a prefill chunk
+in its forward replays its root too). A forward's state traffic is then one read and one write of each request's
+state per layer, as plain decoding's. docs/DESIGN.md compares it with keeping every row's state and with a second
+forward.
 
 Mamba2 differs inside the mixer only: x, B and C are convolved together, A is one scalar per head, B and C are
 shared by a group of heads, and a gated RMSNorm precedes the output projection; its heads' states are channels of the
@@ -178,8 +182,9 @@ class Layer:
 @dataclass(frozen=True)
 class KeptRows:
     """What a forward's rows leave behind: `conv` rows their conv states (a chunk's last row, every verify row),
-    `states` rows their SSM states (a chunk's last row, a verify's root), `inputs` rows their scan inputs (every
-    verify row: the commit replays the kept path's SSM state from them)."""
+    `states` rows their SSM states, written into their requests' slots (a chunk's last row, else a verify's root; at
+    most one row of a request), `inputs` rows their scan inputs (every verify row: the commit replays the kept path's
+    SSM state from them)."""
 
     conv: torch.Tensor  # [Kc] long
     states: torch.Tensor  # [Ks] long
@@ -408,6 +413,8 @@ class SSMTargetModel:
 
     def save_chunk(self, cache: SSMCache, start: int, end: int) -> StateSnapshot:
         """The state after the prompt chunk [start, end) that this step's forward ran (the prefix cache keeps it)."""
+        if cache.pending is not None and cache.pending.root_in_slot:
+            raise ValueError("the state holds an uncommitted verify's root, not a chunk's end")
         if end != cache.committed:
             raise ValueError(f"the state holds {cache.committed} tokens, not the chunk's end {end}")
         kv = tuple((k[start:end].clone(), v[start:end].clone()) for k, v in cache.kv)  # (buffers: rows past end unset)
@@ -473,50 +480,44 @@ class SSMTargetModel:
                 raise ValueError("commit without a verify to commit")
             keep = [int(r) for r in keep_rows]
             parents = pending.parents.tolist()
-            if keep and (keep[0] != 0 or not all(0 < r < len(parents) for r in keep[1:])
-                         or any(parents[b] != a for a, b in zip(keep, keep[1:]))):
+            if not keep:
+                raise ValueError("an SSM target's commit keeps at least the verify's root (row 0): its state may "
+                                 "already be the request's")
+            if (keep[0] != 0 or not all(0 < r < len(parents) for r in keep[1:])
+                    or any(parents[b] != a for a, b in zip(keep, keep[1:]))):
                 raise ValueError(f"an SSM state keeps a path from the root of the verify (rows 0, a child of 0, ...), "
                                  f"got {keep}")  # fmt: skip
             checked.append((cache, keep))
-        by_forward: dict[int, list[tuple[SSMCache, list[int]]]] = {}  # the commits of verifies of one forward
+        by_forward: dict[int, list[tuple[SSMCache, list[int]]]] = {}  # the rows to replay, by verify forward
         for cache, keep in checked:
-            if len(keep) > 1:
-                by_forward.setdefault(id(cache.pending.scan), []).append((cache, keep))
+            replay = keep[1:] if cache.pending.root_in_slot else keep
+            if replay:
+                by_forward.setdefault(id(cache.pending.scan), []).append((cache, replay))
+        for replays in by_forward.values():
+            self._replay_states(replays)
         for cache, keep in checked:
-            if len(keep) == 1:  # the root's state, which the verify kept
-                self._pool.ssm[cache.slot].copy_(cache.pending.states[:, cache.pending.root])
-        for kept in by_forward.values():
-            self._replay_states(kept)
-        for cache, keep in checked:
-            if keep:
-                self._pool.conv[cache.slot].copy_(cache.pending.conv[:, keep[-1]])
-                rows = torch.tensor(keep, device=self.device)
-                self._write_kv(cache, cache.committed,
-                               [(pk.index_select(0, rows), pv.index_select(0, rows)) for pk, pv in cache.pending.kv])
-                cache.committed += len(keep)
+            self._pool.conv[cache.slot].copy_(cache.pending.conv[:, keep[-1]])
+            rows = torch.tensor(keep, device=self.device)
+            self._write_kv(cache, cache.committed,
+                           [(pk.index_select(0, rows), pv.index_select(0, rows)) for pk, pv in cache.pending.kv])
+            cache.committed += len(keep)
             cache.pending = None
 
-    def _replay_states(self, commits: list[tuple[SSMCache, list[int]]]) -> None:
-        """Each kept path's SSM states into its slot: every layer's scan run again along the path below the root (a
-        chain of at most depth rows) from the root's state, over the scan inputs the verify left (commits of verifies
-        of one forward: they share its states' and inputs' tensors). One scan call per layer for all of them; a row's
-        work is the same as in the verify, so are its bits."""
-        layout = RowTrees.build([torch.arange(-1, len(keep) - 2) for _, keep in commits], self.d_conv, self.device)
-        slots = torch.tensor([cache.slot for cache, _ in commits], device=self.device)
-        rows = torch.tensor([cache.pending.scan_first + r for cache, keep in commits for r in keep[1:]],
-                            device=self.device)  # fmt: skip
-        roots = torch.tensor([cache.pending.root for cache, _ in commits], device=self.device)
-        inputs, kept_states = commits[0][0].pending.scan, commits[0][0].pending.states
+    def _replay_states(self, replays: list[tuple[SSMCache, list[int]]]) -> None:
+        """Each kept path's SSM state into its slot: every layer's scan run again along the kept rows past the state
+        the slot holds (the root's, or the one before it where the verify followed a prefill chunk), from that state,
+        over the scan inputs the verify left (verifies of one forward: they share its inputs' tensors). One scan call
+        per layer for all of them; a row's work is the same as in the verify, so are its bits."""
+        layout = RowTrees.build([torch.arange(-1, len(rows) - 1) for _, rows in replays], self.d_conv, self.device)
+        slots = torch.tensor([cache.slot for cache, _ in replays], device=self.device)
+        rows = torch.tensor([cache.pending.scan_first + r for cache, kept in replays for r in kept], device=self.device)
+        inputs = replays[0][0].pending.scan
         none = torch.empty(0, dtype=torch.long, device=self.device)
         ends = KeptRows(none, torch.tensor(layout.starts[1:], device=self.device) - 1, none)
-        states = torch.empty(len(commits), *self._pool.ssm.shape[2:], dtype=self.ssm_dtype, device=self.device)
         for layer in self._layers:
-            if layer.attention:
-                continue
-            dt, x, B, C = (t.index_select(0, rows) for t in inputs[layer.index])
-            start = kept_states[layer.index].index_select(0, roots)  # [G, d_inner, d_state]
-            self._scan(dt, x, B, C, layer.weights, start, layout, ends, states, [])
-            self._pool.ssm[:, layer.index].index_copy_(0, slots, states)
+            if not layer.attention:
+                dt, x, B, C = (t.index_select(0, rows) for t in inputs[layer.index])
+                self._scan(dt, x, B, C, layer, slots, layout, ends, [])
 
     def _check(self, group: dict) -> bool:
         """Checks a cache's part of a forward (committed, within its context and capacity) -> whether it has rows."""
@@ -544,7 +545,9 @@ class SSMTargetModel:
         """Every group's rows through the model in one forward: chunk rows as a chain, then verify rows as the tree
         (its root a child of the chunk's last row); slots advance over the chunks, verifies' states wait."""
         tokens, parents, kept, verify_rows = [], [], [], []
-        state_rows = []  # the only rows whose SSM states the forward writes: each chunk's last, each verify's root
+        # the only rows whose SSM states the forward writes, each into its request's slot: a chunk's last row, or a
+        # verify's root where no chunk precedes it (the commit keeps the root: it replays the path below it)
+        state_rows = []
         row = 0
         for g in groups:
             chunk, verify = g["chunk"], g["verify"]
@@ -560,7 +563,8 @@ class SSMTargetModel:
                 tokens.append(verify[1].cpu())
                 n_verify = verify[1].numel()
                 verify_rows.append((row + n_chunk, n_verify))
-                state_rows.append(row + n_chunk)
+                if not n_chunk:
+                    state_rows.append(row)
                 kept.extend(range(row + n_chunk, row + n_chunk + n_verify))
             parents.append(torch.cat(p))
             row += parents[-1].numel()
@@ -571,16 +575,13 @@ class SSMTargetModel:
                         torch.cat(verify_index).to(self.device) if verify_index else
                         torch.empty(0, dtype=torch.long, device=self.device))  # fmt: skip
         conv_start = self._pool.conv.index_select(0, slots)  # [G, L, d_conv - 1, d_inner]
-        ssm_start = self._pool.ssm.index_select(0, slots)  # [G, L, d_inner, d_state]
         ids = torch.cat(tokens).to(self.device)
         residual = F.embedding(ids, self._embed)  # [R, d_model]
         new_kv = []
-        # each SSM layer's conv and scan write its kept rows' states: [L, Kc, d_conv - 1, conv channels], [L, Ks,
-        # d_inner, d_state]; and its verify rows' scan inputs, per layer
+        # each SSM layer's conv writes its kept rows' conv states [L, Kc, d_conv - 1, conv channels], its scan the
+        # `keep.states` rows' SSM states into their slots, and its verify rows' scan inputs go to `scan_inputs`
         conv = torch.empty(self._pool.conv.shape[1], len(kept), *self._pool.conv.shape[2:], dtype=self.dtype,
                            device=self.device)  # fmt: skip
-        ssm = torch.empty(self._pool.ssm.shape[1], len(state_rows), *self._pool.ssm.shape[2:], dtype=self.ssm_dtype,
-                          device=self.device)  # fmt: skip
         scan_inputs: list[tuple[torch.Tensor, ...]] = []
         attending = self._attending(groups, layout) if self._attention_layers else None
         rotary = next((layer.weights.rotary for layer in self._layers if layer.attention and layer.weights.rotary),
@@ -596,31 +597,31 @@ class SSMTargetModel:
                 mixed, k, v = self._attend(h, layer, attending, cos_sin)
                 new_kv.append((k, v))  # [R, kv heads, head_dim] each
             else:
-                mixed = self._mix(h, layer, conv_start[:, layer.index], ssm_start[:, layer.index], layout, keep,
-                                  conv[layer.index], ssm[layer.index], scan_inputs)  # fmt: skip
+                mixed = self._mix(h, layer, conv_start[:, layer.index], slots, layout, keep, conv[layer.index],
+                                  scan_inputs)
             residual = (residual.to(torch.float32) if self.residual_in_fp32 else residual) + mixed
             if layer.ffn is not None:
                 residual = residual + layer.ffn(rms_norm(residual, layer.ffn_norm, self.eps)[None])[0]
         logits = (self._logits(residual[keep.inputs]).split([n for _, n in verify_rows]) if verify_rows
                   else [])  # fmt: skip
-        k, s, v, i = 0, 0, 0, 0  # kept conv states, kept SSM states, verifies, verify rows so far
+        k, v, i = 0, 0, 0  # kept conv states, verifies, verify rows so far
         for g, start in zip(groups, layout.starts):
             cache: SSMCache = g["cache"]
             chunk, verify = g["chunk"], g["verify"]
             n_chunk = 0 if chunk is None else chunk[1].numel()
             if n_chunk:
                 self._pool.conv[cache.slot].copy_(conv[:, k])
-                self._pool.ssm[cache.slot].copy_(ssm[:, s])
                 self._write_kv(cache, cache.committed,
                                [(nk[start:start + n_chunk], nv[start:start + n_chunk]) for nk, nv in new_kv])
                 cache.committed += n_chunk
-                k, s = k + 1, s + 1
+                k += 1
             if verify is not None:
                 n, first = verify[1].numel(), start + n_chunk
-                cache.pending = PendingStates(conv[:, k:k + n], ssm, s, scan_inputs, i, verify[2].parents.clone(),
+                cache.pending = PendingStates(conv[:, k:k + n], not n_chunk, scan_inputs, i,
+                                              verify[2].parents.clone(),
                                               [(nk[first:first + n], nv[first:first + n]) for nk, nv in new_kv])
                 out[verify[0]] = logits[v].to(self._logits_dtype)
-                k, s, v, i = k + n, s + 1, v + 1, i + n
+                k, v, i = k + n, v + 1, i + n
 
     def _write_kv(self, cache: SSMCache, at: int, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write each attention layer's K and V rows [n, kv heads, head_dim] at row `at` of the cache's buffers,
@@ -703,27 +704,33 @@ class SSMTargetModel:
             torch.index_select(inputs, 0, layout.windows[kept, 1:].reshape(-1), out=out.view(-1, out.shape[-1]))
         return x
 
-    def _scan(self, dt, x, B, C, weights: MixerWeights | Mamba2Weights, ssm_start, layout: RowTrees, keep: KeptRows,
-              out: torch.Tensor, inputs: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """`tree_scan` -> y, the SSM states of the `keep.states` rows written to `out` [Ks, d_inner, d_state], the
-        `keep.inputs` rows' (dt, x, B, C) appended to `inputs`: natively where `native_scan_why` is None (Mamba2's A
-        as one value per channel; on torch's threads), else in torch (`_elementwise`)."""
+    def _scan(self, dt, x, B, C, layer: Layer, slots: torch.Tensor, layout: RowTrees, keep: KeptRows,
+              inputs: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """`tree_scan` from each segment's state in its slot (`slots`) -> y; the `keep.states` rows' SSM states (at
+        most one per segment) replace their segments' in the slots, and the `keep.inputs` rows' (dt, x, B, C) are
+        appended to `inputs`: natively where `native_scan_why` is None (Mamba2's A as one value per channel; on
+        torch's threads; the states advanced where they lie), else in torch (`_elementwise`)."""
         if keep.inputs.numel():
             inputs.append(tuple(t.index_select(0, keep.inputs) for t in (dt, x, B, C)))
+        weights, states = layer.weights, self._pool.ssm[:, layer.index]  # [slots, d_inner, d_state]
         if self.native_scan_why is None:
             A = weights.A[:, 0] if isinstance(weights, Mamba2Weights) else weights.A
-            return native_ssm_scan.tree_scan(dt, x, B, C, A, ssm_start, layout, keep.states, out)[0]
+            return native_ssm_scan.tree_scan(dt, x, B, C, A, states, layout, keep.states, start_rows=slots,
+                                             in_place=True)[0]  # fmt: skip
         with self._elementwise():
-            y, states = tree_scan(dt, x, B, C, weights.A, ssm_start, layout)
-            torch.index_select(states, 0, keep.states, out=out)
+            y, rows = tree_scan(dt, x, B, C, weights.A, states.index_select(0, slots), layout)
+            segment_of = torch.searchsorted(torch.tensor(layout.starts[1:], device=keep.states.device), keep.states,
+                                            right=True)  # fmt: skip
+            states.index_copy_(0, slots[segment_of], rows.index_select(0, keep.states))
         return y
 
-    def _mix_mamba(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
-                   layout: RowTrees, keep: KeptRows, conv_out: torch.Tensor, ssm_out: torch.Tensor,
+    def _mix_mamba(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, slots: torch.Tensor,
+                   layout: RowTrees, keep: KeptRows, conv_out: torch.Tensor,
                    inputs: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """One Mamba mixer over every row: h [R, d_model], conv_start [G, d_conv - 1, d_inner], ssm_start [G, d_inner,
-        d_state] -> its output [R, d_model]; the kept rows' states go to conv_out [Kc, d_conv - 1, d_inner] and
-        ssm_out [Ks, d_inner, d_state], the verify rows' scan inputs to `inputs`."""
+        """One Mamba mixer over every row: h [R, d_model], conv_start [G, d_conv - 1, d_inner], each group's SSM state
+        in its slot (`slots` [G]) -> its output [R, d_model]; the kept rows' conv states go to conv_out [Kc, d_conv -
+        1, d_inner], the `keep.states` rows' SSM states to their slots (`_scan`), the verify rows' scan inputs to
+        `inputs`."""
         w: MixerWeights = layer.weights
         x, z = self._linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
         x = self._conv(x, conv_start, layout, w.conv, w.conv_bias, keep.conv, conv_out)
@@ -737,13 +744,13 @@ class SSMTargetModel:
         with self._elementwise():
             dt = F.softplus(dt.to(sd))  # [R, d_inner]
             x = x.to(sd)
-        y = self._scan(dt, x, B.to(sd), C.to(sd), w, ssm_start, layout, keep, ssm_out, inputs)
+        y = self._scan(dt, x, B.to(sd), C.to(sd), layer, slots, layout, keep, inputs)
         with self._elementwise():
             y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
         return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
 
-    def _mix_mamba2(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, ssm_start: torch.Tensor,
-                    layout: RowTrees, keep: KeptRows, conv_out: torch.Tensor, ssm_out: torch.Tensor,
+    def _mix_mamba2(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, slots: torch.Tensor,
+                    layout: RowTrees, keep: KeptRows, conv_out: torch.Tensor,
                     inputs: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """One Mamba2 mixer over every row, as `_mix_mamba` (conv_start [G, d_conv - 1, conv_dim]: x, B and C are
         convolved together); a head's state is its head_dim channels of [d_inner, d_state]."""
@@ -758,7 +765,7 @@ class SSMTargetModel:
             dt = dt.repeat_interleave(self.head_dim, dim=1) + w.dt_bias.repeat_interleave(self.head_dim)
             dt = F.softplus(dt.to(sd)).clamp(*self.dt_limit)  # [R, d_inner]
             x, B, C = x.to(sd), B.view(rows, self.groups, n).to(sd), C.view(rows, self.groups, n).to(sd)
-        y = self._scan(dt, x, B, C, w, ssm_start, layout, keep, ssm_out, inputs)
+        y = self._scan(dt, x, B, C, layer, slots, layout, keep, inputs)
         with self._elementwise():
             y = w.gated_norm(torch.addcmul(y, x, w.D), z)
         return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)

@@ -55,13 +55,13 @@ class SSMStatePool:
 @dataclass
 class PendingStates:
     """What a verify left for its rows until `commit` keeps one path's: per layer each row's conv state after its
-    token, the root's SSM state, and the scan's inputs of each row (from which the commit replays the kept path's SSM
-    state from the root's); the rows' parents (to check that what is kept is a path)."""
+    token and the scan's inputs of each row (from which the commit replays the kept path's SSM state from the slot's);
+    the rows' parents (to check that what is kept is a path)."""
 
     conv: torch.Tensor  # [L, rows, d_conv - 1, conv channels]
-    # the SSM states the forward kept, shared by its verifies: [L, K, d_inner, d_state]; this verify's root's is `root`
-    states: torch.Tensor
-    root: int
+    # whether the slot's SSM states are the root's already (the forward wrote them), else the state before the root
+    # (a prefill chunk's end, in the same forward: the commit replays the root too)
+    root_in_slot: bool
     # per layer (dt, x, B, C) of every verify row of the forward, shared by its verifies: [V, d_inner] x 2, [V, (g,) N]
     # x 2; this verify's rows are [scan_first, scan_first + rows)
     scan: list[tuple[torch.Tensor, ...]]

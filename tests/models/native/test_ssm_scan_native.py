@@ -74,6 +74,30 @@ def test_native_scan_is_the_definition(native_isa, groups, per_channel, n):
     assert torch.equal(y_some, y) and torch.equal(states_some, states[some])
 
 
+def test_native_scan_advances_states_in_their_slots(native_isa):
+    """In place: each segment starts from its slot of a pool (`start_rows`) and one kept row's state per segment
+    replaces it there, bit for bit the state the scan returns otherwise; slots no segment names stay as they were."""
+    layout = RowTrees.build(segments_parents(), d_conv=4)
+    dt, x, B, C, A, start = random_inputs(layout, 24, 8, 3, True, seed=5)
+    ends = torch.tensor([29, 32, 40, layout.rows - 1])  # a chunk's last row, a leaf, a root alone, a tree's leaf
+    _, want = native_ssm_scan.tree_scan(dt, x, B, C, A[:, 0], start, layout, ends)
+    slots = torch.tensor([6, 1, 4, 3])
+    pool = torch.randn(8, 3, 24, 8)  # [slots, layers, d_inner, N]: a layer's view has rows 3 states apart
+    before = pool.clone()
+    pool[slots, 1] = start
+    y, kept = native_ssm_scan.tree_scan(dt, x, B, C, A[:, 0], pool[:, 1], layout, ends, start_rows=slots,
+                                        in_place=True)  # fmt: skip
+    y_ref, _ = native_ssm_scan.tree_scan(dt, x, B, C, A[:, 0], start, layout, ends)
+    assert torch.equal(y, y_ref) and kept.data_ptr() == pool[:, 1].data_ptr()
+    assert torch.equal(pool[slots, 1], want)
+    untouched = torch.ones(8, 3, dtype=torch.bool)
+    untouched[slots, 1] = False
+    assert torch.equal(pool[untouched], before[untouched])
+    with pytest.raises(ValueError, match="one row of a segment"):
+        native_ssm_scan.tree_scan(dt, x, B, C, A[:, 0], pool[:, 1], layout, torch.tensor([0, 29]), start_rows=slots,
+                                  in_place=True)  # fmt: skip
+
+
 def test_a_segments_bits_do_not_depend_on_the_others_or_the_threads(native_isa):
     """Batch invariance: a segment's outputs and states are the same bits alone, among other segments, and on one
     thread or two (enough work that the kernel does split it over threads)."""

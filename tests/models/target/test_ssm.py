@@ -97,8 +97,13 @@ def test_commit_refuses_what_is_not_a_path(target):
         target.commit(cache, [0, 1, 4])  # no row 4
     with pytest.raises(ValueError, match="commit first"):
         target.prefill(cache, torch.tensor([1]))
+    with pytest.raises(ValueError, match="at least the verify's root"):
+        target.commit(cache, [])  # the root's state is already the slot's
     target.commit(cache, [0, 1, 3])
     assert cache.length == 6 and cache.pending_rows == 0
+    with pytest.raises(ValueError, match="not a chunk's end"):
+        target.verify(cache, 3, tree, torch.tensor([4, 5, 6]))
+        target.save_chunk(cache, 0, 6)
 
 
 def test_chunked_prefill_carries_the_state_across_chunks(target):
@@ -303,6 +308,36 @@ def test_float32_logits_and_states_do_not_depend_on_the_batch(kind):
         assert all(torch.equal(a, b) for a, b in zip(batched_state, state))
     root, _ = run(3, [])
     assert torch.equal(root[0], alone[0])
+
+
+@pytest.mark.parametrize("kind", sorted(SSM_TARGETS))
+def test_a_verify_after_its_chunk_in_one_forward_commits_any_path(kind):
+    """A prompt's last chunk and its first verify in one forward (the slot then holds the chunk's end, not the root's
+    state): committing any path leaves the state a prefill of the prompt and the path leaves, in float32 on the
+    native kernels and in the fixture's float64 on torch's."""
+    models = {"float64": SSM_TARGETS[kind]()}
+    if library.load() is not None:
+        models["float32"] = SSM_TARGETS[kind]().float()
+    tree = build_tree(TREES[3])
+    prompt, nodes = random_prompt(13, seed=2), random_prompt(tree.num_nodes, seed=3)
+    rows = [prompt[-1]] + nodes
+    for dtype, model in models.items():
+        target = SSMTargetModel(model)
+        assert (target.native_scan_why is None) == (dtype == "float32"), target.native_scan_why
+        for leaf in tree.leaf_paths:
+            for path in (list(leaf[:1]), list(leaf)):
+                cache = target.new_cache()
+                target.prefill(cache, torch.tensor(prompt[:5]))
+                target.forward_batch([Segment(cache, torch.tensor(prompt[5:-1])),
+                                      Segment(cache, torch.tensor(rows), tree)])  # fmt: skip
+                target.commit(cache, path)
+                replay = target.new_cache()
+                target.prefill(replay, torch.tensor(prompt[:-1] + [rows[r] for r in path]))
+                tol = dict(rtol=1e-12, atol=1e-12) if dtype == "float64" else dict(rtol=1e-5, atol=1e-5)
+                for got, want in zip(state_of(target, cache), state_of(target, replay)):
+                    torch.testing.assert_close(got, want, **tol)
+                target.release(cache)
+                target.release(replay)
 
 
 @pytest.mark.parametrize("kind", ["jamba", "bamba", "mamba2"])
