@@ -2,9 +2,10 @@
 
 Each cell is one `forward_batch` over `batch` requests, each verifying `rows` rows (the root and a tree of rows - 1
 nodes) at ~`context` tokens of cached context; the cell's time is the median over repeats (every verify is dropped
-again, so each call sees the same contexts), and its ratio is to one request's one-row step. Where a decode step is
-bound by reading the weights (a target far larger than the CPU's caches, or any real model on a GPU), rows are
-nearly free until the products turn compute-bound; where the weights sit in cache, every row costs.
+again, so each call sees the same contexts; an SSM target's keeps its root), and its ratio is to one request's one-row
+step. Where a decode step is bound by reading the weights (a target far larger than the CPU's caches, or any real
+model on a GPU), rows are nearly free until the products turn compute-bound; where the weights sit in cache, every row
+costs.
 
 Run from the repository root (any target: attention, SSM or hybrid):
     python -m benchmarks.verify_cost --target target-neox-large [--rows 1 2 4 8 16 32 64] [--batch 1 4 8]
@@ -24,6 +25,7 @@ import torch
 from ray_specdec.config import TreeConfig
 from ray_specdec.models.target.kinds import load_target_model
 from ray_specdec.models.target.model import Segment, TargetModel
+from ray_specdec.models.target.ssm import SSMTargetModel
 from ray_specdec.speculation.tree import TreeTensors, build_tree
 
 
@@ -52,8 +54,9 @@ def time_cell(target: TargetModel, batch: list[Segment], repeats: int) -> float:
         start = time.perf_counter()
         target.forward_batch(batch)
         elapsed = time.perf_counter() - start
-        for segment in batch:
-            target.commit(segment.cache, [])
+        for segment in batch:  # an SSM target's verify advanced its state to the root: kept (a token more a
+            # repeat, which its cost does not depend on)
+            target.commit(segment.cache, [0] if isinstance(target, SSMTargetModel) else [])
         if i >= 2:
             times.append(elapsed)
     return 1e3 * statistics.median(times)
