@@ -30,9 +30,22 @@ static inline vf16 vselect(vi16 take_a, vf16 a, vf16 b) { return (vf16)(((vi16)a
 static inline vf16 vmax(vf16 a, vf16 b) { return vselect(a > b, a, b); }
 static inline vf16 vmin(vf16 a, vf16 b) { return vselect(a < b, a, b); }
 
-/* exp per lane, within ~2 ulp of expf for inputs in [-87, 88] and exactly 0 below -87 (masked scores): 2^n p(r) with
- * n = round(x / ln 2), r = x - n ln 2 (|r| <= ln 2 / 2; ln 2 split in two so the product is exact) and p the degree-6
- * Taylor polynomial of exp. (libm's expf would be a scalar call per lane: gcc does not vectorise it into libmvec.) */
+/* Keeps fast math from reassociating what it wraps into the sum around it (where the compiler can be told). */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_assoc_barrier)
+#define ASSOC_BARRIER(x) __builtin_assoc_barrier(x)
+#elif __has_builtin(__arithmetic_fence)
+#define ASSOC_BARRIER(x) __arithmetic_fence(x)
+#endif
+#endif
+#ifndef ASSOC_BARRIER
+#define ASSOC_BARRIER(x) (x)
+#endif
+
+/* exp per lane, within ~4 ulp of the exact value for inputs in [-87, 88] and exactly 0 below -87 (masked scores):
+ * 2^n p(r) with n = round(x / ln 2), r = x - n ln 2 (|r| <= ln 2 / 2; ln 2 split in two so the product is exact, the
+ * two subtractions kept apart: folded into one, r loses ~|n| ulp) and p the degree-6 Taylor polynomial of exp. (libm's
+ * expf would be a scalar call per lane: gcc does not vectorise it into libmvec.) */
 static inline vf16 vexp(vf16 x) {
     const vf16 zero = {0};
     const vi16 underflow = x < -87.0f;
@@ -40,7 +53,7 @@ static inline vf16 vexp(vf16 x) {
     /* round(x / ln 2) as truncation of a positive number: the conversion cannot be folded away by -ffast-math */
     const vi16 n = __builtin_convertvector(x * 1.44269504f + 128.5f, vi16) - 128;
     const vf16 nf = __builtin_convertvector(n, vf16);
-    const vf16 r = x - nf * 0.693145752f - nf * 1.42860677e-6f;
+    const vf16 r = ASSOC_BARRIER(x - nf * 0.693145752f) - nf * 1.42860677e-6f;
     vf16 p = r * (1.0f / 720) + (1.0f / 120);
     p = p * r + (1.0f / 24);
     p = p * r + (1.0f / 6);
