@@ -1,7 +1,7 @@
-/* The attention kernel's 16-lane vector math (attention_cpu.c): the vf16 type, its fused multiply-add, selects,
- * an exp of its own, and lane sums in a fixed tree (with 8-lane folds of the same tree on AVX2), so that a key's score
- * is the same bits whichever keys share its chunk. Static inline functions: included by attention_cpu.c
- * and ssm_scan_cpu.c (its exp). */
+/* The native kernels' 16-lane vector math: the vf16 type, its fused multiply-add, selects, loads and stores of a
+ * partial vector, an exp, SiLU and softplus of their own, and lane sums in a fixed tree (with 8-lane folds of the
+ * same tree on AVX2), so that a key's score is the same bits whichever keys share its chunk. Static inline functions:
+ * included by attention_cpu.c, ssm_scan_cpu.c and ssm_rows_cpu.c. */
 #ifndef RAY_SPECDEC_ATTENTION_SIMD_CPU_H
 #define RAY_SPECDEC_ATTENTION_SIMD_CPU_H
 
@@ -62,6 +62,48 @@ static inline vf16 vexp(vf16 x) {
     p = p * r + 1.0f;
     const vf16 two_n = (vf16)((n + 127) << 23);
     return (vf16)((vi16)(p * two_n) & ~underflow);
+}
+
+/* Lanes [0, w) from `w` floats at p (the rest 0), and back: a row's tail is a vector like the others. */
+static inline vf16 load_lanes(const float *p, int w) {
+    vf16 v = {0};
+    if (w == 16)
+        __builtin_memcpy(&v, p, sizeof v);
+    else
+        for (int l = 0; l < w; l++) v[l] = p[l];
+    return v;
+}
+
+static inline void store_lanes(float *p, vf16 v, int w) {
+    if (w == 16)
+        __builtin_memcpy(p, &v, sizeof v);
+    else
+        for (int l = 0; l < w; l++) p[l] = v[l];
+}
+
+/* x / (1 + exp(-x)) per lane (a few ulp of the exact value). */
+static inline vf16 vsilu(vf16 x) { return x / (vexp(-x) + 1.0f); }
+
+/* log(1 + u) per lane for u in [0, 1]: 2 atanh(s), s = u / (2 + u) in [0, 1/3], by its series to s^15 (the next term
+ * is below 1e-9 of the result); no cancellation, so tiny u keep their relative accuracy. */
+static inline vf16 vlog1p_unit(vf16 u) {
+    const vf16 s = u / (u + 2.0f), s2 = s * s;
+    vf16 p = s2 * (1.0f / 15) + (1.0f / 13);
+    p = p * s2 + (1.0f / 11);
+    p = p * s2 + (1.0f / 9);
+    p = p * s2 + (1.0f / 7);
+    p = p * s2 + (1.0f / 5);
+    p = p * s2 + (1.0f / 3);
+    p = p * s2 + 1.0f;
+    return 2.0f * s * p;
+}
+
+/* torch's softplus (beta 1, threshold 20: x above it is returned as it is) per lane, as max(x, 0) + log1p(exp(-|x|)),
+ * which neither overflows nor loses a negative x's small result. */
+static inline vf16 vsoftplus(vf16 x) {
+    const vf16 zero = {0};
+    const vf16 y = vmax(x, zero) + vlog1p_unit(vexp(vmin(x, zero - x)));
+    return vselect(x > 20.0f, x, y);
 }
 
 /* Lane t of the result: the sum of p[t]'s 16 lanes, always in the same tree (lanes i and i + 8 first, then i + 4,

@@ -30,7 +30,8 @@ from ray_specdec import env
 # Compiled together into one shared object; HEADERS are included by them (and part of the build's key).
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("gemm_cpu.c", "mamba_cpu.c", "attention_cpu.c", "decoder_cpu.c", "prefill_cpu.c",
-                             "shm_cpu.c", "threads_cpu.c", "philox_cpu.c", "ssm_scan_cpu.c", "mamba2_cpu.c"))
+                             "shm_cpu.c", "threads_cpu.c", "philox_cpu.c", "ssm_scan_cpu.c", "ssm_rows_cpu.c",
+                             "mamba2_cpu.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("gemm_cpu.h", "simd_cpu.h", "attention_simd_cpu.h"))
 # Fast math reassociates the sums, so that they vectorise, and lets glibc's math.h offer vector expf (libmvec).
 FLAGS = ("-O3", "-ffast-math", "-fPIC", "-shared")
@@ -266,11 +267,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.omp_team_thread_ids.restype = i
     lib.keyed_uniforms.argtypes = [p, i64, i64, p]
     lib.keyed_uniforms.restype = None
-    lib.ssm_tree_scan.argtypes = [i, i, p, p, i, i, i, p, i64, p, i64, p, i64, p, i64, p, i64, i, p, i64, p, i, p, p, i64,
-                                   p, p]
+    lib.ssm_tree_scan.argtypes = [i, i, p, p, i, i, i, p, i64, p, i64, p, i64, p, i64, p, i64, i, p, i64, p, i, p, p,
+                                   i64, p, p]
     lib.ssm_tree_scan.restype = i
-    lib.ssm_tree_conv.argtypes = [i, i, i, p, i64, p, p, p, p, p, i, p, p]
+    lib.ssm_tree_conv.argtypes = [i, i, i, p, i64, p, p, p, p, i, p, i, p, p]
     lib.ssm_tree_conv.restype = None
+    lib.ssm_rms_norm_rows.argtypes = [i, i, p, i64, p, f, p, i64]
+    lib.ssm_rms_norm_rows.restype = None
+    lib.ssm_dt_rows.argtypes = [i, i, i, p, i64, p, f, f, p]
+    lib.ssm_dt_rows.restype = None
+    lib.ssm_gate_rows.argtypes = [i, i, p, i64, p, i64, p, p, i64, p, i, f, p, i64]
+    lib.ssm_gate_rows.restype = None
 
 
 _threads_set: dict[int, int] = {}  # loaded library handle -> the thread count it was last given

@@ -1,5 +1,6 @@
-"""An SSM target layer's tree conv and scan natively (native/ssm_scan_cpu.c): `tree_conv` and `tree_scan` of
-models/target/ssm_scan.py over a forward's rows, one call each per layer, writing only the states the forward keeps."""
+"""An SSM target layer's tree conv and scan natively (native/ssm_scan_cpu.c): `tree_conv` (with the SiLU after it)
+and `tree_scan` of models/target/ssm_scan.py over a forward's rows, one call each per layer, writing only the states
+the forward keeps."""
 
 from __future__ import annotations
 
@@ -110,7 +111,9 @@ def tree_conv(
     bias: torch.Tensor | None,  # [d]
     keep: torch.Tensor,  # [K] long: the rows whose conv states come back
     history: torch.Tensor,  # [K, d_conv - 1, d] contiguous float32: where they go (each kept row's last inputs)
-) -> torch.Tensor:  # [R, d] conv outputs (before the activation)
+    *,
+    silu: bool = False,  # the outputs through SiLU (the layer's activation)
+) -> torch.Tensor:  # [R, d] conv outputs
     """`tree_conv` (models/target/ssm_scan.py), with the kept rows' conv states (`inputs[layout.windows[keep, 1:]]`
     there) written to `history`."""
     lib = library.load()
@@ -136,6 +139,6 @@ def tree_conv(
     out = torch.empty(rows, d, dtype=torch.float32)
     library.match_torch_threads(lib)
     lib.ssm_tree_conv(rows, d, d_conv, x.data_ptr(), x.stride(0), conv_states.data_ptr(), windows.data_ptr(),
-                      weight_t.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), keep.numel(),
-                      keep.data_ptr(), history.data_ptr())  # fmt: skip
+                      weight_t.data_ptr(), None if bias is None else bias.data_ptr(), int(silu), out.data_ptr(),
+                      keep.numel(), keep.data_ptr(), history.data_ptr())  # fmt: skip
     return out

@@ -25,16 +25,6 @@
 
 #define LANES 16 /* channels per block: one vf16 */
 
-/* Lanes [0, w) from `w` floats at p (the rest 0). */
-static inline vf16 load_lanes(const float *p, int w) {
-    vf16 v = {0};
-    if (w == LANES)
-        memcpy(&v, p, sizeof v);
-    else
-        for (int l = 0; l < w; l++) v[l] = p[l];
-    return v;
-}
-
 /* v[i][j] <-> v[j][i]: for each bit b of a lane index, lane j of row i (bit b of i clear, of j set) swaps with lane
  * j - b of row i + b. */
 static inline void transpose16(vf16 v[LANES]) {
@@ -175,11 +165,12 @@ int ssm_tree_scan(int R, int segments, const int64_t *restrict starts, const int
  *     out[r, c] = sum_k weight_t[k, c] input(windows[r, k])[c] (+ bias[c]),  k = 0 .. d_conv - 1, oldest first
  * where input(i) is x's row i (rows x_stride floats apart) for i < R, else row i - R of conv_states ([segments x
  * (d_conv - 1), d] contiguous: each segment's inputs before its root). Then each kept row's conv state after it (its
- * window's last d_conv - 1 inputs) goes to history [K, d_conv - 1, d]. A row's outputs are the same operations in the
- * same order whatever the other rows; threads take whole rows. */
+ * window's last d_conv - 1 inputs) goes to history [K, d_conv - 1, d]. Where `silu`, out is SiLU of the sums (the
+ * layer's activation, while the row is in cache). A row's outputs are the same operations in the same order whatever
+ * the other rows; threads take whole rows. */
 void ssm_tree_conv(int R, int d, int d_conv, const float *restrict x, int64_t x_stride,
                    const float *restrict conv_states, const int64_t *restrict windows,
-                   const float *restrict weight_t, const float *restrict bias, float *restrict out, int K,
+                   const float *restrict weight_t, const float *restrict bias, int silu, float *restrict out, int K,
                    const int64_t *restrict keep_rows, float *restrict history) {
     const int threads = threads_for_macs((int64_t)R * d * d_conv * 4);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -196,6 +187,11 @@ void ssm_tree_conv(int R, int d, int d_conv, const float *restrict x, int64_t x_
         }
         if (bias)
             for (int c = 0; c < d; c++) o[c] += bias[c];
+        if (silu)
+            for (int c = 0; c < d; c += LANES) {
+                const int w = d - c < LANES ? d - c : LANES;
+                store_lanes(o + c, vsilu(load_lanes(o + c, w)), w);
+            }
     }
     for (int k = 0; k < K; k++)
         for (int j = 1; j < d_conv; j++) {

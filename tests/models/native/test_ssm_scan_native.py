@@ -122,10 +122,12 @@ def test_a_segments_bits_do_not_depend_on_the_others_or_the_threads(native_isa):
         assert torch.equal(y_alone, y[a:b]) and torch.equal(states_alone, states[a:b])
 
 
-@pytest.mark.parametrize("d_conv, with_bias", [(4, True), (2, False), (1, True)], ids=["4-bias", "2", "1"])
-def test_native_conv_is_the_definition(native_isa, d_conv, with_bias):
+@pytest.mark.parametrize("d_conv, with_bias, silu", [(4, True, True), (2, False, False), (1, True, False)],
+                         ids=["4-bias-silu", "2", "1"])
+def test_native_conv_is_the_definition(native_isa, d_conv, with_bias, silu):
     """Every row's conv over its ancestors' inputs (into its segment's starting conv state) against torch's
-    `tree_conv` in float64, and the kept rows' conv states (their windows' last inputs) exactly."""
+    `tree_conv` in float64 (and its SiLU, the layer's activation), and the kept rows' conv states (their windows'
+    last inputs) exactly."""
     layout = RowTrees.build(segments_parents(), d_conv=d_conv)
     g = torch.Generator().manual_seed(2)
     d = 40  # two full 16-wide vectors and a tail
@@ -134,9 +136,10 @@ def test_native_conv_is_the_definition(native_isa, d_conv, with_bias):
     weight, bias = torch.randn(d, d_conv, generator=g), torch.randn(d, generator=g) if with_bias else None
     keep = torch.tensor([0, 29, 30, 33, 40, layout.rows - 1])
     kept = torch.empty(keep.numel(), d_conv - 1, d)
-    out = native_ssm_scan.tree_conv(x, history, layout, weight, bias, keep, kept)
+    out = native_ssm_scan.tree_conv(x, history, layout, weight, bias, keep, kept, silu=silu)
     expected, inputs = tree_conv(x.double(), history.double(), layout, weight.double(),
                                  None if bias is None else bias.double())  # fmt: skip
+    expected = torch.nn.functional.silu(expected) if silu else expected
     torch.testing.assert_close(out.double(), expected, **TOL)
     assert torch.equal(kept.double(), inputs[layout.windows[keep, 1:]])
 
