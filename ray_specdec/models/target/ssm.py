@@ -11,7 +11,8 @@ parent being the state after the chunk, or the request's state). Every layer run
 requests at once; its conv and scan follow each row's parent (models/target/ssm_scan.py): a node's conv window is its
 ancestors' inputs and its SSM state is its parent's, advanced by its token. Only the verify rows get logits. On CPU in
 float32 the conv and the scan are native kernels, one call each per layer (native/ssm_scan.py: `native_scan_why`
-says why not), torch ops otherwise.
+says why not), and so is the elementwise work, fused per step: the norms, dt's softplus, the gate
+(native/ssm_rows.py); torch ops otherwise.
 
 After acceptance the request's state must be the accepted node's, never a rejected branch's. The scan advances
 states where they lie: each layer's kernel reads a request's state from its slot and writes back the one row's state
@@ -44,10 +45,13 @@ feed-forward blocks that share the weights), over exact half panels of half-chec
 reads, and rows past the first nearly free.
 
 Batch invariance (float32 pure SSMs on CPU, `batch_invariant`): the products go through the native GEMM, which sums
-every output in one fixed order whatever the row count, and the elementwise work runs on one thread over widths that
-fill whole vectors; the conv, the scan and the norms work per row. So a request's logits and states are the same bits
-whatever shares its forward, and a root's under a tree of any size. Elsewhere (float64, half precision, the hybrids'
-attention) a row's results can depend on the others in the last bits, and greedy output can change only at near-ties.
+every output in one fixed order whatever the row count, and the conv, the scan and the elementwise kernels compute a
+row whole on one thread, the same instructions whatever the other rows or the thread count (they run on all of
+torch's threads, at any width). So a request's logits and states are the same bits whatever shares its forward, and
+a root's under a tree of any size. With the native kernels off (native_scan=False), the elementwise work runs in
+torch on one thread over widths that fill whole vectors (`_elementwise`). Elsewhere (float64, half precision, the
+hybrids' attention) a row's results can depend on the others in the last bits, and greedy output can change only at
+near-ties.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ from transformers import (AutoModelForCausalLM, BambaForCausalLM, JambaForCausal
 from ray_specdec import env
 from ray_specdec.models.drafter.mamba_state import MixerWeights
 from ray_specdec.models.loading import eos_token_ids, load_tokenizer, resolve_dtype, resolve_model_path
-from ray_specdec.models.native import gemm, library, ssm_scan as native_ssm_scan
+from ray_specdec.models.native import gemm, library, ssm_rows as native_rows, ssm_scan as native_ssm_scan
 from ray_specdec.models.target.batch_invariant import VECTOR_MULTIPLE, one_thread
 from ray_specdec.models.target.fast_path_switches import switch_why
 from ray_specdec.models.target.forward_layout import Segment
@@ -211,12 +215,12 @@ class SSMTargetModel:
         None: on for a float32 pure SSM on CPU where the native kernels build, unless RAY_SPECDEC_BATCH_INVARIANT=0;
         True insists; False: torch's products. `batch_invariant_why` says why it is off. native_scan: the SSM layers'
         tree scan in one native call per layer (native/ssm_scan.py) where the scan runs in float32 on CPU and the
-        kernels build (and the conv too for a float32 model), unless RAY_SPECDEC_NATIVE=0; True insists; False:
-        torch's. `native_scan_why` says why it is off. native_gemm: every product (a hybrid's MLPs too) takes the
-        native GEMM (native/gemm.py: register-blocked, over exact half-precision panels of weights loaded from a half
-        checkpoint, so half the bytes a step reads), on float32 CPU models where the kernels build, unless
-        RAY_SPECDEC_NATIVE=0; True insists; False: F.linear (then batch_invariant is off too). `native_gemm_why`
-        says why it is off."""
+        kernels build (for a float32 model the conv and the elementwise work too: native/ssm_rows.py), unless
+        RAY_SPECDEC_NATIVE=0; True insists; False: torch's. `native_scan_why` says why it is off. native_gemm: every
+        product (a hybrid's MLPs too) takes the native GEMM (native/gemm.py: register-blocked, over exact
+        half-precision panels of weights loaded from a half checkpoint, so half the bytes a step reads), on float32
+        CPU models where the kernels build, unless RAY_SPECDEC_NATIVE=0; True insists; False: F.linear (then
+        batch_invariant is off too). `native_gemm_why` says why it is off."""
         if not isinstance(model, (MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM, BambaForCausalLM)):
             raise TypeError(f"SSMTargetModel takes a MambaForCausalLM, Mamba2ForCausalLM, JambaForCausalLM or "
                             f"BambaForCausalLM, not {type(model).__name__}")  # fmt: skip
@@ -282,12 +286,13 @@ class SSMTargetModel:
         self._pool = SSMStatePool((ssm_layers, self.d_conv - 1, conv_channels),
                                   (ssm_layers, self.d_inner, self.d_state), self.dtype, self.ssm_dtype, self.device,
                                   slots)  # fmt: skip
-        self.batch_invariant_why: str | None = switch_why("batch_invariant", batch_invariant, env.BATCH_INVARIANT,
-                                                          self._invariance_blocker)  # fmt: skip
         self.native_scan_why: str | None = switch_why("native_scan", native_scan, env.NATIVE,
                                                       self._native_scan_blocker)  # fmt: skip
-        # the conv runs in the model's dtype (the scan in float32 for a half-precision model too)
-        self._native_conv = self.native_scan_why is None and self.dtype == torch.float32
+        # the conv and the elementwise work run in the model's dtype (the scan in float32 for a half-precision model
+        # too): natively for a float32 model (native/ssm_rows.py), where the scan is native
+        self._native_rows = self.native_scan_why is None and self.dtype == torch.float32
+        self.batch_invariant_why: str | None = switch_why("batch_invariant", batch_invariant, env.BATCH_INVARIANT,
+                                                          self._invariance_blocker)  # fmt: skip
 
     def _bamba_layer(self, layer, config, rotary: torch.nn.Module, index: int) -> Layer:
         """A Bamba decoder layer (the index-th of its kind): its attention (rotary) or Mamba2 mixer, then its MLP."""
@@ -341,11 +346,13 @@ class SSMTargetModel:
             return f"the products do not take the native GEMM ({self.native_gemm_why})"
         if self._attention_layers:
             return "a hybrid's attention runs sdpa per request (its kernel depends on the rows)"
+        if self._native_rows:  # row kernels: every row the same instructions, at any width
+            return None
         widths = {"hidden size": self.model.config.hidden_size, "inner width": self.d_inner}
         odd = [f"{name} {width}" for name, width in widths.items() if width % VECTOR_MULTIPLE]
         if odd:
-            return (f"its {', '.join(odd)} is not a multiple of {VECTOR_MULTIPLE} (elementwise ops would take scalar "
-                    "tails)")
+            return (f"its {', '.join(odd)} is not a multiple of {VECTOR_MULTIPLE} (elementwise ops in torch would "
+                    "take scalar tails)")
         return None
 
     def _native_scan_blocker(self) -> str | None:
@@ -591,8 +598,7 @@ class SSMTargetModel:
             cos, sin = rotary(residual, self._positions(groups, layout)[None])
             cos_sin = (cos[0], sin[0])  # [R, rotary dims] each
         for layer in self._layers:
-            with self._elementwise():
-                h = rms_norm(residual, layer.norm, self.eps)
+            h = self._rms_norm(residual, layer.norm)
             if layer.attention:
                 mixed, k, v = self._attend(h, layer, attending, cos_sin)
                 new_kv.append((k, v))  # [R, kv heads, head_dim] each
@@ -601,7 +607,7 @@ class SSMTargetModel:
                                   scan_inputs)
             residual = (residual.to(torch.float32) if self.residual_in_fp32 else residual) + mixed
             if layer.ffn is not None:
-                residual = residual + layer.ffn(rms_norm(residual, layer.ffn_norm, self.eps)[None])[0]
+                residual = residual + layer.ffn(self._rms_norm(residual, layer.ffn_norm)[None])[0]
         logits = (self._logits(residual[keep.inputs]).split([n for _, n in verify_rows]) if verify_rows
                   else [])  # fmt: skip
         k, v, i = 0, 0, 0  # kept conv states, verifies, verify rows so far
@@ -694,15 +700,22 @@ class SSMTargetModel:
 
     def _conv(self, x: torch.Tensor, conv_start: torch.Tensor, layout: RowTrees, weight: torch.Tensor,
               bias: torch.Tensor | None, kept: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`tree_conv` -> its outputs [R, channels], the `kept` rows' conv states (their windows' last d_conv - 1
-        inputs) written to `out` [K, d_conv - 1, channels]: natively where the scan is and the model is float32 (on
-        torch's threads: a row's bits do not depend on them), else in torch (`_elementwise`)."""
-        if self._native_conv:
-            return native_ssm_scan.tree_conv(x, conv_start, layout, weight, bias, kept, out)
+        """SiLU of `tree_conv` -> [R, channels], the `kept` rows' conv states (their windows' last d_conv - 1 inputs)
+        written to `out` [K, d_conv - 1, channels]: natively where `_native_rows` (on torch's threads: a row's bits do
+        not depend on them), else in torch (`_elementwise`)."""
+        if self._native_rows:
+            return native_ssm_scan.tree_conv(x, conv_start, layout, weight, bias, kept, out, silu=True)
         with self._elementwise():
             x, inputs = tree_conv(x, conv_start, layout, weight, bias)
             torch.index_select(inputs, 0, layout.windows[kept, 1:].reshape(-1), out=out.view(-1, out.shape[-1]))
-        return x
+            return F.silu(x)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`rms_norm` of x [R, d]: natively where `_native_rows`, else in torch (`_elementwise`)."""
+        if self._native_rows:
+            return native_rows.rms_norm(x, weight, self.eps)
+        with self._elementwise():
+            return rms_norm(x, weight, self.eps)
 
     def _scan(self, dt, x, B, C, layer: Layer, slots: torch.Tensor, layout: RowTrees, keep: KeptRows,
               inputs: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
@@ -734,19 +747,23 @@ class SSMTargetModel:
         w: MixerWeights = layer.weights
         x, z = self._linear(h, w.in_proj, w.in_proj_bias).chunk(2, dim=-1)  # [R, d_inner] each
         x = self._conv(x, conv_start, layout, w.conv, w.conv_bias, keep.conv, conv_out)
-        with self._elementwise():
-            x = F.silu(x)
         sd = self.ssm_dtype
         dt, B, C = self._linear(x, w.x_proj).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         if layer.bcdt_norms is not None:  # Jamba
-            dt, B, C = (rms_norm(t, norm, self.eps) for t, norm in zip((dt, B, C), layer.bcdt_norms))
+            dt, B, C = (self._rms_norm(t, norm) for t, norm in zip((dt, B, C), layer.bcdt_norms))
         dt = self._linear(dt, w.dt_proj, w.dt_bias)
-        with self._elementwise():
-            dt = F.softplus(dt.to(sd))  # [R, d_inner]
-            x = x.to(sd)
+        if self._native_rows:
+            dt = native_rows.dt(dt, None, 1)  # [R, d_inner]
+        else:
+            with self._elementwise():
+                dt = F.softplus(dt.to(sd))
+                x = x.to(sd)
         y = self._scan(dt, x, B.to(sd), C.to(sd), layer, slots, layout, keep, inputs)
-        with self._elementwise():
-            y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
+        if self._native_rows:
+            y = native_rows.gate(y, x, w.D, z, out=y)
+        else:
+            with self._elementwise():
+                y = torch.addcmul(y, x, w.D) * F.silu(z.to(sd))
         return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
 
     def _mix_mamba2(self, h: torch.Tensor, layer: Layer, conv_start: torch.Tensor, slots: torch.Tensor,
@@ -758,28 +775,33 @@ class SSMTargetModel:
         rows, sd, n = h.shape[0], self.ssm_dtype, self.d_state
         z, xbc, dt = self._linear(h, w.in_proj, w.in_proj_bias).split(
             [self.d_inner, w.conv.shape[0], self.heads], dim=-1)
-        xbc = self._conv(xbc, conv_start, layout, w.conv, w.conv_bias, keep.conv, conv_out)
-        with self._elementwise():
-            x, B, C = F.silu(xbc).split([self.d_inner, self.groups * n, self.groups * n], dim=-1)
-            # per channel before softplus: a row's elements then fill whole vectors (heads alone may not)
-            dt = dt.repeat_interleave(self.head_dim, dim=1) + w.dt_bias.repeat_interleave(self.head_dim)
-            dt = F.softplus(dt.to(sd)).clamp(*self.dt_limit)  # [R, d_inner]
-            x, B, C = x.to(sd), B.view(rows, self.groups, n).to(sd), C.view(rows, self.groups, n).to(sd)
+        x, B, C = self._conv(xbc, conv_start, layout, w.conv, w.conv_bias, keep.conv, conv_out).split(
+            [self.d_inner, self.groups * n, self.groups * n], dim=-1)
+        if self._native_rows:  # dt per head, written over its channels
+            dt = native_rows.dt(dt, w.dt_bias, self.head_dim, self.dt_limit)  # [R, d_inner]
+        else:
+            with self._elementwise():
+                # per channel before softplus: a row's elements then fill whole vectors (heads alone may not)
+                dt = dt.repeat_interleave(self.head_dim, dim=1) + w.dt_bias.repeat_interleave(self.head_dim)
+                dt = F.softplus(dt.to(sd)).clamp(*self.dt_limit)
+                x = x.to(sd)
+        B, C = B.reshape(rows, self.groups, n).to(sd), C.reshape(rows, self.groups, n).to(sd)
         y = self._scan(dt, x, B, C, layer, slots, layout, keep, inputs)
-        with self._elementwise():
-            y = w.gated_norm(torch.addcmul(y, x, w.D), z)
+        if self._native_rows:
+            y = native_rows.gate(y, x, w.D, z, w.gate_norm, w.gate_group, w.gate_eps, out=y)
+        else:
+            with self._elementwise():
+                y = w.gated_norm(torch.addcmul(y, x, w.D), z)
         return self._linear(y.to(self.dtype), w.out_proj, w.out_proj_bias)
 
     def _logits(self, residual: torch.Tensor) -> torch.Tensor:
-        with self._elementwise():
-            h = rms_norm(residual, self._norm_f, self.eps)
-        return self._linear(h, self._lm_head)
+        return self._linear(self._rms_norm(residual, self._norm_f), self._lm_head)
 
     def _elementwise(self):
-        """Where batch-invariant: the elementwise and per-row work on one thread. torch splits a large elementwise
-        op's elements over its threads, and the elements at the ends of each thread's range take a scalar path whose
-        transcendentals round otherwise; on one thread every row of a width that fills whole vectors takes the
-        vector path (`_invariance_blocker` checks the widths)."""
+        """Where batch-invariant: the elementwise and per-row work that runs in torch (the native kernels off) on
+        one thread. torch splits a large elementwise op's elements over its threads, and the elements at the ends of
+        each thread's range take a scalar path whose transcendentals round otherwise; on one thread every row of a
+        width that fills whole vectors takes the vector path (`_invariance_blocker` checks the widths)."""
         return one_thread() if self.batch_invariant_why is None else contextlib.nullcontext()
 
     def _check_committed(self, cache: SSMCache) -> None:

@@ -270,18 +270,24 @@ def test_a_hybrids_attention_rows_live_in_buffers_of_its_grant(target):
     target.release(cache)
 
 
-@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+@pytest.mark.parametrize("kind", ["mamba", "mamba2", "mamba2-odd-widths"])
 def test_float32_logits_and_states_do_not_depend_on_the_batch(kind):
-    """Batch invariance (float32 on CPU, the native GEMM): a verify's logits and states are the same bits alone or
-    beside other requests' trees and chunks, and a root's logits the same alone or under a tree. Widths of a real
-    model's order, so that the products take the GEMM's blocked paths and the elementwise ops run over many threads'
-    worth of elements."""
+    """Batch invariance (float32 on CPU, the native GEMM and row kernels): a verify's logits and states are the same
+    bits alone or beside other requests' trees and chunks, and a root's logits the same alone or under a tree. Widths
+    of a real model's order, so that the products take the GEMM's blocked paths and the elementwise kernels run over
+    many threads' worth of rows; and widths that leave partial vectors (hidden size 200, gate groups of 200), which
+    the row kernels take as they take any width (torch's elementwise ops could not)."""
     if library.load() is None:
         pytest.skip(library.why_unavailable())
     build = {"mamba": lambda: tiny_mamba_lm(torch.float32, hidden=256, state=16),
-             "mamba2": lambda: tiny_mamba2_lm(torch.float32, hidden=256, heads=16, head_dim=32, state=32)}[kind]
+             "mamba2": lambda: tiny_mamba2_lm(torch.float32, hidden=256, heads=16, head_dim=32, state=32),
+             "mamba2-odd-widths": lambda: tiny_mamba2_lm(torch.float32, hidden=200, heads=10, head_dim=40,
+                                                         state=24)}[kind]  # fmt: skip
     target = SSMTargetModel(build())
     assert target.batch_invariant, target.batch_invariant_why
+    if kind == "mamba2-odd-widths":
+        torch_rows = SSMTargetModel(target.model, native_scan=False)
+        assert "hidden size 200" in torch_rows.batch_invariant_why and "scalar tails" in torch_rows.batch_invariant_why
     tree = build_tree(TREES[3])
 
     def run(others: int, paths=TREES[3]):
@@ -344,7 +350,8 @@ def test_a_verify_after_its_chunk_in_one_forward_commits_any_path(kind):
 def test_float32_products_take_the_native_gemm_and_leave_the_hf_model_as_loaded(kind):
     """On float32 CPU every product takes the native GEMM, a hybrid's MLPs too, through copies of its feed-forward
     blocks that share the weights: the HF model (the reference) keeps its own nn.Linear layers. The logits are
-    F.linear's to float32 rounding; with native_gemm=False the products are F.linear's and nothing is batch-invariant."""
+    F.linear's to float32 rounding; with native_gemm=False the products are F.linear's and nothing is
+    batch-invariant."""
     if library.load() is None:
         pytest.skip(library.why_unavailable())
     model = SSM_TARGETS[kind](torch.float32)
