@@ -114,8 +114,14 @@ int ssm_tree_scan(int R, int segments, const int64_t *restrict starts, const int
             const int64_t p = parents[r];
             if (p < 0) {
                 const float *h0 = start + (start_rows ? start_rows[s] : s) * start_stride + (int64_t)c0 * N;
-                for (int n = 0; n < N; n++)
-                    for (int l = 0; l < LANES; l++) h[n][l] = l < w ? h0[(int64_t)l * N + n] : 0.0f;
+                if (w == LANES && N % LANES == 0) /* 16 channels' runs of 16 state elements, transposed */
+                    for (int n0 = 0; n0 < N; n0 += LANES) {
+                        for (int l = 0; l < LANES; l++) memcpy(&h[n0 + l], h0 + (int64_t)l * N + n0, sizeof(vf16));
+                        transpose16(h + n0);
+                    }
+                else
+                    for (int n = 0; n < N; n++)
+                        for (int l = 0; l < LANES; l++) h[n][l] = l < w ? h0[(int64_t)l * N + n] : 0.0f;
             } else if (p != r - 1) {
                 memcpy(h, states + saved[p] * N, sizeof(vf16) * (size_t)N);
             }
