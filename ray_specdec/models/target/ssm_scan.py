@@ -54,38 +54,37 @@ class RowTrees:
     def build(cls, parents: Sequence[torch.Tensor], d_conv: int, device: torch.device | str = "cpu") -> "RowTrees":
         """parents: per segment [S_i] long, each row's parent row within the segment (-1 for its first row), every
         parent before its child; device: where the forward runs (the indices go there)."""
+        sizes = [p.numel() for p in parents]
         starts = [0]
-        for p in parents:
-            starts.append(starts[-1] + p.numel())
+        for n in sizes:
+            starts.append(starts[-1] + n)
         history = d_conv - 1
         rows = starts[-1]
-        glob, depths, windows = [], [], []
-        for s, p in enumerate(parents):
-            p = p.to(torch.long).cpu()
-            n = p.numel()
-            if n and (p[0] != -1 or (p[1:] < 0).any() or (p[1:] >= torch.arange(1, n)).any()):
-                raise ValueError("a segment's first row must be its root (-1) and every parent must precede its row")
-            plist, dlist = p.tolist(), [0] * n
-            for i in range(1, n):  # (parents precede children: one pass)
-                dlist[i] = dlist[plist[i]] + 1
-            depth = torch.tensor(dlist, dtype=torch.long)
-            # ancestors at lags 0 .. d_conv-1 (-1 past the root), vectorised over the segment's rows
-            lagged = torch.empty(n, d_conv, dtype=torch.long)
-            lagged[:, 0] = torch.arange(n)
-            padded = torch.cat([p, torch.tensor([-1])])  # padded[-1] = -1: the parent of "past the root"
-            for j in range(1, d_conv):
-                lagged[:, j] = padded[lagged[:, j - 1]]
-            # inputs before the segment: its starting conv state, rows [rows + s * history, + history), oldest first;
-            # lag j of a row at depth d (j > d) is that state's input j - d - 1 before its end
-            lags = torch.arange(d_conv)
-            before = rows + s * history + history - (lags[None, :] - depth[:, None])
-            index = torch.where(lagged >= 0, lagged + starts[s], before)
-            windows.append(index.flip(1))  # oldest first
-            glob.append(torch.where(p >= 0, p + starts[s], -1))
-            depths.append(depth)
-        parents_all = torch.cat(glob) if glob else torch.empty(0, dtype=torch.long)
-        depth_all = torch.cat(depths) if depths else torch.empty(0, dtype=torch.long)
-        segment_of = torch.repeat_interleave(torch.arange(len(parents)), torch.tensor([p.numel() for p in parents]))
+        # every segment at once (a step's forward holds tens of them): rows' segments, local and global parents
+        segment_of = torch.repeat_interleave(torch.arange(len(parents)), torch.tensor(sizes, dtype=torch.long))
+        offset = torch.tensor(starts[:-1], dtype=torch.long)[segment_of]
+        local = torch.arange(rows) - offset
+        p = torch.cat([torch.empty(0, dtype=torch.long)] + [q.to(torch.long).cpu().reshape(-1) for q in parents])
+        first = local == 0
+        if (p[first] != -1).any() or (p[~first] < 0).any() or (p[~first] >= local[~first]).any():
+            raise ValueError("a segment's first row must be its root (-1) and every parent must precede its row")
+        parents_all = torch.where(p >= 0, p + offset, -1)
+        plist, dlist = parents_all.tolist(), [0] * rows
+        for i, q in enumerate(plist):  # (parents precede children: one pass)
+            if q >= 0:
+                dlist[i] = dlist[q] + 1
+        depth_all = torch.tensor(dlist, dtype=torch.long)
+        # ancestors at lags 0 .. d_conv-1 (-1 past the root)
+        lagged = torch.empty(rows, d_conv, dtype=torch.long)
+        lagged[:, 0] = torch.arange(rows)
+        padded = torch.cat([parents_all, torch.tensor([-1])])  # padded[-1] = -1: the parent of "past the root"
+        for j in range(1, d_conv):
+            lagged[:, j] = padded[lagged[:, j - 1]]
+        # inputs before a segment: its starting conv state, rows [rows + s * history, + history), oldest first; lag j
+        # of a row at depth d (j > d) is that state's input j - d - 1 before its end
+        lags = torch.arange(d_conv)
+        before = rows + (segment_of * history + history)[:, None] - (lags[None, :] - depth_all[:, None])
+        windows_all = torch.where(lagged >= 0, lagged, before).flip(1)  # oldest first
         # state rows of a level's parents: a segment's starting state is row s, row r is row segments + r
         state_row = torch.where(parents_all >= 0, parents_all + len(parents), segment_of)
         levels, single = [], []
@@ -94,7 +93,6 @@ class RowTrees:
         for at in by_depth.split(counts):
             levels.append((at.to(device), state_row[at].to(device)))
             single.append((int(at[0]), int(state_row[at[0]])) if at.numel() == 1 else None)
-        windows_all = torch.cat(windows) if windows else torch.empty(0, d_conv, dtype=torch.long)
         return cls(tuple(starts), parents_all, windows_all.to(device), depth_all, tuple(levels), tuple(single))
 
 
