@@ -64,21 +64,30 @@ static inline vf16 vexp(vf16 x) {
     return (vf16)((vi16)(p * two_n) & ~underflow);
 }
 
-/* Lanes [0, w) from `w` floats at p (the rest 0), and back: a row's tail is a vector like the others. */
+/* Lanes [0, w) from `w` floats at p (the rest 0), and back: a row's tail is a vector like the others. A whole
+ * vector is one load (vf16 is 4-byte aligned: any float address), never assembled on the stack: a 64-byte load of
+ * what smaller stores just wrote waits for them to retire. */
 static inline vf16 load_lanes(const float *p, int w) {
+    if (w == 16) return *(const vf16 *)p;
+#if defined(__AVX512F__)
+    return (vf16)_mm512_maskz_loadu_ps((__mmask16)((1u << w) - 1), p);
+#else
     vf16 v = {0};
-    if (w == 16)
-        __builtin_memcpy(&v, p, sizeof v);
-    else
-        for (int l = 0; l < w; l++) v[l] = p[l];
+    for (int l = 0; l < w; l++) v[l] = p[l];
     return v;
+#endif
 }
 
 static inline void store_lanes(float *p, vf16 v, int w) {
-    if (w == 16)
-        __builtin_memcpy(p, &v, sizeof v);
-    else
-        for (int l = 0; l < w; l++) p[l] = v[l];
+    if (w == 16) {
+        *(vf16 *)p = v;
+        return;
+    }
+#if defined(__AVX512F__)
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << w) - 1), (__m512)v);
+#else
+    for (int l = 0; l < w; l++) p[l] = v[l];
+#endif
 }
 
 /* x / (1 + exp(-x)) per lane (a few ulp of the exact value). */
