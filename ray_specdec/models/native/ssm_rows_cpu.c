@@ -7,8 +7,8 @@
  *
  * Why: in torch these are ~10 ops a layer, and a batch-invariant target runs them on one thread, so that torch's
  * vector / scalar-tail split of the flattened elements never depends on the row count. Here a row is the unit: one
- * thread computes a whole row, 16 lanes at a time with its last partial vector loaded and stored lane by lane, and
- * its sums of squares in 16 lane accumulators added in a fixed tree. Every row has the same width, so every row takes
+ * thread computes a whole row, 16 lanes at a time with its last partial vector's missing lanes zero (load_lanes),
+ * and its sums of squares in 16 lane accumulators added in a fixed tree. Every row has the same width, so every row takes
  * the same instructions whatever the row count, the other rows or the thread count (threads take whole rows): a
  * request's results are the same bits whatever shares its forward, and the rows run on all of torch's threads.
  * exp, SiLU and softplus are attention_simd_cpu.h's (a few ulp of the exact values). Rows are `*_stride` floats
