@@ -305,8 +305,11 @@ class EngineReplica:
             shards = tp_size if device != "cpu" else 1  # GPU ranks hold their shares apiece; CPU ranks share a host
             scheduler = replace(scheduler, kv_budget_tokens=fitted_kv_budget(scheduler.kv_budget_tokens, kv_budget_gib,
                                                                              kv_bytes, room, shards))  # fmt: skip
-            return Scheduler(self.backend, drafters, self.tokenizer, policy, scheduler, max_context,
-                             config.speculation)
+            built = Scheduler(self.backend, drafters, self.tokenizer, policy, scheduler, max_context,
+                              config.speculation)
+            if drafter_pool is None:  # before the replica is ready: the first request does not pay the calibration
+                built.prepare()  # (remote drafter workers may still be starting: their first step measures them)
+            return built
 
         self.loop = EngineLoop(build, self._restart_ranks if tp_size > 1 else None, recover_timeout_s,
                                compute_first=compute_first and tp_size == 1 and device == "cpu")

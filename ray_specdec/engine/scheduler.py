@@ -287,8 +287,7 @@ class Scheduler:
 
     def step(self) -> list[StepOutput]:
         """One step over every running request; -> one output chunk per request that decoded a round."""
-        if self.drafters is not None and self.controller.prices and not self.controller.cost.calibrated:
-            self.calibrate()
+        self.prepare()
         plan = self.schedule()
         result = self.execute(plan)
         return self.update(plan, result)
@@ -409,6 +408,13 @@ class Scheduler:
     def calibrate(self) -> None:
         """The controller's step cost prior and drafter prefill rate, measured on this target and drafter."""
         self.controller.calibrate(self.target, self.drafters)
+
+    def prepare(self) -> None:
+        """The one-time measurements the first step would otherwise make (about a second on a large target): the
+        controller's calibration where it prices drafting. The app makes them before its replica takes requests, so
+        no request waits for them; `step` makes them where nothing did."""
+        if self.drafters is not None and self.controller.prices and not self.controller.cost.calibrated:
+            self.calibrate()
 
     def _admit(self) -> None:
         """Waiting requests join, oldest first, while their first grant fits; none while a running one waits for KV
