@@ -342,7 +342,8 @@ class Scheduler:
             self.drafters.ahead([rd.request for rd in ahead], [rd.tree.with_lookup(rd.lookup) for rd in ahead])
         logits = self._run(work)
         drafting = sum(rd.draft.config.depth > 0 for rd in plan.rounds)  # lookup-only rounds run no drafter
-        shape = StepShape(verify_rows, kilotokens, drafting, draft_rows, plan.prefill_rows)
+        replays = sum(1 for _, keep in work.commits if len(keep) > 1)  # last step's rounds that kept drafted rows
+        shape = StepShape(verify_rows, kilotokens, drafting, draft_rows, plan.prefill_rows, replays)
         return StepResult(logits[first:first + len(plan.rounds)], shape, (t0, t1, time.perf_counter()))
 
     def update(self, plan: StepPlan, result: StepResult) -> list[StepOutput]:

@@ -130,7 +130,7 @@ METRICS = {m.name: m for m in (
     Metric(DRAFTED_SHARE, GAUGE, "Share of the rounds the speculation controller chose a drafted tree for, since "
            "the replica started.", ("replica",)),
     Metric(STEP_COST, GAUGE, "The speculation controller's step cost model: seconds per unit of each feature of a "
-           "step (fixed, target_rows, verify_row_kilotokens, drafting, drafter_rows).",
+           "step (fixed, target_rows, verify_row_kilotokens, drafting, drafter_rows, replays).",
            ("feature", "replica")),
 )}  # fmt: skip
 

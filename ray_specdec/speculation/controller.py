@@ -7,7 +7,11 @@ This is the one place that decides how much to draft. Its parts:
 
 - **T(step)**: `StepCostModel`, a linear model of the step's wall time in what the step runs: a fixed cost, target
   rows (verify and prefill alike), verify rows times their context (attention), requests that draft and drafter rows
-  (these two fitted on the drafts' own time). Its
+  (these two fitted on the drafts' own time), and replays: requests whose commit in the step keeps rows past the
+  root of their last verify. An SSM target writes only its verify's root state and runs its scan again along the
+  kept path at the commit (a few tenths of a millisecond per request on a small target on CPU, as much as a few
+  verify rows), a KV cache only keeps the rows; a round is charged its expected replay, its chance of keeping a row
+  past the root (its expected tokens past the bonus, at most 1). Its
   prior is measured on this target and drafter when the scheduler starts (`measure_prior`), and every step refines
   it by exponentially weighted least squares on the step's measured time. Nothing is assumed about the hardware: on
   a target whose weights fit the cache a verify row costs nearly a plain step, on a memory-bound one almost nothing.
@@ -133,10 +137,10 @@ SAMPLING_COUPLINGS = ("auto", "coupled", "rejection")
 
 # Features of a step: 1, target rows (verify and prefill rows alike: for the forward's matrix products a row is a
 # row, and prefill steps then teach the cost of a verify row too), verify rows x their context in thousands of tokens
-# (attention), requests that draft, drafter rows.
-FEATURES = ("fixed", "target_rows", "verify_row_kilotokens", "drafting", "drafter_rows")
+# (attention), requests that draft, drafter rows, requests whose commit keeps rows past their verify's root.
+FEATURES = ("fixed", "target_rows", "verify_row_kilotokens", "drafting", "drafter_rows", "replays")
 # Typical size of each feature: the prior's weight per feature is `cost_prior_steps` steps of this size.
-FEATURE_SCALE = np.array([1.0, 64.0, 32.0, 8.0, 16.0])
+FEATURE_SCALE = np.array([1.0, 64.0, 32.0, 8.0, 16.0, 8.0])
 
 
 @dataclass(frozen=True)
@@ -148,10 +152,11 @@ class StepShape:
     drafting: int = 0  # requests that ran the drafter
     drafter_rows: int = 0  # rows the drafter stepped, all depths
     prefill_rows: int = 0
+    replays: int = 0  # requests whose commit (run with this step's forward) keeps rows past their verify's root
 
     def features(self) -> np.ndarray:
         return np.array([1.0, self.verify_rows + self.prefill_rows, self.verify_row_kilotokens, self.drafting,
-                         self.drafter_rows])  # fmt: skip
+                         self.drafter_rows, self.replays])  # fmt: skip
 
 
 def drafter_rows(tree: TreeConfig) -> int:
@@ -161,7 +166,7 @@ def drafter_rows(tree: TreeConfig) -> int:
 
 # The features the draft's own time is fitted on, and those the rest of the step's time is fitted on.
 DRAFT_FEATURES = (3, 4)  # drafting, drafter_rows
-FORWARD_FEATURES = (0, 1, 2)  # fixed, target_rows, verify_row_kilotokens
+FORWARD_FEATURES = (0, 1, 2, 5)  # fixed, target_rows, verify_row_kilotokens, replays
 
 
 class StepCostModel:
@@ -523,6 +528,8 @@ class SpeculationController:
         finish = np.array([(self.finish_s[facts.sampled, False], self.finish_s[facts.sampled, True])
                            for facts in rounds])  # fmt: skip
         seconds = seconds + np.where(drafted, finish[:, 1:], finish[:, :1])
+        # the commit's replay of the kept rows (the next step's), where the round keeps any past its root
+        seconds = seconds + w[5] * np.clip(tokens - 1.0, 0.0, 1.0)
         if self.prefill_s_per_token is not None:  # a drafted option's share of the drafter's prefill
             prefill = np.array([facts.prefill_tokens for facts in rounds], dtype=np.float64)[:, None]
             if prefill.any():
@@ -658,12 +665,13 @@ def measure_prior(target: TargetBackend, drafters) -> tuple[list[float], float]:
     fixed, per_row = max(fixed, 0.0), max(per_row, 0.0)
     # beyond a 16-row step at 64 tokens: attention over the longer context's extra tokens, per row and kilotoken
     per_row_kilotoken = max(long_s - samples[(1, 16)], 0.0) / (16 * max(long - 64, 1) / 1024) if long > 64 else 0.0
+    # a replay's cost is learned from traffic (its prior 0: a KV cache's commit replays nothing)
     if drafters is None:
-        return [fixed, per_row, per_row_kilotoken, 0.0, 0.0], 0.0
+        return [fixed, per_row, per_row_kilotoken, 0.0, 0.0, 0.0], 0.0
     step_1, step_16, catch_up, prefill_64 = drafters.timings()
     per_drafter_row = max(step_16 - step_1, 0.0) / 15
     drafting = catch_up + max(step_1 - per_drafter_row, 0.0)
-    return [fixed, per_row, per_row_kilotoken, drafting, per_drafter_row], prefill_64 / 64
+    return [fixed, per_row, per_row_kilotoken, drafting, per_drafter_row, 0.0], prefill_64 / 64
 
 
 def drafter_timings(drafter) -> tuple[float, float, float, float]:

@@ -342,6 +342,26 @@ def test_the_policy_picks_and_learns_at_the_load_of_the_step(long_context_pair):
     assert rounds["1"] > 0 and rounds["2-4"] > 0 and rounds["5-16"] == rounds["17+"] == 0
 
 
+def test_a_step_counts_the_commits_that_keep_rows_past_their_verifys_root():
+    """The step cost model's `replays`: the rounds of the last step whose commit (sent with this step's forward) keeps
+    drafted rows, which an SSM target runs its scan along again."""
+    target, drafter = agreeing_pair(torch.float32, max_positions=512)
+    engine = SpeculativeEngine(target, drafter, TreeConfig((1, 1, 1)), config=lookup_off())
+    scheduler = engine.scheduler
+    shapes = []
+    observe = scheduler.controller.observe_step
+    scheduler.controller.observe_step = lambda shape, *args, **kw: (shapes.append(shape), observe(shape, *args, **kw))
+    for i in range(2):
+        scheduler.add(f"r{i}", random_prompt(20 + i, seed=i, vocab=target.vocab_size),
+                      SamplingParams(max_new_tokens=16, ignore_eos=True), None)  # fmt: skip
+    sent = []  # per step, the commits its forward ran that kept rows past the root
+    while scheduler.has_work:
+        sent.append(sum(len(keep) > 1 for _, keep in scheduler._work.commits))
+        scheduler.step()
+    assert [shape.replays for shape in shapes] == sent
+    assert max(sent) >= 2  # rounds that accepted drafts, several in one step
+
+
 # ---- what the target returns per verify segment ----------------------------------------------------------------------
 
 

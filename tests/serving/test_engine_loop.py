@@ -348,7 +348,7 @@ def test_the_controllers_state_reaches_the_metrics_and_the_stats():
     assert rounds >= 6 * 40 // 3  # every round of the six requests was the controller's (at most 3 tokens each)
     assert summary["drafted_share"] == pytest.approx(summary["drafted_rounds"] / rounds)
     assert set(summary["cost_weights"]) == {"fixed", "target_rows", "verify_row_kilotokens", "drafting",
-                                            "drafter_rows"}  # fmt: skip
+                                            "drafter_rows", "replays"}  # fmt: skip
     assert summary["cost_steps"] > 0
     snap = loop.metrics.snapshot()
     assert snap[m.DRAFTED_SHARE] == {(): summary["drafted_share"]}

@@ -78,13 +78,15 @@ def reference_price(c: SpeculationController, f: RoundFacts, pick: Pick, expecte
     if not tree.depth:
         if not pick.plain_lookup:
             return 1.0, row_s + finish
-        return expected[NO_TREE], (1 + (f.plain_lookup_rows or 0.0)) * row_s + finish
+        tokens = expected[NO_TREE]
+        return tokens, (1 + (f.plain_lookup_rows or 0.0)) * row_s + finish + w["replays"] * min(tokens - 1, 1.0)
     full = expected.get(tree)
     if full is None:
         full = max(v for arm, v in expected.items() if arm.depth and arm.truncated(tree.depth) == tree)
     tokens = min(full, 1 + tree.max_depth + f.lookup_rows)
     rows = 1 + tree.num_nodes + (tree.lookup or f.lookup_rows)
     seconds = rows * row_s + w["drafting"] + w["drafter_rows"] * sum(tree.rows_per_depth[:-1]) + finish
+    seconds += w["replays"] * min(max(tokens - 1, 0.0), 1.0)  # the commit's replay, where it keeps a drafted row
     if f.prefill_tokens:
         seconds += c.prefill_s_per_token * f.prefill_tokens * min(1.0, tokens / max(f.remaining, 1))
     return tokens, seconds
@@ -98,7 +100,7 @@ def test_the_batched_prices_are_each_options_own(seed):
     arms = (NO_TREE, CHAIN, WIDE, TreeConfig((2, 1), 3))
     stats = {arm: (int(rng.integers(0, 50)), float(rng.uniform(1, 3)), 0.5) for arm in arms}
     c = controller(stats, fixed=2e-3, target_rows=float(rng.uniform(0.1, 1)) * 1e-3, verify_row_kilotokens=2e-5,
-                   drafting=0.3e-3, drafter_rows=0.05e-3)  # fmt: skip
+                   drafting=0.3e-3, drafter_rows=0.05e-3, replays=float(rng.uniform(0, 1)) * 1e-3)  # fmt: skip
     c.prefill_s_per_token = 2e-5
     for sampled, drafted in itertools.product((False, True), repeat=2):
         c.observe_finish(sampled, drafted, float(rng.uniform(0.05, 2)) * 1e-3)
@@ -182,11 +184,11 @@ def test_a_measured_arm_informs_the_prior_of_the_cells_unmeasured_arms():
 
 def test_step_cost_model_recovers_the_weights_of_what_steps_run():
     rng = np.random.default_rng(0)
-    truth = np.array([2e-3, 1e-4, 2e-5, 5e-4, 3e-5])
+    truth = np.array([2e-3, 1e-4, 2e-5, 5e-4, 3e-5, 4e-4])
     model = StepCostModel(SpeculationConfig(cost_forget=1.0))
     for _ in range(400):
         shape = StepShape(int(rng.integers(1, 64)), float(rng.uniform(0, 64)), int(rng.integers(0, 8)),
-                          int(rng.integers(0, 32)), int(rng.integers(0, 512)))
+                          int(rng.integers(0, 32)), int(rng.integers(0, 512)), int(rng.integers(0, 8)))
         x = shape.features()
         model.observe(shape, float(truth @ x), draft_seconds=float(truth[3:5] @ x[3:5]))
     assert model.weights() == pytest.approx(truth, rel=1e-3, abs=1e-9)
@@ -196,9 +198,9 @@ def test_the_measured_prior_weighs_as_a_few_steps_of_the_size_observed():
     """Steps of one request (one drafting request, a few rows) move a wrong prior within a few hundred steps: the
     prior counts as `cost_prior_steps` steps like them, not as steps of eight drafting requests and 64 rows."""
     rng = np.random.default_rng(1)
-    truth = np.array([5e-3, 0.3e-3, 0.0, 2e-3, 0.7e-3])
+    truth = np.array([5e-3, 0.3e-3, 0.0, 2e-3, 0.7e-3, 0.0])
     model = StepCostModel()
-    model.set_prior([2e-3, 0.1e-3, 0.0, 1e-3, 0.2e-3])  # measured low: the steps' own overheads are not in it
+    model.set_prior([2e-3, 0.1e-3, 0.0, 1e-3, 0.2e-3, 0.0])  # measured low: the steps' own overheads are not in it
     for _ in range(300):
         nodes = int(rng.integers(1, 8))
         drafted = rng.random() < 0.9
@@ -272,6 +274,22 @@ def test_an_undrafted_rounds_lookup_proposal_is_priced_as_an_option_of_its_own()
     counts = {name: cheap.summary()[name] for name in ("drafted_rounds", "undrafted_rounds", "plain_lookup_rounds")}
     assert counts == {"drafted_rounds": 0, "undrafted_rounds": 1, "plain_lookup_rounds": 1}
     assert (dear.summary()["undrafted_rounds"], dear.summary()["plain_lookup_rounds"]) == (2, 0)
+
+
+def test_a_round_that_keeps_rows_past_its_root_pays_the_commits_replay():
+    """An SSM target's commit runs its scan again along the kept rows (the `replays` feature). Where rows are cheap
+    but a replay is not, a lookup proposal that would pay by its rows alone is left out, and the cost model learns a
+    replay's seconds from steps that had them."""
+    stats = {NO_TREE: (100, 1.5, 0.5), CHAIN: (100, 1.2, 0.5)}
+    proposal = facts(plain_lookup_rows=3.0)
+    rows_only = controller(stats, fixed=10e-3, target_rows=0.1e-3, drafting=5e-3)
+    replaying = controller(stats, fixed=10e-3, target_rows=0.1e-3, drafting=5e-3, replays=10e-3)
+    assert rows_only.choose([proposal]) == [Pick(NO_TREE, plain_lookup=True)]
+    assert replaying.choose([proposal]) == [Pick(NO_TREE, plain_lookup=False)]
+    model = StepCostModel(SpeculationConfig(cost_prior_steps=0.0, cost_forget=1.0))
+    for rows, replays in itertools.product((8, 16, 32), (0, 2, 5)):
+        model.observe(StepShape(rows, replays=replays), 4e-3 + 0.1e-3 * rows + 0.5e-3 * replays)
+    assert model.summary()["replays"] == pytest.approx(0.5e-3, rel=1e-6)
 
 
 def test_a_rounds_finishing_time_is_measured_per_kind_and_priced():
