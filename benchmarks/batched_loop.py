@@ -132,8 +132,13 @@ def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: i
                                 seed=index if temperature > 0 else None)  # fmt: skip
         scheduler.add(key, prompts[index % len(prompts)], params, tree)
 
+    def rounds() -> tuple[int, int]:  # the controller's drafted and undrafted rounds so far (since the engine began)
+        summary = scheduler.controller.summary()
+        return summary["drafted_rounds"], summary["undrafted_rounds"]
+
     for _ in range(concurrency):
         add()
+    rounds_before = rounds()
     steps, produced, t0 = 0, 0, time.perf_counter()
     accepted: list[int] = []  # accepted length of every round of the finished requests
     while time.perf_counter() - t0 < duration:
@@ -149,6 +154,7 @@ def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: i
         steps += 1
     sync(device)
     elapsed = time.perf_counter() - t0
+    cell_drafted, cell_undrafted = (after - before for after, before in zip(rounds(), rounds_before))
     profile = None
 
     def more_steps(n: int) -> None:  # the same closed load, untimed, for a profiler
@@ -180,6 +186,9 @@ def run_cell(engine: SpeculativeEngine, prompts: list[list[int]], concurrency: i
     while scheduler.has_work:  # let aborted requests leave before the next cell
         scheduler.step()
     speculation = scheduler.controller.summary()
+    # the controller's counts run over the engine's life (warm-up and earlier cells too): the timed loop's own share
+    cell_rounds = cell_drafted + cell_undrafted
+    speculation["cell_drafted_share"] = cell_drafted / cell_rounds if cell_rounds else None
     return {"tokens_per_s": produced / elapsed, "steps_per_s": steps / elapsed, "finished": len(tokens),
             "accepted_length": sum(accepted) / max(len(accepted), 1),
             "sent": next(order) - start, "seconds": elapsed, "speculation": speculation,
@@ -310,15 +319,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def speculation_check(cells: list[dict[str, Any]]) -> list[str]:
     """Per concurrency with both `batched drafting` and `batched none` cells: the service's choice against tree none
-    in the closed loop, beside the share of rounds the speculation controller drafted in the drafting cell (a choice
-    slower than none while it drafts most rounds misprices drafting; one that drafts no round should match none)."""
+    in the closed loop, beside the share of rounds the speculation controller drafted in the drafting cell's timed loop
+    (`cell_drafted_share`; the controller's own share counts every earlier cell too) (a choice slower than none while
+    it drafts most rounds misprices drafting; one that drafts no round should match none)."""
     lines = []
     for drafted in (c for c in cells if c["variant"] == "batched drafting" and c.get("speculation")):
         none = next((c for c in cells if c["variant"] == "batched none" and c["concurrency"] == drafted["concurrency"]),
                     None)  # fmt: skip
         if none is None or not none["tokens_per_s"]:
             continue
-        share = drafted["speculation"]["drafted_share"]
+        speculation = drafted["speculation"]
+        share = speculation.get("cell_drafted_share", speculation["drafted_share"])
         drafted_text = "no rounds yet" if share is None else f"{share:.0%} of its rounds"
         ratio = drafted["tokens_per_s"] / none["tokens_per_s"]
         lines.append(f"c={drafted['concurrency']}: the controller's choice / none {ratio:.2f}x in the cells; it "

@@ -54,7 +54,7 @@ def test_the_speculation_check_sets_the_cells_ratio_beside_the_controllers_draft
     from benchmarks.batched_loop import speculation_check
 
     cells = [{"variant": "batched drafting", "concurrency": 1, "tokens_per_s": 92.0,
-              "speculation": {"drafted_share": 0.9}},
+              "speculation": {"drafted_share": 0.5, "cell_drafted_share": 0.9}},  # the cell's own share
              {"variant": "batched drafting", "concurrency": 8, "tokens_per_s": 80.0,
               "speculation": {"drafted_share": None}},
              {"variant": "batched drafting", "concurrency": 32, "tokens_per_s": 50.0,
