@@ -80,7 +80,7 @@ def tree_scan(
     if in_place:
         if out is not None:
             raise ValueError("in_place writes the kept states over the starting states: no `out`")
-        segment_of = torch.searchsorted(torch.tensor(layout.starts[1:]), keep, right=True)
+        segment_of = layout.segment_of[keep]
         if segment_of.unique().numel() != segment_of.numel():
             raise ValueError("in place, at most one row of a segment can be kept")
         kept_to = segment_of if start_rows is None else start_rows[segment_of]

@@ -732,8 +732,7 @@ class SSMTargetModel:
                                              in_place=True)[0]  # fmt: skip
         with self._elementwise():
             y, rows = tree_scan(dt, x, B, C, weights.A, states.index_select(0, slots), layout)
-            segment_of = torch.searchsorted(torch.tensor(layout.starts[1:], device=keep.states.device), keep.states,
-                                            right=True)  # fmt: skip
+            segment_of = layout.segment_of[keep.states.cpu()].to(slots.device)
             states.index_copy_(0, slots[segment_of], rows.index_select(0, keep.states))
         return y
 

@@ -36,6 +36,7 @@ class RowTrees:
     depths: torch.Tensor  # [R] long: each row's depth in its segment (a chain's row i: i)
     levels: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per depth: (rows [n], their parents' state rows [n])
     single_rows: tuple[tuple[int, int] | None, ...]  # per depth: (row, its parent's state row) where n == 1
+    segment_of: torch.Tensor  # [R] long, on the CPU: each row's segment
 
     @functools.cached_property
     def native_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +94,8 @@ class RowTrees:
         for at in by_depth.split(counts):
             levels.append((at.to(device), state_row[at].to(device)))
             single.append((int(at[0]), int(state_row[at[0]])) if at.numel() == 1 else None)
-        return cls(tuple(starts), parents_all, windows_all.to(device), depth_all, tuple(levels), tuple(single))
+        return cls(tuple(starts), parents_all, windows_all.to(device), depth_all, tuple(levels), tuple(single),
+                   segment_of)
 
 
 def tree_conv(
