@@ -3,7 +3,6 @@ in-process engine over them (the reference for serving outputs)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,22 +11,13 @@ from ray_specdec.config import TreeConfig
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.target.model import TargetModel
-from tests.helpers.bigram import VOCAB, bigram_pair, word_tokenizer
+from tests.helpers.bigram import save_bigram_pair
 
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> tuple[Path, Path]:
     """(target dir with tokenizer, drafter dir), saved once per test session."""
-    root = tmp_path_factory.mktemp("models")
-    target, drafter = bigram_pair()
-    tokenizer = word_tokenizer()
-    assert len(tokenizer) == VOCAB
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    # as the shipped models' config says: decode greedily unless a request sets a temperature (the app's default)
-    (root / "target" / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 0}))
-    drafter.save_pretrained(root / "drafter")
-    return root / "target", root / "drafter"
+    return save_bigram_pair(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,25 +22,36 @@ import ray
 
 from deployments import AppArgs
 from deployments.app import PROXY_GUARD_ENV
-from tests.helpers.bigram import PROMPTS, greedy_reference
+from ray_specdec.engine.llm import SpeculativeEngine
+from ray_specdec.models.drafter.mamba import MambaDrafter
+from ray_specdec.models.target.model import TargetModel
+from tests.helpers.bigram import PROMPTS, greedy_reference, save_bigram_pair
 from tests.helpers.serve import HealthPoller, post, serve_app, stream_completion
 
-MAX_TOKENS = 200  # long enough that the requests are still running when their replica is killed
+MAX_TOKENS = 1000  # long enough that the requests still run while the test reads which replica holds which
+LONG_CONTEXT = 1100  # the bigram target's context widened to hold them
 # Loose bounds for a loaded 2-core machine around what the guard promises (a probe answered within 1.5 s).
 SEEN_WITHIN_S = 5.0
-KILL_TRIES = 3  # a try where no stream was on the killed replica proves nothing: tried again
+KILL_TRIES = 5  # a try where one replica holds every stream proves nothing: tried again
 
 
 @pytest.fixture(scope="module")
-def urls(model_dirs):
-    target, drafter = model_dirs
+def long_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    return save_bigram_pair(tmp_path_factory.mktemp("long"), max_positions=LONG_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def urls(long_dirs):
+    target, drafter = long_dirs
     common = dict(target=str(target), drafter=str(drafter), num_cpus_per_rank=0.5, stream_interval_s=0)
     with serve_app(AppArgs(**common, replicas=2), more={"single": AppArgs(**common)}, env=PROXY_GUARD_ENV) as base:
         yield {"two": base, "single": f"{base}/single"}
 
 
 @pytest.fixture(scope="module")
-def reference(engine) -> dict[str, list[int]]:
+def reference(long_dirs) -> dict[str, list[int]]:
+    target, drafter = long_dirs
+    engine = SpeculativeEngine(TargetModel.from_pretrained(str(target)), MambaDrafter.from_pretrained(str(drafter)))
     return greedy_reference(engine, MAX_TOKENS)
 
 
@@ -127,22 +139,52 @@ def retried(url: str, prompt: str, deadline: float) -> tuple[int, list[int]]:
         time.sleep(float(response.headers["retry-after"]))
 
 
+def replica_loads(url: str, polls: int):
+    """(replica id, running requests) as /v1/stats reports them, poll after poll (Serve's proxy sends each poll to
+    the less loaded of two replicas, so a loaded one may never answer)."""
+    for _ in range(polls):
+        engine = httpx.get(f"{url}/v1/stats", timeout=30, trust_env=False).json()["engine"]
+        yield engine["replica"], engine["running"]
+
+
+def wait_until_routed(url: str, count: int) -> None:
+    """Until Serve's proxy has sent stats polls to `count` different replicas (a replacement counted RUNNING by the
+    controller reaches the proxy's routing table a moment later)."""
+    seen, deadline = set(), time.monotonic() + 60
+    while len(seen) < count:
+        assert time.monotonic() < deadline, seen
+        seen |= {replica for replica, _ in replica_loads(url, polls=4)}
+
+
 def test_one_of_two_replicas_lost_costs_its_own_requests_and_a_retry_is_served_at_once(urls, reference):
     url = urls["two"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    wait_until_routed(url, 2)
     for _ in range(KILL_TRIES):
-        victim = replica_names("specdec")[0]
+        killed = []
+
+        def kill_a_replica_holding_some_streams() -> None:
+            """Kill a replica running some streams but not all: the spread is the proxy's choice, and a try
+            where one replica holds every stream proves nothing (it is let finish, and tried again)."""
+            some = (r for r, running in replica_loads(url, polls=4) if 0 < running < len(prompts))
+            if (replica := next(some, None)) is not None:
+                killed.append(f"SERVE_REPLICA::specdec#engine#{replica}")
+                ray.kill(ray.get_actor(killed[0], namespace="serve"), no_restart=True)
+
         with HealthPoller(url) as health:
-            streams, answers = under_load(url, prompts, [], lambda: ray.kill(
-                ray.get_actor(victim, namespace="serve"), no_restart=True))  # fmt: skip
+            streams, answers = under_load(url, prompts, [], kill_a_replica_holding_some_streams)
             lost = check_outcomes(prompts, streams, [], answers, reference)
             for prompt in lost:  # at once, while Serve is still replacing the dead replica: the survivor serves it
                 assert retried(url, prompt, time.monotonic()) == (1, reference[prompt])
         assert set(health.statuses()) == {200}, health.polls  # one replica of two was always there to serve
-        wait_for_replicas("specdec", 2, victim)
-        if lost and len(lost) < len(prompts):  # the kill cut the victim's streams, and only those
-            return
-    pytest.fail(f"in {KILL_TRIES} tries the streams were never spread over both replicas with some cut")
+        if not killed:
+            assert lost == []
+            continue
+        assert 0 < len(lost) < len(prompts), lost  # the kill cut the victim's streams, and only those
+        wait_for_replicas("specdec", 2, killed[0])
+        wait_until_routed(url, 2)
+        return
+    pytest.fail(f"in {KILL_TRIES} tries one replica always held every stream")
 
 
 def test_the_only_replica_lost_turns_health_503_then_200_and_every_retry_is_exact(urls, reference):

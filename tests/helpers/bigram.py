@@ -10,6 +10,9 @@ generations run to max_tokens.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from transformers import MambaConfig, MambaForCausalLM, PreTrainedModel
 
@@ -50,7 +53,7 @@ def bigram_pair(seed: int = 0) -> tuple[PreTrainedModel, MambaForCausalLM]:
         drafter.lm_head.weight.copy_(head)
         drafter.backbone.norm_f.weight.fill_(1.0)
         outputs = [p for layer in target.gpt_neox.layers for p in (*layer.attention.dense.parameters(),
-                                                                  *layer.mlp.dense_4h_to_h.parameters())]
+                                                                  *layer.mlp.dense_4h_to_h.parameters())]  # fmt: skip
         outputs += [layer.mixer.out_proj.weight for layer in drafter.backbone.layers]
         for p in outputs:
             p.mul_(MIX_GAIN)
@@ -68,6 +71,22 @@ def agreeing_pair(dtype: torch.dtype, max_positions: int) -> tuple[TargetModel, 
     target, drafter = bigram_pair()
     target.config.max_position_embeddings = max_positions
     return TargetModel(target.to(dtype)), MambaDrafter(drafter.to(dtype).eval())
+
+
+def save_bigram_pair(root: Path, max_positions: int | None = None) -> tuple[Path, Path]:
+    """The bigram pair saved under root (the target with its tokenizer), its target's context widened to
+    max_positions if given -> (target dir, drafter dir)."""
+    target, drafter = bigram_pair()
+    if max_positions is not None:
+        target.config.max_position_embeddings = max_positions
+    tokenizer = word_tokenizer()
+    assert len(tokenizer) == VOCAB
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    # as the shipped models' config says: decode greedily unless a request sets a temperature (the app's default)
+    (root / "target" / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 0}))
+    drafter.save_pretrained(root / "drafter")
+    return root / "target", root / "drafter"
 
 
 def greedy_reference(engine: SpeculativeEngine, max_tokens: int) -> dict[str, list[int]]:
