@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,37 +21,26 @@ import ray
 
 from deployments import AppArgs
 from deployments.app import PROXY_GUARD_ENV
-from ray_specdec.engine.llm import SpeculativeEngine
-from ray_specdec.models.drafter.mamba import MambaDrafter
-from ray_specdec.models.target.model import TargetModel
-from tests.helpers.bigram import PROMPTS, greedy_reference, save_bigram_pair
+from tests.helpers.bigram import LONG_TOKENS, PROMPTS
 from tests.helpers.serve import HealthPoller, post, serve_app, stream_completion
 
-MAX_TOKENS = 1000  # long enough that the requests still run while the test reads which replica holds which
-LONG_CONTEXT = 1100  # the bigram target's context widened to hold them
+MAX_TOKENS = LONG_TOKENS  # long enough that the requests still run while the test reads which replica holds which
 # Loose bounds for a loaded 2-core machine around what the guard promises (a probe answered within 1.5 s).
 SEEN_WITHIN_S = 5.0
 KILL_TRIES = 5  # a try where one replica holds every stream proves nothing: tried again
 
 
 @pytest.fixture(scope="module")
-def long_dirs(tmp_path_factory) -> tuple[Path, Path]:
-    return save_bigram_pair(tmp_path_factory.mktemp("long"), max_positions=LONG_CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def urls(long_dirs):
-    target, drafter = long_dirs
+def urls(long_model_dirs):
+    target, drafter = long_model_dirs
     common = dict(target=str(target), drafter=str(drafter), num_cpus_per_rank=0.5, stream_interval_s=0)
     with serve_app(AppArgs(**common, replicas=2), more={"single": AppArgs(**common)}, env=PROXY_GUARD_ENV) as base:
         yield {"two": base, "single": f"{base}/single"}
 
 
 @pytest.fixture(scope="module")
-def reference(long_dirs) -> dict[str, list[int]]:
-    target, drafter = long_dirs
-    engine = SpeculativeEngine(TargetModel.from_pretrained(str(target)), MambaDrafter.from_pretrained(str(drafter)))
-    return greedy_reference(engine, MAX_TOKENS)
+def reference(long_reference) -> dict[str, list[int]]:
+    return long_reference
 
 
 def replica_names(app_name: str) -> list[str]:

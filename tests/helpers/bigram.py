@@ -28,6 +28,10 @@ WORDS = [f"w{i}" for i in range(VOCAB - 2)]  # + <eos> (id 0, the target's EOS) 
 PROMPTS = ["w3 w14 w15 w92 w65", "w35 w89 w79 w32 w38 w46", "w26 w43 w38", "w32 w79 w50 w28 w84 w19 w71"]
 LOGIT_GAIN = 16.0  # scale of the bigram logits: larger margins between the top tokens
 MIX_GAIN = 1.5  # scale of every attention / MLP / mixer output: how far the models stray from the bigram
+# Streams a Serve test kills a replica under: long enough that they still run while the test reads which replica
+# holds which (a 150-token stream of the pair ends within about a second), and the target's context widened to hold
+# them (save_bigram_pair's max_positions).
+LONG_TOKENS, LONG_CONTEXT = 1000, 1100
 
 
 def bigram_pair(seed: int = 0) -> tuple[PreTrainedModel, MambaForCausalLM]:
