@@ -14,6 +14,7 @@ from ray_specdec.engine.prefix_cache import ROOT
 from ray_specdec.engine.stats import GenerationStats
 from ray_specdec.speculation.coupled import KeyedGumbel
 from ray_specdec.speculation.drafter_sessions import LazyDrafter
+from ray_specdec.speculation.lookup_value import LookupCounts
 from ray_specdec.speculation.prompt_lookup import LookupIndex
 from ray_specdec.speculation.stopping import StopChecker
 
@@ -46,6 +47,7 @@ class Request:
     drafter: LazyDrafter | RemoteDrafter | None = None  # its drafter here, or on a worker (speculation/drafters.py)
     drafter_state_kept: bool = False  # the drafter's prefix cache held its prompt's state at admission
     lookup_index: LookupIndex | None = None  # undrafted rounds' lookup (plain_lookup), built at the first such round
+    lookup_counts: LookupCounts | None = None  # how its lookup proposals fared, position by position (lookup_value.py)
     prefilled: int = 0
     prefix_key: int = ROOT  # prefix_cache's key of tokens[:prefilled] (of the last chunk planned, during a step)
     admitted: bool = False

@@ -68,6 +68,7 @@ from ray_specdec.speculation.drafter_cache import DrafterStates
 from ray_specdec.speculation.drafters import Drafters, LocalDrafters
 from ray_specdec.speculation.drafting import Draft, empty_draft, lookup_draft
 from ray_specdec.speculation.logits_processing import TokenHistory
+from ray_specdec.speculation.lookup_value import LookupCounts
 from ray_specdec.speculation.prompt_lookup import LookupIndex
 from ray_specdec.speculation.sampling import make_generators
 from ray_specdec.speculation.stopping import StopChecker
@@ -88,8 +89,9 @@ class Round:
     tree: TreeConfig = NO_TREE  # the drafter's tree (cut to what the request's KV holds)
     lookup: int = 0  # prompt-lookup tokens added to a drafted tree (greedy requests)
     plain_lookup: bool = False  # undrafted: whether it verifies a prompt-lookup proposal (`plain_lookup`)
-    # a drafted round's view of the proposal an undrafted round would have verified (greedy rounds that may have one):
-    # what it would have accepted teaches the undrafted arm (`_teach`)
+    # the prompt-lookup proposal its undrafted option verifies (greedy rounds that may have one), made before the
+    # choice: an undrafted round verifies it where `plain_lookup`; what the round emits teaches its acceptance either
+    # way (`_teach`)
     plain_proposal: tuple[int, ...] = ()
     context_len: int = 0  # the request's tokens before the round
     draft: Draft | None = None
@@ -312,12 +314,14 @@ class Scheduler:
         last_chunks = [r for r in prefilling if r.chunk_end == len(r.tokens) - 1]
         requests = decoding + [r for r in last_chunks if self.kv.room(r, self.running.values(), work)]
         self.load = max(len(requests), 1)
-        picks = self.controller.choose([self._facts(r) for r in requests], [r.request_id for r in requests])
+        proposals = [tuple(self._plain_proposal(r)) if self._lookup_allowed(r) else None for r in requests]
+        picks = self.controller.choose([self._facts(r, p) for r, p in zip(requests, proposals)],
+                                       [r.request_id for r in requests])  # fmt: skip
         rounds = []
-        for r, pick in zip(requests, picks):
+        for r, pick, proposal in zip(requests, picks, proposals):
             lookup = min(self.speculation.lookup if r.params.greedy else 0, r.stop.remaining - 1)
             tree, lookup = fit_tree(pick.tree, lookup, room=r.granted - (len(r.tokens) - 1))
-            rounds.append(Round(r, tree, lookup, pick.plain_lookup, context_len=len(r.tokens)))
+            rounds.append(Round(r, tree, lookup, pick.plain_lookup, proposal or (), context_len=len(r.tokens)))
         return StepPlan(work, prefilling, rounds, prefill_rows, started)
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -432,12 +436,13 @@ class Scheduler:
 
     # ----- trees and drafts -----
 
-    def _facts(self, r: Request) -> RoundFacts:
+    def _facts(self, r: Request, proposal: tuple[int, ...] | None) -> RoundFacts:
         """What the controller weighs for r's round: its options (a tree its client asked for, or the pick of a policy
         that picks its own trees, as the only one; else every arm of the bandit, none among them by default), cut to the
         tokens it has
         left (the bonus token comes for free: never draft deeper than what is left), and what its drafted and
-        undrafted rounds cost beyond their trees' nodes."""
+        undrafted rounds cost beyond their trees' nodes. proposal: its undrafted option's lookup proposal (None: it may
+        not verify one)."""
         cut = r.stop.remaining - 1
         if self.drafters is None:
             options = [NO_TREE]
@@ -458,8 +463,9 @@ class Scheduler:
         prefill = self._prefilled(len(r.tokens)) if starting else 0
         return RoundFacts(len(r.tokens), r.sampled, r.stop.remaining, options,
                           lookup_rows=self.controller.lookup_rows if greedy and self.speculation.lookup else 0.0,
-                          plain_lookup_rows=self.controller.plain_lookup_rows if self._lookup_allowed(r) else None,
-                          prefill_tokens=prefill)  # fmt: skip
+                          plain_lookup_rows=None if proposal is None else len(proposal),
+                          plain_lookup_tokens=self.controller.lookup.expected(len(proposal), r.lookup_counts)
+                          if proposal else 0.0, prefill_tokens=prefill)  # fmt: skip
 
     def _draft(self, rounds: list[Round]) -> tuple[int, float]:
         """Drafts for this step's rounds (one batched draft); -> (drafter rows stepped, seconds of drafter prefills:
@@ -469,7 +475,7 @@ class Scheduler:
         for rd in rounds:
             config = rd.tree.with_lookup(rd.lookup)
             if rd.request.drafter is None or not config.depth:
-                rd.draft = self._plain_lookup(rd.request) if rd.plain_lookup else empty_draft()
+                rd.draft = self._plain_draft(rd)
                 continue
             owners.append(rd)
             configs.append(config)
@@ -482,12 +488,10 @@ class Scheduler:
                 prefills += prefill_s
                 self.controller.observe_prefill(prefill_s, self._prefilled(len(r.tokens)))
             if draft is None:
-                rd.tree, rd.lookup, rd.plain_lookup = NO_TREE, 0, self._lookup_allowed(r)
-                rd.draft = self._plain_lookup(r) if rd.plain_lookup else empty_draft()
+                rd.tree, rd.lookup, rd.plain_lookup = NO_TREE, 0, bool(rd.plain_proposal)
+                rd.draft = self._plain_draft(rd)
                 continue
             rd.draft = draft
-            if self._lookup_allowed(r):
-                rd.plain_proposal = tuple(self._plain_proposal(r))
         return sum(drafter_rows(rd.draft.config) for rd in owners), prefills
 
     def _lookup_allowed(self, r: Request) -> bool:
@@ -495,11 +499,11 @@ class Scheduler:
         scheduler chooses, with `plain_lookup` on."""
         return bool(self.speculation.plain_lookup) and r.params.greedy and r.tree is None
 
-    def _plain_lookup(self, r: Request) -> Draft:
-        """An undrafted round's draft: a prompt-lookup proposal of up to `plain_lookup` tokens as a chain (no drafter
-        runs), for a greedy request whose tree the controller chooses; else no draft."""
-        proposal = self._plain_proposal(r)
-        return lookup_draft(proposal) if proposal else empty_draft()
+    @staticmethod
+    def _plain_draft(rd: Round) -> Draft:
+        """An undrafted round's draft: its prompt-lookup proposal as a chain (no drafter runs) where the controller
+        chose to verify it, else no draft."""
+        return lookup_draft(list(rd.plain_proposal)) if rd.plain_lookup and rd.plain_proposal else empty_draft()
 
     def _plain_proposal(self, r: Request) -> list[int]:
         """The prompt-lookup tokens an undrafted round of r verifies (none for a request that may not have them)."""
@@ -570,12 +574,16 @@ class Scheduler:
         what = (what_if(draft, verdict, arms, rd.lookup, r.rejection_sampled)
                 if self.speculation.min_path_prob == 0 and draft.config.depth else None)  # fmt: skip
         arm = rd.tree if draft.arm == rd.tree.with_lookup(rd.lookup) else draft.arm
+        if rd.plain_proposal:  # how far the target's tokens confirm its lookup proposal, verified or not
+            if r.lookup_counts is None:
+                r.lookup_counts = LookupCounts()
+            self.controller.lookup.observe(r.lookup_counts, rd.plain_proposal, verdict.new_tokens)
         if self.speculation.plain_lookup and r.params.greedy:
             # a greedy round's undrafted arm is the round with a lookup proposal: taught by those rounds, and by the
             # drafted rounds of requests that may verify one, by how much of it the target's tokens confirm (a lower
             # bound: past the round's own new tokens nothing is known)
-            if not arm.depth and not rd.plain_lookup:
-                return  # it declined its proposal, or may not have one
+            if not arm.depth and (not self._lookup_allowed(r) or (rd.plain_proposal and not rd.plain_lookup)):
+                return  # it may not have a proposal, or declined the one it had
             if what is not None:
                 what.pop(NO_TREE, None)
                 if self._lookup_allowed(r):

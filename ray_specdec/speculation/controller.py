@@ -18,8 +18,12 @@ This is the one place that decides how much to draft. Its parts:
 - **E[tokens]**: the shared bandit's statistics (`bandit.Bandit.token_sums`): the tokens (accepted + the bonus) a
   round of each arm gave, per prompt-length bucket and greedy or sampled, pooled over load levels (acceptance does
   not depend on load), fed by the what-if counterfactuals (`counterfactuals.py`: one round teaches every arm its
-  tree contains). The undrafted arm's tokens are those of its prompt-lookup proposal (`SpeculationConfig.plain_lookup`),
-  so prompt lookup is priced in undrafted rounds as in drafted ones (there as extra verify rows, `lookup_rows`).
+  tree contains).
+- **Prompt lookup in undrafted rounds** (`SpeculationConfig.plain_lookup`): a second proposer, priced by the same
+  rule. Its proposal is known before the choice, so its verify rows are exact; the tokens of it the target will
+  confirm are estimated position by position, per request (`lookup_value.py`). Where a choice holds over steps, an
+  undrafted round still verifies its proposal only where the proposal's expected tokens beat its seconds at the rate
+  the choice reached: proposals come and go step by step, a request's tree does not.
 - **A round's finishing time**: judging it, committing it and checking its stops, on the host after the forward.
   It depends on the round's kind more than on its rows (a sampled round with a draft runs rejection sampling over
   its tree's distributions; an undrafted greedy one reads an argmax), and a step has one per round, so a fit would
@@ -63,6 +67,7 @@ import torch
 from ray_specdec.config import MAX_LOOKUP_TOKENS, TreeConfig
 from ray_specdec.engine.target_backend import SegmentSpec, StepWork, TargetBackend
 from ray_specdec.models.device_clock import now, settle
+from ray_specdec.speculation.lookup_value import LookupAcceptance
 from ray_specdec.settings import bounded, check_bounds
 
 NO_TREE = TreeConfig(())
@@ -109,6 +114,11 @@ class SpeculationConfig:
     decide_every: int = bounded(8, ge=1, le=1000)
     # Weight of a round in the running means of the verify rows a lookup proposal adds (drafted and undrafted).
     lookup_rows_weight: float = bounded(0.05, gt=0, le=1)
+    # Weight of the past per round in the acceptance of undrafted rounds' lookup proposals pooled over requests
+    # (speculation/lookup_value.py): ~1000 rounds of memory.
+    lookup_forget: float = bounded(0.999, gt=0, le=1)
+    # Rounds of the pooled lookup acceptance a request's own estimate starts from: a few of its own rounds outweigh it.
+    lookup_request_prior: float = bounded(4.0, gt=0)
     # Weight of the newest measurement in the running estimate of the drafter's prefill seconds per token.
     prefill_rate_weight: float = bounded(0.2, gt=0, le=1)
     # Rounds of each kind whose finishing seconds (judge, commit, stops) the median is taken over.
@@ -356,8 +366,10 @@ class RoundFacts:
     remaining: int  # tokens the request may still generate
     options: Sequence[TreeConfig]  # trees it may run; NO_TREE among them where drafting is optional
     lookup_rows: float = 0.0  # verify rows a drafted option's lookup branch adds (mean measured)
-    # verify rows the undrafted option's lookup proposal adds (mean measured); None: no lookup in undrafted rounds
+    # verify rows the undrafted option's lookup proposal adds (its length; 0: the context has no match); None: the
+    # round may not verify one (sampled, or a client's own tree)
     plain_lookup_rows: float | None = None
+    plain_lookup_tokens: float = 0.0  # expected tokens of that proposal the target confirms (`lookup_value.py`)
     prefill_tokens: int = 0  # tokens the drafter must prefill before this request's first drafted round (0: none)
 
 
@@ -380,6 +392,8 @@ class SpeculationController:
         self.drafted_rounds = 0  # rounds the controller chose a drafted tree for
         self.undrafted_rounds = 0  # rounds it chose none for
         self.plain_lookup_rounds = 0  # of those, the rounds it chose to verify a prompt-lookup proposal
+        self.lookup = LookupAcceptance(config.lookup_forget, config.lookup_request_prior)
+        self._rate: float | None = None  # the expected tokens per second the last choice reached
         self._rng = np.random.default_rng(seed)
         self._expanded: dict[tuple[int, bool], tuple[Sequence[TreeConfig], tuple[Pick, ...]]] = {}
         self._held: dict[Hashable, Pick] = {}  # the last choice's pick per request (`choose` with keys)
@@ -418,11 +432,29 @@ class SpeculationController:
             self._held_steps += 1
             held = self._holding(rounds, keys)
             if held is not None:
-                return self._counted(held)
+                return self._counted(self._proposals_that_pay(rounds, held))
         picks = self._choose(rounds)
+        picks = [Pick(p.tree, p.plain_lookup and bool(f.plain_lookup_rows)) for p, f in zip(picks, rounds)]
         if keys is not None:
             self._held, self._held_steps = dict(zip(keys, picks)), 0
         return self._counted(picks)
+
+    def _proposals_that_pay(self, rounds: Sequence[RoundFacts], picks: list[Pick]) -> list[Pick]:
+        """Held picks, each undrafted one verifying its round's lookup proposal exactly where that pays at the last
+        choice's rate: its expected tokens above the seconds its rows (and the replay of what it keeps) add."""
+        if self._rate is None:
+            return picks
+        w = self.cost.weights()
+        out = []
+        for facts, pick in zip(rounds, picks):
+            if pick.tree.depth or facts.plain_lookup_rows is None:
+                out.append(pick)
+                continue
+            gain = facts.plain_lookup_tokens
+            row_s = w[1] + w[2] * facts.context_len / 1024
+            seconds = facts.plain_lookup_rows * row_s + w[5] * min(gain, 1.0)
+            out.append(Pick(NO_TREE, bool(facts.plain_lookup_rows) and gain > self._rate * seconds))
+        return out
 
     def _holding(self, rounds: Sequence[RoundFacts], keys: Sequence[Hashable]) -> list[Pick] | None:
         """The held picks of these rounds, or None where the choice must be made anew."""
@@ -462,8 +494,11 @@ class SpeculationController:
         fixed_s = w[0] + seconds[closed, 0].sum()
         closed_row = np.full((1, width), -np.inf)
         closed_row[0, 0] = tokens[closed, 0].sum()
-        choice = choose_options(np.vstack([tokens[open_rows], closed_row]),
-                                np.vstack([seconds[open_rows], np.zeros((1, width))]), fixed_s)  # fmt: skip
+        all_tokens = np.vstack([tokens[open_rows], closed_row])
+        all_seconds = np.vstack([seconds[open_rows], np.zeros((1, width))])
+        choice = choose_options(all_tokens, all_seconds, fixed_s)
+        chosen = np.arange(len(choice)), choice
+        self._rate = float(all_tokens[chosen].sum() / max(fixed_s + all_seconds[chosen].sum(), 1e-12))
         for row, i in enumerate(open_rows):
             picks[i] = options[i][choice[row]]
         return picks
@@ -501,7 +536,7 @@ class SpeculationController:
         A drafted pick's tokens are its arm's expected tokens in the round's cell, at most what its tree and lookup
         can give; its seconds are its verify rows at the round's context, the drafts' cost and its share of the
         drafter's prefill. An undrafted pick verifies its root (and with `plain_lookup`, the lookup proposal's
-        rows); with a proposal it gives the undrafted arm's expected tokens, without one exactly one."""
+        rows); it gives one token, and with the proposal also the proposal's expected confirmed tokens."""
         spec = _pick_spec(picks)
         full = np.empty((len(rounds), len(picks)))
         by_cell: dict[tuple[int, bool, bool], np.ndarray] = {}
@@ -518,6 +553,8 @@ class SpeculationController:
         context = np.array([facts.context_len for facts in rounds], dtype=np.float64)
         lookup_rows = np.array([facts.lookup_rows for facts in rounds])[:, None]
         plain_rows = np.array([facts.plain_lookup_rows or 0.0 for facts in rounds])[:, None]
+        plain_tokens = np.array([facts.plain_lookup_tokens for facts in rounds])[:, None]
+        full = np.where(spec["plain"], 1.0 + plain_tokens, full)
         drafted = spec["drafted"]
         tokens = np.where(drafted, np.minimum(full, 1.0 + spec["max_depth"] + lookup_rows), full)
         rows = np.where(drafted, 1.0 + spec["nodes"] + np.where(spec["own_lookup"] > 0, spec["own_lookup"],
@@ -543,8 +580,8 @@ class SpeculationController:
         values = []
         for pick in picks:
             tree = pick.tree
-            if not tree.depth:  # the undrafted arm learns from rounds with a lookup proposal
-                values.append(expected.get(NO_TREE, 1.0) if pick.plain_lookup else 1.0)
+            if not tree.depth:  # one token (a lookup proposal's are the round's own: `_price`)
+                values.append(1.0)
                 continue
             full = expected.get(tree)
             if full is None:  # a tree cut short (the request's last tokens): the largest arm it is a cut of
@@ -593,7 +630,8 @@ class SpeculationController:
         total = self.drafted_rounds + self.undrafted_rounds
         return {"cost_weights": self.cost.summary(), "cost_steps": self.cost.steps,
                 "drafter_prefill_s_per_token": self.prefill_s_per_token, "lookup_rows": self.lookup_rows,
-                "plain_lookup_rows": self.plain_lookup_rows, "drafted_rounds": self.drafted_rounds,
+                "plain_lookup_rows": self.plain_lookup_rows, "lookup_rates": self.lookup.summary(),
+                "drafted_rounds": self.drafted_rounds,
                 "finish_s": {f"{'sampled' if sampled else 'greedy'} {'drafted' if drafted else 'undrafted'}": value
                              for (sampled, drafted), value in self.finish_s.items()},
                 "undrafted_rounds": self.undrafted_rounds, "plain_lookup_rounds": self.plain_lookup_rounds,

@@ -20,13 +20,14 @@ CHANGED = {"kv_budget_tokens": 4096, "max_running": 8, "max_waiting": 3, "step_t
            "cost_forget": 0.9, "cost_prior_steps": 8.0, "cost_warmup_steps": 4, "prior_accept_per_depth": 0.5,
            "prior_rounds": 1.0, "prior_round_sd": 2.0, "explore": False, "lookup_rows_weight": 0.1,
            "prefill_rate_weight": 0.3, "sampling_coupling": "rejection", "prior_from_rounds": 2.0, "finish_window": 7,
-           "decide_every": 3}
+           "decide_every": 3, "lookup_forget": 0.99, "lookup_request_prior": 2.0}
 ARGV = ["--kv-budget-tokens", "4096", "--max-running", "8", "--max-waiting", "3", "--step-tokens", "768",
         "--prefill-chunk", "128", "--no-prefix-cache", "--no-kv-grow", "--min-path-prob", "0.05", "--lookup", "4",
         "--plain-lookup", "3", "--cost-forget", "0.9", "--cost-prior-steps", "8", "--cost-warmup-steps", "4",
         "--prior-accept-per-depth", "0.5", "--prior-rounds", "1", "--prior-round-sd", "2", "--no-explore",
         "--lookup-rows-weight", "0.1", "--prefill-rate-weight", "0.3", "--sampling-coupling", "rejection",
-        "--prior-from-rounds", "2", "--finish-window", "7", "--decide-every", "3"]
+        "--prior-from-rounds", "2", "--finish-window", "7", "--decide-every", "3",
+        "--lookup-forget", "0.99", "--lookup-request-prior", "2"]
 
 
 def parser(defaults: EngineConfig = EngineConfig()) -> OneLineParser:
