@@ -463,9 +463,10 @@ class Scheduler:
         prefill = self._prefilled(len(r.tokens)) if starting else 0
         return RoundFacts(len(r.tokens), r.sampled, r.stop.remaining, options,
                           lookup_rows=self.controller.lookup_rows if greedy and self.speculation.lookup else 0.0,
-                          plain_lookup_rows=None if proposal is None else len(proposal),
-                          plain_lookup_tokens=self.controller.lookup.expected(len(proposal), r.lookup_counts)
-                          if proposal else 0.0, prefill_tokens=prefill)  # fmt: skip
+                          plain_lookup_rows=None if proposal is None else self.controller.plain_lookup_rows,
+                          proposal_rows=len(proposal or ()), prefill_tokens=prefill,
+                          proposal_tokens=self.controller.lookup.expected(len(proposal), r.lookup_counts)
+                          if proposal else 0.0)  # fmt: skip
 
     def _draft(self, rounds: list[Round]) -> tuple[int, float]:
         """Drafts for this step's rounds (one batched draft); -> (drafter rows stepped, seconds of drafter prefills:
@@ -562,7 +563,7 @@ class Scheduler:
             if rd.lookup and draft.config.depth:  # rows beyond the drafter's own nodes
                 extra = len(draft.tokens) - TreeConfig(draft.config.branching).num_nodes
                 self.controller.observe_lookup(max(extra, 0), drafted=True)
-            elif rd.plain_lookup and not draft.config.depth:
+            elif not draft.config.depth and self._lookup_allowed(r):  # (0 rows: none, or declined)
                 self.controller.observe_lookup(len(draft.tokens), drafted=False)
             self._teach(rd)
 
@@ -579,11 +580,11 @@ class Scheduler:
                 r.lookup_counts = LookupCounts()
             self.controller.lookup.observe(r.lookup_counts, rd.plain_proposal, verdict.new_tokens)
         if self.speculation.plain_lookup and r.params.greedy:
-            # a greedy round's undrafted arm is the round with a lookup proposal: taught by those rounds, and by the
-            # drafted rounds of requests that may verify one, by how much of it the target's tokens confirm (a lower
-            # bound: past the round's own new tokens nothing is known)
-            if not arm.depth and (not self._lookup_allowed(r) or (rd.plain_proposal and not rd.plain_lookup)):
-                return  # it may not have a proposal, or declined the one it had
+            # a greedy round's undrafted arm is the undrafted round as it runs, verifying its lookup proposal where
+            # that pays: taught by those rounds, and by the drafted rounds of requests that may verify one, by how
+            # much of it the target's tokens confirm (a lower bound: past the round's own new tokens nothing is known)
+            if not arm.depth and not self._lookup_allowed(r):
+                return  # a client's own `none`
             if what is not None:
                 what.pop(NO_TREE, None)
                 if self._lookup_allowed(r):

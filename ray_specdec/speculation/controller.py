@@ -18,12 +18,16 @@ This is the one place that decides how much to draft. Its parts:
 - **E[tokens]**: the shared bandit's statistics (`bandit.Bandit.token_sums`): the tokens (accepted + the bonus) a
   round of each arm gave, per prompt-length bucket and greedy or sampled, pooled over load levels (acceptance does
   not depend on load), fed by the what-if counterfactuals (`counterfactuals.py`: one round teaches every arm its
-  tree contains).
-- **Prompt lookup in undrafted rounds** (`SpeculationConfig.plain_lookup`): a second proposer, priced by the same
-  rule. Its proposal is known before the choice, so its verify rows are exact; the tokens of it the target will
-  confirm are estimated position by position, per request (`lookup_value.py`). Where a choice holds over steps, an
-  undrafted round still verifies its proposal only where the proposal's expected tokens beat its seconds at the rate
-  the choice reached: proposals come and go step by step, a request's tree does not.
+  tree contains). The undrafted arm's tokens are those of undrafted rounds as they run, with their prompt-lookup
+  proposals where they verify one (`SpeculationConfig.plain_lookup`), so the choice of a tree weighs prompt lookup
+  in undrafted rounds as in drafted ones (there as extra verify rows, `lookup_rows`), on the same footing: averages
+  over rounds.
+- **Whether an undrafted round verifies its proposal**: decided every step, after the trees, by the same rule. The
+  proposal is known before the step (a few dictionary reads, speculation/prompt_lookup.py), so its verify rows are
+  exact, and the tokens of it the target will confirm are estimated position by position from the request's own
+  rounds (`lookup_value.py`). It is verified where those tokens are worth more than its seconds at the rate the
+  step's choice reached: a request whose context keeps repeating itself verifies long proposals, one whose never
+  does verifies none, and a step with no proposal adds no rows.
 - **A round's finishing time**: judging it, committing it and checking its stops, on the host after the forward.
   It depends on the round's kind more than on its rows (a sampled round with a draft runs rejection sampling over
   its tree's distributions; an undrafted greedy one reads an argmax), and a step has one per round, so a fit would
@@ -366,10 +370,11 @@ class RoundFacts:
     remaining: int  # tokens the request may still generate
     options: Sequence[TreeConfig]  # trees it may run; NO_TREE among them where drafting is optional
     lookup_rows: float = 0.0  # verify rows a drafted option's lookup branch adds (mean measured)
-    # verify rows the undrafted option's lookup proposal adds (its length; 0: the context has no match); None: the
-    # round may not verify one (sampled, or a client's own tree)
+    # verify rows an undrafted round's lookup proposal adds (mean measured over undrafted rounds); None: the round
+    # may not verify one (sampled, or a client's own tree)
     plain_lookup_rows: float | None = None
-    plain_lookup_tokens: float = 0.0  # expected tokens of that proposal the target confirms (`lookup_value.py`)
+    proposal_rows: int = 0  # this step's lookup proposal: its tokens (0: the context has no match)
+    proposal_tokens: float = 0.0  # of those, the expected tokens the target confirms (`lookup_value.py`)
     prefill_tokens: int = 0  # tokens the drafter must prefill before this request's first drafted round (0: none)
 
 
@@ -434,26 +439,26 @@ class SpeculationController:
             if held is not None:
                 return self._counted(self._proposals_that_pay(rounds, held))
         picks = self._choose(rounds)
-        picks = [Pick(p.tree, p.plain_lookup and bool(f.plain_lookup_rows)) for p, f in zip(picks, rounds)]
         if keys is not None:
             self._held, self._held_steps = dict(zip(keys, picks)), 0
-        return self._counted(picks)
+        return self._counted(self._proposals_that_pay(rounds, picks))
 
     def _proposals_that_pay(self, rounds: Sequence[RoundFacts], picks: list[Pick]) -> list[Pick]:
-        """Held picks, each undrafted one verifying its round's lookup proposal exactly where that pays at the last
-        choice's rate: its expected tokens above the seconds its rows (and the replay of what it keeps) add."""
-        if self._rate is None:
-            return picks
-        w = self.cost.weights()
+        """The picks, each undrafted one that may verify a lookup proposal verifying this step's exactly where that
+        pays at the rate the choice reached: its expected confirmed tokens above the seconds its rows (and the replay
+        of what it keeps) add. Before any rate (a cold cost model), every proposal is verified."""
+        w = self.cost.weights() if self._rate is not None else None
         out = []
         for facts, pick in zip(rounds, picks):
             if pick.tree.depth or facts.plain_lookup_rows is None:
                 out.append(pick)
                 continue
-            gain = facts.plain_lookup_tokens
-            row_s = w[1] + w[2] * facts.context_len / 1024
-            seconds = facts.plain_lookup_rows * row_s + w[5] * min(gain, 1.0)
-            out.append(Pick(NO_TREE, bool(facts.plain_lookup_rows) and gain > self._rate * seconds))
+            pays = facts.proposal_rows > 0
+            if pays and w is not None:
+                gain = facts.proposal_tokens
+                seconds = facts.proposal_rows * (w[1] + w[2] * facts.context_len / 1024) + w[5] * min(gain, 1.0)
+                pays = gain > self._rate * seconds
+            out.append(Pick(NO_TREE, pays))
         return out
 
     def _holding(self, rounds: Sequence[RoundFacts], keys: Sequence[Hashable]) -> list[Pick] | None:
@@ -536,7 +541,7 @@ class SpeculationController:
         A drafted pick's tokens are its arm's expected tokens in the round's cell, at most what its tree and lookup
         can give; its seconds are its verify rows at the round's context, the drafts' cost and its share of the
         drafter's prefill. An undrafted pick verifies its root (and with `plain_lookup`, the lookup proposal's
-        rows); it gives one token, and with the proposal also the proposal's expected confirmed tokens."""
+        rows); with a proposal it gives the undrafted arm's expected tokens, without one exactly one."""
         spec = _pick_spec(picks)
         full = np.empty((len(rounds), len(picks)))
         by_cell: dict[tuple[int, bool, bool], np.ndarray] = {}
@@ -553,8 +558,6 @@ class SpeculationController:
         context = np.array([facts.context_len for facts in rounds], dtype=np.float64)
         lookup_rows = np.array([facts.lookup_rows for facts in rounds])[:, None]
         plain_rows = np.array([facts.plain_lookup_rows or 0.0 for facts in rounds])[:, None]
-        plain_tokens = np.array([facts.plain_lookup_tokens for facts in rounds])[:, None]
-        full = np.where(spec["plain"], 1.0 + plain_tokens, full)
         drafted = spec["drafted"]
         tokens = np.where(drafted, np.minimum(full, 1.0 + spec["max_depth"] + lookup_rows), full)
         rows = np.where(drafted, 1.0 + spec["nodes"] + np.where(spec["own_lookup"] > 0, spec["own_lookup"],
@@ -580,8 +583,8 @@ class SpeculationController:
         values = []
         for pick in picks:
             tree = pick.tree
-            if not tree.depth:  # one token (a lookup proposal's are the round's own: `_price`)
-                values.append(1.0)
+            if not tree.depth:  # the undrafted arm learns from its rounds as they run, lookup proposals and all
+                values.append(expected.get(NO_TREE, 1.0) if pick.plain_lookup else 1.0)
                 continue
             full = expected.get(tree)
             if full is None:  # a tree cut short (the request's last tokens): the largest arm it is a cut of

@@ -78,7 +78,7 @@ def reference_price(c: SpeculationController, f: RoundFacts, pick: Pick, expecte
     if not tree.depth:
         if not pick.plain_lookup:
             return 1.0, row_s + finish
-        tokens = 1 + f.plain_lookup_tokens
+        tokens = expected[NO_TREE]
         return tokens, (1 + (f.plain_lookup_rows or 0.0)) * row_s + finish + w["replays"] * min(tokens - 1, 1.0)
     full = expected.get(tree)
     if full is None:
@@ -111,8 +111,7 @@ def test_the_batched_prices_are_each_options_own(seed):
         rounds.append(RoundFacts(int(rng.integers(10, 3000)), bool(rng.random() < 0.3), int(rng.integers(1, 100)),
                                  options,
                                  lookup_rows=float(rng.uniform(0, 3)),
-                                 plain_lookup_rows=int(rng.integers(0, 5)) if rng.random() < 0.5 else None,
-                                 plain_lookup_tokens=float(rng.uniform(0, 2)),
+                                 plain_lookup_rows=float(rng.uniform(0, 4)) if rng.random() < 0.5 else None,
                                  prefill_tokens=int(rng.integers(0, 2000)) if rng.random() < 0.5 else 0))
     expected = c.expected_tokens(100, False)
     draws = {(max(f.context_len, 1).bit_length(), sampled, draw): expected for f in rounds
@@ -263,12 +262,12 @@ def test_rounds_of_one_option_keep_it_and_weigh_on_the_others():
 
 
 def test_an_undrafted_rounds_lookup_proposal_is_priced_as_an_option_of_its_own():
-    """Undrafted with a lookup proposal (its rows known, its tokens estimated) and without are two options: the
-    proposal's rows pay where rows are cheap, and are left out where they cost more than its tokens bring."""
-    stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: (100, 1.2, 0.5)}
+    """Undrafted with a lookup proposal (its mean rows measured) and without are two options: the proposal's rows
+    pay where rows are cheap, and are left out where they cost more than its tokens bring."""
+    stats = {NO_TREE: (100, 1.5, 0.5), CHAIN: (100, 1.2, 0.5)}  # the lookup proposals gave 0.5 tokens a round
     cheap = controller(stats, fixed=10e-3, target_rows=0.1e-3, drafting=5e-3)
     dear = controller(stats, fixed=1e-3, target_rows=1e-3, drafting=5e-3)
-    proposal = facts(plain_lookup_rows=3, plain_lookup_tokens=0.5)
+    proposal = facts(plain_lookup_rows=3.0, proposal_rows=3, proposal_tokens=0.5)
     assert cheap.choose([proposal]) == [Pick(NO_TREE, plain_lookup=True)]
     assert dear.choose([proposal]) == [Pick(NO_TREE, plain_lookup=False)]
     assert dear.choose([facts()]) == [Pick(NO_TREE)]  # no lookup allowed (a sampled or a client's round): one option
@@ -277,20 +276,20 @@ def test_an_undrafted_rounds_lookup_proposal_is_priced_as_an_option_of_its_own()
     assert (dear.summary()["undrafted_rounds"], dear.summary()["plain_lookup_rounds"]) == (2, 0)
 
 
-def test_a_held_choice_verifies_each_steps_proposal_only_where_it_pays():
-    """Between choices the rounds keep their trees, but a lookup proposal changes every step: an undrafted round
-    verifies this step's proposal exactly where its expected tokens beat the seconds its rows add at the rate the
-    last choice reached, and never an empty one."""
-    stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: (100, 1.2, 0.5)}
+def test_each_step_verifies_a_proposal_only_where_it_pays():
+    """The trees are chosen on averages (and held between choices), but a lookup proposal changes every step: an
+    undrafted round verifies this step's proposal exactly where its expected confirmed tokens beat the seconds its
+    rows add at the rate the choice reached, and never an empty one."""
+    stats = {NO_TREE: (100, 2.5, 0.0), CHAIN: (100, 1.2, 0.5)}  # undrafted rounds gave 1.5 lookup tokens on average
     c = controller(stats, fixed=2e-3, target_rows=0.5e-3, drafting=5e-3)
     keys = ["a", "b"]
-    first = c.choose([facts(plain_lookup_rows=2, plain_lookup_tokens=1.5), facts()], keys)
+    first = c.choose([facts(plain_lookup_rows=2.0, proposal_rows=2, proposal_tokens=1.5), facts()], keys)
     assert first == [Pick(NO_TREE, plain_lookup=True), Pick(NO_TREE)]
-    rate = c._rate  # tokens per second of that choice: 3.5 tokens over 2 ms + 4 rows of 0.5 ms
-    assert rate == pytest.approx(3.5 / 4e-3)
+    rate = c._rate  # tokens per second of that choice: 1 + the undrafted arm's ~2.5 tokens over 2 ms + 4 rows of 0.5 ms
+    assert rate == pytest.approx((1 + c.expected_tokens(100, False)[NO_TREE]) / 4e-3)
     pays = 3 * 0.5e-3 * rate  # the tokens three more rows must bring at that rate
     for rows, tokens, verify in ((3, pays * 1.05, True), (3, pays * 0.95, False), (0, 0.0, False), (1, 0.9, True)):
-        held = c.choose([facts(plain_lookup_rows=rows, plain_lookup_tokens=tokens), facts()], keys)
+        held = c.choose([facts(plain_lookup_rows=2.0, proposal_rows=rows, proposal_tokens=tokens), facts()], keys)
         assert held == [Pick(NO_TREE, plain_lookup=verify), Pick(NO_TREE)], (rows, tokens)
     assert c._held_steps == 4  # held all along: no new choice was made
 
@@ -299,8 +298,8 @@ def test_a_round_that_keeps_rows_past_its_root_pays_the_commits_replay():
     """An SSM target's commit runs its scan again along the kept rows (the `replays` feature). Where rows are cheap
     but a replay is not, a lookup proposal that would pay by its rows alone is left out, and the cost model learns a
     replay's seconds from steps that had them."""
-    stats = {NO_TREE: (100, 1.0, 0.0), CHAIN: (100, 1.2, 0.5)}
-    proposal = facts(plain_lookup_rows=3, plain_lookup_tokens=0.5)
+    stats = {NO_TREE: (100, 1.5, 0.5), CHAIN: (100, 1.2, 0.5)}
+    proposal = facts(plain_lookup_rows=3.0, proposal_rows=3, proposal_tokens=0.4)
     rows_only = controller(stats, fixed=10e-3, target_rows=0.1e-3, drafting=5e-3)
     replaying = controller(stats, fixed=10e-3, target_rows=0.1e-3, drafting=5e-3, replays=10e-3)
     assert rows_only.choose([proposal]) == [Pick(NO_TREE, plain_lookup=True)]
