@@ -346,7 +346,9 @@ class Scheduler:
             self.drafters.ahead([rd.request for rd in ahead], [rd.tree.with_lookup(rd.lookup) for rd in ahead])
         logits = self._run(work)
         drafting = sum(rd.draft.config.depth > 0 for rd in plan.rounds)  # lookup-only rounds run no drafter
-        replays = sum(1 for _, keep in work.commits if len(keep) > 1)  # last step's rounds that kept drafted rows
+        # last step's rounds that kept drafted rows, on a target whose commit replays them (an SSM's; a KV cache only
+        # keeps its rows: the feature stays 0 there, and its weight at its prior, 0)
+        replays = sum(1 for _, keep in work.commits if len(keep) > 1) if self.state_rows else 0
         shape = StepShape(verify_rows, kilotokens, drafting, draft_rows, plan.prefill_rows, replays)
         return StepResult(logits[first:first + len(plan.rounds)], shape, (t0, t1, time.perf_counter()))
 

@@ -155,6 +155,10 @@ SAMPLING_COUPLINGS = ("auto", "coupled", "rejection")
 FEATURES = ("fixed", "target_rows", "verify_row_kilotokens", "drafting", "drafter_rows", "replays")
 # Typical size of each feature: the prior's weight per feature is `cost_prior_steps` steps of this size.
 FEATURE_SCALE = np.array([1.0, 64.0, 32.0, 8.0, 16.0, 8.0])
+# The least size the prior is weighed at, as a share of FEATURE_SCALE's (squared): a feature that recent steps stopped
+# having (no request drafts, no commit replays) returns to its prior as its evidence is forgotten, so that a weight
+# learned too high, on a few noisy steps, does not keep the controller from that option for good.
+PRIOR_FLOOR = 0.005
 
 
 @dataclass(frozen=True)
@@ -237,7 +241,8 @@ class _Ridge:
 
     The prior counts as `steps` steps of the size the observed steps have (each feature's mean square over them; the
     typical sizes of `FEATURE_SCALE` before any): at one request a step has one drafting request and a few rows, and a
-    prior weighed in steps of eight drafting requests and 64 rows would outweigh every real step."""
+    prior weighed in steps of eight drafting requests and 64 rows would outweigh every real step. It is never weighed
+    below PRIOR_FLOOR of the typical size, so that a feature the steps stopped having returns to its prior."""
 
     def __init__(self, features: np.ndarray):
         self.features = features
@@ -261,7 +266,7 @@ class _Ridge:
         typical = FEATURE_SCALE[self.features] ** 2
         if self._n > 0:
             seen = np.diag(self._xtx) / self._n
-            typical = np.where(seen > 0, seen, typical)
+            typical = np.where(seen > 0, np.maximum(seen, PRIOR_FLOOR * typical), typical)
         prior_xtx = np.diag(typical) * self._prior_steps
         return np.linalg.solve(self._xtx + prior_xtx, self._xty + prior_xtx @ self._prior_w)
 

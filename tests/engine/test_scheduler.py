@@ -21,6 +21,7 @@ from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.engine.target_backend import LocalTarget, SegmentSpec, on_host, row_argmaxes
 from ray_specdec.models.drafter.mamba import MambaDrafter
 from ray_specdec.models.target.model import TargetModel
+from ray_specdec.models.target.ssm import SSMTargetModel
 from ray_specdec.speculation.bandit import Bandit, BanditConfig
 from ray_specdec.speculation.drafting import empty_draft
 from ray_specdec.speculation.tree_policy import FixedTree
@@ -28,7 +29,8 @@ from ray_specdec.speculation.verify import judge
 from tests.helpers.bigram import agreeing_pair
 from tests.helpers.configs import lookup_off
 from tests.helpers.inputs import random_prompt
-from tests.helpers.models import tiny_gpt_neox, tiny_mamba
+from tests.helpers.drafters import TargetEchoDrafter
+from tests.helpers.models import tiny_gpt_neox, tiny_mamba, tiny_mamba2_lm
 from tests.helpers.policies import LoadRecorder
 from tests.helpers.reference import ENUMERATED_VOCAB, enumerate_target, hf_greedy_ignore_eos
 
@@ -342,10 +344,15 @@ def test_the_policy_picks_and_learns_at_the_load_of_the_step(long_context_pair):
     assert rounds["1"] > 0 and rounds["2-4"] > 0 and rounds["5-16"] == rounds["17+"] == 0
 
 
-def test_a_step_counts_the_commits_that_keep_rows_past_their_verifys_root():
+@pytest.mark.parametrize("kind", ["kv", "ssm"])
+def test_a_step_counts_the_commits_that_keep_rows_past_their_verifys_root(kind):
     """The step cost model's `replays`: the rounds of the last step whose commit (sent with this step's forward) keeps
-    drafted rows, which an SSM target runs its scan along again."""
-    target, drafter = agreeing_pair(torch.float32, max_positions=512)
+    drafted rows, which an SSM target runs its scan along again. A KV cache only keeps its rows: 0 there."""
+    if kind == "kv":
+        target, drafter = agreeing_pair(torch.float32, max_positions=512)
+    else:
+        target = SSMTargetModel(tiny_mamba2_lm(torch.float32))
+        drafter = TargetEchoDrafter(target.model, noise=0.3)
     engine = SpeculativeEngine(target, drafter, TreeConfig((1, 1, 1)), config=lookup_off())
     scheduler = engine.scheduler
     shapes = []
@@ -358,8 +365,8 @@ def test_a_step_counts_the_commits_that_keep_rows_past_their_verifys_root():
     while scheduler.has_work:
         sent.append(sum(len(keep) > 1 for _, keep in scheduler._work.commits))
         scheduler.step()
-    assert [shape.replays for shape in shapes] == sent
     assert max(sent) >= 2  # rounds that accepted drafts, several in one step
+    assert [shape.replays for shape in shapes] == (sent if kind == "ssm" else [0] * len(sent))
 
 
 # ---- what the target returns per verify segment ----------------------------------------------------------------------

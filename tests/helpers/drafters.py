@@ -33,6 +33,10 @@ class TargetEchoDrafter:
         self.device, self.prefill_window = torch.device("cpu"), None
         self.vocab_size = hf_model.config.vocab_size
 
+    @property
+    def steps_row_invariant(self) -> bool:
+        return False  # rows of different requests have different lengths: drafted one request at a time
+
     def _logits(self, rows: list[list[int]]) -> torch.Tensor:
         """rows: equally long token lists (true at every drafting depth) -> logits [rows, V], one batched forward."""
         with torch.no_grad():

@@ -310,6 +310,24 @@ def test_a_round_that_keeps_rows_past_its_root_pays_the_commits_replay():
     assert model.summary()["replays"] == pytest.approx(0.5e-3, rel=1e-6)
 
 
+def test_a_weight_learned_high_returns_to_its_prior_once_its_feature_is_gone():
+    """Drafting priced far too high by a few slow steps would keep the controller from drafting for good (no drafted
+    step would correct it): once steps stop having the feature, its evidence is forgotten and its weight returns to
+    the measured prior, so the option is tried again. While the feature is seen, the steps outweigh the prior."""
+    model = StepCostModel(SpeculationConfig(cost_forget=0.995, cost_prior_steps=8.0))
+    model.set_prior(weights(fixed=2e-3, target_rows=0.1e-3, drafting=1e-3))
+    for _ in range(200):  # one drafting request a step, whose drafts took 15 ms (a noisy stretch)
+        model.observe(StepShape(4, drafting=1, drafter_rows=3), 2e-3 + 0.4e-3 + 15e-3, draft_seconds=15e-3)
+    def drafts_s() -> float:  # what the model charges a drafting request's three drafter rows
+        w = model.summary()
+        return w["drafting"] + 3 * w["drafter_rows"]
+
+    assert drafts_s() == pytest.approx(15e-3, rel=0.1)
+    for _ in range(2000):  # then no step drafts
+        model.observe(StepShape(1), 2e-3 + 0.1e-3)
+    assert drafts_s() < 2e-3
+
+
 def test_a_rounds_finishing_time_is_measured_per_kind_and_priced():
     """Judging a sampled round's tree costs the host a fixed time per round, whatever its rows: measured per kind, it
     keeps one sampled request from drafting where that time eats the tokens (and not a greedy one)."""
