@@ -11,7 +11,7 @@ import pytest
 
 from deployments.bandit import BanditSaver
 from deployments.engine import EngineReplica
-from ray_specdec.config import SamplingParams
+from ray_specdec.config import SamplingParams, TreeConfig
 from ray_specdec.speculation.bandit import Bandit, BanditConfig, BanditState
 
 
@@ -62,8 +62,10 @@ def test_a_replica_without_a_hub_starts_from_its_file_and_saves_it_at_shutdown(m
         assert isinstance(replica.bandit_sync, BanditSaver) and saved_rounds(path) == 7
         assert int(replica.bandit.state.steps.sum()) == 7  # what the last run learned
 
-        async def one_request() -> list:
-            return [c async for c in replica.generate([3, 4, 5], SamplingParams(max_new_tokens=12))]
+        async def one_request() -> list:  # sampled rounds of an arm's tree: each whole one is a record (a greedy
+            # round the speculation controller runs undrafted, on the step times it measured, may not be)
+            params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=1)
+            return [c async for c in replica.generate([3, 4, 5], params, TreeConfig((1, 1)))]
 
         chunks = asyncio.run(one_request())
         assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 12
