@@ -99,13 +99,16 @@ def test_requests_drafted_by_the_pool_give_the_target_greedy_tokens(url, referen
 def test_a_drafter_replica_killed_under_load_costs_no_request(url, reference, long_reference):
     before = stats(url)["engine"]["drafters"]
 
-    def kill() -> None:  # a drafter replica that holds shards of the requests in flight
-        time.sleep(0.5)
+    def kill() -> None:  # a drafter replica that holds shards, as soon as the engine runs requests (they end within
+        # a couple of seconds: a fixed pause before the kill would eat into that)
+        deadline = time.monotonic() + 60
+        while (engine := stats(url)["engine"])["running"] == 0:
+            assert time.monotonic() < deadline, engine
+            time.sleep(0.05)
         names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                        if a["name"].startswith("SERVE_REPLICA::specdec#drafter#"))  # fmt: skip
         assert len(names) == 2
-        holding = stats(url)["engine"]["drafters"]["drafter_workers"]
-        name = next(n for n in names if n.rsplit("#", 1)[-1] in holding)
+        name = next(n for n in names if n.rsplit("#", 1)[-1] in engine["drafters"]["drafter_workers"])
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
 
     prompts = PROMPTS * 2
@@ -136,8 +139,9 @@ def test_a_downscale_under_load_loses_nothing(url, pool_size, long_reference):
             k += 1
 
     # the pool back at two replicas after the kill above, both holding states (Serve notices the killed replica at
-    # its next health check, then starts another; the engine moves shards there, drafter_pool_rebalance_s)
-    deadline = time.monotonic() + 60
+    # its next health check, then starts another; the engine moves shards there, drafter_pool_rebalance_s); one
+    # deadline for that, the states and the downscale: a loaded machine starts a replica in tens of seconds
+    deadline = time.monotonic() + 120
     while len(live_drafters()) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
