@@ -11,7 +11,9 @@ engine runs that round undrafted and sends the tokens next time.
 A session is trusted only where it is exactly what the engine expects: after its verdicts it must hold as many tokens
 as the request (`DraftItem.context_len`), and the first verdict may move the root into the last draft's states only if
 it judges that draft (`DraftItem.open_round`: a draft whose reply was lost is never the engine's). Anything else drops
-the session. The engine's verification keeps output exact whatever a worker proposes; these checks keep drafts good.
+the session. An item that would leave its session with fewer tokens than it holds already is a stale call's (one the
+engine stopped waiting for, run after a later one): it gets no draft and leaves the session as it is. The engine's
+verification keeps output exact whatever a worker proposes; these checks keep drafts good.
 
 Drafting ahead (`DraftCall.ahead`, sent while the target verifies): the worker assumes its last draft's likeliest path
 (the first child at every depth) is accepted whole and that the bonus token is its own pick after the leaf, forks the
@@ -107,6 +109,10 @@ class DrafterWorker:
         prefill_s: list[float] = []
         commits = []
         for item in call.items:
+            if self._stale(item):
+                held.append(None)
+                prefill_s.append(0.0)
+                continue
             h, seconds = self._session(item, call.vocab_size)
             if h is not None and item.verdicts and item.tokens is None:
                 verdicts = item.verdicts
@@ -136,6 +142,19 @@ class DrafterWorker:
             self._drop(next(iter(self.sessions)))
         return [DraftReply(d, s) for d, s in zip(drafts, prefill_s)]
 
+    def _stale(self, item: DraftItem) -> bool:
+        """Whether the item's session already holds more tokens than the item says it held before its verdicts (or
+        than its tokens): a later call caught it up, and this one's verdicts or tokens would take it back. An item
+        that adopts the fork drafted ahead says what the fork holds, which is more than the session: a session that
+        holds as much adopted it already."""
+        h = self.sessions.get(item.request_id)
+        if h is None:
+            return False
+        before = len(item.tokens) if item.tokens is not None else \
+            item.context_len - sum(len(v.new_tokens) for v in item.verdicts)  # fmt: skip
+        held = len(h.session.history)
+        return held >= before if item.adopt else held > before
+
     def _session(self, item: DraftItem, vocab_size: int) -> tuple[_Held | None, float]:
         """The item's session, built from its tokens when it has them -> (the session or None, prefill seconds)."""
         if item.tokens is None:
@@ -144,6 +163,9 @@ class DrafterWorker:
                 self._drop(item.request_id)
                 h = None
             return h, 0.0
+        h = self.sessions.get(item.request_id)
+        if h is not None and list(h.session.history) == list(item.tokens):  # it holds them already (a call sent
+            return h, 0.0  # again, or one whose reply was lost): kept, with the fork drafted ahead from it
         self._drop(item.request_id)
         device = self.drafter.device
         t0, hits = now(device), self.states.hits if self.states is not None else 0
@@ -180,7 +202,7 @@ class DrafterWorker:
         held = []
         for i, item in enumerate(call.items):
             h = self.sessions.get(item.request_id)
-            if h is None:
+            if h is None or self._stale(item):
                 continue
             if not self._settle_fork(h, item.adopt) or len(h.session.history) != item.context_len:
                 self._drop(item.request_id)

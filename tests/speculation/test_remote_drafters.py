@@ -6,6 +6,7 @@ when a worker loses its sessions, fails a call or is replaced, and shards moving
 from __future__ import annotations
 
 import itertools
+import pickle
 import uuid
 
 import pytest
@@ -16,7 +17,7 @@ from ray_specdec.engine.config import EngineConfig
 from ray_specdec.engine.llm import SpeculativeEngine
 from ray_specdec.engine.scheduler_config import SchedulerConfig
 from ray_specdec.models.target.model import TargetModel
-from ray_specdec.speculation.drafter_worker import DrafterWorker
+from ray_specdec.speculation.drafter_worker import DraftCall, DrafterWorker
 from ray_specdec.speculation.drafters import RemoteDrafters
 from tests.helpers.bigram import agreeing_pair
 from tests.helpers.configs import lookup_off
@@ -125,6 +126,42 @@ def test_lost_sessions_failed_calls_and_a_replaced_worker_lose_nothing(overlap, 
     assert len(transport.steps) > 10
     assert sum(transport.drafted[10:]) > 0, "no drafting after the faults"
     assert transport.served.get(id(transport.workers[rebuilt[0]]), 0) > 0  # the new worker drafted
+
+
+class LateTransport(InProcessTransport):
+    """Every call to a worker runs there a second time after the next one (its reply lost): the call an engine
+    stopped waiting for, run late, after the call that followed it."""
+
+    def __init__(self, workers):
+        super().__init__(workers)
+        self.last: dict[str, DraftCall] = {}
+        self.stale_runs = 0
+
+    def submit(self, shard: int, call: DraftCall):
+        reply = super().submit(shard, call)
+        name = self.placed[shard]
+        earlier, self.last[name] = self.last.get(name), call
+        if earlier is not None:
+            self.workers[name].draft(pickle.loads(pickle.dumps(earlier)))
+            self.stale_runs += 1
+        return reply
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "ahead"])
+def test_a_stale_call_run_late_leaves_the_sessions_as_the_later_call_left_them(overlap):
+    """A stale call's verdicts (or tokens) would take a session back, or commit against a draft that is not the one
+    they judge: the worker leaves such a session alone, and every later call finds it as the engine expects (no
+    draft missing), with the local drafter's tokens."""
+    target, drafter = agreeing_pair(torch.float32, max_positions=512)
+    prompts, params = batch(target.vocab_size)
+    config = lookup_off(scheduler=SMALL)
+    local = SpeculativeEngine(target, drafter, TREE, config=config).generate_many(prompts, params)
+    transport = LateTransport({f"w{i}": DrafterWorker(drafter, max_sessions=8) for i in range(2)})
+    drafters = RemoteDrafters(transport, target.vocab_size, drafter.prefill_window, shards=4, overlap=overlap)
+    far = SpeculativeEngine(target, drafters, TREE, config=config).generate_many(prompts, params)
+    assert [g.token_ids for g in far] == [g.token_ids for g in local]
+    assert transport.stale_runs > 10
+    assert drafters.failed_calls == drafters.missing == 0, drafters.summary()
 
 
 # overlap: 4 tokens drafted one at a time, so that a round whose draft and bonus the drafter guessed can use the
