@@ -404,6 +404,7 @@ class SpeculationController:
         self.plain_lookup_rounds = 0  # of those, the rounds it chose to verify a prompt-lookup proposal
         self.lookup = LookupAcceptance(config.lookup_forget, config.lookup_request_prior)
         self._rate: float | None = None  # the expected tokens per second the last choice reached
+        self._rate_w: np.ndarray | None = None  # the cost weights it was reached with
         self._rng = np.random.default_rng(seed)
         self._expanded: dict[tuple[int, bool], tuple[Sequence[TreeConfig], tuple[Pick, ...]]] = {}
         self._held: dict[Hashable, Pick] = {}  # the last choice's pick per request (`choose` with keys)
@@ -451,8 +452,9 @@ class SpeculationController:
     def _proposals_that_pay(self, rounds: Sequence[RoundFacts], picks: list[Pick]) -> list[Pick]:
         """The picks, each undrafted one that may verify a lookup proposal verifying this step's exactly where that
         pays at the rate the choice reached: its expected confirmed tokens above the seconds its rows (and the replay
-        of what it keeps) add. Before any rate (a cold cost model), every proposal is verified."""
-        w = self.cost.weights() if self._rate is not None else None
+        of what it keeps) add, priced with the weights of that choice (a solve of the cost model per step would cost
+        a few tenths of a millisecond). Before any rate (a cold cost model), every proposal is verified."""
+        w = self._rate_w
         out = []
         for facts, pick in zip(rounds, picks):
             if pick.tree.depth or facts.plain_lookup_rows is None:
@@ -509,6 +511,7 @@ class SpeculationController:
         choice = choose_options(all_tokens, all_seconds, fixed_s)
         chosen = np.arange(len(choice)), choice
         self._rate = float(all_tokens[chosen].sum() / max(fixed_s + all_seconds[chosen].sum(), 1e-12))
+        self._rate_w = w
         for row, i in enumerate(open_rows):
             picks[i] = options[i][choice[row]]
         return picks
