@@ -21,12 +21,16 @@ import ray
 
 from deployments import AppArgs
 from deployments.app import PROXY_GUARD_ENV
+from ray_specdec.serving.proxy_guard import HEADER_MARGIN_S, HEALTH_DEADLINE_S
 from tests.helpers.bigram import LONG_TOKENS, PROMPTS
 from tests.helpers.serve import HealthPoller, post, serve_app, stream_completion
 
 MAX_TOKENS = LONG_TOKENS  # long enough that the requests still run while the test reads which replica holds which
 # Loose bounds for a loaded 2-core machine around what the guard promises (a probe answered within 1.5 s).
 SEEN_WITHIN_S = 5.0
+# A probe the guard answered 503 at its deadline (less the margin of Serve's own timeout header): the replica it
+# reached was slow, not gone.
+PROBE_LATE_S = HEALTH_DEADLINE_S - HEADER_MARGIN_S
 KILL_TRIES = 5  # a try where one replica holds every stream proves nothing: tried again
 
 
@@ -164,7 +168,10 @@ def test_one_of_two_replicas_lost_costs_its_own_requests_and_a_retry_is_served_a
             lost = check_outcomes(prompts, streams, [], answers, reference)
             for prompt in lost:  # at once, while Serve is still replacing the dead replica: the survivor serves it
                 assert retried(url, prompt, time.monotonic()) == (1, reference[prompt])
-        assert set(health.statuses()) == {200}, health.polls  # one replica of two was always there to serve
+        # one replica of two was always there to serve: every probe answered in time said 200 (on a loaded machine
+        # the survivor may miss the guard's deadline: that 503 says it was slow, and most probes still say 200)
+        assert not health.unanswered_in_time(PROBE_LATE_S), health.polls
+        assert health.statuses().count(200) > len(health.polls) / 2, health.polls
         if not killed:
             assert lost == []
             continue

@@ -18,10 +18,14 @@ import ray
 
 from deployments import AppArgs
 from deployments.app import PROXY_GUARD_ENV
+from ray_specdec.serving.proxy_guard import HEADER_MARGIN_S, HEALTH_DEADLINE_S
 from tests.helpers.bigram import LONG_TOKENS, PROMPTS
 from tests.helpers.serve import HealthPoller, post, serve_app
 
 MAX_TOKENS = LONG_TOKENS  # long enough that the streams still run while the test reads which replica holds some
+# A probe the guard answered 503 at its deadline (less the margin of Serve's own timeout header): the replica it
+# reached was slow, not gone.
+PROBE_LATE_S = HEALTH_DEADLINE_S - HEADER_MARGIN_S
 KILL_TRIES = 4  # a try where the test never sees a replica holding streams kills nothing and proves nothing: again
 
 
@@ -77,7 +81,8 @@ def test_a_killed_engine_replica_loses_no_request(url, reference):
     for _ in range(KILL_TRIES):
         with HealthPoller(url) as health:
             killed, continued = _eight_streams_and_a_kill(url, reference)
-        assert set(health.statuses()) == {200}, health.polls
+        assert not health.unanswered_in_time(PROBE_LATE_S), health.polls  # (test_replica_loss.py: why)
+        assert health.statuses().count(200) > len(health.polls) / 2, health.polls
         if killed:
             assert continued >= 1, f"replica {killed} was killed holding running streams, yet none was continued"
             return

@@ -116,6 +116,12 @@ class HealthPoller:
     def statuses(self, after: float = float("-inf")) -> list[int | None]:
         return [status for sent, _, status in self.polls if sent >= after]
 
+    def unanswered_in_time(self, deadline_s: float) -> list[tuple[float, float, int | None]]:
+        """The polls not answered 200: each a 503 that took at least deadline_s (the proxy guard's deadline, a
+        replica too busy to answer sooner on a loaded machine) is left out; the rest are returned."""
+        return [(sent, answered, status) for sent, answered, status in self.polls
+                if status != 200 and not (status == 503 and answered - sent >= deadline_s)]  # fmt: skip
+
     def first(self, status: int, after: float) -> float | None:
         """When the first poll sent after `after` that got `status` was answered, or None."""
         return next((answered for sent, answered, s in self.polls if sent >= after and s == status), None)
