@@ -577,10 +577,11 @@ class Scheduler:
         what = (what_if(draft, verdict, arms, rd.lookup, r.rejection_sampled)
                 if self.speculation.min_path_prob == 0 and draft.config.depth else None)  # fmt: skip
         arm = rd.tree if draft.arm == rd.tree.with_lookup(rd.lookup) else draft.arm
-        if rd.plain_proposal:  # how far the target's tokens confirm its lookup proposal, verified or not
+        confirmed = 0  # how far the target's tokens confirm its lookup proposal, verified or not
+        if rd.plain_proposal:
             if r.lookup_counts is None:
                 r.lookup_counts = LookupCounts()
-            self.controller.lookup.observe(r.lookup_counts, rd.plain_proposal, verdict.new_tokens)
+            confirmed = self.controller.lookup.observe(r.lookup_counts, rd.plain_proposal, verdict.new_tokens)
         if self.speculation.plain_lookup and r.params.greedy:
             # a greedy round's undrafted arm is the undrafted round as it runs, verifying its lookup proposal where
             # that pays: taught by those rounds, and by the drafted rounds of requests that may verify one, by how
@@ -590,7 +591,7 @@ class Scheduler:
             if what is not None:
                 what.pop(NO_TREE, None)
                 if self._lookup_allowed(r):
-                    what[NO_TREE] = _matched(rd.plain_proposal, verdict.new_tokens)
+                    what[NO_TREE] = confirmed
         if arm not in arms:
             self.rounds_unrecorded += 1
         self.policy.record(arm, rd.context_len, accepted, max(r.stats.last_round_s, 1e-9), r.sampled, what,
@@ -629,15 +630,6 @@ class Scheduler:
         if params.greedy and tree is None:
             lookup = max(lookup, self.speculation.plain_lookup)
         return 1 + nodes + lookup
-
-
-
-def _matched(proposal: Sequence[int], tokens: Sequence[int]) -> int:
-    """Leading tokens of `proposal` that `tokens` confirm."""
-    n = 0
-    while n < min(len(proposal), len(tokens)) and proposal[n] == tokens[n]:
-        n += 1
-    return n
 
 
 def fit_tree(arm: TreeConfig, lookup: int, room: int) -> tuple[TreeConfig, int]:
